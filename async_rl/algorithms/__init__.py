@@ -1,0 +1,64 @@
+"""Pure-tensor RL algorithm library: log-probs, advantages, losses, aggregation, KL, DAPO tools.
+
+Nothing here calls a model, reads a config or syncs with `.item()` inside a loss; every function
+takes tensors (per-token `[B, T]`) and returns tensors. Pick parts by name:
+
+    from async_rl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    adv, ret = ADVANTAGE_ESTIMATORS.get("grpo")(AdvantageInputs(rewards, mask, group_ids))
+    loss, metrics = POLICY_LOSSES.get("ppo_clip")(logprobs, proximal, behavior, adv, mask,
+                                                  agg_mode="token-mean", num_global_tokens=n_tok,
+                                                  num_global_seqs=n_seq)
+
+Run the tests with `pytest tests/test_algorithms_*.py`.
+"""
+
+from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
+from async_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, count_normalizers
+from async_rl.algorithms.critic import value_loss
+from async_rl.algorithms.dapo import (
+    DynamicSamplingResult,
+    fill_groups_with_spread,
+    filter_groups_with_spread,
+    group_has_spread,
+    overlong_filter_mask,
+    overlong_reward_shaping,
+)
+from async_rl.algorithms.kl import apply_kl_reward_penalty, entropy_bonus, kl_loss, kl_penalty
+from async_rl.algorithms.logprobs import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_max,
+    masked_mean,
+    masked_sum,
+)
+from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, POLICY_LOSSES, policy_loss
+from async_rl.algorithms.registry import Registry
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageInputs",
+    "BEHAVIOR_CORRECTIONS",
+    "DynamicSamplingResult",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "Registry",
+    "aggregate_loss",
+    "apply_kl_reward_penalty",
+    "compute_advantages",
+    "count_normalizers",
+    "entropy_bonus",
+    "entropy_from_logits",
+    "fill_groups_with_spread",
+    "filter_groups_with_spread",
+    "group_has_spread",
+    "kl_loss",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_max",
+    "masked_mean",
+    "masked_sum",
+    "overlong_filter_mask",
+    "overlong_reward_shaping",
+    "policy_loss",
+    "value_loss",
+]

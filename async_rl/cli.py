@@ -1,0 +1,61 @@
+"""Command line: ``async-rl train --config FILE [dotted.key=value ...]``.
+
+Examples::
+
+    async-rl train --config configs/default.yaml
+    async-rl train --config configs/default.yaml trainer.total_steps=20 algorithm.name=dr_grpo
+    async-rl config --config configs/default.yaml      # print the resolved config and exit
+    async-rl build-default                             # build the tiny model and data, print paths
+
+A configuration error prints one line naming the key and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="async-rl", description="Asynchronous RL post-training for LLMs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_text in (("train", "run a training job"), ("config", "print the resolved config")):
+        s = sub.add_parser(name, help=help_text)
+        s.add_argument("--config", required=True, help="YAML config file")
+        s.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    sub.add_parser("build-default", help="build the built-in tiny model and dataset; print their paths")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``async-rl`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("ASYNC_RL_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "build-default":
+        from async_rl.data.builtin import resolve
+
+        for uri in ("builtin:tiny-qwen2", "builtin:arithmetic/train", "builtin:arithmetic/test"):
+            print(f"{uri} -> {resolve(uri)}")
+        return 0
+
+    from async_rl.config import ConfigError, load_config, to_yaml
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"async-rl: config error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        print(to_yaml(cfg), end="")
+        return 0
+    from async_rl.controller import train
+
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The typed config tree and its loader.
+
+A run's configuration is one dataclass tree (``Config``); each section is defined next to the
+component it configures. ``load_config`` merges, in order, the schema defaults, a sparse YAML
+file and dotted CLI overrides (``trainer.total_steps=20``) with omegaconf structured configs, then
+converts the result back to dataclasses, so code never sees a ``DictConfig``. Each dataclass
+validates its own fields in ``__post_init__``.
+
+Errors are ``ConfigError`` (a ``ValueError``) naming the dotted key: an unknown key (with the
+closest valid key), a value of the wrong type, a missing required value (``???``), or a value out
+of range.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Sequence, get_type_hints
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from async_rl.algorithms.config import AlgorithmConfig
+from async_rl.controller import TrainerConfig
+from async_rl.data.dataset import DataConfig
+from async_rl.metrics import LoggingConfig
+from async_rl.rewards.config import RewardConfig
+from generators.base import GeneratorConfig
+from learners.base import LearnerConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the offending key."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str = "???"
+    """Hugging Face model directory, or ``builtin:tiny-qwen2`` (built locally, no download)."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; ``None`` = ``path``."""
+
+
+@dataclass
+class Config:
+    """Root of the config tree; one attribute per section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a dataclass schema (sections and leaves)."""
+    keys = []
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        if is_dataclass(hints[f.name]):
+            keys.extend(_all_keys(hints[f.name], key + "."))
+    return keys
+
+
+def _closest(key: str) -> str:
+    valid = _all_keys(Config)
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not match:
+        # A misspelt leaf under a right section: compare the last part within that section.
+        section, _, leaf = key.rpartition(".")
+        siblings = [k for k in valid if k.rpartition(".")[0] == section]
+        names = difflib.get_close_matches(leaf, [s.rpartition(".")[2] for s in siblings], n=1, cutoff=0.5)
+        match = [f"{section}.{names[0]}" if section else names[0]] if names else []
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _translate(err: OmegaConfBaseException, origin: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+    msg = str(err).splitlines()[0]
+    if isinstance(err, ConfigKeyError):
+        return ConfigError(f"{origin}: unknown config key '{key}'{_closest(str(key))}")
+    if isinstance(err, MissingMandatoryValue):
+        return ConfigError(f"{origin}: missing required value '{key}' (set it in the YAML file or as {key}=...)")
+    if isinstance(err, ValidationError):
+        return ConfigError(f"{origin}: bad value for '{key}': {msg}")
+    return ConfigError(f"{origin}: {msg} (key '{key}')")
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Load a ``Config`` from a YAML file plus dotted overrides.
+
+    Args:
+        path: YAML file (sparse: only the keys that differ from the defaults), or ``None``.
+        overrides: ``["trainer.total_steps=20", "algorithm.name=grpo"]``; values are parsed as
+            YAML scalars/lists.
+
+    Returns:
+        The validated dataclass tree.
+
+    Raises:
+        ConfigError: unknown key, wrong type, missing required value, malformed override or an
+            out-of-range value; the message names the key.
+        FileNotFoundError: ``path`` does not exist.
+    """
+    schema = OmegaConf.structured(Config)
+    merged = schema
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"config file not found: {path}")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        except OmegaConfBaseException as e:
+            raise _translate(e, str(path)) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+    try:
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:
+        raise _translate(e, "command line") from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _translate(e, str(path or "config")) from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _cross_validate(cfg)
+    return cfg
+
+
+def _cross_validate(cfg: Config) -> None:
+    if cfg.trainer.samples_per_prompt < 2 and cfg.algorithm.advantage_estimator in ("grpo", "dr_grpo", "rloo"):
+        raise ConfigError(
+            f"trainer.samples_per_prompt={cfg.trainer.samples_per_prompt}: the {cfg.algorithm.advantage_estimator} "
+            "estimator compares samples within a group and needs at least 2 per prompt")
+
+
+def to_yaml(cfg: Config) -> str:
+    """The fully resolved config as YAML (what is written to ``<run_dir>/config.yaml``)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The fully resolved config as plain python containers."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -1,0 +1,377 @@
+"""The training driver: sync (colocated, "hybrid engine") mode.
+
+One training step, all in one process on the same device::
+
+    dataset ──prompts──> generator (policy version v) ──samples──> reward scorer
+                                                                       │ trajectories
+    generator <──weights v+1── learner.train_step <──batch── advantages (per group)
+
+1. take ``trainer.prompts_per_step`` prompts; sample ``trainer.samples_per_prompt`` responses
+   each (one group per prompt) with the behavior log-probs of the sampled tokens;
+2. score each response; failures become reward 0 or a counted rejection (``reward.on_error``);
+3. compute advantages within each group; collate; the learner recomputes proximal log-probs and
+   takes its optimizer step(s) (policy version v -> v + k);
+4. push the new weights into the generator in place; evaluate every ``trainer.eval_every_steps``.
+
+Before step 1 an optional supervised warm start (``trainer.warm_start``) trains the same learner
+on the rows' reference answers, so a randomly initialised model has a starting signal for RL.
+
+Run with ``async-rl train --config configs/default.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from async_rl.config import Config
+
+logger = logging.getLogger(__name__)
+
+TRAINER_MODES = ("sync",)
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start on the rows' reference responses, before RL."""
+
+    steps: int = 0
+    """Optimizer steps of supervised training (>= 0); 0 skips the warm start."""
+    batch_size: int = 64
+    """Prompts per warm-start step (>= 1)."""
+    lr: float = 1e-3
+    """Constant learning rate of the warm start (> 0)."""
+    response_field: str = "extra_info.answer"
+    """Dotted path in each row holding the reference response text (``extra_info.<key>``)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError("trainer.warm_start needs steps >= 0, batch_size >= 1 and lr > 0, got "
+                             f"steps={self.steps}, batch_size={self.batch_size}, lr={self.lr}")
+        if not self.response_field.startswith("extra_info."):
+            raise ValueError(f"trainer.warm_start.response_field must look like 'extra_info.<key>', got {self.response_field!r}")
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop: mode, length, batch shape, evaluation, outputs."""
+
+    mode: str = "sync"
+    """``sync``: generate, train and update the colocated engine in turn (hybrid engine)."""
+    total_steps: int = 100
+    """Training steps (>= 1); each consumes ``prompts_per_step`` prompts."""
+    prompts_per_step: int = 16
+    """Prompts (groups) per training step (>= 1)."""
+    samples_per_prompt: int = 8
+    """Responses sampled per prompt, the group size n (>= 1)."""
+    max_staleness: int = 0
+    """Most policy versions a sample may lag the learner at train time (>= 0); sync mode is 0."""
+    seed: int = 0
+    """Seed of the data order, sampler and learner."""
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    run_name: str | None = None
+    """Run directory name under ``output_dir``; ``None`` = a timestamp."""
+    eval_every_steps: int = 10
+    """Evaluate on the held-out split every K steps (>= 0); 0 = only before step 1 and at the end."""
+    eval_greedy: bool = True
+    """Evaluate with greedy decoding; ``False`` = one sample per prompt at the training temperature."""
+    export_model: bool = True
+    """Write the final policy as a Hugging Face directory to ``<run_dir>/final_model``."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in TRAINER_MODES:
+            raise ValueError(f"trainer.mode must be one of {TRAINER_MODES}, got {self.mode!r}")
+        for key in ("total_steps", "prompts_per_step", "samples_per_prompt"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_staleness < 0 or self.eval_every_steps < 0:
+            raise ValueError("trainer.max_staleness and trainer.eval_every_steps must be >= 0")
+        if self.mode == "sync" and self.max_staleness != 0:
+            raise ValueError(f"trainer.mode=sync trains on-policy: trainer.max_staleness must be 0, got {self.max_staleness}")
+
+
+# ---------------------------------------------------------------------------------------- parts
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """The tokenizer's EOS plus every EOS id of the model's generation config (deduplicated)."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    except OSError:
+        pass  # no generation_config.json: the tokenizer's EOS is all there is
+    if not ids:
+        raise ValueError(f"{model_path}: neither the tokenizer nor generation_config.json names an EOS token")
+    return sorted(set(ids))
+
+
+@dataclass
+class RolloutResult:
+    """Trajectories of one step's groups and what was rejected on the way."""
+
+    trajectories: list  # list[Trajectory]
+    num_rejected_samples: int
+    num_rejected_groups: int
+    num_generated_tokens: int
+
+
+def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_id: int) -> RolloutResult:
+    """Sample ``n`` responses per prompt, score them and build trajectories.
+
+    Args:
+        generator: a ``Generator``.
+        prompts: ``Prompt``s; prompt i becomes group ``first_group_id + i``.
+        n: samples per prompt.
+        params: ``SamplingParams``.
+        scorer: ``RewardScorer``; a rejected sample leaves its group (the group keeps its other
+            samples; a group left empty is counted as a rejected group).
+        tokenizer: decodes responses for the reward (special tokens skipped).
+        first_group_id: id of the first group.
+    """
+    from buffers.trajectory import Trajectory
+
+    groups = generator.generate([p.prompt_ids for p in prompts], n, params)
+    trajectories, rejected_samples, rejected_groups, num_tokens = [], 0, 0, 0
+    for i, (prompt, samples) in enumerate(zip(prompts, groups)):
+        gid = first_group_id + i
+        kept = 0
+        for j, s in enumerate(samples):
+            num_tokens += len(s.response_ids)
+            text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+            result = scorer.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
+            if result.rejected:
+                rejected_samples += 1
+                continue
+            kept += 1
+            trajectories.append(Trajectory(
+                trajectory_id=f"{gid}/{j}", group_id=gid, prompt_uid=prompt.uid,
+                prompt_ids=prompt.prompt_ids, response_ids=s.response_ids, behavior_logprobs=s.logprobs,
+                loss_mask=[1] * len(s.response_ids), finish_reason=s.finish_reason,
+                policy_version=s.policy_version, reward=result.score, reward_extras=dict(result.extras),
+                response_text=text,
+            ))
+        rejected_groups += kept == 0
+    return RolloutResult(trajectories, rejected_samples, rejected_groups, num_tokens)
+
+
+def accuracy_of(trajectories) -> float:
+    """Fraction correct: the reward's ``acc`` field where present, else ``reward >= 1``."""
+    if not trajectories:
+        return float("nan")
+    hits = [t.reward_extras.get("acc", float(t.reward >= 1.0)) for t in trajectories]
+    return sum(hits) / len(hits)
+
+
+def make_batch(trajectories, algo, pad_token_id: int):
+    """Collate trajectories and fill in advantages with the configured estimator."""
+    from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+    from buffers.trajectory import collate
+
+    batch = collate(trajectories, pad_token_id)
+    estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
+    advantages, _ = estimator(
+        AdvantageInputs(rewards=batch.rewards, response_mask=batch.loss_mask, group_ids=batch.group_ids),
+        **algo.advantage_params())
+    batch.advantages = advantages * batch.loss_mask
+    return batch
+
+
+def evaluate(generator, dataset, params, scorer, tokenizer) -> dict[str, float]:
+    """Held-out accuracy and mean reward: one response per prompt (greedy or sampled)."""
+    result = rollout(generator, list(dataset), 1, params, scorer, tokenizer, first_group_id=-(10**9))
+    trajs = result.trajectories
+    return {
+        "eval/accuracy": accuracy_of(trajs),
+        "eval/reward_mean": sum(t.reward for t in trajs) / max(1, len(trajs)),
+        "eval/response_length_mean": sum(len(t.response_ids) for t in trajs) / max(1, len(trajs)),
+        "eval/num_prompts": float(len(trajs)),
+    }
+
+
+def _lookup(prompt, dotted: str) -> str:
+    key = dotted.split(".", 1)[1]
+    if key not in prompt.extra_info or prompt.extra_info[key] is None:
+        raise ValueError(f"warm start: row {prompt.uid} has no '{dotted}' (set trainer.warm_start.response_field)")
+    return str(prompt.extra_info[key])
+
+
+def warm_start(learner, dataset, tokenizer, cfg: WarmStartConfig, eos_id: int, seed: int, log) -> None:
+    """Supervised warm start: ``cfg.steps`` NLL steps on ``prompt -> reference response + EOS``.
+
+    Prompts are drawn with their own seeded RNG so the RL data stream is not advanced.
+    """
+    from buffers.trajectory import Trajectory, collate
+
+    rng = random.Random(seed + 17)
+    for step in range(1, cfg.steps + 1):
+        trajs = []
+        for k, p in enumerate(rng.choices(dataset.prompts, k=cfg.batch_size)):
+            ids = tokenizer(_lookup(p, cfg.response_field), add_special_tokens=False)["input_ids"] + [eos_id]
+            trajs.append(Trajectory(
+                trajectory_id=f"sft/{step}/{k}", group_id=k, prompt_uid=p.uid, prompt_ids=p.prompt_ids,
+                response_ids=ids, behavior_logprobs=[0.0] * len(ids), loss_mask=[1] * len(ids),
+                finish_reason="stop", policy_version=[0] * len(ids)))
+        metrics = learner.sft_step(collate(trajs, tokenizer.pad_token_id), cfg.lr)
+        if step % max(1, cfg.steps // 5) == 0 or step == cfg.steps:
+            log(f"warm start {step}/{cfg.steps}: loss {float(metrics['sft/loss']):.4f}")
+    learner.reset_optimizer()
+
+
+def push_weights(learner, generator) -> dict[str, float]:
+    """Colocated weight sync: copy the learner's full weights into the generator in place."""
+    t0 = time.perf_counter()
+    generator.update_weights(learner.named_weights(), learner.version)
+    return {"timing/weight_sync_s": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------------------- driver
+def make_run_dir(cfg: "Config") -> Path:
+    """Create ``<output_dir>/<run_name>`` and write the resolved ``config.yaml`` into it."""
+    from async_rl.config import to_yaml
+
+    name = cfg.trainer.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.output_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir
+
+
+def train(cfg: "Config") -> dict[str, Any]:
+    """Run a whole training job; returns the summary also written to ``<run_dir>/summary.json``."""
+    from transformers import AutoTokenizer
+
+    from async_rl.config import to_dict
+    from async_rl.data.builtin import resolve
+    from async_rl.data.dataset import PromptDataset
+    from async_rl.metrics import MetricsLogger
+    from async_rl.rewards import RewardScorer, default_reward_for, get_reward_fn
+    from generators.base import SamplingParams
+    from generators.hf import HFGenerator
+    from learners.fsdp import FSDPLearner
+
+    t_cfg, seed = cfg.trainer, cfg.trainer.seed
+    random.seed(seed)
+    torch.manual_seed(seed)
+    run_dir = make_run_dir(cfg)
+    model_path = resolve(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model.tokenizer_path or cfg.model.path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    d = cfg.data
+    train_ds = PromptDataset([resolve(f) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle)
+    val_ds = (PromptDataset([resolve(f) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
+                            limit=d.val_max_prompts) if d.val_files else None)
+    fn = get_reward_fn(cfg.reward.fn) if cfg.reward.fn else _dispatch_by_source
+    scorer = RewardScorer(fn, on_error=cfg.reward.on_error)
+    eval_scorer = RewardScorer(fn, on_error="zero")  # separate counters: eval must not leak into train metrics
+    stops = stop_token_ids(tokenizer, model_path)
+    params = SamplingParams.from_config(cfg.generator, stops)
+    eval_params = SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy)
+    steps_per_train_step = cfg.learner.num_mini_batches * cfg.learner.num_epochs
+    learner = FSDPLearner(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
+                          total_optimizer_steps=t_cfg.total_steps * steps_per_train_step)
+    generator = HFGenerator(model_path, cfg.generator, tokenizer.pad_token_id)
+    log = MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg))
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "data/rejected_prompts_too_long": train_ds.num_rejected_too_long}
+    try:
+        log.print(f"run directory: {run_dir}")
+        if train_ds.num_rejected_too_long:
+            log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")
+        if val_ds is not None and t_cfg.warm_start.steps:
+            summary["eval_before_warm_start"] = evaluate(generator, val_ds, eval_params, eval_scorer, tokenizer)["eval/accuracy"]
+            log.print(f"eval before warm start: accuracy {summary['eval_before_warm_start']:.4f}")
+        if t_cfg.warm_start.steps:
+            warm_start(learner, train_ds, tokenizer, t_cfg.warm_start, tokenizer.eos_token_id, seed, log.print)
+            push_weights(learner, generator)
+        if val_ds is not None:
+            ev = evaluate(generator, val_ds, eval_params, eval_scorer, tokenizer)
+            summary["eval_step_0"] = ev["eval/accuracy"]
+            log.log(ev, step=0)
+            log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}")
+        next_group = 0
+        for step in range(1, t_cfg.total_steps + 1):
+            metrics = _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer, params, next_group)
+            next_group += t_cfg.prompts_per_step
+            due = t_cfg.eval_every_steps and step % t_cfg.eval_every_steps == 0
+            if val_ds is not None and (due or step == t_cfg.total_steps):
+                t0 = time.perf_counter()
+                metrics.update(evaluate(generator, val_ds, eval_params, eval_scorer, tokenizer))
+                metrics["timing/eval_s"] = time.perf_counter() - t0
+                summary["eval_final"] = metrics["eval/accuracy"]
+            log.log(metrics, step=step)
+            log.advance(step)
+        if "eval_step_0" in summary and "eval_final" in summary:
+            summary["eval_gain_points"] = 100.0 * (summary["eval_final"] - summary["eval_step_0"])
+            log.print(f"eval accuracy: step 0 {summary['eval_step_0']:.4f} -> step {t_cfg.total_steps} "
+                      f"{summary['eval_final']:.4f} ({summary['eval_gain_points']:+.1f} points)")
+        if t_cfg.export_model:
+            learner.export_hf(str(run_dir / "final_model"), tokenizer)
+            summary["final_model"] = str(run_dir / "final_model")
+            log.print(f"final policy written to {run_dir / 'final_model'}")
+    finally:
+        log.close()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _dispatch_by_source(data_source, response_text, ground_truth, extra_info):
+    from async_rl.rewards import default_reward_for
+
+    return default_reward_for(data_source)(data_source, response_text, ground_truth, extra_info)
+
+
+def _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer, params, first_group) -> dict[str, float]:
+    t_cfg = cfg.trainer
+    t0 = time.perf_counter()
+    prompts = train_ds.next_batch(t_cfg.prompts_per_step)
+    ro = rollout(generator, prompts, t_cfg.samples_per_prompt, params, scorer, tokenizer, first_group)
+    t_gen = time.perf_counter() - t0
+    metrics: dict[str, float] = {f"reward/{k.split('/', 1)[1]}": v for k, v in scorer.pop_metrics().items()}
+    trajs = ro.trajectories
+    if not trajs:
+        raise RuntimeError(f"step {step}: every sample was rejected by the reward function (see the warnings above)")
+    staleness = [learner.version - t.min_version for t in trajs]
+    assert max(staleness) <= t_cfg.max_staleness, f"staleness {max(staleness)} > max_staleness {t_cfg.max_staleness}"
+    t1 = time.perf_counter()
+    batch = make_batch(trajs, cfg.algorithm, tokenizer.pad_token_id)
+    train_metrics = learner.train_step(batch)
+    t_train = time.perf_counter() - t1
+    metrics.update(push_weights(learner, generator))
+    rewards = torch.tensor([t.reward for t in trajs])
+    lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
+    num_train_tokens = float(batch.attention_mask.sum())
+    for k, v in train_metrics.items():
+        # The loss returns its mismatch metrics under loss/; they belong to their own namespace.
+        metrics[k.replace("loss/mismatch_", "mismatch/")] = v
+    metrics.update({
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "rollout/accuracy": accuracy_of(trajs),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+        "rollout/num_trajectories": float(len(trajs)),
+        "rollout/rejected_samples": float(ro.num_rejected_samples),
+        "rollout/rejected_groups": float(ro.num_rejected_groups),
+        "staleness/mean": sum(staleness) / len(staleness),
+        "staleness/max": float(max(staleness)),
+        "data/epoch": float(train_ds.epoch),
+        "policy/version": float(learner.version),
+        "perf/tokens_per_s": ro.num_generated_tokens / max(t_gen, 1e-9),
+        "perf/train_tokens_per_s": num_train_tokens / max(t_train, 1e-9),
+        "timing/generate_s": t_gen,
+        "timing/train_s": t_train,
+        "timing/step_s": time.perf_counter() - t0,
+    })
+    return metrics

@@ -1,0 +1,234 @@
+"""Built-in artefacts for the embedded default run: a tiny Qwen2 model, its tokenizer, and a task.
+
+Nothing here downloads anything. The artefacts are ordinary Hugging Face files, so the same
+loading code that reads a user's model directory or verl parquet reads them too:
+
+- ``builtin:tiny-qwen2``: a randomly initialised Qwen2-architecture causal LM (about 0.9M
+  parameters, tied embeddings) saved with ``save_pretrained`` (config.json, model.safetensors,
+  generation_config.json) next to a byte-level BPE tokenizer (tokenizer.json,
+  tokenizer_config.json with a ChatML chat template). transformers and vLLM both load it.
+- ``builtin:arithmetic/train`` and ``builtin:arithmetic/test``: parquet files in the verl row
+  layout (``prompt`` as chat messages, ``data_source``, ``reward_model.ground_truth``,
+  ``extra_info``) holding short addition problems such as ``"37+45="`` with answer ``"82"``.
+  The held-out split holds operand pairs that never occur in the train split.
+
+Artefacts are built once into ``<cache_dir>/<name>-<spec hash>`` (written to a temporary
+directory and renamed, so a crashed build never leaves a half-written artefact) and reused by
+every later run whose spec is the same. The cache directory is ``$ASYNC_RL_CACHE`` if set, else
+``~/.cache/async-rl``.
+
+Run ``python -m async_rl.data.builtin`` to build them and print their paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+
+# Bumped when the build code changes in a way the spec dicts below do not capture.
+_BUILD_REVISION = 1
+
+TINY_QWEN2_SPEC: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "seed": 0,
+}
+
+ARITHMETIC_SPEC: dict[str, Any] = {
+    "max_operand": 19,
+    "num_train": 320,
+    "num_test": 80,
+    "seed": 0,
+}
+
+ARITHMETIC_DATA_SOURCE = "async_rl/arithmetic"
+
+# ChatML, the layout of Qwen2 chat templates: generation stops at <|im_end|>.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Role names as single tokens keep the tiny model's prompts short (14 tokens for "37+45=").
+ROLE_TOKENS = ["system", "user", "assistant"]
+
+
+def cache_dir() -> Path:
+    """Root of the artefact cache: ``$ASYNC_RL_CACHE`` or ``~/.cache/async-rl``."""
+    return Path(os.environ.get("ASYNC_RL_CACHE", Path.home() / ".cache" / "async-rl"))
+
+
+def _spec_hash(spec: dict[str, Any]) -> str:
+    blob = json.dumps({"rev": _BUILD_REVISION, **spec}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _build_cached(name: str, spec: dict[str, Any], build) -> Path:
+    """Return ``cache_dir()/<name>-<hash>``, calling ``build(tmp_dir)`` first if it is absent."""
+    target = cache_dir() / f"{name}-{_spec_hash(spec)}"
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        build(tmp)
+        (tmp / ".complete").write_text(json.dumps(spec, sort_keys=True))
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished the same build first; its copy is identical.
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_tokenizer(out_dir: Path):
+    """Write a byte-level BPE tokenizer with ChatML special tokens to ``out_dir``.
+
+    Vocabulary: the 256 byte symbols, three special tokens (``<|endoftext|>`` = pad,
+    ``<|im_start|>``, ``<|im_end|>`` = EOS) and the role names as single tokens; no merges, so
+    any UTF-8 text round-trips exactly.
+
+    Returns:
+        The ``transformers.PreTrainedTokenizerFast`` that was saved.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {sym: i for i, sym in enumerate(byte_symbols)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens(ROLE_TOKENS)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        model_max_length=TINY_QWEN2_SPEC["max_position_embeddings"],
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _build_tiny_qwen2(out_dir: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    spec = dict(TINY_QWEN2_SPEC)
+    seed = spec.pop("seed")
+    tokenizer = build_tokenizer(out_dir)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **spec,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def make_arithmetic_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
+    """One verl-layout row for the problem ``a+b``.
+
+    Example: ``make_arithmetic_row(37, 45, "train", 0)`` gives ``prompt`` =
+    ``[{"role": "user", "content": "37+45="}]``, ``reward_model.ground_truth`` = ``"82"`` and
+    ``extra_info.answer`` = ``"82"`` (the target text used by the supervised warm start).
+    """
+    answer = str(a + b)
+    return {
+        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+        "data_source": ARITHMETIC_DATA_SOURCE,
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer},
+    }
+
+
+def _build_arithmetic(out_dir: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = ARITHMETIC_SPEC
+    pairs = [(a, b) for a in range(spec["max_operand"] + 1) for b in range(spec["max_operand"] + 1)]
+    random.Random(spec["seed"]).shuffle(pairs)
+    need = spec["num_train"] + spec["num_test"]
+    if need > len(pairs):
+        raise ValueError(f"arithmetic spec asks for {need} distinct problems, only {len(pairs)} exist")
+    splits = {
+        "test": pairs[: spec["num_test"]],
+        "train": pairs[spec["num_test"] : need],
+    }
+    for split, split_pairs in splits.items():
+        rows = [make_arithmetic_row(a, b, split, i) for i, (a, b) in enumerate(split_pairs)]
+        pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{split}.parquet")
+
+
+_BUILDERS = {
+    "tiny-qwen2": (TINY_QWEN2_SPEC, _build_tiny_qwen2),
+    "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
+}
+
+
+def resolve(uri: str) -> str:
+    """Map a ``builtin:`` URI to a local path, building the artefact on first use.
+
+    ``builtin:tiny-qwen2`` -> model directory; ``builtin:arithmetic/train`` (or ``/test``) ->
+    parquet file. Any other string is returned unchanged, so callers can pass user paths through.
+
+    Raises:
+        ValueError: for an unknown built-in name or split, listing the valid ones.
+    """
+    if not uri.startswith(BUILTIN_PREFIX):
+        return uri
+    name, _, sub = uri[len(BUILTIN_PREFIX) :].partition("/")
+    if name not in _BUILDERS:
+        valid = ", ".join(f"{BUILTIN_PREFIX}{n}" for n in _BUILDERS)
+        raise ValueError(f"unknown built-in artefact {uri!r}; valid: {valid}")
+    spec, build = _BUILDERS[name]
+    root = _build_cached(name, spec, build)
+    if not sub:
+        return str(root)
+    path = root / f"{sub}.parquet"
+    if not path.exists():
+        valid = ", ".join(f"{BUILTIN_PREFIX}{name}/{p.stem}" for p in sorted(root.glob("*.parquet")))
+        raise ValueError(f"unknown split in {uri!r}; valid: {valid or '(none: this artefact has no splits)'}")
+    return str(path)
+
+
+if __name__ == "__main__":
+    for uri in ("builtin:tiny-qwen2", "builtin:arithmetic/train", "builtin:arithmetic/test"):
+        print(uri, "->", resolve(uri))

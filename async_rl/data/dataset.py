@@ -1,0 +1,231 @@
+"""Prompt datasets in the verl row layout, read from parquet or jsonl.
+
+A row is a mapping with
+
+- ``prompt`` (required): a list of chat messages ``[{"role": "user", "content": "..."}]``,
+  rendered with the tokenizer's chat template (``add_generation_prompt=True``);
+- ``data_source`` (string, picks the default reward function; ``"unknown"`` when absent);
+- ``reward_model``: ``{"style": "rule", "ground_truth": "..."}`` (ground truth for the reward);
+- ``extra_info``: free-form mapping passed to the reward function.
+
+Rows are validated when the file is read: a malformed row raises ``ValueError`` naming the file
+and the row index. A prompt whose rendered length exceeds ``data.max_prompt_tokens`` is never
+truncated: it is rejected, logged and counted (``PromptDataset.num_rejected_too_long``).
+
+Iteration is deterministic: the order is a seeded permutation per epoch, and
+``state_dict()``/``load_state_dict()`` capture the position so a resumed run continues with the
+same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how they are rendered and filtered."""
+
+    train_files: list[str] = field(default_factory=lambda: ["???"])
+    """Parquet or jsonl files (or ``builtin:NAME/SPLIT``) in the verl row layout."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out files for periodic evaluation; empty disables evaluation."""
+    max_prompt_tokens: int = 512
+    """Longest rendered prompt accepted, in tokens (>= 1). Longer prompts are rejected and counted."""
+    shuffle: bool = True
+    """Shuffle the train prompts each epoch with ``trainer.seed``."""
+    val_max_prompts: int = 0
+    """Evaluate on at most this many held-out prompts (the first ones); 0 = all."""
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.val_max_prompts < 0:
+            raise ValueError(f"data.val_max_prompts must be >= 0, got {self.val_max_prompts}")
+        if not self.train_files:
+            raise ValueError("data.train_files must name at least one file")
+
+
+@dataclass
+class Prompt:
+    """One validated, tokenised prompt.
+
+    Attributes:
+        prompt_ids: rendered prompt token ids (chat template with generation prompt), length <=
+            ``data.max_prompt_tokens``.
+        messages: the chat messages of the row.
+        data_source: the row's ``data_source``.
+        ground_truth: ``reward_model.ground_truth`` as a string (``None`` when absent).
+        extra_info: the row's ``extra_info`` mapping (empty when absent).
+        uid: stable identity ``"<file stem>:<row index>"``, used in logs and exactly-once checks.
+    """
+
+    prompt_ids: list[int]
+    messages: list[dict[str, str]]
+    data_source: str
+    ground_truth: str | None
+    extra_info: dict[str, Any]
+    uid: str
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Read all rows of a ``.parquet`` or ``.jsonl``/``.json`` file as dicts.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: for an unsupported extension or a jsonl line that is not a JSON object
+            (the message names the file and the line).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open() as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {lineno}: not valid JSON ({e})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
+                rows.append(row)
+        return rows
+    raise ValueError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
+
+
+def validate_row(row: dict[str, Any], where: str) -> None:
+    """Check one row against the verl layout.
+
+    Args:
+        row: the row mapping.
+        where: ``"<file>: row <i>"``, prefixed to every error message.
+
+    Raises:
+        ValueError: ``prompt`` missing or not a non-empty list of ``{"role", "content"}`` string
+            mappings; ``reward_model`` present but not a mapping; ``extra_info`` not a mapping.
+    """
+    if "prompt" not in row or row["prompt"] is None:
+        raise ValueError(f"{where}: missing required field 'prompt' (fields present: {sorted(row)})")
+    prompt = row["prompt"]
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise ValueError(f"{where}: 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
+    for j, msg in enumerate(prompt):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+            raise ValueError(f"{where}: prompt message {j} must be a mapping with string 'role' and 'content', got {msg!r}")
+    rm = row.get("reward_model")
+    if rm is not None and not isinstance(rm, dict):
+        raise ValueError(f"{where}: 'reward_model' must be a mapping with 'ground_truth', got {type(rm).__name__}")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"{where}: 'extra_info' must be a mapping, got {type(extra).__name__}")
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template with the generation prompt."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers >= 5 returns a BatchEncoding here; older versions a plain list.
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+class PromptDataset:
+    """Validated, tokenised prompts from one or more files, iterated in seeded epochs.
+
+    Args:
+        files: dataset paths (already resolved; see ``async_rl.data.builtin.resolve``).
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        max_prompt_tokens: longest accepted rendered prompt, in tokens.
+        seed: seed of the per-epoch permutation.
+        shuffle: permute each epoch (else file order).
+        limit: keep at most this many accepted prompts (0 = all).
+
+    Raises:
+        ValueError: a malformed row (names the file and row), or no prompt left after filtering.
+    """
+
+    def __init__(self, files: list[str], tokenizer, max_prompt_tokens: int, seed: int = 0,
+                 shuffle: bool = True, limit: int = 0) -> None:
+        self.prompts: list[Prompt] = []
+        self.num_rejected_too_long = 0
+        for file in files:
+            for i, row in enumerate(read_rows(file)):
+                where = f"{file}: row {i}"
+                validate_row(row, where)
+                ids = render_prompt(tokenizer, row["prompt"])
+                if len(ids) > max_prompt_tokens:
+                    self.num_rejected_too_long += 1
+                    logger.warning("%s: prompt of %d tokens exceeds data.max_prompt_tokens=%d; rejected",
+                                   where, len(ids), max_prompt_tokens)
+                    continue
+                rm = row.get("reward_model") or {}
+                gt = rm.get("ground_truth")
+                self.prompts.append(Prompt(
+                    prompt_ids=ids,
+                    messages=list(row["prompt"]),
+                    data_source=row.get("data_source") or "unknown",
+                    ground_truth=None if gt is None else str(gt),
+                    extra_info=dict(row.get("extra_info") or {}),
+                    uid=f"{Path(file).stem}:{i}",
+                ))
+                if limit and len(self.prompts) >= limit:
+                    break
+            if limit and len(self.prompts) >= limit:
+                break
+        if not self.prompts:
+            raise ValueError(f"no usable prompt in {files} ({self.num_rejected_too_long} rejected as too long)")
+        if self.num_rejected_too_long:
+            logger.warning("%d prompts rejected as longer than %d tokens", self.num_rejected_too_long, max_prompt_tokens)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        """The next ``n`` prompts, crossing into the next epoch (re-permuted) when one runs out."""
+        out = []
+        while len(out) < n:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.prompts[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def __iter__(self) -> Iterator[Prompt]:
+        """Iterate once over all prompts in file order (used for evaluation)."""
+        return iter(self.prompts)
+
+    def state_dict(self) -> dict[str, int]:
+        """Position in the stream: ``{"epoch", "position"}``."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a position saved by ``state_dict``."""
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,127 @@
+"""The generator protocol: what every engine backend (HF, vLLM, SGLang) provides.
+
+A generator turns prompt token ids into sampled responses and reports, for each sampled token,
+its log-prob under the sampling distribution (the *behavior* log-prob, temperature-scaled) and
+the policy version of the weights that produced it. It receives new weights by name through
+``update_weights``; a weight-sync layer decides how the tensors travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+GENERATOR_BACKENDS = ("hf",)
+
+
+@dataclass
+class GeneratorConfig:
+    """Rollout engine and sampling settings."""
+
+    backend: str = "hf"
+    """Engine: ``hf`` (Hugging Face transformers, CPU or GPU)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0). The learner scores tokens with the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Keep the k most likely tokens (>= 0); 0 disables it."""
+    max_response_tokens: int = 256
+    """Most tokens generated per response (>= 1); longer responses end with finish reason ``length``."""
+    max_batch_size: int = 256
+    """Most sequences per engine forward batch (>= 1); bounds generation memory."""
+    seed: int = 0
+    """Base seed of the sampler; each call derives its own from it and a call counter."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in GENERATOR_BACKENDS:
+            raise ValueError(f"generator.backend must be one of {GENERATOR_BACKENDS}, got {self.backend!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"generator.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generator.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"generator.top_k must be >= 0, got {self.top_k}")
+        if self.max_response_tokens < 1:
+            raise ValueError(f"generator.max_response_tokens must be >= 1, got {self.max_response_tokens}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"generator.max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling settings.
+
+    Attributes:
+        temperature: > 0; ignored when ``greedy``.
+        top_p: nucleus mass in (0, 1].
+        top_k: 0 = off.
+        max_tokens: most generated tokens per response.
+        greedy: argmax decoding (evaluation); behavior log-probs are then at temperature 1.
+        stop_token_ids: ids that end a response (the tokenizer's EOS plus any extra stop ids); the
+            stop token is kept in the response and in the loss mask.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_config(cls, cfg: GeneratorConfig, stop_token_ids: Iterable[int], greedy: bool = False) -> "SamplingParams":
+        """Sampling params of a generator config."""
+        return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                   max_tokens=cfg.max_response_tokens, greedy=greedy,
+                   stop_token_ids=tuple(stop_token_ids))
+
+
+@dataclass
+class Sample:
+    """One generated response.
+
+    Attributes:
+        response_ids: sampled ids, ending with the stop token when ``finish_reason == "stop"``.
+        logprobs: behavior log-prob of each sampled id (float, nats), same length.
+        finish_reason: ``"stop"`` or ``"length"``.
+        policy_version: version of the weights that produced each token, same length.
+    """
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: list[int] = field(default_factory=list)
+
+
+class Generator(Protocol):
+    """What the controller needs from an engine backend."""
+
+    policy_version: int
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+        """Sample ``n`` responses for each prompt; returns one list of ``n`` samples per prompt."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new weights by Hugging Face parameter name and set ``policy_version = version``."""
+        ...
+
+
+def cut_at_stop(token_ids: list[int], stop_token_ids: Iterable[int]) -> tuple[int, str]:
+    """Length to keep and finish reason for a generated row that may carry padding after a stop.
+
+    The response keeps the first stop token; everything after it (padding, which may share the
+    EOS id) is dropped. Example: ids ``[x, y, eos, pad, pad]`` with ``pad == eos`` keeps 3 tokens
+    and reports ``"stop"``; ``[x, y, z]`` without a stop keeps 3 and reports ``"length"``.
+
+    Returns:
+        ``(kept_length, finish_reason)``.
+    """
+    stops = set(stop_token_ids)
+    for i, tok in enumerate(token_ids):
+        if tok in stops:
+            return i + 1, "stop"
+    return len(token_ids), "length"

@@ -1,0 +1,96 @@
+"""The learner protocol and its configuration.
+
+A learner owns the trainable policy. Per training step it recomputes proximal log-probs with the
+weights of the current policy version (before any update), takes one or more optimizer steps on
+the step's batch, and exposes the new weights by Hugging Face name for the weight-sync layer.
+The policy version is its optimizer-step count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+
+from buffers.trajectory import TrainBatch
+
+LEARNER_BACKENDS = ("fsdp2",)
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class LearnerConfig:
+    """Trainer-side settings: sharding, optimizer, schedule and batching."""
+
+    backend: str = "fsdp2"
+    """``fsdp2``: torch FSDP2 (``fully_shard``) over a gloo (CPU) or NCCL (GPU) process group."""
+    world_size: int = 1
+    """Learner ranks (>= 1). Only 1 is supported so far."""
+    lr: float = 1e-6
+    """Peak AdamW learning rate (> 0)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas, two values in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW epsilon (> 0)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (>= 0)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear LR warm-up from 0 (>= 0)."""
+    lr_schedule: str = "constant"
+    """After warm-up: ``constant``, ``linear`` (decay to ``min_lr_ratio``) or ``cosine``."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of ``lr`` for ``linear``/``cosine`` (in [0, 1])."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this (> 0); 0 disables clipping."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward pass (>= 1); gradients accumulate across micro-batches."""
+    num_mini_batches: int = 1
+    """Optimizer steps per training step: the step's batch is split into this many (>= 1)."""
+    num_epochs: int = 1
+    """Passes over the step's batch (>= 1)."""
+    seed: int = 0
+    """Seed for model-side randomness."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in LEARNER_BACKENDS:
+            raise ValueError(f"learner.backend must be one of {LEARNER_BACKENDS}, got {self.backend!r}")
+        if self.world_size != 1:
+            raise ValueError(f"learner.world_size={self.world_size}: only 1 learner rank is supported so far")
+        if not self.lr > 0:
+            raise ValueError(f"learner.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"learner.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"learner.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"learner.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"learner.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"learner.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"learner.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ValueError(f"learner.grad_clip must be >= 0, got {self.grad_clip}")
+        for key in ("micro_batch_size", "num_mini_batches", "num_epochs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"learner.{key} must be >= 1, got {getattr(self, key)}")
+
+
+class Learner(Protocol):
+    """What the controller needs from a learner backend."""
+
+    version: int
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs ``[B, L-1]`` float32 of ``batch``'s labels under the current weights (no grad)."""
+        ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One training step (one or more optimizer steps) on ``batch``; returns reduced metrics."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) parameters by Hugging Face name, each tied parameter once."""
+        ...

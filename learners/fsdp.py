@@ -1,0 +1,268 @@
+"""FSDP2 learner: a Hugging Face causal LM sharded with ``torch.distributed.fsdp.fully_shard``.
+
+Each decoder layer (the classes in the model's ``_no_split_modules``) is sharded, then the root,
+over a 1-D device mesh on the default process group (gloo on CPU). With world size 1 the group
+is created in-process from a ``HashStore``, so a laptop run needs no launcher or free port.
+
+A training step (``train_step``):
+
+1. recompute proximal log-probs of the whole batch with the current weights (no grad), unless the
+   algorithm runs in bypass mode (proximal := behavior);
+2. for each epoch, split the batch into ``num_mini_batches`` mini-batches; for each, count the
+   valid tokens and sequences of the whole mini-batch (the global normaliser), run the
+   micro-batches with gradient accumulation, clip, and take one optimizer step (one policy
+   version);
+3. return metrics reduced once per training step (token-weighted means over micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from async_rl.algorithms.aggregation import aggregate_loss, count_normalizers
+from async_rl.algorithms.config import AlgorithmConfig
+from async_rl.algorithms.kl import kl_penalty
+from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits, masked_mean
+from async_rl.algorithms.losses import POLICY_LOSSES
+from async_rl.metrics import reduce_metrics
+from buffers.trajectory import TrainBatch
+from learners.base import LearnerConfig
+
+
+def init_single_process_group() -> None:
+    """Create a world-size-1 gloo default group in-process (no rendezvous) if none exists."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: cannot find decoder layers to shard")
+    return layers
+
+
+def lr_lambda(cfg: LearnerConfig, total_steps: int):
+    """LR multiplier per optimizer step: linear warm-up from 0, then constant/linear/cosine decay.
+
+    Args:
+        cfg: learner settings (``warmup_steps``, ``lr_schedule``, ``min_lr_ratio``).
+        total_steps: optimizer steps in the run; decay reaches ``min_lr_ratio`` there.
+    """
+
+    def fn(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        if cfg.lr_schedule == "linear":
+            decay = 1.0 - progress
+        else:
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+    return fn
+
+
+class FSDPLearner:
+    """Policy learner on FSDP2.
+
+    Args:
+        cfg: learner settings.
+        algo: algorithm settings (policy loss, clipping, aggregation, KL, entropy).
+        model_path: Hugging Face model directory to start from.
+        temperature: the generator's sampling temperature; learner log-probs and entropy are
+            computed from ``logits / temperature`` so they match the behavior log-probs.
+        total_optimizer_steps: for the LR schedule.
+    """
+
+    def __init__(self, cfg: LearnerConfig, algo: AlgorithmConfig, model_path: str, temperature: float,
+                 total_optimizer_steps: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.algo, self.temperature = cfg, algo, temperature
+        self.total_optimizer_steps = total_optimizer_steps
+        init_single_process_group()
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model.train()
+        self.policy_loss = POLICY_LOSSES.get(algo.policy_loss)
+        self.ref_model = None
+        self.version = 0
+        self.reset_optimizer()
+
+    def reset_optimizer(self, lr: float | None = None) -> None:
+        """Fresh AdamW and LR schedule (after a supervised warm start, for example)."""
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr or self.cfg.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
+            weight_decay=self.cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.cfg, self.total_optimizer_steps))
+
+    # ------------------------------------------------------------------ forward passes
+    def _forward(self, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                            position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
+        labels = mb.input_ids[:, 1:]
+        logprobs = logprobs_from_logits(logits, labels, self.temperature)
+        entropy = entropy_from_logits(logits, self.temperature) if with_entropy else None
+        return logprobs, entropy
+
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
+        for start in range(0, len(batch), self.cfg.micro_batch_size):
+            yield batch.select(slice(start, start + self.cfg.micro_batch_size))
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs ``[B, L-1]`` float32 of the batch's labels under the current weights."""
+        return torch.cat([self._forward(mb, with_entropy=False)[0] for mb in self._micro_batches(batch)])
+
+    # ------------------------------------------------------------------ updates
+    def _optimizer_step(self) -> torch.Tensor:
+        if self.cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.detach()
+
+    def _split(self, n: int, parts: int, epoch: int) -> list[torch.Tensor]:
+        if parts == 1:
+            return [torch.arange(n)]
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed + 7919 * self.version + epoch))
+        return list(order.tensor_split(parts))
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Policy-gradient update(s) on one step's batch; see the module docstring.
+
+        Args:
+            batch: collated trajectories with ``advantages`` and ``behavior_logprobs`` set; a
+                ``ref_logprobs`` extra is used for the KL term when ``algorithm.kl_coef > 0``.
+
+        Returns:
+            Metrics under ``loss/``, ``actor/`` and ``mismatch/``, one value per training step.
+        """
+        a = self.algo
+        if a.bypass_proximal:
+            proximal = batch.behavior_logprobs
+        else:
+            proximal = self.compute_logprobs(batch)
+        per_mb: list[dict[str, torch.Tensor]] = []
+        weights: list[float] = []
+        for epoch in range(self.cfg.num_epochs):
+            for idx in self._split(len(batch), self.cfg.num_mini_batches, epoch):
+                mini = batch.select(idx)
+                mini_prox = proximal[idx]
+                num_tokens, num_seqs = count_normalizers(mini.loss_mask)
+                if dist.get_world_size() > 1:
+                    norms = torch.stack([num_tokens, num_seqs]).float()
+                    dist.all_reduce(norms)
+                    num_tokens, num_seqs = norms[0], norms[1]
+                for start in range(0, len(mini), self.cfg.micro_batch_size):
+                    sl = slice(start, start + self.cfg.micro_batch_size)
+                    mb = mini.select(sl)
+                    logprobs, entropy = self._forward(mb, with_entropy=True)
+                    loss, metrics = self.policy_loss(
+                        logprobs, mini_prox[sl], mb.behavior_logprobs, mb.advantages, mb.loss_mask,
+                        agg_mode=a.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs,
+                        horizon=a.loss_horizon_tokens, behavior_correction=a.behavior_correction,
+                        tis_cap=a.tis_cap, icepop_low=a.icepop_low, icepop_high=a.icepop_high,
+                        **a.loss_params(),
+                    )
+                    metrics = {f"loss/{k}": v for k, v in metrics.items()}
+                    metrics["loss/pg"] = loss.detach()
+                    total = loss
+                    ent = aggregate_loss(entropy, mb.loss_mask, a.loss_agg_mode, num_global_tokens=num_tokens,
+                                         num_global_seqs=num_seqs, horizon=a.loss_horizon_tokens)
+                    if a.entropy_coef:
+                        total = total - a.entropy_coef * ent
+                    if a.kl_coef and not a.use_kl_in_reward:
+                        kl = kl_penalty(logprobs, mb.extras["ref_logprobs"], a.kl_estimator)
+                        kl_loss = aggregate_loss(kl, mb.loss_mask, a.loss_agg_mode, num_global_tokens=num_tokens,
+                                                 num_global_seqs=num_seqs, horizon=a.loss_horizon_tokens)
+                        total = total + a.kl_coef * kl_loss
+                        metrics["loss/kl"] = masked_mean(kl.detach(), mb.loss_mask)
+                    total.backward()
+                    metrics["actor/entropy"] = masked_mean(entropy.detach(), mb.loss_mask)
+                    per_mb.append(metrics)
+                    weights.append(float(mb.loss_mask.sum()))
+                grad_norm = self._optimizer_step()
+                self.version += 1
+                per_mb.append({"actor/grad_norm": grad_norm})
+                weights.append(1.0)
+        # "loss/pg" is a share of the mini-batch loss per micro-batch: report the per-token mean instead.
+        out = reduce_metrics(per_mb, weights)
+        out["actor/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
+        out.pop("loss/pg", None)
+        out["loss/pg"] = self._pg_loss_per_step(per_mb)
+        return out
+
+    @staticmethod
+    def _pg_loss_per_step(per_mb: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        # Micro-batch losses are already divided by the global normaliser, so their sum is the
+        # mini-batch loss; average that over the step's optimizer steps.
+        losses = [m["loss/pg"] for m in per_mb if "loss/pg" in m]
+        steps = sum(1 for m in per_mb if "actor/grad_norm" in m)
+        return torch.stack(losses).sum() / max(1, steps)
+
+    def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, torch.Tensor]:
+        """One supervised step: token-mean negative log-likelihood of the loss-masked tokens.
+
+        Used by the supervised warm start, at temperature 1 and learning rate ``lr`` (the
+        schedule does not advance). Returns ``{"sft/loss", "sft/grad_norm"}``.
+        """
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        num_tokens, _ = count_normalizers(batch.loss_mask)
+        loss_sum = torch.zeros(())
+        for mb in self._micro_batches(batch):
+            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
+            nll = -logprobs_from_logits(logits, mb.input_ids[:, 1:], 1.0)
+            loss = aggregate_loss(nll, mb.loss_mask, "token-mean", num_global_tokens=num_tokens,
+                                  num_global_seqs=len(batch))
+            loss.backward()
+            loss_sum += loss.detach()
+        if self.cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        else:
+            grad_norm = torch.zeros(())
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"sft/loss": loss_sum, "sft/grad_norm": grad_norm.detach()}
+
+    # ------------------------------------------------------------------ weights out
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full parameters by Hugging Face name (tied ones once), gathered from the shards."""
+        for name, param in self.model.named_parameters():
+            data = param.detach()
+            yield name, data.full_tensor() if hasattr(data, "full_tensor") else data
+
+    def export_hf(self, out_dir: str, tokenizer=None) -> None:
+        """Write the current policy as a Hugging Face directory (safetensors) to ``out_dir``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            self.model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
