@@ -138,6 +138,10 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
 
 def _cross_validate(cfg: Config) -> None:
+    cfg.algorithm.apply_preset()
+    if cfg.algorithm.loss_horizon_tokens is None:
+        # Dr.GRPO's constant horizon: the longest response the generator may produce.
+        cfg.algorithm.loss_horizon_tokens = cfg.generator.max_response_tokens
     if cfg.trainer.samples_per_prompt < 2 and cfg.algorithm.advantage_estimator in ("grpo", "dr_grpo", "rloo"):
         raise ConfigError(
             f"trainer.samples_per_prompt={cfg.trainer.samples_per_prompt}: the {cfg.algorithm.advantage_estimator} "

@@ -118,7 +118,7 @@ class HFGenerator:
             do_sample=not params.greedy,
             temperature=None if params.greedy else params.temperature,
             top_p=None if params.greedy or params.top_p >= 1.0 else params.top_p,
-            top_k=None if params.greedy or params.top_k == 0 else params.top_k,
+            top_k=None if params.greedy else params.top_k,  # 0 = off; None would let transformers default to 50
             max_new_tokens=params.max_tokens,
             eos_token_id=list(params.stop_token_ids),
             pad_token_id=self.pad_token_id,

@@ -88,7 +88,7 @@ class FSDPLearner:
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
-        self.cfg, self.algo, self.temperature = cfg, algo, temperature
+        self.cfg, self.algo, self.temperature = cfg, algo.apply_preset(), temperature
         self.total_optimizer_steps = total_optimizer_steps
         init_single_process_group()
         torch.manual_seed(cfg.seed)
@@ -184,6 +184,7 @@ class FSDPLearner:
                         agg_mode=a.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs,
                         horizon=a.loss_horizon_tokens, behavior_correction=a.behavior_correction,
                         tis_cap=a.tis_cap, icepop_low=a.icepop_low, icepop_high=a.icepop_high,
+                        bypass=a.bypass_proximal,
                         **a.loss_params(),
                     )
                     metrics = {f"loss/{k}": v for k, v in metrics.items()}
@@ -194,7 +195,7 @@ class FSDPLearner:
                     if a.entropy_coef:
                         total = total - a.entropy_coef * ent
                     if a.kl_coef and not a.use_kl_in_reward:
-                        kl = kl_penalty(logprobs, mb.extras["ref_logprobs"], a.kl_estimator)
+                        kl = kl_penalty(logprobs, mb.extras["ref_logprobs"], a.kl_estimator, mask=mb.loss_mask)
                         kl_loss = aggregate_loss(kl, mb.loss_mask, a.loss_agg_mode, num_global_tokens=num_tokens,
                                                  num_global_seqs=num_seqs, horizon=a.loss_horizon_tokens)
                         total = total + a.kl_coef * kl_loss

@@ -16,7 +16,7 @@ dapo           grpo            ppo_clip     token-mean                 clip-high
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from async_rl.algorithms.aggregation import LOSS_AGG_MODES
@@ -73,19 +73,17 @@ class AlgorithmConfig:
     """Apply the KL as a reward penalty instead of a loss term."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (>= 0)."""
+    loss_kwargs: dict[str, float] = field(default_factory=dict)
+    """Extra keyword arguments for the policy loss (for example GSPO's clip range), passed as given."""
 
     def __post_init__(self) -> None:
+        # Presets are applied by apply_preset(), not here: omegaconf instantiates this class to
+        # build the schema, and a preset filled in then would outlive a later algorithm.name=...
         if self.name not in PRESETS:
             raise ValueError(f"algorithm.name must be one of {sorted(PRESETS)}, got {self.name!r}")
-        preset = PRESETS[self.name]
-        for key in ("advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_high"):
-            if getattr(self, key) is None and key in preset:
-                setattr(self, key, preset[key])
-        if self.clip_ratio_high is None:
-            self.clip_ratio_high = self.clip_ratio_low
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
+        if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"algorithm.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
-        if not self.clip_ratio_low > 0 or not self.clip_ratio_high > 0:
+        if not self.clip_ratio_low > 0 or (self.clip_ratio_high is not None and not self.clip_ratio_high > 0):
             raise ValueError(f"algorithm.clip_ratio_low/high must be > 0, got {self.clip_ratio_low}/{self.clip_ratio_high}")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"algorithm.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
@@ -102,14 +100,31 @@ class AlgorithmConfig:
         if self.kl_coef > 0:
             raise ValueError("algorithm.kl_coef > 0 needs a reference model, which the learner does not provide yet")
 
+    def apply_preset(self) -> "AlgorithmConfig":
+        """Fill every field left at ``None`` from the preset ``name``; returns ``self``.
+
+        Idempotent. ``load_config`` calls it; code that builds an ``AlgorithmConfig`` directly
+        calls it before use.
+        """
+        preset = PRESETS[self.name]
+        for key in ("advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_high"):
+            if getattr(self, key) is None and key in preset:
+                setattr(self, key, preset[key])
+        if self.clip_ratio_high is None:
+            self.clip_ratio_high = self.clip_ratio_low
+        return self
+
     def loss_params(self) -> dict[str, Any]:
-        """Keyword arguments for the chosen policy loss (clip bounds for the PPO family)."""
-        if self.policy_loss in ("ppo_clip", "gspo", "cispo"):
-            params: dict[str, Any] = {"clip_ratio_low": self.clip_ratio_low, "clip_ratio_high": self.clip_ratio_high}
-            if self.policy_loss == "ppo_clip":
-                params["clip_ratio_c"] = self.clip_ratio_c
-            return params
-        return {}
+        """Keyword arguments for the chosen policy loss.
+
+        ``ppo_clip`` gets the clip bounds of this config; GSPO and CISPO keep their papers'
+        defaults (their ratios live on other scales) unless ``loss_kwargs`` sets them.
+        """
+        params: dict[str, Any] = {}
+        if self.policy_loss == "ppo_clip":
+            params = {"clip_ratio_low": self.clip_ratio_low, "clip_ratio_high": self.clip_ratio_high,
+                      "clip_ratio_c": self.clip_ratio_c}
+        return {**params, **self.loss_kwargs}
 
     def advantage_params(self) -> dict[str, Any]:
         """Keyword arguments for the chosen advantage estimator."""

@@ -1,0 +1,108 @@
+"""Datasets: the built-in verl layout, malformed rows, over-long prompts, deterministic order."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from async_rl.data.builtin import ARITHMETIC_DATA_SOURCE, resolve
+from async_rl.data.dataset import PromptDataset, read_rows
+
+
+def test_builtin_arithmetic_has_verl_layout():
+    train, test = resolve("builtin:arithmetic/train"), resolve("builtin:arithmetic/test")
+    schema = pq.read_schema(train)
+    assert {"prompt", "data_source", "reward_model", "extra_info"} <= set(schema.names)
+    assert pa.types.is_list(schema.field("prompt").type)
+    assert pa.types.is_struct(schema.field("reward_model").type)
+    rows = read_rows(train)
+    row = rows[0]
+    assert row["data_source"] == ARITHMETIC_DATA_SOURCE
+    assert row["prompt"][0]["role"] == "user"
+    a, b = row["prompt"][0]["content"].rstrip("=").split("+")
+    assert row["reward_model"]["ground_truth"] == str(int(a) + int(b))
+    # Held-out problems never occur in training.
+    train_q = {r["prompt"][0]["content"] for r in rows}
+    test_q = {r["prompt"][0]["content"] for r in read_rows(test)}
+    assert train_q.isdisjoint(test_q) and len(test_q) > 0
+
+
+def test_builtin_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNC_RL_CACHE", str(tmp_path))
+    first = resolve("builtin:arithmetic/train")
+    mtime = (tmp_path / first).stat().st_mtime_ns
+    assert resolve("builtin:arithmetic/train") == first
+    assert (tmp_path / first).stat().st_mtime_ns == mtime
+
+
+def test_unknown_builtin_lists_valid():
+    with pytest.raises(ValueError, match="builtin:tiny-qwen2"):
+        resolve("builtin:nope")
+    with pytest.raises(ValueError, match="builtin:arithmetic/test"):
+        resolve("builtin:arithmetic/validation")
+
+
+def _write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def _row(content="1+2=", gt="3"):
+    return {"prompt": [{"role": "user", "content": content}], "data_source": ARITHMETIC_DATA_SOURCE,
+            "reward_model": {"style": "rule", "ground_truth": gt}, "extra_info": {"answer": gt}}
+
+
+def test_row_without_prompt_names_file_and_row(tmp_path, tiny_tokenizer):
+    f = tmp_path / "bad.parquet"
+    rows = [_row(), _row()]
+    rows[1] = {k: v for k, v in rows[1].items() if k != "prompt"}
+    rows[1]["question"] = "1+2="
+    _write_parquet(f, rows)
+    with pytest.raises(ValueError, match=r"bad.parquet: row 1: missing required field 'prompt'"):
+        PromptDataset([str(f)], tiny_tokenizer, max_prompt_tokens=64)
+
+
+def test_jsonl_row_without_prompt_and_bad_json(tmp_path, tiny_tokenizer):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps(_row()) + "\n" + json.dumps({"data_source": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl: row 1: missing required field 'prompt'"):
+        PromptDataset([str(f)], tiny_tokenizer, max_prompt_tokens=64)
+    g = tmp_path / "broken.jsonl"
+    g.write_text(json.dumps(_row()) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl: line 2: not valid JSON"):
+        read_rows(g)
+
+
+def test_malformed_messages_rejected(tmp_path, tiny_tokenizer):
+    f = tmp_path / "msgs.jsonl"
+    f.write_text(json.dumps({"prompt": "just a string"}) + "\n")
+    with pytest.raises(ValueError, match=r"row 0: 'prompt' must be a non-empty list"):
+        PromptDataset([str(f)], tiny_tokenizer, max_prompt_tokens=64)
+
+
+def test_too_long_prompt_rejected_and_counted(tmp_path, tiny_tokenizer, caplog):
+    f = tmp_path / "mixed.parquet"
+    _write_parquet(f, [_row(), _row("1+2+3+4+5+6+7+8+9+10+11+12=", "78"), _row("4+5=", "9")])
+    ds = PromptDataset([str(f)], tiny_tokenizer, max_prompt_tokens=16)
+    assert len(ds) == 2
+    assert ds.num_rejected_too_long == 1
+    assert "row 1" in caplog.text and "rejected" in caplog.text
+    # Accepted prompts are never truncated.
+    assert all(len(p.prompt_ids) <= 16 for p in ds.prompts)
+    assert tiny_tokenizer.decode(ds.prompts[1].prompt_ids).count("4+5=") == 1
+
+
+def test_order_is_seeded_and_resumable(tiny_tokenizer):
+    train = resolve("builtin:arithmetic/train")
+    a = PromptDataset([train], tiny_tokenizer, 64, seed=3)
+    b = PromptDataset([train], tiny_tokenizer, 64, seed=3)
+    first = [p.uid for p in a.next_batch(len(a) + 5)]  # crosses an epoch boundary
+    assert first == [p.uid for p in b.next_batch(len(b) + 5)]
+    assert len(set(first[: len(a)])) == len(a)  # one epoch visits every prompt once
+    state = a.state_dict()
+    nxt = [p.uid for p in a.next_batch(7)]
+    c = PromptDataset([train], tiny_tokenizer, 64, seed=3)
+    c.load_state_dict(state)
+    assert [p.uid for p in c.next_batch(7)] == nxt
