@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAKY_REWARD = '''
 import math
 def reward(data_source, response_text, ground_truth, extra_info):
-    if response_text.startswith("1"):
+    if len(response_text) % 3 == 0:
         raise RuntimeError("reward service down")
-    if response_text.startswith("2"):
+    if len(response_text) % 3 == 1:
         return math.nan
     return {"score": float(response_text.strip() == ground_truth), "acc": float(response_text.strip() == ground_truth)}
 '''
@@ -33,8 +33,10 @@ def _cfg(tmp_path, *extra):
 
 @pytest.mark.slow
 def test_short_run_end_to_end(tmp_path):
-    summary = train(_cfg(tmp_path))
+    summary = train(_cfg(tmp_path, "logging.wandb.mode=offline"))
     run = tmp_path / "run"
+    wandb_runs = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(wandb_runs) == 1 and wandb_runs[0].stat().st_size > 0
     assert (run / "config.yaml").exists()
     assert load_config(run / "config.yaml").trainer.total_steps == 3
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
@@ -69,7 +71,7 @@ def test_failing_reward_is_counted_not_fatal(tmp_path, on_error):
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if l["step"] >= 1]
     errors = sum(l["reward/errors"] for l in steps)
-    assert errors > 0, "the untrained model emits digits 1 and 2 often enough to hit both failure paths"
+    assert errors > 0, "responses of every length modulo 3 occur, so both failure paths are hit"
     rejected = sum(l["reward/rejected"] + l["rollout/rejected_samples"] for l in steps)
     if on_error == "reject":
         assert sum(l["rollout/rejected_samples"] for l in steps) == errors
