@@ -53,7 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from async_rl.controller import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        # Bad input (a malformed dataset row, a missing file): one actionable line, no traceback.
+        # ASYNC_RL_LOG_LEVEL=DEBUG shows the traceback.
+        logging.getLogger(__name__).debug("training failed", exc_info=True)
+        print(f"async-rl: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

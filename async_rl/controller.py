@@ -264,7 +264,6 @@ def train(cfg: "Config") -> dict[str, Any]:
     t_cfg, seed = cfg.trainer, cfg.trainer.seed
     random.seed(seed)
     torch.manual_seed(seed)
-    run_dir = make_run_dir(cfg)
     model_path = resolve(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model.tokenizer_path or cfg.model.path))
     if tokenizer.pad_token_id is None:
@@ -274,6 +273,12 @@ def train(cfg: "Config") -> dict[str, Any]:
     val_ds = (PromptDataset([resolve(f) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
                             limit=d.val_max_prompts) if d.val_files else None)
     fn = get_reward_fn(cfg.reward.fn) if cfg.reward.fn else _dispatch_by_source
+    if not cfg.reward.fn:
+        # Fail before training, not as a reward error on every sample: each data_source needs a reward.
+        for source in {p.data_source for ds in (train_ds, val_ds) if ds is not None for p in ds.prompts}:
+            default_reward_for(source)
+    # The run directory is made only once the inputs have loaded, so a bad dataset leaves none behind.
+    run_dir = make_run_dir(cfg)
     scorer = RewardScorer(fn, on_error=cfg.reward.on_error)
     eval_scorer = RewardScorer(fn, on_error="zero")  # separate counters: eval must not leak into train metrics
     stops = stop_token_ids(tokenizer, model_path)

@@ -9,7 +9,7 @@ A row is a mapping with
 - ``extra_info``: free-form mapping passed to the reward function.
 
 Rows are validated when the file is read: a malformed row raises ``ValueError`` naming the file
-and the row index. A prompt whose rendered length exceeds ``data.max_prompt_tokens`` is never
+and the 0-based row index (a jsonl line that is not JSON is named by its 1-based line number). A prompt whose rendered length exceeds ``data.max_prompt_tokens`` is never
 truncated: it is rejected, logged and counted (``PromptDataset.num_rejected_too_long``).
 
 Iteration is deterministic: the order is a seeded permutation per epoch, and
@@ -163,7 +163,7 @@ class PromptDataset:
         self.num_rejected_too_long = 0
         for file in files:
             for i, row in enumerate(read_rows(file)):
-                where = f"{file}: row {i}"
+                where = f"{file}: row {i} (0-based)"
                 validate_row(row, where)
                 ids = render_prompt(tokenizer, row["prompt"])
                 if len(ids) > max_prompt_tokens:
