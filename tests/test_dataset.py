@@ -60,14 +60,14 @@ def test_row_without_prompt_names_file_and_row(tmp_path, tiny_tokenizer):
     rows[1] = {k: v for k, v in rows[1].items() if k != "prompt"}
     rows[1]["question"] = "1+2="
     _write_parquet(f, rows)
-    with pytest.raises(ValueError, match=r"bad.parquet: row 1: missing required field 'prompt'"):
+    with pytest.raises(ValueError, match=r"bad.parquet: row 1 \(0-based\): missing required field 'prompt'"):
         PromptDataset([str(f)], tiny_tokenizer, max_prompt_tokens=64)
 
 
 def test_jsonl_row_without_prompt_and_bad_json(tmp_path, tiny_tokenizer):
     f = tmp_path / "bad.jsonl"
     f.write_text(json.dumps(_row()) + "\n" + json.dumps({"data_source": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl: row 1: missing required field 'prompt'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl: row 1 \(0-based\): missing required field 'prompt'"):
         PromptDataset([str(f)], tiny_tokenizer, max_prompt_tokens=64)
     g = tmp_path / "broken.jsonl"
     g.write_text(json.dumps(_row()) + "\n{not json\n")
@@ -78,7 +78,7 @@ def test_jsonl_row_without_prompt_and_bad_json(tmp_path, tiny_tokenizer):
 def test_malformed_messages_rejected(tmp_path, tiny_tokenizer):
     f = tmp_path / "msgs.jsonl"
     f.write_text(json.dumps({"prompt": "just a string"}) + "\n")
-    with pytest.raises(ValueError, match=r"row 0: 'prompt' must be a non-empty list"):
+    with pytest.raises(ValueError, match=r"row 0 \(0-based\): 'prompt' must be a non-empty list"):
         PromptDataset([str(f)], tiny_tokenizer, max_prompt_tokens=64)
 
 

@@ -48,7 +48,8 @@ def test_short_run_end_to_end(tmp_path):
     assert all(l["staleness/max"] == 0 for l in steps)
     # Sampling and learner agree on log-probs (same temperature, same weights).
     assert all(l["mismatch/logprob_abs_diff"] < 1e-4 for l in steps)
-    assert [l["policy/version"] for l in steps] == [1, 2, 3]
+    # The default recipe takes learner.num_mini_batches=4 optimizer steps (policy versions) per step.
+    assert [l["policy/version"] for l in steps] == [4, 8, 12]
     evals = [l for l in lines if "eval/accuracy" in l]
     assert [l["step"] for l in evals] == [0, 2, 3]
     assert summary["eval_step_0"] == evals[0]["eval/accuracy"]
@@ -79,3 +80,25 @@ def test_failing_reward_is_counted_not_fatal(tmp_path, on_error):
     else:
         assert rejected == 0
         assert all(l["rollout/num_trajectories"] == 16 for l in steps)
+
+
+def test_bad_dataset_is_one_line_and_leaves_no_run_dir(tmp_path, capsys):
+    from async_rl.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"data_source": "async_rl/arithmetic", "reward_model": {"ground_truth": "3"}}\n')
+    rc = main(["train", "--config", str(ROOT / "configs/default.yaml"), f"data.train_files=[{bad}]",
+               f"trainer.output_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.strip().splitlines() == [f"async-rl: error: {bad}: row 0 (0-based): missing required field 'prompt' "
+                                        "(fields present: ['data_source', 'reward_model'])"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_data_source_fails_before_training(tmp_path):
+    f = tmp_path / "odd.jsonl"
+    f.write_text('{"prompt": [{"role": "user", "content": "1+2="}], "data_source": "my/odd_source"}\n')
+    with pytest.raises(ValueError, match="my/odd_source"):
+        train(_cfg(tmp_path, f"data.train_files=[{f}]", "data.val_files=[]"))
+    assert not (tmp_path / "run").exists()
