@@ -18,7 +18,7 @@ log-probs whether it is left- or right-padded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -175,7 +175,3 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
     )
 
-
-def trajectory_to_dict(t: Trajectory) -> dict[str, Any]:
-    """Plain-python form of a trajectory (msgpack-safe: only str/int/float/list/dict)."""
-    return dict(t.__dict__)

@@ -166,6 +166,9 @@ class FSDPLearner:
             proximal = self.compute_logprobs(batch)
         per_mb: list[dict[str, torch.Tensor]] = []
         weights: list[float] = []
+        # Micro-batch losses are already divided by the mini-batch's global normaliser, so their
+        # sum is the mini-batch loss; loss/pg is that sum averaged over the optimizer steps.
+        pg_losses: list[torch.Tensor] = []
         for epoch in range(self.cfg.num_epochs):
             for idx in self._split(len(batch), self.cfg.num_mini_batches, epoch):
                 mini = batch.select(idx)
@@ -188,7 +191,7 @@ class FSDPLearner:
                         **a.loss_params(),
                     )
                     metrics = {f"loss/{k}": v for k, v in metrics.items()}
-                    metrics["loss/pg"] = loss.detach()
+                    pg_losses.append(loss.detach())
                     total = loss
                     ent = aggregate_loss(entropy, mb.loss_mask, a.loss_agg_mode, num_global_tokens=num_tokens,
                                          num_global_seqs=num_seqs, horizon=a.loss_horizon_tokens)
@@ -208,20 +211,10 @@ class FSDPLearner:
                 self.version += 1
                 per_mb.append({"actor/grad_norm": grad_norm})
                 weights.append(1.0)
-        # "loss/pg" is a share of the mini-batch loss per micro-batch: report the per-token mean instead.
         out = reduce_metrics(per_mb, weights)
         out["actor/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
-        out.pop("loss/pg", None)
-        out["loss/pg"] = self._pg_loss_per_step(per_mb)
+        out["loss/pg"] = torch.stack(pg_losses).sum() / (self.cfg.num_epochs * self.cfg.num_mini_batches)
         return out
-
-    @staticmethod
-    def _pg_loss_per_step(per_mb: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        # Micro-batch losses are already divided by the global normaliser, so their sum is the
-        # mini-batch loss; average that over the step's optimizer steps.
-        losses = [m["loss/pg"] for m in per_mb if "loss/pg" in m]
-        steps = sum(1 for m in per_mb if "actor/grad_norm" in m)
-        return torch.stack(losses).sum() / max(1, steps)
 
     def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, torch.Tensor]:
         """One supervised step: token-mean negative log-likelihood of the loss-masked tokens.
