@@ -142,10 +142,14 @@ def _cross_validate(cfg: Config) -> None:
     if cfg.algorithm.loss_horizon_tokens is None:
         # Dr.GRPO's constant horizon: the longest response the generator may produce.
         cfg.algorithm.loss_horizon_tokens = cfg.generator.max_response_tokens
-    if cfg.trainer.samples_per_prompt < 2 and cfg.algorithm.advantage_estimator in ("grpo", "dr_grpo", "rloo"):
+    n = cfg.trainer.samples_per_prompt
+    if n < 2 and cfg.algorithm.advantage_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
         raise ConfigError(
-            f"trainer.samples_per_prompt={cfg.trainer.samples_per_prompt}: the {cfg.algorithm.advantage_estimator} "
+            f"trainer.samples_per_prompt={n}: the {cfg.algorithm.advantage_estimator} "
             "estimator compares samples within a group and needs at least 2 per prompt")
+    if n < 2 and cfg.algorithm.dynamic_sampling:
+        raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
+                          "differ, which needs at least 2 samples per prompt")
 
 
 def to_yaml(cfg: Config) -> str:

@@ -174,18 +174,92 @@ def accuracy_of(trajectories) -> float:
     return sum(hits) / len(hits)
 
 
-def make_batch(trajectories, algo, pad_token_id: int):
-    """Collate trajectories and fill in advantages with the configured estimator."""
+def _last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` float32: each sequence reward ``[B]`` on its last valid token, 0 elsewhere."""
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    valid = mask.bool()
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).amax(dim=-1, keepdim=True)
+    return torch.where(valid & (positions == last), rewards.float().unsqueeze(-1), torch.zeros(()))
+
+
+def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, learner=None,
+               ) -> tuple[Any, dict[str, float]]:
+    """Collate trajectories and fill in advantages (and critic returns) with the configured algorithm.
+
+    In order: DAPO overlong filtering zeroes the loss mask of truncated samples; DAPO soft
+    overlong punishment shapes the rewards; ``learner.prepare`` adds proximal/reference
+    log-probs and critic values; a KL-in-reward penalty ``kl_coef * KL_t`` (InstructGPT eq. 2)
+    is taken from the per-token rewards (token-reward estimators) or from the sequence reward as
+    its sum over valid tokens (sequence estimators, as verl does); then the estimator runs on the
+    explicit group ids.
+
+    Args:
+        trajectories: the step's trajectories.
+        algo: ``AlgorithmConfig`` (preset applied).
+        pad_token_id: padding id of the collated batch.
+        max_response_tokens: the generator's response limit L, in tokens (overlong shaping).
+        learner: the learner whose ``prepare`` fills the extras; ``None`` skips it (then neither
+            a KL penalty nor a critic estimator can be used).
+
+    Returns:
+        ``(batch, metrics)``: the ``TrainBatch`` with ``advantages`` (and ``returns`` in
+        ``extras`` when there is a critic) and metrics of the shaping steps.
+
+    Raises:
+        ValueError: a KL penalty or a critic estimator without a learner, or the estimator's errors.
+    """
     from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+    from async_rl.algorithms.config import TOKEN_REWARD_ESTIMATORS
+    from async_rl.algorithms.dapo import overlong_filter_mask, overlong_reward_shaping
+    from async_rl.algorithms.kl import apply_kl_reward_penalty, kl_penalty
+    from async_rl.algorithms.logprobs import masked_mean
     from buffers.trajectory import collate
 
     batch = collate(trajectories, pad_token_id)
+    metrics: dict[str, float] = {}
+    if algo.overlong_filter:
+        keep = overlong_filter_mask([t.finish_reason for t in trajectories])
+        batch.loss_mask = batch.loss_mask * keep.unsqueeze(-1).float()
+        metrics["rollout/overlong_filtered"] = float((~keep).sum())
+    rewards = batch.rewards
+    if algo.overlong_buffer_frac > 0:
+        lengths = torch.tensor([len(t.response_ids) for t in trajectories])
+        shaped = overlong_reward_shaping(
+            rewards, lengths, max_response_tokens=max_response_tokens,
+            buffer_tokens=max(1, round(algo.overlong_buffer_frac * max_response_tokens)),
+            penalty_factor=algo.overlong_penalty_factor)
+        metrics["reward/overlong_penalty_mean"] = float((shaped - rewards).mean())
+        rewards = shaped
+    if learner is not None:
+        metrics.update(learner.prepare(batch))
+    elif algo.needs_critic or algo.needs_reference:
+        raise ValueError("make_batch: a critic estimator or a KL term needs the learner's prepare() pass")
+    token_rewards = None
+    if algo.needs_reference and algo.use_kl_in_reward:
+        policy_lp = batch.extras.get("proximal_logprobs", batch.behavior_logprobs)
+        kl = kl_penalty(policy_lp, batch.extras["ref_logprobs"], algo.kl_estimator, mask=batch.loss_mask)
+        metrics["actor/kl_reward_penalty"] = float(algo.kl_coef * masked_mean(kl, batch.loss_mask))
+        if algo.advantage_estimator in TOKEN_REWARD_ESTIMATORS:
+            token_rewards = apply_kl_reward_penalty(_last_token_rewards(rewards, batch.loss_mask), kl,
+                                                    algo.kl_coef, mask=batch.loss_mask)
+        else:
+            rewards = rewards - algo.kl_coef * (kl * batch.loss_mask).sum(-1)
     estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
-    advantages, _ = estimator(
-        AdvantageInputs(rewards=batch.rewards, response_mask=batch.loss_mask, group_ids=batch.group_ids),
+    advantages, returns = estimator(
+        AdvantageInputs(rewards=rewards, response_mask=batch.loss_mask, group_ids=batch.group_ids,
+                        values=batch.extras.get("values"), token_rewards=token_rewards),
         **algo.advantage_params())
     batch.advantages = advantages * batch.loss_mask
-    return batch
+    if "values" in batch.extras:
+        batch.extras["returns"] = returns
+        mask = batch.loss_mask.bool()
+        err, ret = (returns - batch.extras["values"])[mask], returns[mask]
+        metrics["critic/values_mean"] = float(batch.extras["values"][mask].mean()) if mask.any() else 0.0
+        metrics["critic/returns_mean"] = float(ret.mean()) if mask.any() else 0.0
+        if ret.numel() > 1 and float(ret.var()) > 0:
+            # Explained variance 1 - Var[R - V] / Var[R]: 1 is a perfect critic, <= 0 no better than a constant.
+            metrics["critic/explained_variance"] = float(1.0 - err.var() / ret.var())
+    return batch, metrics
 
 
 def evaluate(generator, dataset, params, scorer, tokenizer) -> dict[str, float]:
@@ -226,7 +300,6 @@ def warm_start(learner, dataset, tokenizer, cfg: WarmStartConfig, eos_id: int, s
         metrics = learner.sft_step(collate(trajs, tokenizer.pad_token_id), cfg.lr)
         if step % max(1, cfg.steps // 5) == 0 or step == cfg.steps:
             log(f"warm start {step}/{cfg.steps}: loss {float(metrics['sft/loss']):.4f}")
-    learner.reset_optimizer()
 
 
 def push_weights(learner, generator) -> dict[str, float]:
@@ -300,6 +373,7 @@ def train(cfg: "Config") -> dict[str, Any]:
         if t_cfg.warm_start.steps:
             warm_start(learner, train_ds, tokenizer, t_cfg.warm_start, tokenizer.eos_token_id, seed, log.print)
             push_weights(learner, generator)
+        learner.begin_rl()
         if val_ds is not None:
             ev = evaluate(generator, val_ds, eval_params, eval_scorer, tokenizer)
             summary["eval_step_0"] = ev["eval/accuracy"]
@@ -307,8 +381,9 @@ def train(cfg: "Config") -> dict[str, Any]:
             log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}")
         next_group = 0
         for step in range(1, t_cfg.total_steps + 1):
-            metrics = _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer, params, next_group)
-            next_group += t_cfg.prompts_per_step
+            metrics, groups_used = _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer,
+                                               params, next_group)
+            next_group += groups_used
             due = t_cfg.eval_every_steps and step % t_cfg.eval_every_steps == 0
             if val_ds is not None and (due or step == t_cfg.total_steps):
                 t0 = time.perf_counter()
@@ -337,20 +412,72 @@ def _dispatch_by_source(data_source, response_text, ground_truth, extra_info):
     return default_reward_for(data_source)(data_source, response_text, ground_truth, extra_info)
 
 
-def _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer, params, first_group) -> dict[str, float]:
+def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, first_group: int,
+                          ) -> tuple[RolloutResult, dict[str, float], int]:
+    """One step's trajectories: a single rollout round, or DAPO dynamic sampling.
+
+    With ``algorithm.dynamic_sampling`` each round takes as many new prompts as groups are still
+    missing; a group whose (unshaped) rewards are all equal is dropped and counted (it carries no
+    group-relative signal); rounds repeat until ``trainer.prompts_per_step`` groups have spread,
+    at most ``algorithm.max_generation_rounds`` times (DAPO, arXiv 2503.14476, Sec. 3.2).
+
+    Returns:
+        ``(rollout, metrics, groups_used)``: the kept trajectories with rejection counts summed
+        over rounds, ``rollout/dynamic_sampling_*`` metrics, and how many group ids were used.
+
+    Raises:
+        ValueError: fewer groups with spread than needed after the last round (counts in the message).
+    """
+    from async_rl.algorithms.dapo import fill_groups_with_spread
+
+    t_cfg, algo = cfg.trainer, cfg.algorithm
+    n = t_cfg.samples_per_prompt
+    if not algo.dynamic_sampling:
+        prompts = train_ds.next_batch(t_cfg.prompts_per_step)
+        return rollout(generator, prompts, n, params, scorer, tokenizer, first_group), {}, len(prompts)
+    totals = {"samples": 0, "groups": 0, "tokens": 0, "used": 0}
+
+    def generate_round(missing: int):
+        prompts = train_ds.next_batch(missing)
+        ro = rollout(generator, prompts, n, params, scorer, tokenizer, first_group + totals["used"])
+        totals["used"] += len(prompts)
+        totals["samples"] += ro.num_rejected_samples
+        totals["groups"] += ro.num_rejected_groups
+        totals["tokens"] += ro.num_generated_tokens
+        by_group: dict[int, list] = {}
+        for t in ro.trajectories:
+            by_group.setdefault(t.group_id, []).append(t)
+        return list(by_group.values())
+
+    try:
+        result = fill_groups_with_spread(generate_round, target_groups=t_cfg.prompts_per_step,
+                                         max_rounds=algo.max_generation_rounds,
+                                         rewards_of=lambda group: [t.reward for t in group])
+    except ValueError as e:
+        raise ValueError(f"{e} (algorithm.max_generation_rounds={algo.max_generation_rounds}, "
+                         f"trainer.prompts_per_step={t_cfg.prompts_per_step})") from None
+    trajectories = [t for group in result.groups for t in group]
+    metrics = {"rollout/dynamic_sampling_rounds": float(result.num_rounds),
+               "rollout/dynamic_sampling_rejected_groups": float(result.num_rejected)}
+    return RolloutResult(trajectories, totals["samples"], totals["groups"], totals["tokens"]), metrics, totals["used"]
+
+
+def _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer, params, first_group,
+                ) -> tuple[dict[str, float], int]:
     t_cfg = cfg.trainer
     t0 = time.perf_counter()
-    prompts = train_ds.next_batch(t_cfg.prompts_per_step)
-    ro = rollout(generator, prompts, t_cfg.samples_per_prompt, params, scorer, tokenizer, first_group)
+    ro, metrics, groups_used = collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, first_group)
     t_gen = time.perf_counter() - t0
-    metrics: dict[str, float] = {f"reward/{k.split('/', 1)[1]}": v for k, v in scorer.pop_metrics().items()}
+    metrics.update({f"reward/{k.split('/', 1)[1]}": v for k, v in scorer.pop_metrics().items()})
     trajs = ro.trajectories
     if not trajs:
         raise RuntimeError(f"step {step}: every sample was rejected by the reward function (see the warnings above)")
     staleness = [learner.version - t.min_version for t in trajs]
     assert max(staleness) <= t_cfg.max_staleness, f"staleness {max(staleness)} > max_staleness {t_cfg.max_staleness}"
     t1 = time.perf_counter()
-    batch = make_batch(trajs, cfg.algorithm, tokenizer.pad_token_id)
+    batch, batch_metrics = make_batch(trajs, cfg.algorithm, tokenizer.pad_token_id,
+                                      cfg.generator.max_response_tokens, learner)
+    metrics.update(batch_metrics)
     train_metrics = learner.train_step(batch)
     t_train = time.perf_counter() - t1
     metrics.update(push_weights(learner, generator))
@@ -379,4 +506,4 @@ def _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer, para
         "timing/train_s": t_train,
         "timing/step_s": time.perf_counter() - t0,
     })
-    return metrics
+    return metrics, groups_used

@@ -20,6 +20,32 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass
+class CriticConfig:
+    """The value model of PPO: the policy's architecture with a scalar head, trained on GAE returns.
+
+    Built only when the advantage estimator needs values (``algorithm.name=ppo`` or
+    ``algorithm.advantage_estimator=gae``). It shares the policy's mini-batch split and
+    micro-batch size, and takes one optimizer step per policy optimizer step.
+    """
+
+    model_path: str | None = None
+    """Initial backbone weights (a Hugging Face causal-LM directory or ``builtin:`` URI);
+    ``None`` = the policy's starting weights (after the warm start, if any)."""
+    lr: float = 1e-5
+    """Peak AdamW learning rate of the critic (> 0); same warm-up and schedule as the policy."""
+    clip_range_value: float | None = 0.5
+    """Value clipping epsilon in reward units (> 0); ``None`` = plain squared error."""
+    loss_coef: float = 1.0
+    """Scale of the value loss (> 0); the critic has its own optimizer, so this acts like its LR."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or not self.loss_coef > 0:
+            raise ValueError(f"learner.critic.lr and loss_coef must be > 0, got {self.lr} and {self.loss_coef}")
+        if self.clip_range_value is not None and not self.clip_range_value > 0:
+            raise ValueError(f"learner.critic.clip_range_value must be > 0 or null, got {self.clip_range_value}")
+
+
+@dataclass
 class LearnerConfig:
     """Trainer-side settings: sharding, optimizer, schedule and batching."""
 
@@ -51,6 +77,8 @@ class LearnerConfig:
     """Passes over the step's batch (>= 1)."""
     seed: int = 0
     """Seed for model-side randomness."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model, used only by estimators that need values (``gae``)."""
 
     def __post_init__(self) -> None:
         if self.backend not in LEARNER_BACKENDS:

@@ -4,14 +4,16 @@ Each decoder layer (the classes in the model's ``_no_split_modules``) is sharded
 over a 1-D device mesh on the default process group (gloo on CPU). With world size 1 the group
 is created in-process from a ``HashStore``, so a laptop run needs no launcher or free port.
 
-A training step (``train_step``):
+Before a training step the controller calls ``prepare`` (no grad): proximal log-probs with the
+current weights (unless the algorithm runs in bypass mode, proximal := behavior), reference
+log-probs when a KL term is on, and critic values when the estimator needs them. Advantages are
+computed from these (KL-in-reward and GAE need them), then ``train_step``:
 
-1. recompute proximal log-probs of the whole batch with the current weights (no grad), unless the
-   algorithm runs in bypass mode (proximal := behavior);
+1. takes the proximal log-probs from ``prepare`` (or computes them if it was skipped);
 2. for each epoch, split the batch into ``num_mini_batches`` mini-batches; for each, count the
    valid tokens and sequences of the whole mini-batch (the global normaliser), run the
    micro-batches with gradient accumulation, clip, and take one optimizer step (one policy
-   version);
+   version); the critic, when there is one, takes its step on the same mini-batch;
 3. return metrics reduced once per training step (token-weighted means over micro-batches).
 """
 
@@ -31,6 +33,7 @@ from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.metrics import reduce_metrics
 from buffers.trajectory import TrainBatch
 from learners.base import LearnerConfig
+from learners.critic import FSDPCritic, copy_matching_parameters
 
 
 def init_single_process_group() -> None:
@@ -80,41 +83,82 @@ class FSDPLearner:
         temperature: the generator's sampling temperature; learner log-probs and entropy are
             computed from ``logits / temperature`` so they match the behavior log-probs.
         total_optimizer_steps: for the LR schedule.
+
+    Raises:
+        ValueError: the model declares no decoder layers to shard, or the critic's backbone does
+            not match the policy's weights.
     """
 
     def __init__(self, cfg: LearnerConfig, algo: AlgorithmConfig, model_path: str, temperature: float,
                  total_optimizer_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM
 
         self.cfg, self.algo, self.temperature = cfg, algo.apply_preset(), temperature
         self.total_optimizer_steps = total_optimizer_steps
+        self.model_path = model_path
         init_single_process_group()
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        model.config.use_cache = False
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.model = model.train()
+        self.mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        self.model = self._load_policy(model_path)
         self.policy_loss = POLICY_LOSSES.get(algo.policy_loss)
-        self.ref_model = None
+        self.ref_model: torch.nn.Module | None = None
+        self.critic: FSDPCritic | None = None
+        if self.algo.needs_critic:
+            from async_rl.data.builtin import resolve
+
+            critic_path = resolve(cfg.critic.model_path) if cfg.critic.model_path else model_path
+            self.critic = FSDPCritic(cfg.critic, critic_path, self._shard, self._make_optimizer)
         self.version = 0
         self.reset_optimizer()
 
+    def _shard(self, module: torch.nn.Module, layers_of: torch.nn.Module | None = None) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in _decoder_layers(layers_of or module):
+            fully_shard(layer, mesh=self.mesh)
+        fully_shard(module, mesh=self.mesh)
+
+    def _load_policy(self, path: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.config.use_cache = False
+        self._shard(model)
+        # Eval mode = no dropout (gradients still flow): the generator samples without dropout, so
+        # dropout in the learner would make proximal and training log-probs noisy and the PPO ratio
+        # != 1 on-policy (GPT-2 configs ship 0.1 dropout; regression test in test_learner_algorithms).
+        return model.eval()
+
+    def _make_optimizer(self, params, lr: float):
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
+                                      weight_decay=self.cfg.weight_decay)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg, self.total_optimizer_steps))
+
     def reset_optimizer(self, lr: float | None = None) -> None:
         """Fresh AdamW and LR schedule (after a supervised warm start, for example)."""
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr or self.cfg.lr, betas=tuple(self.cfg.betas), eps=self.cfg.eps,
-            weight_decay=self.cfg.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.cfg, self.total_optimizer_steps))
+        self.optimizer, self.scheduler = self._make_optimizer(self.model.parameters(), lr or self.cfg.lr)
+
+    def begin_rl(self) -> None:
+        """Freeze the RL starting point: call once, after any warm start and before step 1.
+
+        Resets the policy optimizer; snapshots the current policy as the frozen reference when a
+        KL term is on (the KL then anchors to the policy RL started from, as in verl and
+        OpenRLHF); and, when the critic has no ``model_path`` of its own, starts its backbone from
+        the current policy.
+        """
+        self.reset_optimizer()
+        if self.algo.needs_reference:
+            if self.ref_model is None:
+                self.ref_model = self._load_policy(self.model_path)
+            copy_matching_parameters(self.model.named_parameters(), self.ref_model)
+            self.ref_model.eval().requires_grad_(False)
+        if self.critic is not None and self.cfg.critic.model_path is None:
+            self.critic.load_backbone(self.model.named_parameters())
 
     # ------------------------------------------------------------------ forward passes
-    def _forward(self, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+    def _forward(self, mb: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = (model or self.model)(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                             position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
         labels = mb.input_ids[:, 1:]
         logprobs = logprobs_from_logits(logits, labels, self.temperature)
@@ -126,9 +170,42 @@ class FSDPLearner:
             yield batch.select(slice(start, start + self.cfg.micro_batch_size))
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs ``[B, L-1]`` float32 of the batch's labels under the current weights."""
-        return torch.cat([self._forward(mb, with_entropy=False)[0] for mb in self._micro_batches(batch)])
+    def compute_logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Log-probs ``[B, L-1]`` float32 of the batch's labels under the current weights (or ``model``'s)."""
+        return torch.cat([self._forward(mb, with_entropy=False, model=model)[0] for mb in self._micro_batches(batch)])
+
+    @torch.no_grad()
+    def prepare(self, batch: TrainBatch) -> dict[str, float]:
+        """No-grad passes that advantages and the loss need, stored in ``batch.extras``.
+
+        Sets ``proximal_logprobs`` ``[B, L-1]`` (the current policy version; skipped in bypass
+        mode), ``ref_logprobs`` ``[B, L-1]`` (when a KL term is on) and ``values`` ``[B, L-1]``
+        (when there is a critic), all float32 and aligned with the labels.
+
+        Returns:
+            Timings in seconds: ``timing/proximal_s``, ``timing/ref_s``, ``timing/values_s``.
+
+        Raises:
+            RuntimeError: a KL term is on but ``begin_rl`` was never called (no reference yet).
+        """
+        import time
+
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if not self.algo.bypass_proximal:
+            batch.extras["proximal_logprobs"] = self.compute_logprobs(batch)
+            timings["timing/proximal_s"] = time.perf_counter() - t0
+        if self.algo.needs_reference:
+            if self.ref_model is None:
+                raise RuntimeError("algorithm.kl_coef > 0 but no reference policy: call begin_rl() before training")
+            t0 = time.perf_counter()
+            batch.extras["ref_logprobs"] = self.compute_logprobs(batch, model=self.ref_model)
+            timings["timing/ref_s"] = time.perf_counter() - t0
+        if self.critic is not None:
+            t0 = time.perf_counter()
+            batch.extras["values"] = self.critic.compute_values(batch, self.cfg.micro_batch_size)
+            timings["timing/values_s"] = time.perf_counter() - t0
+        return timings
 
     # ------------------------------------------------------------------ updates
     def _optimizer_step(self) -> torch.Tensor:
@@ -153,15 +230,23 @@ class FSDPLearner:
         """Policy-gradient update(s) on one step's batch; see the module docstring.
 
         Args:
-            batch: collated trajectories with ``advantages`` and ``behavior_logprobs`` set; a
-                ``ref_logprobs`` extra is used for the KL term when ``algorithm.kl_coef > 0``.
+            batch: collated trajectories with ``advantages`` and ``behavior_logprobs`` set, after
+                ``prepare``: its ``proximal_logprobs`` extra is used (computed here if absent), a
+                ``ref_logprobs`` extra for the KL loss term, ``values`` and ``returns`` extras
+                for the critic.
 
         Returns:
-            Metrics under ``loss/``, ``actor/`` and ``mismatch/``, one value per training step.
+            Metrics under ``loss/``, ``actor/``, ``critic/`` and ``mismatch/``, one value per
+            training step.
+
+        Raises:
+            KeyError: a KL loss term or a critic is configured but the batch lacks its extras.
         """
         a = self.algo
         if a.bypass_proximal:
             proximal = batch.behavior_logprobs
+        elif "proximal_logprobs" in batch.extras:
+            proximal = batch.extras["proximal_logprobs"]
         else:
             proximal = self.compute_logprobs(batch)
         per_mb: list[dict[str, torch.Tensor]] = []
@@ -169,6 +254,7 @@ class FSDPLearner:
         # Micro-batch losses are already divided by the mini-batch's global normaliser, so their
         # sum is the mini-batch loss; loss/pg is that sum averaged over the optimizer steps.
         pg_losses: list[torch.Tensor] = []
+        vf_losses: list[torch.Tensor] = []
         for epoch in range(self.cfg.num_epochs):
             for idx in self._split(len(batch), self.cfg.num_mini_batches, epoch):
                 mini = batch.select(idx)
@@ -205,15 +291,25 @@ class FSDPLearner:
                         metrics["loss/kl"] = masked_mean(kl.detach(), mb.loss_mask)
                     total.backward()
                     metrics["actor/entropy"] = masked_mean(entropy.detach(), mb.loss_mask)
+                    if self.critic is not None:
+                        critic_metrics = self.critic.backward(mb, a.loss_agg_mode, num_tokens, num_seqs,
+                                                              a.loss_horizon_tokens)
+                        vf_losses.append(critic_metrics.pop("critic/vf_loss"))
+                        metrics.update(critic_metrics)
                     per_mb.append(metrics)
                     weights.append(float(mb.loss_mask.sum()))
-                grad_norm = self._optimizer_step()
+                step_metrics = {"actor/grad_norm": self._optimizer_step()}
+                if self.critic is not None:
+                    step_metrics["critic/grad_norm"] = self.critic.optimizer_step(self.cfg.grad_clip)
                 self.version += 1
-                per_mb.append({"actor/grad_norm": grad_norm})
+                per_mb.append(step_metrics)
                 weights.append(1.0)
         out = reduce_metrics(per_mb, weights)
         out["actor/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
-        out["loss/pg"] = torch.stack(pg_losses).sum() / (self.cfg.num_epochs * self.cfg.num_mini_batches)
+        num_steps = self.cfg.num_epochs * self.cfg.num_mini_batches
+        out["loss/pg"] = torch.stack(pg_losses).sum() / num_steps
+        if vf_losses:
+            out["critic/vf_loss"] = torch.stack(vf_losses).sum() / num_steps
         return out
 
     def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, torch.Tensor]:

@@ -96,3 +96,27 @@ def test_resolved_config_round_trips(tmp_path):
     f.write_text(to_yaml(cfg))
     again = load_config(f)
     assert again == cfg
+
+
+def test_presets_select_everything_by_name():
+    ppo = load_config(ROOT / "configs/default.yaml", ["algorithm.name=ppo"]).algorithm
+    assert (ppo.advantage_estimator, ppo.needs_critic, ppo.dynamic_sampling) == ("gae", True, False)
+    dapo = load_config(ROOT / "configs/default.yaml", ["algorithm.name=dapo"]).algorithm
+    assert (dapo.clip_ratio_low, dapo.clip_ratio_high, dapo.dynamic_sampling, dapo.overlong_buffer_frac) == (
+        0.2, 0.28, True, 0.2)
+    # An explicit field beats the preset.
+    dapo = load_config(ROOT / "configs/default.yaml", ["algorithm.name=dapo", "algorithm.dynamic_sampling=false",
+                                                       "algorithm.overlong_buffer_frac=0"]).algorithm
+    assert (dapo.dynamic_sampling, dapo.overlong_buffer_frac) == (False, 0.0)
+    grpo = load_config(ROOT / "configs/default.yaml").algorithm
+    assert (grpo.needs_critic, grpo.needs_reference, grpo.dynamic_sampling, grpo.overlong_buffer_frac) == (
+        False, False, False, 0.0)
+    kl = load_config(ROOT / "configs/default.yaml", ["algorithm.kl_coef=0.01"]).algorithm
+    assert kl.needs_reference
+
+
+def test_dynamic_sampling_needs_two_samples():
+    with pytest.raises(ConfigError, match=r"dynamic sampling.*at least 2"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.samples_per_prompt=1", "algorithm.name=ppo",
+                                                    "algorithm.dynamic_sampling=true"])
+    load_config(ROOT / "configs/default.yaml", ["trainer.samples_per_prompt=1", "algorithm.name=ppo"])

@@ -10,8 +10,13 @@ grpo           grpo            ppo_clip     token-mean                 DeepSeekM
 dr_grpo        dr_grpo         ppo_clip     seq-mean-token-sum-norm    no std, constant horizon (2503.20783)
 rloo           rloo            ppo_clip     token-mean                 leave-one-out baseline (2402.14740)
 reinforce_pp   reinforce_pp    ppo_clip     token-mean                 batch-whitened (2501.03262)
-dapo           grpo            ppo_clip     token-mean                 clip-higher 0.28 (2503.14476)
+dapo           grpo            ppo_clip     token-mean                 clip-higher 0.28, dynamic sampling,
+                                                                       overlong shaping (2503.14476)
+ppo            gae             ppo_clip     token-mean                 critic + GAE (1707.06347, 1506.02438)
 =============  ==============  ===========  =========================  ============================
+
+The ``ppo`` preset (and any config whose estimator is ``gae``) trains a critic next to the policy
+(``learner.critic``); ``kl_coef > 0`` makes the learner keep a frozen reference policy.
 """
 
 from __future__ import annotations
@@ -27,8 +32,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "rloo": {"advantage_estimator": "rloo", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean"},
     "reinforce_pp": {"advantage_estimator": "reinforce_pp", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean"},
     "dapo": {"advantage_estimator": "grpo", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean",
-             "clip_ratio_high": 0.28},
+             "clip_ratio_high": 0.28, "dynamic_sampling": True, "overlong_buffer_frac": 0.2},
+    "ppo": {"advantage_estimator": "gae", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean"},
 }
+# Estimators that need critic values V(s_t): the learner builds a critic when one is chosen.
+CRITIC_ESTIMATORS = ("gae",)
+# Estimators whose inputs are per-token rewards; the others take one reward per sequence.
+TOKEN_REWARD_ESTIMATORS = ("gae", "reinforce_pp")
 BEHAVIOR_CORRECTIONS = ("none", "tis", "icepop", "seq_tis", "seq_icepop")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -38,7 +48,7 @@ class AlgorithmConfig:
     """Advantage estimator, policy loss and their coefficients."""
 
     name: str = "grpo"
-    """Preset: one of ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``dapo``."""
+    """Preset: one of ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``dapo``, ``ppo``."""
     advantage_estimator: str | None = None
     """Registered estimator name or ``pkg.module:fn``; ``None`` = the preset's."""
     policy_loss: str | None = None
@@ -73,6 +83,25 @@ class AlgorithmConfig:
     """Apply the KL as a reward penalty instead of a loss term."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (>= 0)."""
+    gamma: float = 1.0
+    """Discount per token for ``gae`` and ``reinforce_pp``, in [0, 1]."""
+    lam: float = 1.0
+    """GAE lambda, in [0, 1] (Schulman et al. 2015, arXiv 1506.02438)."""
+    whiten_advantages: bool = True
+    """``gae``: whiten advantages over the batch's valid tokens (standard for PPO on LLMs)."""
+    dynamic_sampling: bool | None = None
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts
+    until the step is full; ``None`` = the preset's (on for ``dapo``)."""
+    max_generation_rounds: int = 10
+    """Dynamic sampling gives up with an error after this many generation rounds in one step (>= 1)."""
+    overlong_buffer_frac: float | None = None
+    """DAPO soft overlong punishment: width of the penalty zone before
+    ``generator.max_response_tokens``, as a fraction of it in [0, 1]; 0 disables; ``None`` = the
+    preset's (0.2 for ``dapo``, else 0)."""
+    overlong_penalty_factor: float = 1.0
+    """Reward subtracted at the length limit by the overlong punishment (>= 0)."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: truncated samples (finish reason ``length``) get no loss."""
     loss_kwargs: dict[str, float] = field(default_factory=dict)
     """Extra keyword arguments for the policy loss (for example GSPO's clip range), passed as given."""
 
@@ -97,8 +126,14 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("algorithm.kl_coef and algorithm.entropy_coef must be >= 0")
-        if self.kl_coef > 0:
-            raise ValueError("algorithm.kl_coef > 0 needs a reference model, which the learner does not provide yet")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}/{self.lam}")
+        if self.max_generation_rounds < 1:
+            raise ValueError(f"algorithm.max_generation_rounds must be >= 1, got {self.max_generation_rounds}")
+        if self.overlong_buffer_frac is not None and not 0.0 <= self.overlong_buffer_frac <= 1.0:
+            raise ValueError(f"algorithm.overlong_buffer_frac must be in [0, 1], got {self.overlong_buffer_frac}")
+        if self.overlong_penalty_factor < 0:
+            raise ValueError(f"algorithm.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
 
     def apply_preset(self) -> "AlgorithmConfig":
         """Fill every field left at ``None`` from the preset ``name``; returns ``self``.
@@ -107,12 +142,27 @@ class AlgorithmConfig:
         calls it before use.
         """
         preset = PRESETS[self.name]
-        for key in ("advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_high"):
+        for key in ("advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_high",
+                    "dynamic_sampling", "overlong_buffer_frac"):
             if getattr(self, key) is None and key in preset:
                 setattr(self, key, preset[key])
         if self.clip_ratio_high is None:
             self.clip_ratio_high = self.clip_ratio_low
+        if self.dynamic_sampling is None:
+            self.dynamic_sampling = False
+        if self.overlong_buffer_frac is None:
+            self.overlong_buffer_frac = 0.0
         return self
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the advantage estimator needs critic values (the learner then trains a critic)."""
+        return self.advantage_estimator in CRITIC_ESTIMATORS
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a frozen reference policy is needed (a KL term with ``kl_coef > 0``)."""
+        return self.kl_coef > 0
 
     def loss_params(self) -> dict[str, Any]:
         """Keyword arguments for the chosen policy loss.
@@ -130,4 +180,8 @@ class AlgorithmConfig:
         """Keyword arguments for the chosen advantage estimator."""
         if self.advantage_estimator == "grpo":
             return {"norm_by_std": self.norm_adv_by_std}
+        if self.advantage_estimator == "gae":
+            return {"gamma": self.gamma, "lam": self.lam, "whiten": self.whiten_advantages}
+        if self.advantage_estimator == "reinforce_pp":
+            return {"gamma": self.gamma}
         return {}

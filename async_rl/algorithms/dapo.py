@@ -210,5 +210,5 @@ def fill_groups_with_spread(generate_round: Callable[[int], Iterable[Any]], *, t
     raise ValueError(
         f"dynamic sampling found only {len(accepted)} of {target_groups} groups with reward spread "
         f"after {max_rounds} rounds ({rejected} groups rejected with identical rewards); the prompts "
-        f"are too easy or too hard for the policy, or the reward is constant: raise max_rounds, "
+        f"are too easy or too hard for the policy, or the reward is constant: allow more rounds, "
         f"lower the target, or check the reward function")

@@ -1,0 +1,165 @@
+"""The PPO critic: the policy's backbone with a scalar value head, sharded like the policy.
+
+Values are aligned with the learner's label slots: ``values[:, t]`` is V(s_t), the value of the
+prefix ``input_ids[:, : t + 1]``, i.e. of the state in which token ``input_ids[:, t + 1]`` is
+chosen. This is the alignment ``gae_advantages`` expects (``delta_t = r_t + gamma V_{t+1} -
+V_t`` over label slots).
+
+Source: PPO (Schulman et al. 2017, arXiv 1707.06347) with GAE (Schulman et al. 2015, arXiv
+1506.02438); the value model as a language-model backbone plus a linear head follows
+InstructGPT (Ouyang et al. 2022, arXiv 2203.02155, appendix C).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from async_rl.algorithms.critic import value_loss
+from buffers.trajectory import TrainBatch
+from learners.base import CriticConfig
+
+
+class ValueModel(nn.Module):
+    """Transformer backbone plus ``Linear(hidden, 1)``.
+
+    The head starts at zero, so a fresh critic predicts V = 0 everywhere: GAE with ``lam = 1``
+    then reduces to whitened Monte-Carlo returns on the first step instead of returns minus random
+    noise.
+
+    Args:
+        backbone: a Hugging Face base model (``AutoModel``) returning ``last_hidden_state``.
+    """
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        """Values ``[B, L-1]`` float32 for the label slots of ``input_ids`` ``[B, L]`` int64."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
+        # A matmul with the head's single row, not Linear + squeeze: FSDP2 warns about (and can
+        # mishandle) a root module returning a view.
+        return (hidden[:, :-1].float() @ self.value_head.weight[0] + self.value_head.bias[0]).float()
+
+
+def copy_matching_parameters(src: Iterable[tuple[str, torch.Tensor]], dst: nn.Module, prefix: str = "") -> int:
+    """Copy parameters into ``dst`` by name, in place; returns how many were copied.
+
+    Args:
+        src: ``(name, tensor)`` pairs; a name is matched to ``dst``'s parameter ``name`` after
+            stripping ``prefix`` (for example a causal LM's ``"model."`` onto its bare backbone).
+            Both sides may be DTensors with the same sharding (FSDP2 on the same mesh).
+        dst: the module to overwrite.
+
+    Raises:
+        ValueError: a parameter of ``dst`` got no value, or shapes differ (names both).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    # Write the sharded parameters, the ones FSDP2 all-gathers from: the root may still hold
+    # unsharded ones after a forward without backward (a reference model), and a write into
+    # those would not be guaranteed to survive the next all-gather.
+    for module in dst.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    targets = dict(dst.named_parameters())
+    done: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in src:
+            key = name[len(prefix):] if prefix and name.startswith(prefix) else name
+            if key not in targets:
+                continue
+            if targets[key].shape != tensor.shape:
+                raise ValueError(f"parameter {key}: shape {tuple(tensor.shape)} does not fit {tuple(targets[key].shape)}")
+            _copy_into(targets[key], tensor.detach())
+            done.add(key)
+    missing = sorted(set(targets) - done)
+    if missing:
+        raise ValueError(f"no source weights for {len(missing)} parameters, e.g. {missing[:3]}")
+    return len(done)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` across DTensor/plain tensor: FSDP2 keeps the root's parameters
+    unsharded (plain) between forward and backward, so either side may be either kind."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(src, DTensor):
+        src = src.full_tensor()
+    if isinstance(dst, DTensor):
+        src = distribute_tensor(src, dst.device_mesh, dst.placements)
+    dst.copy_(src)
+
+
+class FSDPCritic:
+    """The critic's model, optimizer and update, driven by ``FSDPLearner``.
+
+    Args:
+        cfg: critic settings.
+        model_path: Hugging Face directory of the backbone's starting weights.
+        shard: function sharding a module in place (the learner's FSDP2 wrapping).
+        make_optimizer: ``(params, lr) -> (optimizer, scheduler)`` with the learner's schedule.
+    """
+
+    def __init__(self, cfg: CriticConfig, model_path: str, shard, make_optimizer) -> None:
+        from transformers import AutoModel
+
+        self.cfg = cfg
+        backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
+        backbone.config.use_cache = False
+        self.model = ValueModel(backbone)
+        shard(self.model, layers_of=backbone)
+        self.model.eval()  # no dropout, as for the policy (see FSDPLearner._load_policy)
+        self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.lr)
+        # The causal LM's names carry its base-model prefix ("model." for Qwen2, "transformer."
+        # for GPT-2); the bare backbone's do not.
+        self.policy_prefix = f"{backbone.base_model_prefix}."
+
+    def load_backbone(self, policy_named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Overwrite the backbone with the policy's current weights (the head is kept)."""
+        copy_matching_parameters(policy_named_params, self.model.backbone, prefix=self.policy_prefix)
+
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        """Values ``[B, L-1]`` float32 of ``batch`` under the current critic (no grad)."""
+        out = []
+        for start in range(0, len(batch), micro_batch_size):
+            mb = batch.select(slice(start, start + micro_batch_size))
+            out.append(self.model(mb.input_ids, mb.attention_mask, mb.position_ids))
+        return torch.cat(out)
+
+    def backward(self, mb: TrainBatch, agg_mode: str, num_tokens, num_seqs, horizon) -> dict[str, torch.Tensor]:
+        """Clipped value loss of one micro-batch against ``extras["returns"]``; accumulates grads.
+
+        The loss is divided by the mini-batch's global normalisers, like the policy loss, so
+        micro-batch splits do not change the update.
+        """
+        values = self.model(mb.input_ids, mb.attention_mask, mb.position_ids)
+        loss, metrics = value_loss(values, mb.extras["values"], mb.extras["returns"], mb.loss_mask,
+                                   clip_range_value=self.cfg.clip_range_value, agg_mode=agg_mode,
+                                   num_global_tokens=num_tokens, num_global_seqs=num_seqs, horizon=horizon)
+        (self.cfg.loss_coef * loss).backward()
+        return {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in metrics.items()}}
+
+    def optimizer_step(self, grad_clip: float) -> torch.Tensor:
+        """Clip, step and zero the critic's gradients; returns the pre-clip grad norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0
+                else torch.nn.utils.get_total_norm([p.grad for p in params]))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.detach()
+
+
+__all__ = ["ValueModel", "FSDPCritic", "copy_matching_parameters"]
