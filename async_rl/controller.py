@@ -127,7 +127,16 @@ class RolloutResult:
     num_generated_tokens: int
 
 
-def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_id: int) -> RolloutResult:
+def group_seed(run_seed: int, group_id: int) -> int:
+    """Sampling seed of group ``group_id``: the same in sync and async mode, whichever generator
+    samples it, so both modes draw the same responses from the same weights."""
+    from generators.hf import mix_seed
+
+    return mix_seed(run_seed, group_id)
+
+
+def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_id: int,
+            seed: int | None = None) -> RolloutResult:
     """Sample ``n`` responses per prompt, score them and build trajectories.
 
     Args:
@@ -139,10 +148,13 @@ def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_i
             samples; a group left empty is counted as a rejected group).
         tokenizer: decodes responses for the reward (special tokens skipped).
         first_group_id: id of the first group.
+        seed: run seed; group g is sampled with ``group_seed(seed, g)``. ``None``: the
+            generator's own call-counter seeds (evaluation).
     """
     from buffers.trajectory import Trajectory
 
-    groups = generator.generate([p.prompt_ids for p in prompts], n, params)
+    seeds = None if seed is None else [group_seed(seed, first_group_id + i) for i in range(len(prompts))]
+    groups = generator.generate([p.prompt_ids for p in prompts], n, params, seeds=seeds)
     trajectories, rejected_samples, rejected_groups, num_tokens = [], 0, 0, 0
     for i, (prompt, samples) in enumerate(zip(prompts, groups)):
         gid = first_group_id + i
@@ -434,12 +446,12 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
     n = t_cfg.samples_per_prompt
     if not algo.dynamic_sampling:
         prompts = train_ds.next_batch(t_cfg.prompts_per_step)
-        return rollout(generator, prompts, n, params, scorer, tokenizer, first_group), {}, len(prompts)
+        return rollout(generator, prompts, n, params, scorer, tokenizer, first_group, t_cfg.seed), {}, len(prompts)
     totals = {"samples": 0, "groups": 0, "tokens": 0, "used": 0}
 
     def generate_round(missing: int):
         prompts = train_ds.next_batch(missing)
-        ro = rollout(generator, prompts, n, params, scorer, tokenizer, first_group + totals["used"])
+        ro = rollout(generator, prompts, n, params, scorer, tokenizer, first_group + totals["used"], t_cfg.seed)
         totals["used"] += len(prompts)
         totals["samples"] += ro.num_rejected_samples
         totals["groups"] += ro.num_rejected_groups

@@ -9,11 +9,12 @@ the policy version of the weights that produced it. It receives new weights by n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
 GENERATOR_BACKENDS = ("hf",)
+PARTIAL_ROLLOUT_MODES = ("keep", "abort")
 
 
 @dataclass
@@ -33,7 +34,15 @@ class GeneratorConfig:
     max_batch_size: int = 256
     """Most sequences per engine forward batch (>= 1); bounds generation memory."""
     seed: int = 0
-    """Base seed of the sampler; each call derives its own from it and a call counter."""
+    """Base seed of the sampler when the caller gives no per-prompt seeds (the trainer does)."""
+    partial_rollout: str = "keep"
+    """New weights arriving mid-generation: ``keep`` continues in-flight responses on them (each
+    token records its version), ``abort`` stops them and re-issues them with their partial tokens."""
+    num_workers: int = 2
+    """Async mode: generator actors in the pool (>= 1), each with its own engine."""
+    threads_per_worker: int = 0
+    """Async mode: torch CPU threads per generator actor (>= 0); 0 = the cores divided evenly
+    between the workers and the learner (oversubscribed cores slow everything down)."""
 
     def __post_init__(self) -> None:
         if self.backend not in GENERATOR_BACKENDS:
@@ -48,6 +57,11 @@ class GeneratorConfig:
             raise ValueError(f"generator.max_response_tokens must be >= 1, got {self.max_response_tokens}")
         if self.max_batch_size < 1:
             raise ValueError(f"generator.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.partial_rollout not in PARTIAL_ROLLOUT_MODES:
+            raise ValueError(f"generator.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {self.partial_rollout!r}")
+        if self.num_workers < 1 or self.threads_per_worker < 0:
+            raise ValueError(f"generator.num_workers must be >= 1 and threads_per_worker >= 0, got "
+                             f"{self.num_workers} and {self.threads_per_worker}")
 
 
 @dataclass(frozen=True)
@@ -101,8 +115,12 @@ class Generator(Protocol):
 
     policy_version: int
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
-        """Sample ``n`` responses for each prompt; returns one list of ``n`` samples per prompt."""
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+        """Sample ``n`` responses for each prompt; returns one list of ``n`` samples per prompt.
+
+        With ``seeds`` (one per prompt) sample j of prompt i depends only on ``(seeds[i], j)``
+        and the weights, not on the batch it was generated in."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

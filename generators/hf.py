@@ -1,19 +1,36 @@
 """Hugging Face transformers generator: sampling with ``model.generate`` on CPU or GPU.
 
-Behavior log-probs are read from the processed scores that ``generate`` sampled from
-(``output_scores=True``): with temperature only they equal ``log_softmax(logits / T)``, exactly
-what the learner recomputes; with top-p/top-k they are the log-probs of the truncated
-distribution the token was actually drawn from.
+Sampling is done by our own last logits processor (``_StepHook``), and ``generate`` runs in
+greedy mode so it simply appends the token the hook chose. The hook, once per decoding step:
+
+* warps the logits exactly as the sampler's distribution is defined (temperature, then
+  transformers' own top-k and top-p warpers) and draws each row's token from that row's own
+  ``torch.Generator`` (inverse-CDF on one uniform per row). A row's tokens thus depend only on its
+  seed and the weights, not on batch composition or order: the same group sampled alone or inside
+  a batch, by one generator actor or another, gets the same tokens (up to float noise in the
+  logits). This is what makes async mode with ``max_staleness: 0`` reproduce sync mode;
+* records the behavior log-prob of the chosen token under that distribution (with temperature
+  only it equals ``log_softmax(logits / T)``, exactly what the learner recomputes) and the policy
+  version of the weights that computed the logits;
+* hands finished rows to an ``on_sample`` callback at once, so a pool can stream them;
+* applies weights staged by ``update_weights`` from another thread between two decoding steps
+  (``partial_rollout: keep``: in-flight rows continue on the new weights, their KV cache keeps
+  the old prefix, and later tokens carry the new version), or stops the batch
+  (``partial_rollout: abort``) so the unfinished rows are re-issued with their partial tokens as
+  prompt extension after the new weights are loaded (a fresh KV cache under the new weights).
+  Both are the in-flight update modes of PipelineRL (arXiv 2509.19128) and AReaL (2505.24298).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
 
 import torch
 
-from generators.base import GeneratorConfig, Sample, SamplingParams, cut_at_stop
+from generators.base import GeneratorConfig, Sample, SamplingParams
 
 
 def load_named_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -48,18 +65,113 @@ def load_named_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str
     return nbytes
 
 
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64 steps); equal inputs give equal seeds on every host."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass
+class _Row:
+    """Per-row decoding state (one response being sampled)."""
+
+    index: int
+    prompt: list[int]
+    rng: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    done: bool = False
+    finish_reason: str = ""
+
+
+class _StepHook:
+    """The last logits processor and the stopping criterion of one ``generate`` call (see the
+    module docstring). ``rows`` are the live rows of the batch, in batch order."""
+
+    def __init__(self, gen: "HFGenerator", rows: list[_Row], params: SamplingParams,
+                 on_finish: Callable[[_Row], None]) -> None:
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        self.gen, self.rows, self.params, self.on_finish = gen, rows, params, on_finish
+        self.stops = set(params.stop_token_ids)
+        self.warpers = []
+        if not params.greedy and params.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(params.top_k))
+        if not params.greedy and params.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(params.top_p))
+        self.abort = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logits = scores.float()
+        if not self.params.greedy:
+            logits = logits / self.params.temperature
+            for warp in self.warpers:
+                logits = warp(input_ids, logits)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if self.params.greedy:
+            chosen = logprobs.argmax(dim=-1)
+        else:
+            # One uniform per live row from that row's generator: batch-invariant sampling.
+            u = torch.stack([torch.rand((), generator=r.rng) if not r.done else torch.zeros(()) for r in self.rows])
+            cdf = logprobs.exp().cumsum(dim=-1)
+            chosen = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).to(cdf.device)).squeeze(-1)
+            chosen = chosen.clamp(max=logits.shape[-1] - 1)
+            # A zero-probability token can only be hit through float round-off at the CDF's edge.
+            dead = torch.isinf(logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
+            if bool(dead.any()):
+                chosen = torch.where(dead, logprobs.argmax(dim=-1), chosen)
+        chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).cpu()
+        chosen_cpu = chosen.cpu()
+        version = self.gen.policy_version
+        for r, tok, lp in zip(self.rows, chosen_cpu.tolist(), chosen_lp.tolist()):
+            if r.done:
+                continue
+            r.tokens.append(tok)
+            r.logprobs.append(lp)
+            r.versions.append(version)
+            if tok in self.stops or len(r.tokens) >= self.params.max_tokens:
+                r.done = True
+                r.finish_reason = "stop" if tok in self.stops else "length"
+                self.on_finish(r)
+        # Token t was computed with the weights of `version`; new weights apply from token t + 1.
+        if self.gen._pending is not None:
+            if self.gen.cfg.partial_rollout == "keep":
+                self.gen._apply_pending(in_flight=True)
+            else:
+                self.abort = True
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(-1, chosen.unsqueeze(-1), 0.0)
+        return out
+
+
+class _AbortCriteria:
+    """Stopping criterion that ends the whole batch once the hook asked to abort for new weights."""
+
+    def __init__(self, hook: _StepHook) -> None:
+        self.hook = hook
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.hook.abort, dtype=torch.bool, device=input_ids.device)
+
+
 class HFGenerator:
     """A ``transformers`` causal LM used as a rollout engine.
 
     Args:
         model_path: Hugging Face model directory.
-        cfg: generator settings (batch size, seed).
+        cfg: generator settings (batch size, seed, partial-rollout mode, threads).
         pad_token_id: id used for left padding of prompts.
         device: torch device string.
 
-    The model runs in eval mode under ``torch.inference_mode``; sampling draws from a forked RNG
-    seeded per call (``cfg.seed`` and a call counter), so a generator never disturbs the
-    learner's RNG in colocated mode and a run is reproducible.
+    The model runs in eval mode under ``torch.inference_mode``. Sampling uses per-row generators
+    seeded from the caller's seeds (or from ``cfg.seed`` and a call counter), never the global RNG,
+    so a generator never disturbs the learner's RNG in colocated mode and a run is reproducible.
+    ``update_weights`` may be called from another thread while ``generate`` runs: the weights are
+    staged and applied between two decoding steps, and the call returns once they are in use.
     """
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int, device: str = "cpu") -> None:
@@ -71,74 +183,127 @@ class HFGenerator:
         self.pad_token_id = pad_token_id
         self.policy_version = 0
         self._calls = itertools.count()
+        self._lock = threading.Lock()
+        self._generating = False
+        self._pending: tuple[list[tuple[str, torch.Tensor]], int, threading.Event] | None = None
+        self.num_weight_updates_in_flight = 0
+        """Weight updates applied between two decoding steps of a batch (``keep`` mode)."""
 
+    # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights by name (see ``load_named_weights``) and adopt ``version``."""
-        load_named_weights(self.model, named_tensors)
-        self.policy_version = version
+        """Load new weights by name (see ``load_named_weights``) and adopt ``version``.
+
+        Thread-safe. While ``generate`` runs in another thread the weights are staged and
+        applied at the next decoding-step boundary; the call blocks until then, so on return
+        every later token is produced by ``version``.
+
+        Raises:
+            KeyError, ValueError: as ``load_named_weights`` (raised here, or by ``generate`` when
+                the staged weights are applied there).
+        """
+        with self._lock:
+            if not self._generating:
+                load_named_weights(self.model, named_tensors)
+                self.policy_version = version
+                return
+            done = threading.Event()
+            self._pending = (list(named_tensors), version, done)
+        done.wait()
+
+    def _apply_pending(self, in_flight: bool = False) -> None:
+        with self._lock:
+            if self._pending is None:
+                return
+            named, version, done = self._pending
+            self._pending = None
+            try:
+                load_named_weights(self.model, named)
+                self.policy_version = version
+                self.num_weight_updates_in_flight += in_flight
+            finally:
+                done.set()
+
+    # ------------------------------------------------------------------ sampling
+    def row_seeds(self, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:
+        """Seed of each of the ``num_prompts * n`` rows: ``mix(seeds[i], j)`` for sample j of
+        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given."""
+        if seeds is None:
+            call = next(self._calls)
+            return [mix_seed(self.cfg.seed, call, k) for k in range(num_prompts * n)]
+        if len(seeds) != num_prompts:
+            raise ValueError(f"got {len(seeds)} seeds for {num_prompts} prompts")
+        return [mix_seed(seed, j) for seed in seeds for j in range(n)]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 seeds: Sequence[int] | None = None,
+                 on_sample: Callable[[int, int, Sample], None] | None = None) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt.
 
         Args:
             prompts: prompt token id lists.
             n: samples per prompt (>= 1).
             params: sampling settings; ``params.stop_token_ids`` must not be empty.
+            seeds: optional seed per prompt; sample j of prompt i then depends only on
+                ``(seeds[i], j)`` and the weights, whatever the batch.
+            on_sample: optional callback ``(prompt_index, sample_index, sample)`` called as soon
+                as each sample finishes (from the decoding loop).
 
         Returns:
             ``len(prompts)`` lists of ``n`` ``Sample``s, in prompt order.
 
         Raises:
-            ValueError: ``n < 1`` or no stop token ids.
+            ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if not params.stop_token_ids:
             raise ValueError("SamplingParams.stop_token_ids is empty: generation could never stop")
-        rows = [p for p in prompts for _ in range(n)]
-        flat: list[Sample] = []
-        seed = self.cfg.seed * 1_000_003 + next(self._calls)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        rows = [_Row(index=k, prompt=list(prompts[k // n]), rng=torch.Generator().manual_seed(seed))
+                for k, seed in enumerate(self.row_seeds(n, len(prompts), seeds))]
+        results: list[Sample | None] = [None] * len(rows)
+
+        def finish(row: _Row) -> None:
+            sample = Sample(response_ids=list(row.tokens), logprobs=list(row.logprobs),
+                            finish_reason=row.finish_reason, policy_version=list(row.versions))
+            results[row.index] = sample
+            if on_sample is not None:
+                on_sample(row.index // n, row.index % n, sample)
+
+        with self._lock:
+            self._generating = True
+        try:
             for start in range(0, len(rows), self.cfg.max_batch_size):
-                flat.extend(self._generate_batch(rows[start : start + self.cfg.max_batch_size], params))
-        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+                live = rows[start : start + self.cfg.max_batch_size]
+                while live:
+                    self._decode(live, params, finish)
+                    # Rows cut short by an abort resume from their partial tokens on the new weights.
+                    self._apply_pending()
+                    live = [r for r in live if not r.done]
+        finally:
+            with self._lock:
+                self._generating = False
+            self._apply_pending()  # staged just as the last batch ended
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]  # type: ignore[misc]
 
-    def _generate_batch(self, rows: list[list[int]], params: SamplingParams) -> list[Sample]:
-        from transformers import GenerationConfig
+    def _decode(self, rows: list[_Row], params: SamplingParams, finish: Callable[[_Row], None]) -> None:
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-        P = max(len(r) for r in rows)
+        contexts = [r.prompt + r.tokens for r in rows]
+        P = max(len(c) for c in contexts)
         input_ids = torch.full((len(rows), P), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), P), dtype=torch.long)
-        for i, r in enumerate(rows):
-            input_ids[i, P - len(r) :] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, P - len(r) :] = 1
+        for i, c in enumerate(contexts):
+            input_ids[i, P - len(c) :] = torch.tensor(c, dtype=torch.long)
+            attention_mask[i, P - len(c) :] = 1
+        hook = _StepHook(self, rows, params, finish)
+        remaining = max(params.max_tokens - len(r.tokens) for r in rows)
         gen_cfg = GenerationConfig(
-            do_sample=not params.greedy,
-            temperature=None if params.greedy else params.temperature,
-            top_p=None if params.greedy or params.top_p >= 1.0 else params.top_p,
-            top_k=None if params.greedy else params.top_k,  # 0 = off; None would let transformers default to 50
-            max_new_tokens=params.max_tokens,
-            eos_token_id=list(params.stop_token_ids),
-            pad_token_id=self.pad_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
+            do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,
+            max_new_tokens=remaining, eos_token_id=list(params.stop_token_ids), pad_token_id=self.pad_token_id,
         )
-        out = self.model.generate(
+        self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            generation_config=gen_cfg,
+            generation_config=gen_cfg, logits_processor=LogitsProcessorList([hook]),
+            stopping_criteria=StoppingCriteriaList([_AbortCriteria(hook)]),
         )
-        generated = out.sequences[:, P:].cpu()
-        # scores[t] is the processed [N, V] distribution step t sampled from.
-        scores = torch.stack(out.scores, dim=1).float()
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, generated.unsqueeze(-1).to(scores.device)).squeeze(-1).cpu()
-        samples = []
-        for i in range(len(rows)):
-            ids = generated[i].tolist()
-            keep, reason = cut_at_stop(ids, params.stop_token_ids)
-            samples.append(Sample(
-                response_ids=ids[:keep], logprobs=logprobs[i, :keep].tolist(), finish_reason=reason,
-                policy_version=[self.policy_version] * keep,
-            ))
-        return samples

@@ -3,7 +3,8 @@
 A learner owns the trainable policy. Per training step it recomputes proximal log-probs with the
 weights of the current policy version (before any update), takes one or more optimizer steps on
 the step's batch, and exposes the new weights by Hugging Face name for the weight-sync layer.
-The policy version is its optimizer-step count.
+The policy version counts training steps (one per batch, whatever its number of optimizer
+steps); staleness is measured in these versions.
 """
 
 from __future__ import annotations

@@ -301,9 +301,11 @@ class FSDPLearner:
                 step_metrics = {"actor/grad_norm": self._optimizer_step()}
                 if self.critic is not None:
                     step_metrics["critic/grad_norm"] = self.critic.optimizer_step(self.cfg.grad_clip)
-                self.version += 1
                 per_mb.append(step_metrics)
                 weights.append(1.0)
+        # One policy version per training step (per batch of trajectories), however many optimizer
+        # steps it took: staleness is counted in these versions, as in AReaL and PipelineRL.
+        self.version += 1
         out = reduce_metrics(per_mb, weights)
         out["actor/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
         num_steps = self.cfg.num_epochs * self.cfg.num_mini_batches

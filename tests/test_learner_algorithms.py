@@ -212,7 +212,7 @@ class ScriptedGenerator:
     def __init__(self, script):
         self.script, self.calls = list(script), []
 
-    def generate(self, prompts, n, params):
+    def generate(self, prompts, n, params, seeds=None):
         self.calls.append(len(prompts))
         out = []
         for _ in prompts:
@@ -238,7 +238,7 @@ class DigitTokenizer:
 
 def _step_cfg(max_rounds: int, dynamic: bool = True):
     algo = _algo(name="dapo", max_generation_rounds=max_rounds, dynamic_sampling=dynamic)
-    return SimpleNamespace(trainer=SimpleNamespace(samples_per_prompt=2, prompts_per_step=2), algorithm=algo)
+    return SimpleNamespace(trainer=SimpleNamespace(samples_per_prompt=2, prompts_per_step=2, seed=0), algorithm=algo)
 
 
 def _scorer():
