@@ -139,6 +139,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
 def _cross_validate(cfg: Config) -> None:
     cfg.algorithm.apply_preset()
+    if cfg.trainer.max_staleness is None:
+        # Async without staleness would idle the generators while the learner trains.
+        cfg.trainer.max_staleness = 0 if cfg.trainer.mode == "sync" else 1
     if cfg.algorithm.loss_horizon_tokens is None:
         # Dr.GRPO's constant horizon: the longest response the generator may produce.
         cfg.algorithm.loss_horizon_tokens = cfg.generator.max_response_tokens

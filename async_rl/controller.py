@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TRAINER_MODES = ("sync",)
+TRAINER_MODES = ("sync", "async")
 
 
 @dataclass
@@ -66,15 +66,24 @@ class TrainerConfig:
     """The training loop: mode, length, batch shape, evaluation, outputs."""
 
     mode: str = "sync"
-    """``sync``: generate, train and update the colocated engine in turn (hybrid engine)."""
+    """``sync``: generate, train and update the colocated engine in turn (hybrid engine).
+    ``async``: a pool of generator actors streams trajectories while the learner trains
+    (``async_rl.async_runner``); data is at most ``max_staleness`` policy versions old."""
     total_steps: int = 100
     """Training steps (>= 1); each consumes ``prompts_per_step`` prompts."""
     prompts_per_step: int = 16
     """Prompts (groups) per training step (>= 1)."""
     samples_per_prompt: int = 8
     """Responses sampled per prompt, the group size n (>= 1)."""
-    max_staleness: int = 0
-    """Most policy versions a sample may lag the learner at train time (>= 0); sync mode is 0."""
+    max_staleness: int | None = None
+    """Most policy versions (training steps) a sample may lag the learner at train time (>= 0);
+    ``None`` = 0 in sync mode, 1 in async mode. Async with 0 reproduces sync mode."""
+    max_reuse: int = 1
+    """Async: times one group may be trained on (>= 1); 1 = never reused."""
+    zmq_address: str | None = None
+    """Async: ZeroMQ address the trajectory receiver binds; ``None`` = a free loopback TCP port."""
+    zmq_hwm: int = 1024
+    """Async: ZeroMQ high-water mark in messages (back-pressure on generators); >= 1."""
     seed: int = 0
     """Seed of the data order, sampler and learner."""
     output_dir: str = "runs"
@@ -95,9 +104,13 @@ class TrainerConfig:
         for key in ("total_steps", "prompts_per_step", "samples_per_prompt"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
-        if self.max_staleness < 0 or self.eval_every_steps < 0:
+        # max_staleness=None is resolved by mode in config._cross_validate, not here: omegaconf
+        # instantiates this class for its schema, and a value filled in then would outlive mode=async.
+        if (self.max_staleness is not None and self.max_staleness < 0) or self.eval_every_steps < 0:
             raise ValueError("trainer.max_staleness and trainer.eval_every_steps must be >= 0")
-        if self.mode == "sync" and self.max_staleness != 0:
+        if self.max_reuse < 1 or self.zmq_hwm < 1:
+            raise ValueError(f"trainer.max_reuse and trainer.zmq_hwm must be >= 1, got {self.max_reuse} and {self.zmq_hwm}")
+        if self.mode == "sync" and self.max_staleness not in (None, 0):
             raise ValueError(f"trainer.mode=sync trains on-policy: trainer.max_staleness must be 0, got {self.max_staleness}")
 
 
@@ -333,8 +346,64 @@ def make_run_dir(cfg: "Config") -> Path:
     return run_dir
 
 
+@dataclass
+class RunContext:
+    """Everything one run's loops share (built by ``train``)."""
+
+    cfg: Any
+    tokenizer: Any
+    model_path: str
+    train_ds: Any
+    val_ds: Any
+    scorer: Any
+    eval_scorer: Any
+    params: Any
+    eval_params: Any
+    learner: Any
+    generator: Any
+    """The colocated engine: sync-mode rollouts, and evaluation in both modes."""
+    run_dir: Path
+    log: Any
+
+
+class SyncLoop:
+    """Sync (hybrid engine) mode: each step generates with the colocated engine, trains, and
+    copies the new weights into the engine in place."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.next_group = 0
+
+    def step(self, step: int) -> dict[str, float]:
+        """One training step; returns its metrics."""
+        c = self.ctx
+        t0 = time.perf_counter()
+        ro, metrics, groups_used = collect_step_rollouts(c.cfg, c.train_ds, c.generator, c.scorer, c.tokenizer,
+                                                         c.params, self.next_group)
+        self.next_group += groups_used
+        metrics.update({f"reward/{k.split('/', 1)[1]}": v for k, v in c.scorer.pop_metrics().items()})
+        metrics.update({"perf/tokens_per_s": ro.num_generated_tokens / max(time.perf_counter() - t0, 1e-9),
+                        "timing/generate_s": time.perf_counter() - t0})
+        metrics.update(learn_on(c, step, ro))
+        metrics.update(push_weights(c.learner, c.generator))
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def sync_eval_engine(self) -> None:
+        """The colocated engine already holds the latest weights."""
+
+    def close(self) -> dict[str, Any]:
+        """Nothing to stop; returns no summary entries."""
+        return {}
+
+
 def train(cfg: "Config") -> dict[str, Any]:
-    """Run a whole training job; returns the summary also written to ``<run_dir>/summary.json``."""
+    """Run a whole training job; returns the summary also written to ``<run_dir>/summary.json``.
+
+    Raises:
+        ValueError: bad inputs (dataset rows, reward names, dynamic sampling that cannot fill a step).
+        RuntimeError: a step whose every sample was rejected, or a generator actor that died.
+    """
     from transformers import AutoTokenizer
 
     from async_rl.config import to_dict
@@ -364,46 +433,61 @@ def train(cfg: "Config") -> dict[str, Any]:
             default_reward_for(source)
     # The run directory is made only once the inputs have loaded, so a bad dataset leaves none behind.
     run_dir = make_run_dir(cfg)
-    scorer = RewardScorer(fn, on_error=cfg.reward.on_error)
-    eval_scorer = RewardScorer(fn, on_error="zero")  # separate counters: eval must not leak into train metrics
     stops = stop_token_ids(tokenizer, model_path)
-    params = SamplingParams.from_config(cfg.generator, stops)
-    eval_params = SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy)
     steps_per_train_step = cfg.learner.num_mini_batches * cfg.learner.num_epochs
-    learner = FSDPLearner(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
-                          total_optimizer_steps=t_cfg.total_steps * steps_per_train_step)
-    generator = HFGenerator(model_path, cfg.generator, tokenizer.pad_token_id)
-    log = MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg))
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "data/rejected_prompts_too_long": train_ds.num_rejected_too_long}
+    ctx = RunContext(
+        cfg=cfg, tokenizer=tokenizer, model_path=model_path, train_ds=train_ds, val_ds=val_ds,
+        scorer=RewardScorer(fn, on_error=cfg.reward.on_error),
+        # Separate counters: eval must not leak into train metrics.
+        eval_scorer=RewardScorer(fn, on_error="zero"),
+        params=SamplingParams.from_config(cfg.generator, stops),
+        eval_params=SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy),
+        learner=FSDPLearner(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
+                            total_optimizer_steps=t_cfg.total_steps * steps_per_train_step),
+        generator=HFGenerator(model_path, cfg.generator, tokenizer.pad_token_id),
+        run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
+    )
+    learner, generator, log = ctx.learner, ctx.generator, ctx.log
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "mode": t_cfg.mode,
+                               "data/rejected_prompts_too_long": train_ds.num_rejected_too_long}
+    loop = None
     try:
         log.print(f"run directory: {run_dir}")
         if train_ds.num_rejected_too_long:
             log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")
         if val_ds is not None and t_cfg.warm_start.steps:
-            summary["eval_before_warm_start"] = evaluate(generator, val_ds, eval_params, eval_scorer, tokenizer)["eval/accuracy"]
+            summary["eval_before_warm_start"] = evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, tokenizer)["eval/accuracy"]
             log.print(f"eval before warm start: accuracy {summary['eval_before_warm_start']:.4f}")
         if t_cfg.warm_start.steps:
             warm_start(learner, train_ds, tokenizer, t_cfg.warm_start, tokenizer.eos_token_id, seed, log.print)
             push_weights(learner, generator)
         learner.begin_rl()
         if val_ds is not None:
-            ev = evaluate(generator, val_ds, eval_params, eval_scorer, tokenizer)
+            ev = evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, tokenizer)
             summary["eval_step_0"] = ev["eval/accuracy"]
             log.log(ev, step=0)
             log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}")
-        next_group = 0
+        if t_cfg.mode == "async":
+            from async_rl.async_runner import AsyncLoop
+
+            loop = AsyncLoop(ctx)
+        else:
+            loop = SyncLoop(ctx)
+        t_rl = time.perf_counter()
         for step in range(1, t_cfg.total_steps + 1):
-            metrics, groups_used = _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer,
-                                               params, next_group)
-            next_group += groups_used
+            metrics = loop.step(step)
             due = t_cfg.eval_every_steps and step % t_cfg.eval_every_steps == 0
             if val_ds is not None and (due or step == t_cfg.total_steps):
                 t0 = time.perf_counter()
-                metrics.update(evaluate(generator, val_ds, eval_params, eval_scorer, tokenizer))
+                loop.sync_eval_engine()
+                metrics.update(evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, tokenizer))
                 metrics["timing/eval_s"] = time.perf_counter() - t0
                 summary["eval_final"] = metrics["eval/accuracy"]
             log.log(metrics, step=step)
             log.advance(step)
+        summary["rl_wall_s"] = time.perf_counter() - t_rl
+        summary.update(loop.close())
+        loop = None
         if "eval_step_0" in summary and "eval_final" in summary:
             summary["eval_gain_points"] = 100.0 * (summary["eval_final"] - summary["eval_step_0"])
             log.print(f"eval accuracy: step 0 {summary['eval_step_0']:.4f} -> step {t_cfg.total_steps} "
@@ -413,6 +497,8 @@ def train(cfg: "Config") -> dict[str, Any]:
             summary["final_model"] = str(run_dir / "final_model")
             log.print(f"final policy written to {run_dir / 'final_model'}")
     finally:
+        if loop is not None:
+            loop.close()
         log.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -474,25 +560,29 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
     return RolloutResult(trajectories, totals["samples"], totals["groups"], totals["tokens"]), metrics, totals["used"]
 
 
-def _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer, params, first_group,
-                ) -> tuple[dict[str, float], int]:
-    t_cfg = cfg.trainer
-    t0 = time.perf_counter()
-    ro, metrics, groups_used = collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, first_group)
-    t_gen = time.perf_counter() - t0
-    metrics.update({f"reward/{k.split('/', 1)[1]}": v for k, v in scorer.pop_metrics().items()})
+def learn_on(ctx: RunContext, step: int, ro: RolloutResult) -> dict[str, float]:
+    """Train on one step's trajectories (both modes): check staleness, build the batch with
+    advantages, take the learner's step; returns rollout, loss and staleness metrics.
+
+    Raises:
+        RuntimeError: no trajectory to train on, or a sample older than ``trainer.max_staleness``
+            (the buffer and admission control should make that impossible).
+    """
+    from buffers.replay import staleness as staleness_of
+
+    cfg, learner = ctx.cfg, ctx.learner
     trajs = ro.trajectories
     if not trajs:
         raise RuntimeError(f"step {step}: every sample was rejected by the reward function (see the warnings above)")
-    staleness = [learner.version - t.min_version for t in trajs]
-    assert max(staleness) <= t_cfg.max_staleness, f"staleness {max(staleness)} > max_staleness {t_cfg.max_staleness}"
+    staleness = [staleness_of(t, learner.version) for t in trajs]
+    if max(staleness) > cfg.trainer.max_staleness:
+        raise RuntimeError(f"step {step}: a sample is {max(staleness)} policy versions old, more than "
+                           f"trainer.max_staleness={cfg.trainer.max_staleness}")
     t1 = time.perf_counter()
-    batch, batch_metrics = make_batch(trajs, cfg.algorithm, tokenizer.pad_token_id,
-                                      cfg.generator.max_response_tokens, learner)
-    metrics.update(batch_metrics)
+    batch, metrics = make_batch(trajs, cfg.algorithm, ctx.tokenizer.pad_token_id,
+                                cfg.generator.max_response_tokens, learner)
     train_metrics = learner.train_step(batch)
     t_train = time.perf_counter() - t1
-    metrics.update(push_weights(learner, generator))
     rewards = torch.tensor([t.reward for t in trajs])
     lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
     num_train_tokens = float(batch.attention_mask.sum())
@@ -510,12 +600,9 @@ def _train_step(cfg, step, train_ds, generator, learner, scorer, tokenizer, para
         "rollout/rejected_groups": float(ro.num_rejected_groups),
         "staleness/mean": sum(staleness) / len(staleness),
         "staleness/max": float(max(staleness)),
-        "data/epoch": float(train_ds.epoch),
+        "data/epoch": float(ctx.train_ds.epoch),
         "policy/version": float(learner.version),
-        "perf/tokens_per_s": ro.num_generated_tokens / max(t_gen, 1e-9),
         "perf/train_tokens_per_s": num_train_tokens / max(t_train, 1e-9),
-        "timing/generate_s": t_gen,
         "timing/train_s": t_train,
-        "timing/step_s": time.perf_counter() - t0,
     })
-    return metrics, groups_used
+    return metrics

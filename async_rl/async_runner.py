@@ -1,0 +1,311 @@
+"""Async mode: a generator pool streams trajectories while the learner trains.
+
+::
+
+    dispatcher thread ──GroupRequest (admission control)──> Ray queue ──> GeneratorWorker x N
+                                                                          │ Trajectory / GroupClosed
+    learner (this thread) <──get_groups(B, v)── ReplayBuffer <──add── receiver thread <──ZMQ PULL
+           │
+           └── new weights, version v+1 ──ray.get(update_weights on every worker)──> published
+
+* **Admission** (``buffers.replay.AdmissionController``): a group may start only while started
+  groups (minus those that can never be trained: rejected, evicted, dropped by dynamic sampling)
+  ≤ (max_staleness + v + 1) × B, with v the version every generator holds. With max_staleness 0
+  the pool samples exactly the groups sync mode would, from the same weights and per-group seeds,
+  so the two modes train on the same data.
+* **Consumption**: the learner takes B complete groups (``ReplayBuffer.get_groups`` evicts any
+  too stale and counts them), orders them by group id (so the batch does not depend on which
+  worker finished first), and trains with proximal log-probs recomputed at its current version.
+* **Publication**: after a training step the full weights go to every worker (``ray.put`` once,
+  each worker loads them between decoding steps); the version counts as published, for
+  admission, only once all workers hold it.
+* **Exactly once**: every dispatched group ends trained, rejected (all samples rejected by the
+  reward), dropped by dynamic sampling or evicted as stale, each counted; whatever is still in
+  flight at shutdown is counted too (``pipeline/*`` in the summary, checked to add up).
+
+Thread budget: the learner process and each worker get a share of the cores
+(``generator.threads_per_worker``), because oversubscribed torch processes slow each other down
+many-fold on a small machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from async_rl.controller import RolloutResult, RunContext, group_seed, learn_on, push_weights
+
+logger = logging.getLogger(__name__)
+
+
+def thread_budget(num_workers: int, threads_per_worker: int, cores: int | None = None) -> tuple[int, int]:
+    """``(threads per worker, learner threads)`` for ``num_workers`` generator processes.
+
+    With ``threads_per_worker = 0`` the cores are split evenly between the workers and the
+    learner (each at least 1); the learner gets what the workers leave.
+    """
+    cores = cores or os.cpu_count() or 1
+    per_worker = threads_per_worker or max(1, cores // (num_workers + 1))
+    return per_worker, max(1, cores - num_workers * per_worker)
+
+
+class AsyncLoop:
+    """The async pipeline of one run; ``step`` is one learner step, ``close`` stops everything.
+
+    Args:
+        ctx: the run's shared parts (the learner is driven from the calling thread).
+
+    Raises:
+        RuntimeError: (from ``step``) a generator actor died, or no data arrived for
+            ``stall_timeout_s`` seconds.
+    """
+
+    stall_timeout_s = 600.0
+
+    def __init__(self, ctx: RunContext) -> None:
+        import ray
+        from ray.util.queue import Queue
+
+        from buffers.replay import AdmissionController, ReplayBuffer
+        from buffers.transport import make_transport
+        from generators.pool import GeneratorWorker
+
+        self.ctx = ctx
+        cfg, t_cfg, g_cfg = ctx.cfg, ctx.cfg.trainer, ctx.cfg.generator
+        self.n = t_cfg.samples_per_prompt
+        self.groups_per_step = t_cfg.prompts_per_step
+        per_worker, learner_threads = thread_budget(g_cfg.num_workers, g_cfg.threads_per_worker)
+        torch.set_num_threads(learner_threads)
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(num_cpus=max(2, g_cfg.num_workers + 1), include_dashboard=False, log_to_driver=True,
+                     _node_ip_address="127.0.0.1", configure_logging=False)
+        self.receiver, sender_factory = make_transport("zmq", t_cfg.zmq_address, t_cfg.zmq_hwm)
+        self.buffer = ReplayBuffer(group_size=self.n, max_staleness=t_cfg.max_staleness, max_reuse=t_cfg.max_reuse)
+        self.admission = AdmissionController(self.groups_per_step, t_cfg.max_staleness)
+        self.requests = Queue()
+        tok_path = ctx.tokenizer.name_or_path
+        worker_cls = ray.remote(num_cpus=0, max_concurrency=3)(GeneratorWorker)
+        self.workers = [worker_cls.remote(i, ctx.model_path, tok_path, g_cfg, ctx.params, cfg.reward.fn,
+                                          cfg.reward.on_error, sender_factory, per_worker)
+                        for i in range(g_cfg.num_workers)]
+        self.published_version = -1
+        self._publish()  # the warm-started weights, version 0
+        self.run_refs = [w.run.remote(self.requests) for w in self.workers]
+        self.num_dispatched = 0
+        self.num_dynamic_dropped = 0
+        self.num_trained_groups = 0
+        self._last_rejected_samples = 0
+        self._dispatched_tokens = 0
+        self._stop = threading.Event()
+        self._errors: list[BaseException] = []
+        self._threads = [threading.Thread(target=self._guard(self._dispatch_loop), name="dispatcher", daemon=True),
+                         threading.Thread(target=self._guard(self._receive_loop), name="receiver", daemon=True)]
+        for th in self._threads:
+            th.start()
+        self._last_stats = self._worker_stats()
+        self._last_t = time.perf_counter()
+        ctx.log.print(f"async mode: {g_cfg.num_workers} generator actors x {per_worker} threads, learner "
+                      f"{learner_threads} threads, max_staleness {t_cfg.max_staleness}, "
+                      f"trajectories on {self.receiver.address}")
+
+    # ------------------------------------------------------------------ background threads
+    def _guard(self, fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # surfaced by step(); a dead thread must not hang the learner
+                logger.exception("async pipeline thread %s failed", threading.current_thread().name)
+                self._errors.append(e)
+        return run
+
+    def _num_discarded(self) -> int:
+        return sum(self.buffer.dropped_groups.values()) + self.num_dynamic_dropped
+
+    def _dispatch_loop(self) -> None:
+        from generators.pool import GroupRequest
+
+        seed = self.ctx.cfg.trainer.seed
+        while not self._stop.is_set():
+            if not self.admission.can_start(self.num_dispatched, max(self.published_version, 0), self._num_discarded()):
+                time.sleep(0.002)
+                continue
+            prompt = self.ctx.train_ds.next_batch(1)[0]
+            gid = self.num_dispatched
+            self.requests.put(GroupRequest(group_id=gid, prompt_ids=prompt.prompt_ids, prompt_uid=prompt.uid,
+                                           data_source=prompt.data_source, ground_truth=prompt.ground_truth,
+                                           extra_info=prompt.extra_info, n=self.n, seed=group_seed(seed, gid)))
+            self.num_dispatched += 1
+
+    def _receive_loop(self) -> None:
+        from buffers.transport import GroupClosed
+
+        while not self._stop.is_set():
+            for msg in self.receiver.recv_many(512, timeout_s=0.05):
+                if isinstance(msg, GroupClosed):
+                    self.buffer.close_group(msg.group_id, msg.num_kept)
+                else:
+                    self.buffer.add(msg)
+
+    # ------------------------------------------------------------------ learner side
+    def _check_health(self) -> None:
+        import ray
+
+        if self._errors:
+            raise RuntimeError(f"async pipeline thread failed: {self._errors[0]!r}") from self._errors[0]
+        done, _ = ray.wait(self.run_refs, timeout=0)
+        if done:
+            try:
+                ray.get(done[0])
+            except Exception as e:
+                raise RuntimeError(f"a generator actor died: {e}") from e
+            raise RuntimeError("a generator actor stopped unexpectedly")
+
+    def _publish(self) -> float:
+        import ray
+
+        t0 = time.perf_counter()
+        ref = ray.put([(k, v.contiguous()) for k, v in self.ctx.learner.named_weights()])
+        ray.get([w.update_weights.remote(ref, self.ctx.learner.version) for w in self.workers])
+        self.published_version = self.ctx.learner.version
+        return time.perf_counter() - t0
+
+    def _take_groups(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:
+        """B groups for this step (dynamic sampling drops those without reward spread)."""
+        from async_rl.algorithms.dapo import rewards_have_spread
+
+        algo = self.ctx.cfg.algorithm
+        kept: list[list[Any]] = []
+        dropped = 0
+        budget = self.groups_per_step * algo.max_generation_rounds
+        t0 = time.perf_counter()
+        while len(kept) < self.groups_per_step:
+            self._check_health()
+            groups = self.buffer.get_groups(self.groups_per_step - len(kept), self.ctx.learner.version, timeout_s=0.5)
+            if groups is None:
+                if time.perf_counter() - t0 > self.stall_timeout_s:
+                    raise RuntimeError(f"step {step}: no complete group arrived for {self.stall_timeout_s:.0f} s")
+                continue
+            for g in groups:
+                if algo.dynamic_sampling and not rewards_have_spread([t.reward for t in g]):
+                    dropped += 1
+                    self.num_dynamic_dropped += 1
+                else:
+                    kept.append(g)
+            if dropped + len(kept) > budget and len(kept) < self.groups_per_step:
+                raise ValueError(f"step {step}: dynamic sampling found only {len(kept)} of {self.groups_per_step} "
+                                 f"groups with reward spread among {dropped + len(kept)} groups "
+                                 f"(algorithm.max_generation_rounds={algo.max_generation_rounds})")
+        metrics = {"timing/wait_for_data_s": time.perf_counter() - t0}
+        if algo.dynamic_sampling:
+            metrics["rollout/dynamic_sampling_rejected_groups"] = float(dropped)
+        return kept, metrics
+
+    def _worker_stats(self) -> dict[str, float]:
+        import ray
+
+        total: dict[str, float] = {}
+        for stats in ray.get([w.get_stats.remote() for w in self.workers]):
+            for k, v in stats.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def step(self, step: int) -> dict[str, float]:
+        """Wait for B groups, train on them, publish the new weights; returns the step's metrics."""
+        t0 = time.perf_counter()
+        groups, metrics = self._take_groups(step)
+        groups.sort(key=lambda g: g[0].group_id)
+        trajs = [t for g in groups for t in sorted(g, key=lambda t: int(t.trajectory_id.rsplit("/", 1)[1]))]
+        counters = self.buffer.counters
+        ro = RolloutResult(trajs, counters["rejected_samples"] - self._last_rejected_samples, 0,
+                           sum(len(t.response_ids) for t in trajs))
+        self._last_rejected_samples = counters["rejected_samples"]
+        metrics.update(learn_on(self.ctx, step, ro))
+        self.num_trained_groups += len(groups)
+        metrics["timing/weight_sync_s"] = self._publish()
+        now = time.perf_counter()
+        stats = self._worker_stats()
+        delta = {k: stats[k] - self._last_stats.get(k, 0.0) for k in stats}
+        busy, idle = delta.get("busy_s", 0.0), delta.get("idle_s", 0.0)
+        metrics.update({f"{k}": float(v) for k, v in self.buffer.metrics().items()})
+        metrics.update({
+            "perf/tokens_per_s": delta.get("generated_tokens", 0.0) / max(now - self._last_t, 1e-9),
+            "perf/generator_busy_frac": busy / max(busy + idle, 1e-9),
+            "rollout/rejected_samples": float(ro.num_rejected_samples),
+            "pipeline/dispatched_groups": float(self.num_dispatched),
+            "pipeline/in_flight_weight_updates": stats.get("in_flight_updates", 0.0),
+            "timing/step_s": now - t0,
+        })
+        metrics.update({f"reward/{k.split('/', 1)[1]}": v for k, v in self.ctx.scorer.pop_metrics().items()})
+        metrics["reward/errors"] = delta.get("reward_errors", 0.0)
+        self._last_stats, self._last_t = stats, now
+        return metrics
+
+    def sync_eval_engine(self) -> None:
+        """Copy the learner's weights into the colocated engine used for evaluation."""
+        push_weights(self.ctx.learner, self.ctx.generator)
+
+    def ledger(self) -> dict[str, int]:
+        """Where every dispatched group went; ``accounted == dispatched`` once the pool is stopped."""
+        c = self.buffer.counters
+        m = self.buffer.metrics()
+        out = {
+            "dispatched": self.num_dispatched,
+            "trained": self.num_trained_groups,
+            "rejected": c["rejected_groups"],
+            "stale": c["stale_groups"],
+            "abandoned": c["abandoned_groups"],
+            "dynamic_sampling_dropped": self.num_dynamic_dropped,
+            "ready_unused": int(m["buffer/num_groups_ready"]),
+            "partial_at_exit": int(m["buffer/num_partial_groups"]),
+            "queued_at_exit": int(self.requests.qsize()) if self._queue_alive else 0,
+        }
+        # Groups dispatched whose first sample never arrived are neither ready nor partial.
+        seen = out["trained"] + out["rejected"] + out["stale"] + out["abandoned"] + out["dynamic_sampling_dropped"] \
+            + out["ready_unused"] + out["partial_at_exit"] + out["queued_at_exit"]
+        out["unstarted_or_in_engine_at_exit"] = out["dispatched"] - seen
+        return out
+
+    _queue_alive = True
+
+    def close(self) -> dict[str, Any]:
+        """Stop the dispatcher, the workers and the receiver; returns ``pipeline/*`` summary entries."""
+        import ray
+
+        if getattr(self, "_closed", False):
+            return {}
+        self._closed = True
+        self._stop.set()
+        for w in self.workers:
+            w.stop.remote()
+        try:
+            ray.get(self.run_refs, timeout=60)
+        except Exception as e:  # a dead worker was already reported by step()
+            logger.warning("generator pool stop: %s", e)
+        for th in self._threads:
+            th.join(timeout=5)
+        # Drain what the workers sent before stopping, so the ledger counts it.
+        while msgs := self.receiver.recv_many(4096, timeout_s=0.2):
+            from buffers.transport import GroupClosed
+
+            for msg in msgs:
+                if isinstance(msg, GroupClosed):
+                    self.buffer.close_group(msg.group_id, msg.num_kept)
+                else:
+                    self.buffer.add(msg)
+        summary = {f"pipeline/{k}": v for k, v in self.ledger().items()}
+        summary["pipeline/dropped_duplicate_samples"] = self.buffer.dropped["duplicate"]
+        summary["pipeline/malformed_messages"] = self.receiver.num_malformed
+        self.requests.shutdown()
+        self._queue_alive = False
+        self.receiver.close()
+        for w in self.workers:
+            ray.kill(w)
+        if self._started_ray:
+            ray.shutdown()
+        return summary
