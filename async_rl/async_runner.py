@@ -90,8 +90,12 @@ class AsyncLoop:
         self.admission = AdmissionController(self.groups_per_step, t_cfg.max_staleness)
         self.requests = Queue()
         tok_path = ctx.tokenizer.name_or_path
+        reward_fn = cfg.reward.fn
+        if reward_fn and ".py:" in reward_fn and not os.path.isabs(reward_fn):
+            # Actors need not share the driver's working directory.
+            reward_fn = os.path.abspath(reward_fn)
         worker_cls = ray.remote(num_cpus=0, max_concurrency=3)(GeneratorWorker)
-        self.workers = [worker_cls.remote(i, ctx.model_path, tok_path, g_cfg, ctx.params, cfg.reward.fn,
+        self.workers = [worker_cls.remote(i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn,
                                           cfg.reward.on_error, sender_factory, per_worker)
                         for i in range(g_cfg.num_workers)]
         self.published_version = -1

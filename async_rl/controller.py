@@ -115,9 +115,14 @@ class TrainerConfig:
 
 
 # ---------------------------------------------------------------------------------------- parts
-def stop_token_ids(tokenizer, model_path: str) -> list[int]:
-    """The tokenizer's EOS plus every EOS id of the model's generation config (deduplicated)."""
+def stop_token_ids(tokenizer, model_path: str, extra: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """The tokenizer's EOS, every EOS id of the model's generation config and ``extra`` (deduplicated).
+
+    Raises:
+        ValueError: no stop id at all.
+    """
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids += list(extra)
     try:
         from transformers import GenerationConfig
 
@@ -433,7 +438,7 @@ def train(cfg: "Config") -> dict[str, Any]:
             default_reward_for(source)
     # The run directory is made only once the inputs have loaded, so a bad dataset leaves none behind.
     run_dir = make_run_dir(cfg)
-    stops = stop_token_ids(tokenizer, model_path)
+    stops = stop_token_ids(tokenizer, model_path, cfg.generator.extra_stop_token_ids)
     steps_per_train_step = cfg.learner.num_mini_batches * cfg.learner.num_epochs
     ctx = RunContext(
         cfg=cfg, tokenizer=tokenizer, model_path=model_path, train_ds=train_ds, val_ds=val_ds,

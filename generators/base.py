@@ -35,6 +35,8 @@ class GeneratorConfig:
     """Most sequences per engine forward batch (>= 1); bounds generation memory."""
     seed: int = 0
     """Base seed of the sampler when the caller gives no per-prompt seeds (the trainer does)."""
+    extra_stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response besides the tokenizer's and the model's EOS ids."""
     partial_rollout: str = "keep"
     """New weights arriving mid-generation: ``keep`` continues in-flight responses on them (each
     token records its version), ``abort`` stops them and re-issues them with their partial tokens."""

@@ -107,6 +107,31 @@ class LearnerConfig:
                 raise ValueError(f"learner.{key} must be >= 1, got {getattr(self, key)}")
 
 
+def clip_and_step(params, optimizer, scheduler, grad_clip: float) -> torch.Tensor:
+    """Clip the global gradient norm (``grad_clip > 0``), step optimizer and scheduler, zero grads.
+
+    Args:
+        params: the parameters being optimized (plain or DTensor).
+        optimizer, scheduler: torch optimizer and LR scheduler (``scheduler`` may be ``None``).
+        grad_clip: max global L2 norm; 0 = no clipping.
+
+    Returns:
+        The pre-clip global gradient norm, a 0-dim float tensor (gathered if sharded).
+    """
+    params = [p for p in params if p.grad is not None]
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm.detach()
+
+
 class Learner(Protocol):
     """What the controller needs from a learner backend."""
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from async_rl.algorithms.critic import value_loss
 from buffers.trajectory import TrainBatch
-from learners.base import CriticConfig
+from learners.base import CriticConfig, clip_and_step
 
 
 class ValueModel(nn.Module):
@@ -151,15 +151,7 @@ class FSDPCritic:
 
     def optimizer_step(self, grad_clip: float) -> torch.Tensor:
         """Clip, step and zero the critic's gradients; returns the pre-clip grad norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0
-                else torch.nn.utils.get_total_norm([p.grad for p in params]))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm.detach()
+        return clip_and_step(self.model.parameters(), self.optimizer, self.scheduler, grad_clip)
 
 
 __all__ = ["ValueModel", "FSDPCritic", "copy_matching_parameters"]

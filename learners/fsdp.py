@@ -32,7 +32,7 @@ from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logi
 from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.metrics import reduce_metrics
 from buffers.trajectory import TrainBatch
-from learners.base import LearnerConfig
+from learners.base import LearnerConfig, clip_and_step
 from learners.critic import FSDPCritic, copy_matching_parameters
 
 
@@ -209,16 +209,7 @@ class FSDPLearner:
 
     # ------------------------------------------------------------------ updates
     def _optimizer_step(self) -> torch.Tensor:
-        if self.cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.detach()
+        return clip_and_step(self.model.parameters(), self.optimizer, self.scheduler, self.cfg.grad_clip)
 
     def _split(self, n: int, parts: int, epoch: int) -> list[torch.Tensor]:
         if parts == 1:
@@ -332,14 +323,8 @@ class FSDPLearner:
                                   num_global_seqs=len(batch))
             loss.backward()
             loss_sum += loss.detach()
-        if self.cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        else:
-            grad_norm = torch.zeros(())
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # No scheduler step: the warm start's LR is constant and the RL schedule starts afterwards.
+        grad_norm = clip_and_step(self.model.parameters(), self.optimizer, None, self.cfg.grad_clip)
         return {"sft/loss": loss_sum, "sft/grad_norm": grad_norm.detach()}
 
     # ------------------------------------------------------------------ weights out

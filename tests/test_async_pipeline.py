@@ -157,3 +157,22 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     sender.close()
     receiver.close()
     queue.shutdown()
+
+
+def test_thread_budget_splits_cores():
+    from async_rl.async_runner import thread_budget
+
+    assert thread_budget(2, 0, cores=2) == (1, 1)  # never 0 threads, even when oversubscribed
+    assert thread_budget(2, 0, cores=16) == (5, 6)
+    assert thread_budget(3, 2, cores=16) == (2, 10)
+
+
+def test_async_config_defaults_and_errors():
+    from async_rl.config import ConfigError
+
+    assert load_config(ROOT / "configs/default.yaml", ["trainer.mode=async"]).trainer.max_staleness == 1
+    assert load_config(ROOT / "configs/default.yaml").trainer.max_staleness == 0
+    with pytest.raises(ConfigError, match="max_staleness must be 0"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.max_staleness=2"])
+    with pytest.raises(ConfigError, match="partial_rollout"):
+        load_config(ROOT / "configs/default.yaml", ["generator.partial_rollout=pause"])
