@@ -22,6 +22,7 @@ Run with ``async-rl train --config configs/default.yaml``.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import random
 import time
@@ -519,10 +520,12 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
                           ) -> tuple[RolloutResult, dict[str, float], int]:
     """One step's trajectories: a single rollout round, or DAPO dynamic sampling.
 
-    With ``algorithm.dynamic_sampling`` each round takes as many new prompts as groups are still
-    missing; a group whose (unshaped) rewards are all equal is dropped and counted (it carries no
-    group-relative signal); rounds repeat until ``trainer.prompts_per_step`` groups have spread,
-    at most ``algorithm.max_generation_rounds`` times (DAPO, arXiv 2503.14476, Sec. 3.2).
+    With ``algorithm.dynamic_sampling`` each round takes the missing number of groups divided by
+    the acceptance rate so far (at most 4x); a group whose (unshaped) rewards are all equal is
+    dropped and counted (it carries no group-relative signal); rounds repeat until
+    ``trainer.prompts_per_step`` groups have spread, at most ``algorithm.max_generation_rounds``
+    times (DAPO, arXiv 2503.14476, Sec. 3.2). Accepted groups beyond the target are trained on
+    too (the batch may be larger than ``prompts_per_step`` groups), never dropped.
 
     Returns:
         ``(rollout, metrics, groups_used)``: the kept trajectories with rejection counts summed
@@ -531,17 +534,21 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
     Raises:
         ValueError: fewer groups with spread than needed after the last round (counts in the message).
     """
-    from async_rl.algorithms.dapo import fill_groups_with_spread
+    from async_rl.algorithms.dapo import fill_groups_with_spread, rewards_have_spread
 
     t_cfg, algo = cfg.trainer, cfg.algorithm
     n = t_cfg.samples_per_prompt
     if not algo.dynamic_sampling:
         prompts = train_ds.next_batch(t_cfg.prompts_per_step)
         return rollout(generator, prompts, n, params, scorer, tokenizer, first_group, t_cfg.seed), {}, len(prompts)
-    totals = {"samples": 0, "groups": 0, "tokens": 0, "used": 0}
+    totals = {"samples": 0, "groups": 0, "tokens": 0, "used": 0, "accepted": 0}
 
     def generate_round(missing: int):
-        prompts = train_ds.next_batch(missing)
+        # Oversample by the acceptance rate seen so far in this step (at most 4x): asking for exactly
+        # the missing count makes the last few groups take many tiny rounds when most prompts are
+        # solved. Surplus groups are trained on too, so no accepted sample is lost.
+        rate = totals["accepted"] / totals["used"] if totals["used"] else 1.0
+        prompts = train_ds.next_batch(min(4 * missing, math.ceil(missing / max(rate, 0.25))))
         ro = rollout(generator, prompts, n, params, scorer, tokenizer, first_group + totals["used"], t_cfg.seed)
         totals["used"] += len(prompts)
         totals["samples"] += ro.num_rejected_samples
@@ -550,6 +557,7 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
         by_group: dict[int, list] = {}
         for t in ro.trajectories:
             by_group.setdefault(t.group_id, []).append(t)
+        totals["accepted"] += sum(rewards_have_spread([t.reward for t in g]) for g in by_group.values())
         return list(by_group.values())
 
     try:
@@ -559,8 +567,9 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
     except ValueError as e:
         raise ValueError(f"{e} (algorithm.max_generation_rounds={algo.max_generation_rounds}, "
                          f"trainer.prompts_per_step={t_cfg.prompts_per_step})") from None
-    trajectories = [t for group in result.groups for t in group]
+    trajectories = [t for group in result.groups + result.surplus for t in group]
     metrics = {"rollout/dynamic_sampling_rounds": float(result.num_rounds),
+               "rollout/dynamic_sampling_surplus_groups": float(len(result.surplus)),
                "rollout/dynamic_sampling_rejected_groups": float(result.num_rejected)}
     return RolloutResult(trajectories, totals["samples"], totals["groups"], totals["tokens"]), metrics, totals["used"]
 

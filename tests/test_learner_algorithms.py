@@ -246,13 +246,24 @@ def _scorer():
 
 
 def test_dynamic_sampling_refills_until_full():
-    # Round 1: groups [1,1] (no spread) and [0,1]; round 2 asks for 1 more: [0,0] no; round 3: [1,0].
+    # Round 1: groups [1,1] (no spread) and [0,1]: acceptance 1/2, so round 2 asks for 1 / 0.5 = 2
+    # groups: [0,0] (no spread) and [1,0].
     gen = ScriptedGenerator([[1, 1], [0, 1], [0, 0], [1, 0]])
     ds = ListDataset()
     ro, metrics, used = collect_step_rollouts(_step_cfg(5), ds, gen, _scorer(), DigitTokenizer(), None, first_group=10)
-    assert gen.calls == [2, 1, 1] and used == 4 and ds.taken == 4
+    assert gen.calls == [2, 2] and used == 4 and ds.taken == 4
     assert sorted({t.group_id for t in ro.trajectories}) == [11, 13]
-    assert metrics == {"rollout/dynamic_sampling_rounds": 3.0, "rollout/dynamic_sampling_rejected_groups": 2.0}
+    assert metrics == {"rollout/dynamic_sampling_rounds": 2.0, "rollout/dynamic_sampling_surplus_groups": 0.0,
+                       "rollout/dynamic_sampling_rejected_groups": 2.0}
+
+
+def test_dynamic_sampling_trains_on_surplus_groups():
+    # Round 2 asks for 2 groups to fill 1 slot and both have spread: both are trained, none lost.
+    gen = ScriptedGenerator([[1, 1], [0, 1], [1, 0], [0, 1]])
+    ro, metrics, used = collect_step_rollouts(_step_cfg(5), ListDataset(), gen, _scorer(), DigitTokenizer(), None,
+                                              first_group=0)
+    assert sorted({t.group_id for t in ro.trajectories}) == [1, 2, 3]
+    assert metrics["rollout/dynamic_sampling_surplus_groups"] == 1.0 and used == 4
 
 
 def test_dynamic_sampling_single_sample_groups_end_with_error_fault_case_1():
@@ -260,7 +271,8 @@ def test_dynamic_sampling_single_sample_groups_end_with_error_fault_case_1():
     gen = ScriptedGenerator([[5]] * 100)
     with pytest.raises(ValueError, match=r"only 0 of 2 groups.*max_generation_rounds=3"):
         collect_step_rollouts(_step_cfg(3), ListDataset(), gen, _scorer(), DigitTokenizer(), None, first_group=0)
-    assert gen.calls == [2, 2, 2]
+    # Nothing accepted: later rounds oversample 4x (the cap), still bounded by max rounds.
+    assert gen.calls == [2, 8, 8]
 
 
 def test_without_dynamic_sampling_every_group_is_kept():
