@@ -80,6 +80,7 @@ class AsyncLoop:
         self.n = t_cfg.samples_per_prompt
         self.groups_per_step = t_cfg.prompts_per_step
         per_worker, learner_threads = thread_budget(g_cfg.num_workers, g_cfg.threads_per_worker)
+        learner_threads = cfg.learner.num_threads or learner_threads
         torch.set_num_threads(learner_threads)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:

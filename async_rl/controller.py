@@ -424,6 +424,8 @@ def train(cfg: "Config") -> dict[str, Any]:
     t_cfg, seed = cfg.trainer, cfg.trainer.seed
     random.seed(seed)
     torch.manual_seed(seed)
+    if cfg.learner.num_threads:
+        torch.set_num_threads(cfg.learner.num_threads)
     model_path = resolve(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model.tokenizer_path or cfg.model.path))
     if tokenizer.pad_token_id is None:
@@ -480,6 +482,7 @@ def train(cfg: "Config") -> dict[str, Any]:
         else:
             loop = SyncLoop(ctx)
         t_rl = time.perf_counter()
+        tail_evals: list[float] = []
         for step in range(1, t_cfg.total_steps + 1):
             metrics = loop.step(step)
             due = t_cfg.eval_every_steps and step % t_cfg.eval_every_steps == 0
@@ -489,6 +492,8 @@ def train(cfg: "Config") -> dict[str, Any]:
                 metrics.update(evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, tokenizer))
                 metrics["timing/eval_s"] = time.perf_counter() - t0
                 summary["eval_final"] = metrics["eval/accuracy"]
+                if step > 0.75 * t_cfg.total_steps:
+                    tail_evals.append(metrics["eval/accuracy"])
             log.log(metrics, step=step)
             log.advance(step)
         summary["rl_wall_s"] = time.perf_counter() - t_rl
@@ -498,6 +503,12 @@ def train(cfg: "Config") -> dict[str, Any]:
             summary["eval_gain_points"] = 100.0 * (summary["eval_final"] - summary["eval_step_0"])
             log.print(f"eval accuracy: step 0 {summary['eval_step_0']:.4f} -> step {t_cfg.total_steps} "
                       f"{summary['eval_final']:.4f} ({summary['eval_gain_points']:+.1f} points)")
+            # One eval of a small held-out set is noisy; the mean over the last quarter of the run
+            # is the steadier figure for comparing runs (modes, algorithms, seeds).
+            summary["eval_tail_mean"] = sum(tail_evals) / len(tail_evals)
+            summary["eval_tail_gain_points"] = 100.0 * (summary["eval_tail_mean"] - summary["eval_step_0"])
+            log.print(f"eval accuracy, mean of the {len(tail_evals)} evals in the last quarter: "
+                      f"{summary['eval_tail_mean']:.4f} ({summary['eval_tail_gain_points']:+.1f} points)")
         if t_cfg.export_model:
             learner.export_hf(str(run_dir / "final_model"), tokenizer)
             summary["final_model"] = str(run_dir / "final_model")
@@ -516,12 +527,16 @@ def _dispatch_by_source(data_source, response_text, ground_truth, extra_info):
     return default_reward_for(data_source)(data_source, response_text, ground_truth, extra_info)
 
 
+MAX_OVERSAMPLING = 16
+"""Dynamic sampling asks for at most this many times the missing groups in one round."""
+
+
 def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, first_group: int,
                           ) -> tuple[RolloutResult, dict[str, float], int]:
     """One step's trajectories: a single rollout round, or DAPO dynamic sampling.
 
     With ``algorithm.dynamic_sampling`` each round takes the missing number of groups divided by
-    the acceptance rate so far (at most 4x); a group whose (unshaped) rewards are all equal is
+    the acceptance rate so far (at most ``MAX_OVERSAMPLING`` times as many); a group whose (unshaped) rewards are all equal is
     dropped and counted (it carries no group-relative signal); rounds repeat until
     ``trainer.prompts_per_step`` groups have spread, at most ``algorithm.max_generation_rounds``
     times (DAPO, arXiv 2503.14476, Sec. 3.2). Accepted groups beyond the target are trained on
@@ -544,11 +559,12 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
     totals = {"samples": 0, "groups": 0, "tokens": 0, "used": 0, "accepted": 0}
 
     def generate_round(missing: int):
-        # Oversample by the acceptance rate seen so far in this step (at most 4x): asking for exactly
-        # the missing count makes the last few groups take many tiny rounds when most prompts are
-        # solved. Surplus groups are trained on too, so no accepted sample is lost.
+        # Oversample by the acceptance rate seen so far in this step (at most 16x): asking for the
+        # missing count, or a small multiple of it, converges geometrically slowly once most
+        # prompts are solved (a run at 10% acceptance failed that way). Surplus groups are trained
+        # on too, so no accepted sample is lost.
         rate = totals["accepted"] / totals["used"] if totals["used"] else 1.0
-        prompts = train_ds.next_batch(min(4 * missing, math.ceil(missing / max(rate, 0.25))))
+        prompts = train_ds.next_batch(min(MAX_OVERSAMPLING * missing, math.ceil(missing / max(rate, 1 / MAX_OVERSAMPLING))))
         ro = rollout(generator, prompts, n, params, scorer, tokenizer, first_group + totals["used"], t_cfg.seed)
         totals["used"] += len(prompts)
         totals["samples"] += ro.num_rejected_samples

@@ -78,6 +78,9 @@ class LearnerConfig:
     """Passes over the step's batch (>= 1)."""
     seed: int = 0
     """Seed for model-side randomness."""
+    num_threads: int = 0
+    """Torch CPU threads of the learner process (>= 0); 0 = torch's default in sync mode, the
+    cores the generator actors leave in async mode."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, used only by estimators that need values (``gae``)."""
 
@@ -102,6 +105,8 @@ class LearnerConfig:
             raise ValueError(f"learner.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip < 0:
             raise ValueError(f"learner.grad_clip must be >= 0, got {self.grad_clip}")
+        if self.num_threads < 0:
+            raise ValueError(f"learner.num_threads must be >= 0, got {self.num_threads}")
         for key in ("micro_batch_size", "num_mini_batches", "num_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"learner.{key} must be >= 1, got {getattr(self, key)}")

@@ -104,3 +104,34 @@ def test_update_while_idle_is_immediate(gen):
     weights = [(k, v.detach().clone()) for k, v in gen.model.named_parameters()]
     gen.update_weights(weights, 3)
     assert gen.policy_version == 3 and gen._pending is None
+
+
+def test_second_stop_id_ends_as_stop_and_pad_equal_to_eos_keeps_eos_fault_case_12(tiny_model_path, tiny_tokenizer):
+    from buffers.trajectory import Trajectory, collate
+
+    eos = tiny_tokenizer.eos_token_id
+    # pad id == EOS id: the padding of finished rows must not leak into responses or the loss mask.
+    gen = HFGenerator(tiny_model_path, GeneratorConfig(), pad_token_id=eos)
+    prompts = _prompts(tiny_tokenizer)
+    greedy = SamplingParams(max_tokens=5, greedy=True, stop_token_ids=(eos,))
+    first = gen.generate(prompts[:1], 1, greedy)[0][0].response_ids[0]
+    assert first != eos
+    # Stop ids {A = EOS, B}: B is the token greedy decoding picks first, so the response is [B].
+    out = gen.generate(prompts[:1], 1, SamplingParams(max_tokens=5, greedy=True, stop_token_ids=(eos, first)))[0][0]
+    assert out.response_ids == [first] and out.finish_reason == "stop"
+    # Sampled rows of different lengths in one batch, pad == EOS: each keeps exactly its real EOS.
+    params = SamplingParams(max_tokens=40, stop_token_ids=(eos,))
+    samples = [s for g in gen.generate(prompts, 4, params, seeds=[1, 2, 3, 4]) for s in g]
+    stopped = [s for s in samples if s.finish_reason == "stop"]
+    assert stopped, "no sample reached EOS within 40 tokens"
+    for s in samples:
+        assert s.response_ids.count(eos) == (s.finish_reason == "stop")
+        assert (s.response_ids[-1] == eos) == (s.finish_reason == "stop")
+    s = stopped[0]
+    t = Trajectory("0/0", 0, "u", prompts[0], s.response_ids, s.logprobs, [1] * len(s.response_ids), "stop",
+                   s.policy_version)
+    batch = collate([t, Trajectory("0/1", 0, "u", prompts[0], s.response_ids + [5] * 3, s.logprobs + [0.0] * 3,
+                                   [1] * (len(s.response_ids) + 3), "length", s.policy_version * 1 + [0] * 3)], eos)
+    P, R = len(prompts[0]), len(s.response_ids)
+    assert batch.loss_mask[0, P - 1 : P - 1 + R].tolist() == [1.0] * R  # the real EOS is trained
+    assert batch.loss_mask[0, P - 1 + R :].sum() == 0  # the pads (same id) are not

@@ -271,8 +271,20 @@ def test_dynamic_sampling_single_sample_groups_end_with_error_fault_case_1():
     gen = ScriptedGenerator([[5]] * 100)
     with pytest.raises(ValueError, match=r"only 0 of 2 groups.*max_generation_rounds=3"):
         collect_step_rollouts(_step_cfg(3), ListDataset(), gen, _scorer(), DigitTokenizer(), None, first_group=0)
-    # Nothing accepted: later rounds oversample 4x (the cap), still bounded by max rounds.
-    assert gen.calls == [2, 8, 8]
+    # Nothing accepted: later rounds oversample 16x (the cap), still bounded by max rounds.
+    assert gen.calls == [2, 32, 32]
+
+
+def test_dynamic_sampling_converges_at_low_acceptance_regression():
+    # 1 group in 10 has spread (a policy that solves 90% of prompts). The default DAPO run failed
+    # at step 237 with "31 of 32 groups after 10 rounds" while asking for at most 4x the missing.
+    script = [[0, 1] if i % 10 == 0 else [1, 1] for i in range(5000)]
+    gen = ScriptedGenerator(script)
+    cfg = _step_cfg(10)
+    cfg.trainer.prompts_per_step = 32
+    ro, metrics, used = collect_step_rollouts(cfg, ListDataset(), gen, _scorer(), DigitTokenizer(), None, first_group=0)
+    assert len({t.group_id for t in ro.trajectories}) >= 32
+    assert metrics["rollout/dynamic_sampling_rounds"] <= 3
 
 
 def test_without_dynamic_sampling_every_group_is_kept():
