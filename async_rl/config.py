@@ -138,6 +138,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
 
 def _cross_validate(cfg: Config) -> None:
+    if cfg.algorithm.behavior_correction is None:
+        # Async samples come from older policies: weight them by pi_prox / mu, truncated (the
+        # decoupled PPO objective of AReaL, arXiv 2505.24298). In sync mode pi_prox == mu up to
+        # float noise, so no weight is needed.
+        cfg.algorithm.behavior_correction = "tis" if cfg.trainer.mode == "async" else "none"
     cfg.algorithm.apply_preset()
     if cfg.trainer.max_staleness is None:
         # Async without staleness would idle the generators while the learner trains.

@@ -65,8 +65,9 @@ class AlgorithmConfig:
     """PPO clip epsilon above 1 (clip-higher); ``None`` = ``clip_ratio_low`` or the preset's."""
     clip_ratio_c: float | None = None
     """Dual-clip bound for negative advantages (> 1); ``None`` disables it."""
-    behavior_correction: str = "none"
-    """Off-policy weight pi_prox/mu: none | tis | icepop | seq_tis | seq_icepop."""
+    behavior_correction: str | None = None
+    """Off-policy weight pi_prox/mu: none | tis | icepop | seq_tis | seq_icepop; ``None`` = ``tis``
+    in async mode (samples from older policies), ``none`` in sync mode."""
     tis_cap: float = 2.0
     """Truncation cap of the TIS weight (> 0)."""
     icepop_low: float = 0.5
@@ -116,7 +117,7 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.clip_ratio_low/high must be > 0, got {self.clip_ratio_low}/{self.clip_ratio_high}")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"algorithm.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
-        if self.behavior_correction not in BEHAVIOR_CORRECTIONS:
+        if self.behavior_correction is not None and self.behavior_correction not in BEHAVIOR_CORRECTIONS:
             raise ValueError(f"algorithm.behavior_correction must be one of {BEHAVIOR_CORRECTIONS}, got {self.behavior_correction!r}")
         if not self.tis_cap > 0:
             raise ValueError(f"algorithm.tis_cap must be > 0, got {self.tis_cap}")
@@ -152,6 +153,10 @@ class AlgorithmConfig:
             self.dynamic_sampling = False
         if self.overlong_buffer_frac is None:
             self.overlong_buffer_frac = 0.0
+        if self.behavior_correction is None:
+            # load_config resolves this by trainer mode first (tis in async); code that builds the
+            # config directly and never says gets the plain decoupled loss.
+            self.behavior_correction = "none"
         return self
 
     @property
