@@ -147,15 +147,18 @@ class AsyncLoop:
                                            extra_info=prompt.extra_info, n=self.n, seed=group_seed(seed, gid)))
             self.num_dispatched += 1
 
-    def _receive_loop(self) -> None:
+    def _route(self, msg) -> None:
         from buffers.transport import GroupClosed
 
+        if isinstance(msg, GroupClosed):
+            self.buffer.close_group(msg.group_id, msg.num_kept)
+        else:
+            self.buffer.add(msg)
+
+    def _receive_loop(self) -> None:
         while not self._stop.is_set():
             for msg in self.receiver.recv_many(512, timeout_s=0.05):
-                if isinstance(msg, GroupClosed):
-                    self.buffer.close_group(msg.group_id, msg.num_kept)
-                else:
-                    self.buffer.add(msg)
+                self._route(msg)
 
     # ------------------------------------------------------------------ learner side
     def _check_health(self) -> None:
@@ -268,15 +271,13 @@ class AsyncLoop:
             "dynamic_sampling_dropped": self.num_dynamic_dropped,
             "ready_unused": int(m["buffer/num_groups_ready"]),
             "partial_at_exit": int(m["buffer/num_partial_groups"]),
-            "queued_at_exit": int(self.requests.qsize()) if self._queue_alive else 0,
+            "queued_at_exit": int(self.requests.qsize()),
         }
         # Groups dispatched whose first sample never arrived are neither ready nor partial.
         seen = out["trained"] + out["rejected"] + out["stale"] + out["abandoned"] + out["dynamic_sampling_dropped"] \
             + out["ready_unused"] + out["partial_at_exit"] + out["queued_at_exit"]
         out["unstarted_or_in_engine_at_exit"] = out["dispatched"] - seen
         return out
-
-    _queue_alive = True
 
     def close(self) -> dict[str, Any]:
         """Stop the dispatcher, the workers and the receiver; returns ``pipeline/*`` summary entries."""
@@ -296,18 +297,12 @@ class AsyncLoop:
             th.join(timeout=5)
         # Drain what the workers sent before stopping, so the ledger counts it.
         while msgs := self.receiver.recv_many(4096, timeout_s=0.2):
-            from buffers.transport import GroupClosed
-
             for msg in msgs:
-                if isinstance(msg, GroupClosed):
-                    self.buffer.close_group(msg.group_id, msg.num_kept)
-                else:
-                    self.buffer.add(msg)
+                self._route(msg)
         summary = {f"pipeline/{k}": v for k, v in self.ledger().items()}
         summary["pipeline/dropped_duplicate_samples"] = self.buffer.dropped["duplicate"]
         summary["pipeline/malformed_messages"] = self.receiver.num_malformed
         self.requests.shutdown()
-        self._queue_alive = False
         self.receiver.close()
         for w in self.workers:
             ray.kill(w)
