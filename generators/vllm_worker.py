@@ -1,0 +1,137 @@
+"""Code that runs inside vLLM's worker processes: our weight-transfer engine and worker extension.
+
+vLLM loads this module in every worker because the engine is created with
+``worker_extension_cls="generators.vllm_worker.AsyncRLWorkerExtension"``; importing it registers
+the ``async_rl`` backend with vLLM's ``WeightTransferEngineFactory`` before the worker builds its
+weight-transfer engine (``weight_transfer_config={"backend": "async_rl"}``). The engine then
+follows vLLM's native RL weight-update lifecycle, driven from ``AsyncLLM``:
+
+* ``init_weight_transfer_engine``: connect a ``WeightReceiver`` (shm slots or a gloo/NCCL group);
+* ``start_weight_update``: vLLM's layerwise reload begins (kernels that repack weights, such as
+  the CPU build's oneDNN linears, are restored to checkpoint layout and re-processed at the end,
+  so one update may be split across buckets anywhere, even inside a fused q/k/v);
+* ``update_weights``: check every name of the plan against the model (``map_to_engine``), then
+  load bucket by bucket with the model's own ``load_weights`` (HF names; the loader fuses q/k/v
+  and gate/up and converts dtypes);
+* ``finish_weight_update``: finalize the layerwise reload.
+
+Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact there); only the
+plan (names, dtypes, shapes, offsets) does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from async_rl.weight_sync import UpdatePlan, WeightReceiver, map_to_engine
+
+BACKEND = "async_rl"
+
+
+@dataclass
+class AsyncRLInitInfo(WeightTransferInitInfo):
+    """``WeightSender.init_info()`` and this engine's receiver rank."""
+
+    info: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0
+
+
+@dataclass
+class AsyncRLUpdateInfo(WeightTransferUpdateInfo):
+    """One update's ``UpdatePlan.to_dict()``."""
+
+    plan: dict[str, Any] = field(default_factory=dict)
+
+
+def engine_weight_names(model) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+    """``(parameter names, packed_modules_mapping, tied aliases)`` of a vLLM model.
+
+    A model whose output head is tied to its input embedding (``tie_word_embeddings``) has no
+    ``lm_head.weight`` of its own; the HF name is accepted as an alias of the embedding (and is
+    required: without it vLLM's CPU build keeps the old head, see ``../shared/MEASURED.md``).
+    """
+    names = [n for n, _ in model.named_parameters()]
+    packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+    config = getattr(model, "config", None)
+    tied = {}
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
+        embed = next((n for n in names if n.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            tied["lm_head.weight"] = embed
+    return names, packed, tied
+
+
+class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLUpdateInfo]):
+    """vLLM weight-transfer engine receiving ``async_rl.weight_sync`` buckets (see module docstring)."""
+
+    init_info_cls = AsyncRLInitInfo
+    update_info_cls = AsyncRLUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.receiver: WeightReceiver | None = None
+        # Names are read before any reload (a reload swaps parameters for meta tensors).
+        self.names, self.packed, self.tied = engine_weight_names(self.model)
+        self.num_updates = 0
+
+    def init_transfer_engine(self, init_info: AsyncRLInitInfo) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = WeightReceiver(init_info.info, init_info.rank)
+        self.receiver.connect()
+
+    def check(self, names: list[str]) -> None:
+        """Raise unless ``names`` map one-to-one onto this model's parameters (``map_to_engine``)."""
+        map_to_engine(names, self.names, self.packed, self.tied)
+        missing_alias = [n for n in self.tied if n not in names]
+        if missing_alias:
+            raise ValueError(f"tied model: {missing_alias} must be sent (as an alias of {self.tied[missing_alias[0]]!r})")
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: AsyncRLUpdateInfo) -> None:
+        if self.receiver is None:
+            raise RuntimeError("update_weights before init_weight_transfer_engine")
+        plan = UpdatePlan.from_dict(update_info.plan)
+        for bucket in self.receiver.receive(plan, check=self.check):
+            self.model.load_weights(bucket)
+        self.num_updates += 1
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+
+if BACKEND not in getattr(WeightTransferEngineFactory, "_registry", {}):
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, AsyncRLWeightTransferEngine)
+    except ValueError:  # already registered by an earlier import in this process
+        pass
+
+
+class AsyncRLWorkerExtension:
+    """Methods mixed into vLLM's worker (``worker_extension_cls``), called via ``collective_rpc``."""
+
+    def async_rl_weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+        """``engine_weight_names`` of the served model (for the name-mapping check)."""
+        return engine_weight_names(self.model_runner.get_model())
+
+    def async_rl_num_updates(self) -> int:
+        """Updates this worker's engine has loaded."""
+        eng = getattr(self, "weight_transfer_engine", None)
+        return getattr(eng, "num_updates", 0)
