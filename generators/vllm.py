@@ -69,6 +69,7 @@ class VLLMGenerator:
         self.num_reissued = 0
         self._updating = False
         self._active = 0
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.vcfg.cpu_kv_cache_gb))
             if num_threads:
@@ -96,6 +97,10 @@ class VLLMGenerator:
             max_model_len=self.vcfg.max_model_len or None, max_num_seqs=self.cfg.max_batch_size,
             gpu_memory_utilization=self.vcfg.gpu_memory_utilization, enforce_eager=self.vcfg.enforce_eager,
             enable_prefix_caching=self.vcfg.enable_prefix_caching, logprobs_mode="processed_logprobs",
+            # Seeded requests whose prompt is split across steps crash the CPU build's sampler
+            # ("CPU Generator does not use offset", vllm-cpu 0.32): prompts are never split.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(8192, self.vcfg.max_model_len or 0),
             worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "async_rl"},
             disable_log_stats=True,
         )
