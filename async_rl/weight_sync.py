@@ -21,7 +21,8 @@ Protocol (one ``WeightSender`` on the learner, one ``WeightReceiver`` in each en
    ``broadcast`` the process group forms when the sender and every receiver have connected (the
    caller runs both sides concurrently).
 2. **Per-version update**. ``plan_update(named_shapes, version)`` lays the tensors out in buckets
-   (names, dtypes, shapes, byte offsets; tied aliases carry no bytes). The plan goes to every
+   (names, dtypes, shapes, byte offsets; tied aliases carry no bytes; a decoder layer is never
+   split across buckets, because a loader may keep a partial layer's tensors until it is whole). The plan goes to every
    generator through the control plane (a Ray call, or vLLM's ``update_weights`` request) with
    the version. Each receiver first checks every name against its engine (unknown names and
    parameters left without a tensor are an error naming them) and posts ``ready`` or ``error``
@@ -164,9 +165,25 @@ class UpdatePlan:
 _ALIGN = 64  # byte alignment of each tensor inside a bucket (vectorised copies, any dtype)
 
 
+def layer_key(name: str) -> str:
+    """The decoder layer a weight belongs to: its name up to the outermost integer segment
+    (``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``), or the name itself."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
+
+
 def plan_update(named_shapes: Sequence[tuple[str, torch.dtype, Sequence[int]]], version: int, bucket_bytes: int,
                 aliases: dict[str, str] | None = None, wire_dtype: torch.dtype | None = None) -> UpdatePlan:
-    """Lay out tensors in buckets of at most ``bucket_bytes`` (a larger tensor gets its own bucket).
+    """Lay out tensors in buckets of about ``bucket_bytes``, never splitting a decoder layer.
+
+    A loader may hold on to the tensors of a layer until the whole layer has arrived (vLLM's
+    layerwise reload defers a layer's processing until all its weights are loaded, keeping the
+    views it was given); a bucket that ended inside a layer would have its memory reused while
+    still referenced. So consecutive weights of one layer (``layer_key``) share a bucket, and a
+    layer larger than ``bucket_bytes`` gets a bucket of its own size.
 
     Args:
         named_shapes: ``(name, dtype, shape)`` of every tensor to send, in send order.
@@ -179,9 +196,7 @@ def plan_update(named_shapes: Sequence[tuple[str, torch.dtype, Sequence[int]]], 
         ValueError: a name listed twice, or an alias whose target is not sent.
     """
     seen: set[str] = set()
-    buckets: list[list[TensorMeta]] = [[]]
-    sizes = [0]
-    where: dict[str, int] = {}
+    items = []
     for name, dtype, shape in named_shapes:
         if name in seen:
             raise ValueError(f"weight {name!r} listed twice in one update")
@@ -189,14 +204,28 @@ def plan_update(named_shapes: Sequence[tuple[str, torch.dtype, Sequence[int]]], 
         if wire_dtype is not None and dtype.is_floating_point:
             dtype = wire_dtype
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        start = -(-sizes[-1] // _ALIGN) * _ALIGN
-        if buckets[-1] and start + nbytes > bucket_bytes:
+        items.append((name, dtype, tuple(int(s) for s in shape), nbytes))
+    # Runs of consecutive weights of one layer.
+    runs: list[list[tuple]] = []
+    for it in items:
+        if runs and layer_key(runs[-1][-1][0]) == layer_key(it[0]):
+            runs[-1].append(it)
+        else:
+            runs.append([it])
+    aligned = lambda n: -(-n // _ALIGN) * _ALIGN  # noqa: E731
+    buckets: list[list[TensorMeta]] = [[]]
+    sizes = [0]
+    where: dict[str, int] = {}
+    for run in runs:
+        run_bytes = sum(aligned(nb) for *_, nb in run)
+        if buckets[-1] and aligned(sizes[-1]) + run_bytes > bucket_bytes:
             buckets.append([])
             sizes.append(0)
-            start = 0
-        buckets[-1].append(TensorMeta(name, dtype_name(dtype), tuple(int(s) for s in shape), start, nbytes))
-        sizes[-1] = start + nbytes
-        where[name] = len(buckets) - 1
+        for name, dtype, shape, nbytes in run:
+            start = aligned(sizes[-1])
+            buckets[-1].append(TensorMeta(name, dtype_name(dtype), shape, start, nbytes))
+            sizes[-1] = start + nbytes
+            where[name] = len(buckets) - 1
     for alias, target in (aliases or {}).items():
         if target not in where:
             raise ValueError(f"alias {alias!r} points at {target!r}, which is not in the update")
@@ -636,9 +665,12 @@ class WeightPublisher:
             handles = [t.receive(plan.to_dict(), version) for t in self.targets]
             try:
                 metrics = self.sender.send(plan, named, deadline)
-            except RuntimeError:
-                # A receiver refused the plan: surface its own exception (it names the weight).
-                self._wait(handles, plan, "collecting the receivers' errors", timeout_s=30)
+            except RuntimeError as sent:
+                # A receiver refused the plan: surface its own exception too (it names the weight).
+                try:
+                    self._wait(handles, plan, "collecting the receivers' errors", timeout_s=30)
+                except Exception as cause:
+                    raise RuntimeError(f"{sent} ({type(cause).__name__}: {cause})") from cause
                 raise
             self._wait(handles, plan, "waiting for the engines to load", max(1.0, deadline - time.monotonic()))
         self.published_version = version

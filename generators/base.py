@@ -134,6 +134,8 @@ class Sample:
     logprobs: list[float]
     finish_reason: str
     policy_version: list[int] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV came from the engine's prefix cache (vLLM; 0 for HF)."""
 
 
 class Generator(Protocol):

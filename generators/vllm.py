@@ -159,6 +159,7 @@ class VLLMGenerator:
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        cached = 0
         while True:
             await self._resumed.wait()
             # A re-issued (aborted) sample cannot continue its old RNG stream: derive a new one.
@@ -179,6 +180,8 @@ class VLLMGenerator:
                         logprobs.append(float(lp[tok].logprob) if lp else 0.0)
                         versions.append(version)
                     finish = c.finish_reason
+                    if out.num_cached_tokens is not None and not cached:
+                        cached = out.num_cached_tokens
             finally:
                 self._active -= 1
             if finish == "abort" and self._updating and len(tokens) < params.max_tokens:
@@ -186,7 +189,8 @@ class VLLMGenerator:
                 continue
             if finish not in ("stop", "length"):
                 raise RuntimeError(f"vLLM request ended with finish reason {finish!r}")
-            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions)
+            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions,
+                          num_cached_prompt_tokens=cached)
 
     # ------------------------------------------------------------------ weights
     def connect_weight_sync(self, init_info: dict[str, Any], rank: int) -> None:
@@ -215,6 +219,8 @@ class VLLMGenerator:
     async def _receive(self, plan: dict[str, Any], version: int) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        # Names first, while the model is untouched: a bad plan fails here (and the sender is told).
+        await self.engine.collective_rpc("async_rl_check_update", args=(plan,))
         keep = self.cfg.partial_rollout == "keep"
         in_flight = self._active > 0
         self._updating = True
@@ -224,8 +230,10 @@ class VLLMGenerator:
             await self.engine.start_weight_update()
             try:
                 await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"plan": plan}))
-            finally:
-                await self.engine.finish_weight_update(str(version))
+            except Exception as e:
+                raise RuntimeError(f"vLLM engine failed while loading weights v{version} (its weights are now "
+                                   f"undefined; restart the generator): {e}") from e
+            await self.engine.finish_weight_update(str(version))
             self.policy_version = version
             self.num_weight_updates_in_flight += int(in_flight and keep)
         finally:

@@ -10,9 +10,10 @@ follows vLLM's native RL weight-update lifecycle, driven from ``AsyncLLM``:
 * ``start_weight_update``: vLLM's layerwise reload begins (kernels that repack weights, such as
   the CPU build's oneDNN linears, are restored to checkpoint layout and re-processed at the end,
   so one update may be split across buckets anywhere, even inside a fused q/k/v);
-* ``update_weights``: check every name of the plan against the model (``map_to_engine``), then
-  load bucket by bucket with the model's own ``load_weights`` (HF names; the loader fuses q/k/v
-  and gate/up and converts dtypes);
+* ``update_weights``: load bucket by bucket with the model's own ``load_weights`` (HF names; the
+  loader fuses q/k/v and gate/up and converts dtypes), from copies of the bucket (the reload may
+  keep tensors until finalize, while the bucket's memory is reused); the names were checked
+  against the model (``map_to_engine``) by ``async_rl_check_update`` before the reload began;
 * ``finish_weight_update``: finalize the layerwise reload.
 
 Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact there); only the
@@ -21,6 +22,7 @@ plan (names, dtypes, shapes, offsets) does.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,10 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from async_rl.weight_sync import UpdatePlan, WeightReceiver, map_to_engine
 
 BACKEND = "async_rl"
+
+# The layerwise reload warns "RotaryEmbedding: Failed to load weights" on every update (a module
+# with no weights); our own name check is the authority on what an update must contain.
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 
 @dataclass
@@ -102,8 +108,13 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         if self.receiver is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
         plan = UpdatePlan.from_dict(update_info.plan)
-        for bucket in self.receiver.receive(plan, check=self.check):
-            self.model.load_weights(bucket)
+        # The names were checked by ``async_rl_check_update`` before the reload began.
+        for bucket in self.receiver.receive(plan):
+            # The layerwise reload may keep a module's tensors until finalize (a tied output head
+            # is only completed there), and the bucket's memory is reused by the next bucket:
+            # hand it copies. Measured: without them a multi-bucket update diverged from a fresh
+            # engine (tests/test_vllm.py).
+            self.model.load_weights([(name, t.clone()) for name, t in bucket])
         self.num_updates += 1
 
     def finish_weight_update(self) -> None:
@@ -130,6 +141,18 @@ class AsyncRLWorkerExtension:
     def async_rl_weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
         """``engine_weight_names`` of the served model (for the name-mapping check)."""
         return engine_weight_names(self.model_runner.get_model())
+
+    def async_rl_check_update(self, plan: dict[str, Any]) -> None:
+        """Check an update's names against the model before any byte moves (``map_to_engine``);
+        on failure the sender is told (it raises at once) and this raises."""
+        eng = self.weight_transfer_engine
+        update = UpdatePlan.from_dict(plan)
+        try:
+            eng.check(update.names)
+        except Exception as e:
+            if eng.receiver is not None:
+                eng.receiver.fail(update, f"{type(e).__name__}: {e}")
+            raise
 
     def async_rl_num_updates(self) -> int:
         """Updates this worker's engine has loaded."""
