@@ -1,0 +1,450 @@
+"""Weight-sync throughput and vLLM generation overhead, side by side with their ceilings, in one run.
+
+What it measures (all on one host, CPU):
+
+1. **memcpy**: ``dst.copy_(src)`` of a 256 MB uint8 tensor, best of 5, in this run: the ceiling
+   every weight-sync figure is compared with.
+2. **Weight sync, end to end**: a "learner" (a random-init Qwen2 of about 110M parameters,
+   float32, tied embeddings; the exact count is printed) pushes its weights through
+   ``async_rl.weight_sync.WeightPublisher``. One sync is timed from the learner's export start
+   (``push`` begins with ``named_weights()``) to the moment every engine has loaded the weights
+   (every receiver's ``receive_weights`` call returned); GB/s = model bytes (10^9) / that time.
+   Receivers:
+
+   * ``colocated``: one ``HFGenerator`` in this process (``LocalTarget``), tensors handed over by
+     name: the in-process copy reference;
+   * ``shm`` and ``broadcast`` (gloo) into two ``HFGenerator`` engines in two Ray actors
+     (``RayTarget``), one row per bucket size (``--buckets-mb``);
+   * ``shm`` and ``broadcast`` into one real vLLM engine (``VLLMGenerator`` in this process,
+     ``LocalTarget``) at ``--vllm-bucket-mb``: this includes vLLM's layerwise reload and its
+     re-processing of the weights (the CPU build repacks linears into oneDNN kernels).
+
+   Each row: one untimed-for-the-best "cold" push (first use of the slots / group), then
+   ``--reps`` timed pushes; best and median are printed. Correctness is checked once per
+   receiver kind after a push of perturbed weights: the HF engines' parameters must equal the
+   learner's bit for bit (SHA-1 of every parameter) with the tie intact; the vLLM engine's greedy
+   tokens and log-probs must match an HF forward of the learner's model (teacher-forced), and
+   must not have matched before the push (so the check can fail).
+3. **Generation**: our ``VLLMGenerator.generate`` against raw vLLM on the built-in tiny model,
+   same prompts, same per-request seeds and the same sampling params (temperature 1,
+   ``ignore_eos``, stop ids, ``max_tokens``, ``logprobs=0``, ``detokenize=False``); ours streams
+   deltas (``RequestOutputKind.DELTA``) and tags tokens with policy versions, the raw rows use
+   vLLM's default final-only outputs. Raw rows: ``vllm.LLM.generate`` (its own engine with the
+   same engine args minus our worker extension) and ``AsyncLLM.generate`` called directly on the
+   very engine ours wraps. Each is warmed up first; tokens/s is the best of ``--gen-reps``.
+
+The machine has 2 cores and may be shared: the load average is printed with the results.
+
+Run (about 5 minutes on 2 cores; ``--quick`` about 3, with a ~10M model and one bucket size)::
+
+    ASYNC_RL_CACHE=/tmp/arl-cache python bench/bench_weight_sync.py [--quick]
+        [--buckets-mb 64,256,1024] [--reps 3] [--vllm-bucket-mb 256] [--skip-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FULL_MODEL = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=12, vocab_size=32000)
+QUICK_MODEL = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
+                   num_key_value_heads=6, vocab_size=8000)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def memcpy_gbps(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
+    """Best ``dst.copy_(src)`` rate of a ``nbytes`` uint8 tensor in GB/s (10^9 bytes/s)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of dst's pages
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / 1e9 / best
+
+
+def build_model(out_dir: str, spec: dict, tiny_path: str):
+    """A random-init tied Qwen2 saved to ``out_dir`` with the tiny model's tokenizer; returns the model."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    if spec["vocab_size"] < len(tok):
+        raise ValueError(f"vocab_size {spec['vocab_size']} is smaller than the tokenizer's {len(tok)}")
+    config = Qwen2Config(**spec, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return model
+
+
+def perturb(model, seed: int, scale: float = 0.02) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def digests(model) -> dict[str, str]:
+    """SHA-1 of every (canonical) parameter's bytes."""
+    return {n: hashlib.sha1(p.detach().contiguous().numpy().tobytes()).hexdigest() for n, p in model.named_parameters()}
+
+
+class Learner:
+    """The two methods ``WeightPublisher`` needs, over a plain HF model (as tests/test_weight_sync.py)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def named_weights(self):
+        return ((n, p.detach()) for n, p in self.model.named_parameters())
+
+    def weight_aliases(self):
+        canonical = {id(p): n for n, p in self.model.named_parameters()}
+        return {n: canonical[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
+                if canonical[id(p)] != n}
+
+
+class HFEngineActor:
+    """An ``HFGenerator`` in its own process (wrapped with ``ray.remote``): the receiving half of
+    ``generators.pool.GeneratorWorker`` without its sampling loop."""
+
+    def __init__(self, model_path: str, pad_token_id: int, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        from generators.base import GeneratorConfig
+        from generators.hf import HFGenerator
+
+        self.engine = HFGenerator(model_path, GeneratorConfig(max_batch_size=8), pad_token_id)
+
+    def connect_weight_sync(self, init_info: dict, rank: int) -> None:
+        self.engine.connect_weight_sync(init_info, rank)
+
+    def receive_weights(self, plan: dict, version: int) -> float:
+        return self.engine.receive_weights(plan, version)
+
+    def check(self) -> tuple[int, dict[str, str], bool]:
+        """``(policy_version, parameter digests, whether lm_head is still the embedding)``."""
+        m = self.engine.model
+        return (self.engine.policy_version, digests(m),
+                m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr())
+
+
+def time_pushes(pub, reps: int, version: int) -> tuple[float, list[float]]:
+    """``(cold seconds, [timed seconds])`` of ``1 + reps`` pushes (versions ``version``...)."""
+    times = []
+    for k in range(1 + reps):
+        t0 = time.perf_counter()
+        pub.push(version + k)
+        times.append(time.perf_counter() - t0)
+    return times[0], times[1:]
+
+
+class Table:
+    HEAD = (f"{'transport':10s} {'receivers':22s} {'bucket MB':>9s} {'buckets':>7s} {'cold s':>7s} {'best s':>7s} "
+            f"{'median s':>8s} {'GB/s best':>9s} {'GB/s med':>8s} {'x memcpy':>8s}")
+
+    def __init__(self, model_bytes: int, memcpy: float) -> None:
+        self.rows: list[str] = []
+        self.model_bytes, self.memcpy = model_bytes, memcpy
+
+    def add(self, transport: str, receivers: str, bucket_mb, buckets, cold: float, timed: list[float]) -> None:
+        best, med = min(timed), statistics.median(timed)
+        gb = self.model_bytes / 1e9
+        row = (f"{transport:10s} {receivers:22s} {str(bucket_mb):>9s} {str(buckets):>7s} {cold:7.3f} {best:7.3f} "
+               f"{med:8.3f} {gb / best:9.2f} {gb / med:8.2f} {gb / best / self.memcpy:8.3f}")
+        self.rows.append(row)
+        print(row, flush=True)
+
+
+# ---------------------------------------------------------------------------------------- part 2
+def bench_hf(args, model, model_path: str, pad: int, table: Table, checks: list[str]) -> None:
+    import ray
+
+    from async_rl.weight_sync import LocalTarget, RayTarget, WeightPublisher, WeightSyncConfig
+    from generators.base import GeneratorConfig
+    from generators.hf import HFGenerator
+
+    learner = Learner(model)
+    version = 1
+    # colocated: the in-process copy reference.
+    local = HFGenerator(model_path, GeneratorConfig(max_batch_size=8), pad)
+    pub = WeightPublisher(WeightSyncConfig(transport="colocated"), "colocated", learner, [LocalTarget(local)])
+    perturb(model, seed=version)
+    cold, timed = time_pushes(pub, args.reps, version)
+    version += 1 + args.reps
+    table.add("colocated", "1 HF in-process", "-", "-", cold, timed)
+    same = digests(local.model) == digests(model)
+    tie = local.model.lm_head.weight.data_ptr() == local.model.model.embed_tokens.weight.data_ptr()
+    checks.append(f"{'PASS' if same and tie else 'FAIL'}  colocated -> HF in-process: every parameter bit-equal "
+                  f"to the learner's: {same}; tie intact: {tie}")
+    del pub, local
+    gc.collect()
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+             log_to_driver=False)
+    try:
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=2)(HFEngineActor)
+        actors = [actor_cls.remote(model_path, pad, 1) for _ in range(2)]
+        ray.get([a.check.remote() for a in actors])  # loaded
+        for transport in ("shm", "broadcast"):
+            for k, mb in enumerate(args.buckets_mb):
+                cfg = WeightSyncConfig(transport=transport, bucket_size_mb=mb)
+                pub = WeightPublisher(cfg, transport, learner, [RayTarget(a) for a in actors])
+                verify = k == len(args.buckets_mb) - 1
+                if verify:
+                    perturb(model, seed=version)
+                nb = len(pub.sender.plan(list(learner.named_weights()), 0, learner.weight_aliases()).buckets)
+                cold, timed = time_pushes(pub, args.reps, version)
+                last = version + args.reps
+                version += 1 + args.reps
+                table.add(transport, "2 HF Ray actors", mb, nb, cold, timed)
+                if verify:
+                    want = digests(model)
+                    results = ray.get([a.check.remote() for a in actors])
+                    ok = [v == last and d == want and tie for v, d, tie in results]
+                    checks.append(f"{'PASS' if all(ok) else 'FAIL'}  {transport} -> 2 HF Ray actors ({mb} MB "
+                                  f"buckets): every parameter bit-equal to the learner's, tie intact, version "
+                                  f"{last}: {ok}")
+                pub.close()
+    finally:
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------- vLLM
+def _hf_check(model, prompts: list[list[int]], groups) -> tuple[float, float]:
+    """Teacher-forced HF forward of ``model`` on each greedy sample: ``(max |logprob diff|, max
+    margin by which the engine's token falls short of HF's argmax)``."""
+    lp_diff = margin = 0.0
+    with torch.no_grad():
+        for prompt, group in zip(prompts, groups):
+            s = group[0]
+            ids = torch.tensor([prompt + s.response_ids])
+            lp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)[len(prompt) - 1 : -1]
+            tok = torch.tensor(s.response_ids)
+            chosen = lp.gather(-1, tok[:, None])[:, 0]
+            lp_diff = max(lp_diff, (chosen - torch.tensor(s.logprobs)).abs().max().item())
+            margin = max(margin, (lp.max(-1).values - chosen).max().item())
+    return lp_diff, margin
+
+
+def bench_vllm_sync(args, model, model_path: str, eos: int, table: Table, checks: list[str]) -> None:
+    from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
+    from generators.base import GeneratorConfig, SamplingParams
+    from generators.vllm import VLLMGenerator
+
+    learner = Learner(model)
+    t0 = time.perf_counter()
+    gen = VLLMGenerator(model_path, GeneratorConfig(backend="vllm", max_batch_size=16), num_threads=2)
+    print(f"  (vLLM engine for the {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M model started in "
+          f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    prompts = [[(7 * i + j) % 250 for j in range(12 + i)] for i in range(4)]
+    greedy = SamplingParams(greedy=True, max_tokens=16, stop_token_ids=(eos,))
+    version = 1000
+    try:
+        for transport in ("shm", "broadcast"):
+            mb = args.vllm_bucket_mb
+            pub = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=mb), transport, learner,
+                                  [LocalTarget(gen)])
+            nb = len(pub.sender.plan(list(learner.named_weights()), 0, learner.weight_aliases()).buckets)
+            perturb(model, seed=version)
+            before = _hf_check(model, prompts, gen.generate(prompts, 1, greedy))
+            cold, timed = time_pushes(pub, args.vllm_reps, version)
+            version += 1 + args.vllm_reps
+            table.add(transport, "1 vLLM engine", mb, nb, cold, timed)
+            after_groups = gen.generate(prompts, 1, greedy)
+            after = _hf_check(model, prompts, after_groups)
+            ok = after[0] < 1e-3 and after[1] < 1e-4 and before[0] > 1e-2 and gen.policy_version == version - 1 \
+                and all(set(g[0].policy_version) == {version - 1} for g in after_groups)
+            checks.append(f"{'PASS' if ok else 'FAIL'}  {transport} -> vLLM ({mb} MB buckets): greedy tokens vs "
+                          f"HF forward of the learner: max |logprob diff| {after[0]:.1e}, argmax shortfall "
+                          f"{after[1]:.1e} (before the sync: {before[0]:.2f}, {before[1]:.2f})")
+            pub.close()
+    finally:
+        gen.close()
+        del gen
+        gc.collect()
+
+
+# ---------------------------------------------------------------------------------------- part 3
+def _count(groups) -> int:
+    return sum(len(s.response_ids) for g in groups for s in g)
+
+
+def bench_generation(args, tiny_path: str) -> list[str]:
+    from transformers import AutoTokenizer
+    from vllm import LLM
+    from vllm import SamplingParams as VSP
+
+    from generators.base import GeneratorConfig, SamplingParams
+    from generators.hf import mix_seed
+    from generators.vllm import VLLMGenerator
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    n_prompts, n_tokens = args.gen_prompts, args.gen_tokens
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": f"{i % 97}+{i // 97 + 3}="}],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False))
+               for i in range(n_prompts)]
+    seeds = list(range(n_prompts))
+    params = SamplingParams(temperature=1.0, max_tokens=n_tokens, stop_token_ids=(tok.eos_token_id,))
+    warm = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(tok.eos_token_id,))
+
+    def vsp(p: SamplingParams, seed: int) -> VSP:  # what VLLMGenerator._sample builds, minus DELTA
+        return VSP(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
+                   seed=mix_seed(seed, 0), stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0,
+                   detokenize=False, skip_special_tokens=False)
+
+    # The engine processes inherit these (VLLMGenerator sets the same for itself).
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    os.environ["OMP_NUM_THREADS"] = "2"
+    rates: dict[str, float] = {}
+    tokens: dict[str, list[list[int]]] = {}
+
+    def timed(name: str, run) -> None:
+        best = 0.0
+        for _ in range(args.gen_reps):
+            t0 = time.perf_counter()
+            out = run()
+            dt = time.perf_counter() - t0
+            best = max(best, sum(len(t) for t in out) / dt)
+        rates[name], tokens[name] = best, out
+        print(f"  {name:44s} {best:9,.0f} tok/s", flush=True)
+
+    # Raw 1: vllm.LLM, its own engine with the same engine args (no worker extension).
+    llm = LLM(model=tiny_path, dtype="float32", seed=0, max_num_seqs=256, gpu_memory_utilization=0.3,
+              enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+              enable_chunked_prefill=False, max_num_batched_tokens=8192, disable_log_stats=True)
+
+    def run_llm(p: SamplingParams) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": q} for q in prompts], [vsp(p, s) for s in seeds], use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    run_llm(warm)
+    timed("raw vllm.LLM.generate", lambda: run_llm(params))
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+    # Ours, and raw AsyncLLM.generate on the very engine ours wraps.
+    gen = VLLMGenerator(tiny_path, GeneratorConfig(backend="vllm", max_batch_size=256, seed=0), num_threads=2)
+    try:
+        def run_ours(p: SamplingParams) -> list[list[int]]:
+            return [g[0].response_ids for g in gen.generate(prompts, 1, p, seeds=seeds)]
+
+        async def _raw_async(p: SamplingParams) -> list[list[int]]:
+            import asyncio
+            import uuid
+
+            async def one(q, s):
+                final = None
+                async for out in gen.engine.generate({"prompt_token_ids": q}, vsp(p, s), request_id=uuid.uuid4().hex):
+                    final = out
+                return list(final.outputs[0].token_ids)
+
+            return list(await asyncio.gather(*(one(q, s) for q, s in zip(prompts, seeds))))
+
+        def run_raw_async(p: SamplingParams) -> list[list[int]]:
+            return gen._call(_raw_async(p))
+
+        run_ours(warm)
+        run_raw_async(warm)
+        for _ in range(2):  # interleaved: each gets the same machine conditions
+            timed("raw AsyncLLM.generate (same engine)", lambda: run_raw_async(params))
+            timed("ours VLLMGenerator.generate", lambda: run_ours(params))
+    finally:
+        gen.close()
+    same = tokens["ours VLLMGenerator.generate"] == tokens["raw vllm.LLM.generate"] == \
+        tokens["raw AsyncLLM.generate (same engine)"]
+    lines = [f"generation: built-in tiny model, {n_prompts} prompts x up to {n_tokens} tokens (stop at <|im_end|>), "
+             f"temperature 1, per-request seeds, logprobs=0; best of {args.gen_reps} runs after a warm-up",
+             f"{'engine':44s} {'tok/s':>9s} {'ours / this':>11s}"]
+    ours = rates["ours VLLMGenerator.generate"]
+    for name, r in rates.items():
+        lines.append(f"{name:44s} {r:9,.0f} {ours / r:11.2f}")
+    lines.append(f"{'PASS' if same else 'FAIL'}  same seeds -> identical token ids in all three: {same} "
+                 f"({sum(len(t) for t in tokens['ours VLLMGenerator.generate'])} tokens)")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="~10M model, one bucket size, fewer prompts")
+    parser.add_argument("--buckets-mb", default=None, help="comma-separated bucket sizes in MiB (default 64,256,1024)")
+    parser.add_argument("--reps", type=int, default=3, help="timed pushes per row, after one cold push")
+    parser.add_argument("--vllm-bucket-mb", type=float, default=256.0)
+    parser.add_argument("--vllm-reps", type=int, default=2)
+    parser.add_argument("--skip-vllm", action="store_true", help="only memcpy and the HF rows")
+    parser.add_argument("--gen-prompts", type=int, default=None, help="generation prompts (default 256)")
+    parser.add_argument("--gen-tokens", type=int, default=None, help="max tokens per response (default 64)")
+    parser.add_argument("--gen-reps", type=int, default=2)
+    args = parser.parse_args()
+    args.buckets_mb = [float(x) for x in (args.buckets_mb or ("64" if args.quick else "64,256,1024")).split(",")]
+    args.buckets_mb = [int(x) if x == int(x) else x for x in args.buckets_mb]
+    args.gen_prompts = args.gen_prompts or (64 if args.quick else 256)
+    args.gen_tokens = args.gen_tokens or (32 if args.quick else 64)
+    if args.quick:
+        args.reps, args.vllm_reps, args.gen_reps = min(args.reps, 2), 1, 1
+
+    from async_rl.data.builtin import resolve
+
+    wall0 = time.perf_counter()
+    tiny_path = resolve("builtin:tiny-qwen2")
+    mem = memcpy_gbps()
+    print(f"memcpy: torch dst.copy_(src), 256 MB uint8, best of 5: {mem:.2f} GB/s", flush=True)
+    work = tempfile.mkdtemp(prefix="bench-weight-sync-")
+    checks: list[str] = []
+    gen_lines: list[str] = []
+    try:
+        spec = QUICK_MODEL if args.quick else FULL_MODEL
+        model = build_model(work, spec, tiny_path)
+        n_params = sum(p.numel() for p in model.parameters())
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        print(f"learner: random-init Qwen2 {spec}, tied embeddings, float32: {n_params:,} parameters, "
+              f"{model_bytes / 1e6:.1f} MB", flush=True)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(work)
+        table = Table(model_bytes, mem)
+        print(Table.HEAD, flush=True)
+        bench_hf(args, model, work, tok.pad_token_id, table, checks)
+        if not args.skip_vllm:
+            bench_vllm_sync(args, model, work, tok.eos_token_id, table, checks)
+            gen_lines = bench_generation(args, tiny_path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print("\n==== results " + "=" * 90)
+    print(f"memcpy (torch copy_, 256 MB uint8, best of 5): {mem:.2f} GB/s")
+    print(f"learner: {n_params:,} parameters, {model_bytes / 1e6:.1f} MB float32; sync time = learner export "
+          f"start -> every engine loaded; GB/s = 10^9 model bytes / s; 1 cold push + {args.reps} timed "
+          f"({args.vllm_reps} for vLLM)")
+    print(Table.HEAD)
+    for row in table.rows:
+        print(row)
+    for c in checks:
+        print(c)
+    for line in gen_lines:
+        print(line)
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; wall {time.perf_counter() - wall0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
