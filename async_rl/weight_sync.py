@@ -91,6 +91,7 @@ class WeightSyncConfig:
 
     @property
     def bucket_bytes(self) -> int:
+        """``bucket_size_mb`` in bytes."""
         return int(self.bucket_size_mb * 2**20)
 
 
@@ -107,6 +108,7 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the wire name of a dtype)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -417,6 +419,7 @@ class WeightSender:
             TimeoutError: receivers did not get ready or acknowledge in time (which and where).
         """
         deadline = deadline or time.monotonic() + self.cfg.timeout_s
+        self._forget_previous(plan)
         self._wait_count(plan, "ready", self.num_receivers, deadline)
         it = iter(tensors)
         pack_s = send_s = 0.0
@@ -450,6 +453,16 @@ class WeightSender:
             del got
         self.num_updates += 1
         return {"weight_sync/bytes": float(plan.total_bytes), "weight_sync/pack_s": pack_s, "weight_sync/send_s": send_s}
+
+    def _forget_previous(self, plan: UpdatePlan) -> None:
+        # The previous update is complete (its caller waited for every engine): drop its keys so
+        # a long run does not grow the store by a few keys per version.
+        prev, self._last_plan = getattr(self, "_last_plan", None), plan
+        if prev is None:
+            return
+        for key in ["ready", "error"] + [f"bucket{i}" for i in range(len(prev.buckets))] + \
+                [f"ack{i}" for i in range(len(prev.buckets))]:
+            self.store.delete_key(f"{prev.update_id}/{key}")
 
     def _wait_count(self, plan: UpdatePlan, key: str, n: int, deadline: float) -> None:
         full = f"{plan.update_id}/{key}"
@@ -553,6 +566,7 @@ class WeightReceiver:
         return self._maps[path]
 
     def close(self) -> None:
+        """Drop the slot mappings and the receive buffer."""
         self._maps.clear()
         self._buf = None
 

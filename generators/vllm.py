@@ -64,7 +64,7 @@ class VLLMGenerator:
         self.model_path = model_path
         self.policy_version = 0
         self._calls = itertools.count()
-        self._resumed = asyncio.Event  # replaced on the loop below
+        self._resumed: asyncio.Event | None = None  # created on the engine's loop (_start)
         self.num_weight_updates_in_flight = 0
         self.num_reissued = 0
         self._updating = False

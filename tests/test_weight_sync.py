@@ -200,7 +200,12 @@ def test_hf_engine_loads_every_transport_exactly(hf_engine, tiny_model_path, tra
     assert learner.weight_aliases() == {"lm_head.weight": "model.embed_tokens.weight"}
     pub = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=0.5), transport, learner,
                           [LocalTarget(hf_engine)])
-    metrics = pub.push(11)
+    pub.push(10)
+    metrics = pub.push(11)  # a second update on the same sender and slots (the first one's keys are dropped)
+    if pub.sender is not None:
+        first = pub.sender._last_plan  # the plan of version 11; version 10's keys are gone
+        assert pub.sender.store.check([f"{first.update_id}/ready"])
+        assert pub.sender.store.num_keys() <= 3 + 2 * len(first.buckets)
     pub.close()
     assert hf_engine.policy_version == 11 and pub.published_version == 11
     for (n, a), (_, b) in zip(hf_engine.model.named_parameters(), src.named_parameters()):
