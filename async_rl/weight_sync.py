@@ -27,7 +27,10 @@ Protocol (one ``WeightSender`` on the learner, one ``WeightReceiver`` in each en
    the version. Each receiver first checks every name against its engine (unknown names and
    parameters left without a tensor are an error naming them) and posts ``ready`` or ``error``
    to the store; the sender waits for all ``ready`` before moving a byte, so a bad name fails the
-   sync before any engine is half-written. Then bucket by bucket: the sender packs (casting to
+   sync before any engine is touched. A failure after that (the sender's, or one engine's load)
+   is posted as ``error`` too and ``shm`` receivers stop at once (``broadcast`` ones at the
+   group's timeout); an engine that stopped mid-update holds undefined weights and must receive
+   a complete update before it generates again (the caller raises). Then bucket by bucket: the sender packs (casting to
    the wire dtype), publishes (slot + store key, or broadcast), and receivers unpack views and
    hand them to their engine's loader, then acknowledge (``shm``: a slot is reused only after
    every receiver acknowledged it).
@@ -368,6 +371,9 @@ class WeightSender:
         self.num_updates = 0
         if cfg.transport == "shm":
             self._alloc_slots(cfg.bucket_bytes)
+        import atexit
+
+        atexit.register(self._free_slots)
 
     def _alloc_slots(self, nbytes: int) -> None:
         self._free_slots()
@@ -389,7 +395,18 @@ class WeightSender:
         """What a receiver needs to connect (JSON-able)."""
         return {"transport": self.cfg.transport, "host": self.host, "port": self.port,
                 "world_size": self.num_receivers + 1, "timeout_s": self.cfg.timeout_s,
-                "device": self.device, "prefix": self.prefix}
+                "device": self.device, "prefix": self.prefix,
+                "slots": [[p, self._slot_bytes] for p in self._slot_paths]}
+
+    def unlink_slots(self) -> None:
+        """Remove the slot files once every receiver has mapped them (``connect``): the memory
+        stays shared through the mappings and is freed when the last process unmaps it, so a
+        killed run leaves nothing behind in ``/dev/shm``."""
+        for p in self._slot_paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
 
     def connect(self) -> None:
         """Join the broadcast group (blocks until every receiver connects); no-op for ``shm``."""
@@ -399,9 +416,14 @@ class WeightSender:
     def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: int,
              aliases: dict[str, str] | None = None) -> UpdatePlan:
         """The bucket layout of ``named_tensors`` (full tensors, or DTensors: only shapes are read)."""
+        return self.plan_shapes([(n, t.dtype, tuple(t.shape)) for n, t in named_tensors], version, aliases)
+
+    def plan_shapes(self, meta: Sequence[tuple[str, torch.dtype, Sequence[int]]], version: int,
+                    aliases: dict[str, str] | None = None) -> UpdatePlan:
+        """The bucket layout of ``(name, dtype, full shape)`` entries (``plan_update``); grows the
+        shm slots if one layer is larger than a bucket."""
         wire = None if self.cfg.wire_dtype == "auto" else _DTYPES[self.cfg.wire_dtype]
-        plan = plan_update([(n, t.dtype, tuple(t.shape)) for n, t in named_tensors], version,
-                           self.cfg.bucket_bytes, aliases, wire)
+        plan = plan_update(meta, version, self.cfg.bucket_bytes, aliases, wire)
         if self.cfg.transport == "shm" and max(plan.bucket_nbytes) > self._slot_bytes:
             self._alloc_slots(max(plan.bucket_nbytes))  # one oversized tensor: grow the slots once
         return plan
@@ -421,6 +443,16 @@ class WeightSender:
         deadline = deadline or time.monotonic() + self.cfg.timeout_s
         self._forget_previous(plan)
         self._wait_count(plan, "ready", self.num_receivers, deadline)
+        try:
+            return self._send(plan, tensors, deadline)
+        except BaseException as e:
+            # Tell the receivers at once (shm receivers watch this key; broadcast receivers wait
+            # out the group's timeout), rather than leaving them blocked on the next bucket.
+            if not self.store.check([f"{plan.update_id}/error"]):
+                self.store.set(f"{plan.update_id}/error", f"sender: {type(e).__name__}: {e}")
+            raise
+
+    def _send(self, plan: UpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]], deadline: float) -> dict[str, float]:
         it = iter(tensors)
         pack_s = send_s = 0.0
         nslots = len(self.slots)
@@ -493,7 +525,9 @@ def _new_group(store, rank: int, world: int, device: str, timeout_s: float, pref
 
     pstore = dist.PrefixStore(f"{prefix}/pg", store)
     if device.startswith("cuda"):
-        return dist.ProcessGroupNCCL(pstore, rank, world)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _store_timeout(timeout_s)
+        return dist.ProcessGroupNCCL(pstore, rank, world, opts)
     return dist.ProcessGroupGloo(pstore, rank, world, _store_timeout(timeout_s))
 
 
@@ -517,7 +551,10 @@ class WeightReceiver:
         self._buf: torch.Tensor | None = None
 
     def connect(self) -> None:
-        """Join the broadcast group (blocks until the sender and all receivers connect)."""
+        """Map the shm slots, or join the broadcast group (blocks until the sender and all
+        receivers connect)."""
+        for path, nbytes in self.info.get("slots", []):
+            self._slot(path, int(nbytes))
         if self.transport == "broadcast" and self.group is None:
             self.group = _new_group(self.store, self.rank + 1, int(self.info["world_size"]), self.info["device"],
                                     float(self.info["timeout_s"]), self.info["prefix"])
@@ -548,7 +585,7 @@ class WeightReceiver:
         for i, metas in enumerate(plan.buckets):
             if self.transport == "shm":
                 key = f"{plan.update_id}/bucket{i}"
-                self.store.wait([key])
+                self._wait_key(plan, key)
                 path, nbytes = self.store.get(key).decode().rsplit(":", 1)
                 buf = self._slot(path, int(nbytes))[: plan.bucket_nbytes[i]]
             else:
@@ -558,6 +595,17 @@ class WeightReceiver:
                 self.group.broadcast(buf, 0).wait()
             yield unpack_bucket(buf, metas)
             self.store.add(f"{plan.update_id}/ack{i}", 1)
+
+    def _wait_key(self, plan: UpdatePlan, key: str) -> None:
+        err = f"{plan.update_id}/error"
+        deadline = time.monotonic() + float(self.info["timeout_s"])
+        while not self.store.check([key]):
+            if self.store.check([err]):
+                raise RuntimeError(f"weight sync v{plan.version} aborted: {self.store.get(err).decode()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight sync v{plan.version}: receiver {self.rank} waited "
+                                   f"{self.info['timeout_s']} s for {key!r}")
+            time.sleep(0.0002)
 
     def _slot(self, path: str, nbytes: int) -> torch.Tensor:
         # Mapped once per slot file; the sender allocates new files only if a bucket outgrows them.
@@ -572,6 +620,35 @@ class WeightReceiver:
 
 
 # ---------------------------------------------------------------------------------------- driver
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{tied name: canonical name}`` of ``model``: parameters registered under two names
+    (``{"lm_head.weight": "model.embed_tokens.weight"}`` for tied embeddings)."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+            if canonical[id(p)] != n}
+
+
+class ModuleWeights:
+    """A plain ``nn.Module`` as the source of a ``WeightPublisher`` (what a learner provides:
+    ``named_weights``, ``weight_metadata``, ``weight_aliases``); for tools, benchmarks and tests
+    that push a Hugging Face model's weights without a learner."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every parameter, tied ones once."""
+        return ((n, p.detach()) for n, p in self.model.named_parameters())
+
+    def weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(name, dtype, shape)`` in ``named_weights`` order."""
+        return [(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def weight_aliases(self) -> dict[str, str]:
+        """``tied_aliases(model)``."""
+        return tied_aliases(self.model)
+
+
 class LocalTarget:
     """A generator engine object in this process (sync mode), driven from a helper thread so the
     learner's thread can stream the buckets meanwhile."""
@@ -629,12 +706,13 @@ class WeightPublisher:
         learner: has ``named_weights()`` (full tensors by HF name, tied ones once) and
             ``weight_aliases()`` (``{tied name: name sent}``).
         targets: ``LocalTarget``s or ``RayTarget``s (all of one kind).
+        device: where the learner's tensors live: ``cuda`` makes ``broadcast`` use NCCL.
 
     Raises:
         ValueError: ``colocated`` with targets that are not in this process.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, transport: str, learner, targets: list) -> None:
+    def __init__(self, cfg: WeightSyncConfig, transport: str, learner, targets: list, device: str = "cpu") -> None:
         self.cfg, self.transport, self.learner, self.targets = cfg, transport, learner, targets
         self.sender: WeightSender | None = None
         self.published_version: int | None = None
@@ -643,10 +721,11 @@ class WeightPublisher:
                 raise ValueError("weight_sync.transport=colocated needs the engine in the learner's process "
                                  "(sync mode, generator.backend=hf); use shm or broadcast")
             return
-        self.sender = WeightSender(replace_transport(cfg, transport), len(targets))
+        self.sender = WeightSender(replace_transport(cfg, transport), len(targets), device=device)
         handles = [t.connect(self.sender.init_info(), r) for r, t in enumerate(targets)]
         self.sender.connect()  # broadcast: the group forms here, with every receiver joining
         self._wait(handles, None, "connecting")
+        self.sender.unlink_slots()
 
     def _wait(self, handles: list, plan: UpdatePlan | None, what: str, timeout_s: float | None = None) -> list:
         try:
@@ -674,8 +753,14 @@ class WeightPublisher:
                 t.engine.update_weights(self.learner.named_weights(), version)
         else:
             deadline = time.monotonic() + self.cfg.timeout_s
-            named = list(self.learner.named_weights())
-            plan = self.sender.plan(named, version, self.learner.weight_aliases())
+            if hasattr(self.learner, "weight_metadata"):
+                # Shapes without gathering: send() then gathers one tensor at a time.
+                meta = self.learner.weight_metadata()
+                named = self.learner.named_weights()
+            else:
+                named = list(self.learner.named_weights())
+                meta = [(n, t.dtype, tuple(t.shape)) for n, t in named]
+            plan = self.sender.plan_shapes(meta, version, self.learner.weight_aliases())
             handles = [t.receive(plan.to_dict(), version) for t in self.targets]
             try:
                 metrics = self.sender.send(plan, named, deadline)

@@ -19,19 +19,22 @@ What it measures (all on one host, CPU):
      ``LocalTarget``) at ``--vllm-bucket-mb``: this includes vLLM's layerwise reload and its
      re-processing of the weights (the CPU build repacks linears into oneDNN kernels).
 
-   Each row: one untimed-for-the-best "cold" push (first use of the slots / group), then
-   ``--reps`` timed pushes; best and median are printed. Correctness is checked once per
-   receiver kind after a push of perturbed weights: the HF engines' parameters must equal the
-   learner's bit for bit (SHA-1 of every parameter) with the tie intact; the vLLM engine's greedy
-   tokens and log-probs must match an HF forward of the learner's model (teacher-forced), and
-   must not have matched before the push (so the check can fail).
+   Each row: one "cold" push (first use of the slots or the group; printed, not in best or
+   median), then ``--reps`` timed pushes; best and median are printed, with the sender's packing
+   seconds of the best push (the rest is publishing, the engines' loads and the control plane).
+   Correctness is checked once per receiver kind and transport after a push of perturbed
+   weights: the HF engines' parameters must equal the learner's bit for bit (SHA-1 of every
+   parameter) with the tie intact; the vLLM engine's greedy tokens and log-probs must match an
+   HF forward of the learner's model (teacher-forced), and must not have matched before the push
+   (so the check can fail).
 3. **Generation**: our ``VLLMGenerator.generate`` against raw vLLM on the built-in tiny model,
    same prompts, same per-request seeds and the same sampling params (temperature 1,
    ``ignore_eos``, stop ids, ``max_tokens``, ``logprobs=0``, ``detokenize=False``); ours streams
    deltas (``RequestOutputKind.DELTA``) and tags tokens with policy versions, the raw rows use
    vLLM's default final-only outputs. Raw rows: ``vllm.LLM.generate`` (its own engine with the
    same engine args minus our worker extension) and ``AsyncLLM.generate`` called directly on the
-   very engine ours wraps. Each is warmed up first; tokens/s is the best of ``--gen-reps``.
+   very engine ours wraps. All three are warmed up, then run interleaved ``--gen-reps`` times;
+   tokens/s is each one's best, and the token ids of the three must be identical.
 
 The machine has 2 cores and may be shared: the load average is printed with the results.
 
@@ -107,21 +110,6 @@ def digests(model) -> dict[str, str]:
     return {n: hashlib.sha1(p.detach().contiguous().numpy().tobytes()).hexdigest() for n, p in model.named_parameters()}
 
 
-class Learner:
-    """The two methods ``WeightPublisher`` needs, over a plain HF model (as tests/test_weight_sync.py)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def named_weights(self):
-        return ((n, p.detach()) for n, p in self.model.named_parameters())
-
-    def weight_aliases(self):
-        canonical = {id(p): n for n, p in self.model.named_parameters()}
-        return {n: canonical[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
-                if canonical[id(p)] != n}
-
-
 class HFEngineActor:
     """An ``HFGenerator`` in its own process (wrapped with ``ray.remote``): the receiving half of
     ``generators.pool.GeneratorWorker`` without its sampling loop."""
@@ -146,29 +134,37 @@ class HFEngineActor:
                 m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr())
 
 
-def time_pushes(pub, reps: int, version: int) -> tuple[float, list[float]]:
-    """``(cold seconds, [timed seconds])`` of ``1 + reps`` pushes (versions ``version``...)."""
-    times = []
+def time_pushes(pub, reps: int, version: int) -> tuple[float, list[float], dict[str, float]]:
+    """``(cold seconds, [timed seconds], metrics of the fastest timed push)`` of ``1 + reps``
+    pushes (versions ``version``...)."""
+    times, metrics = [], []
     for k in range(1 + reps):
         t0 = time.perf_counter()
-        pub.push(version + k)
+        metrics.append(pub.push(version + k))
         times.append(time.perf_counter() - t0)
-    return times[0], times[1:]
+    best = min(range(1, len(times)), key=times.__getitem__)
+    return times[0], times[1:], metrics[best]
 
 
 class Table:
+    """One row per (transport, receivers, bucket size). ``pack s``: of the best push, the sender's
+    copies into the slots / broadcast buffer (``weight_sync/pack_s``); the rest of ``best s`` is
+    publishing, the receivers' loads and the control plane."""
+
     HEAD = (f"{'transport':10s} {'receivers':22s} {'bucket MB':>9s} {'buckets':>7s} {'cold s':>7s} {'best s':>7s} "
-            f"{'median s':>8s} {'GB/s best':>9s} {'GB/s med':>8s} {'x memcpy':>8s}")
+            f"{'median s':>8s} {'pack s':>7s} {'GB/s best':>9s} {'GB/s med':>8s} {'x memcpy':>8s}")
 
     def __init__(self, model_bytes: int, memcpy: float) -> None:
         self.rows: list[str] = []
         self.model_bytes, self.memcpy = model_bytes, memcpy
 
-    def add(self, transport: str, receivers: str, bucket_mb, buckets, cold: float, timed: list[float]) -> None:
+    def add(self, transport: str, receivers: str, bucket_mb, buckets, cold: float, timed: list[float],
+            metrics: dict[str, float]) -> None:
         best, med = min(timed), statistics.median(timed)
         gb = self.model_bytes / 1e9
+        pack = f"{metrics['weight_sync/pack_s']:7.3f}" if "weight_sync/pack_s" in metrics else f"{'-':>7s}"
         row = (f"{transport:10s} {receivers:22s} {str(bucket_mb):>9s} {str(buckets):>7s} {cold:7.3f} {best:7.3f} "
-               f"{med:8.3f} {gb / best:9.2f} {gb / med:8.2f} {gb / best / self.memcpy:8.3f}")
+               f"{med:8.3f} {pack} {gb / best:9.2f} {gb / med:8.2f} {gb / best / self.memcpy:8.3f}")
         self.rows.append(row)
         print(row, flush=True)
 
@@ -177,19 +173,19 @@ class Table:
 def bench_hf(args, model, model_path: str, pad: int, table: Table, checks: list[str]) -> None:
     import ray
 
-    from async_rl.weight_sync import LocalTarget, RayTarget, WeightPublisher, WeightSyncConfig
+    from async_rl.weight_sync import LocalTarget, RayTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
     from generators.base import GeneratorConfig
     from generators.hf import HFGenerator
 
-    learner = Learner(model)
+    learner = ModuleWeights(model)
     version = 1
     # colocated: the in-process copy reference.
     local = HFGenerator(model_path, GeneratorConfig(max_batch_size=8), pad)
     pub = WeightPublisher(WeightSyncConfig(transport="colocated"), "colocated", learner, [LocalTarget(local)])
     perturb(model, seed=version)
-    cold, timed = time_pushes(pub, args.reps, version)
+    cold, timed, m = time_pushes(pub, args.reps, version)
     version += 1 + args.reps
-    table.add("colocated", "1 HF in-process", "-", "-", cold, timed)
+    table.add("colocated", "1 HF in-process", "-", "-", cold, timed, m)
     same = digests(local.model) == digests(model)
     tie = local.model.lm_head.weight.data_ptr() == local.model.model.embed_tokens.weight.data_ptr()
     checks.append(f"{'PASS' if same and tie else 'FAIL'}  colocated -> HF in-process: every parameter bit-equal "
@@ -211,10 +207,10 @@ def bench_hf(args, model, model_path: str, pad: int, table: Table, checks: list[
                 if verify:
                     perturb(model, seed=version)
                 nb = len(pub.sender.plan(list(learner.named_weights()), 0, learner.weight_aliases()).buckets)
-                cold, timed = time_pushes(pub, args.reps, version)
+                cold, timed, m = time_pushes(pub, args.reps, version)
                 last = version + args.reps
                 version += 1 + args.reps
-                table.add(transport, "2 HF Ray actors", mb, nb, cold, timed)
+                table.add(transport, "2 HF Ray actors", mb, nb, cold, timed, m)
                 if verify:
                     want = digests(model)
                     results = ray.get([a.check.remote() for a in actors])
@@ -245,11 +241,11 @@ def _hf_check(model, prompts: list[list[int]], groups) -> tuple[float, float]:
 
 
 def bench_vllm_sync(args, model, model_path: str, eos: int, table: Table, checks: list[str]) -> None:
-    from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
+    from async_rl.weight_sync import LocalTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
     from generators.base import GeneratorConfig, SamplingParams
     from generators.vllm import VLLMGenerator
 
-    learner = Learner(model)
+    learner = ModuleWeights(model)
     t0 = time.perf_counter()
     gen = VLLMGenerator(model_path, GeneratorConfig(backend="vllm", max_batch_size=16), num_threads=2)
     print(f"  (vLLM engine for the {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M model started in "
@@ -265,9 +261,9 @@ def bench_vllm_sync(args, model, model_path: str, eos: int, table: Table, checks
             nb = len(pub.sender.plan(list(learner.named_weights()), 0, learner.weight_aliases()).buckets)
             perturb(model, seed=version)
             before = _hf_check(model, prompts, gen.generate(prompts, 1, greedy))
-            cold, timed = time_pushes(pub, args.vllm_reps, version)
+            cold, timed, m = time_pushes(pub, args.vllm_reps, version)
             version += 1 + args.vllm_reps
-            table.add(transport, "1 vLLM engine", mb, nb, cold, timed)
+            table.add(transport, "1 vLLM engine", mb, nb, cold, timed, m)
             after_groups = gen.generate(prompts, 1, greedy)
             after = _hf_check(model, prompts, after_groups)
             ok = after[0] < 1e-3 and after[1] < 1e-4 and before[0] > 1e-2 and gen.policy_version == version - 1 \
@@ -318,16 +314,14 @@ def bench_generation(args, tiny_path: str) -> list[str]:
     tokens: dict[str, list[list[int]]] = {}
 
     def timed(name: str, run) -> None:
-        best = 0.0
-        for _ in range(args.gen_reps):
-            t0 = time.perf_counter()
-            out = run()
-            dt = time.perf_counter() - t0
-            best = max(best, sum(len(t) for t in out) / dt)
-        rates[name], tokens[name] = best, out
-        print(f"  {name:44s} {best:9,.0f} tok/s", flush=True)
+        t0 = time.perf_counter()
+        out = run()
+        rate = sum(len(t) for t in out) / (time.perf_counter() - t0)
+        rates[name], tokens[name] = max(rates.get(name, 0.0), rate), out
+        print(f"  {name:44s} {rate:9,.0f} tok/s", flush=True)
 
-    # Raw 1: vllm.LLM, its own engine with the same engine args (no worker extension).
+    # Raw 1: vllm.LLM, its own engine with the same engine args (no worker extension). Both
+    # engines stay up so the three rows can be interleaved (an idle engine waits, it does not spin).
     llm = LLM(model=tiny_path, dtype="float32", seed=0, max_num_seqs=256, gpu_memory_utilization=0.3,
               enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
               enable_chunked_prefill=False, max_num_batched_tokens=8192, disable_log_stats=True)
@@ -336,13 +330,7 @@ def bench_generation(args, tiny_path: str) -> list[str]:
         outs = llm.generate([{"prompt_token_ids": q} for q in prompts], [vsp(p, s) for s in seeds], use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    run_llm(warm)
-    timed("raw vllm.LLM.generate", lambda: run_llm(params))
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-    # Ours, and raw AsyncLLM.generate on the very engine ours wraps.
+    # Ours, and raw 2: AsyncLLM.generate on the very engine ours wraps.
     gen = VLLMGenerator(tiny_path, GeneratorConfig(backend="vllm", max_batch_size=256, seed=0), num_threads=2)
     try:
         def run_ours(p: SamplingParams) -> list[list[int]]:
@@ -363,13 +351,17 @@ def bench_generation(args, tiny_path: str) -> list[str]:
         def run_raw_async(p: SamplingParams) -> list[list[int]]:
             return gen._call(_raw_async(p))
 
-        run_ours(warm)
-        run_raw_async(warm)
-        for _ in range(2):  # interleaved: each gets the same machine conditions
+        for run in (run_llm, run_raw_async, run_ours):
+            run(warm)
+        for _ in range(args.gen_reps):  # interleaved: all three see the same machine conditions
+            timed("raw vllm.LLM.generate", lambda: run_llm(params))
             timed("raw AsyncLLM.generate (same engine)", lambda: run_raw_async(params))
             timed("ours VLLMGenerator.generate", lambda: run_ours(params))
     finally:
         gen.close()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
     same = tokens["ours VLLMGenerator.generate"] == tokens["raw vllm.LLM.generate"] == \
         tokens["raw AsyncLLM.generate (same engine)"]
     lines = [f"generation: built-in tiny model, {n_prompts} prompts x up to {n_tokens} tokens (stop at <|im_end|>), "
@@ -390,14 +382,17 @@ def main() -> None:
     parser.add_argument("--buckets-mb", default=None, help="comma-separated bucket sizes in MiB (default 64,256,1024)")
     parser.add_argument("--reps", type=int, default=3, help="timed pushes per row, after one cold push")
     parser.add_argument("--vllm-bucket-mb", type=float, default=256.0)
-    parser.add_argument("--vllm-reps", type=int, default=2)
+    parser.add_argument("--vllm-reps", type=int, default=3)
     parser.add_argument("--skip-vllm", action="store_true", help="only memcpy and the HF rows")
     parser.add_argument("--gen-prompts", type=int, default=None, help="generation prompts (default 256)")
     parser.add_argument("--gen-tokens", type=int, default=None, help="max tokens per response (default 64)")
-    parser.add_argument("--gen-reps", type=int, default=2)
+    parser.add_argument("--gen-reps", type=int, default=3)
     args = parser.parse_args()
-    args.buckets_mb = [float(x) for x in (args.buckets_mb or ("64" if args.quick else "64,256,1024")).split(",")]
-    args.buckets_mb = [int(x) if x == int(x) else x for x in args.buckets_mb]
+    if min(args.reps, args.vllm_reps, args.gen_reps) < 1:
+        parser.error("--reps, --vllm-reps and --gen-reps must be >= 1")
+    as_mb = lambda x: int(x) if float(x) == int(float(x)) else float(x)  # noqa: E731  (64, not 64.0)
+    args.buckets_mb = [as_mb(x) for x in (args.buckets_mb or ("64" if args.quick else "64,256,1024")).split(",")]
+    args.vllm_bucket_mb = as_mb(args.vllm_bucket_mb)
     args.gen_prompts = args.gen_prompts or (64 if args.quick else 256)
     args.gen_tokens = args.gen_tokens or (32 if args.quick else 64)
     if args.quick:

@@ -156,6 +156,34 @@ class Generator(Protocol):
         ...
 
 
+def check_request(n: int, params: SamplingParams) -> None:
+    """Raise ``ValueError`` for ``n < 1`` or empty ``params.stop_token_ids`` (nothing could stop)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not params.stop_token_ids:
+        raise ValueError("SamplingParams.stop_token_ids is empty: generation could never stop")
+
+
+def row_seeds(base_seed: int, calls, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:
+    """Seed of each of the ``num_prompts * n`` samples of one ``generate`` call.
+
+    Sample j of prompt i gets ``mix_seed(seeds[i], j)``, so it depends only on its prompt's seed,
+    not on the batch; without ``seeds`` the call counter ``calls`` (an ``itertools.count``)
+    numbers the call: ``mix_seed(base_seed, call, row)``.
+
+    Raises:
+        ValueError: ``seeds`` of a length other than ``num_prompts``.
+    """
+    from generators.hf import mix_seed
+
+    if seeds is None:
+        call = next(calls)
+        return [mix_seed(base_seed, call, k) for k in range(num_prompts * n)]
+    if len(seeds) != num_prompts:
+        raise ValueError(f"got {len(seeds)} seeds for {num_prompts} prompts")
+    return [mix_seed(seed, j) for seed in seeds for j in range(n)]
+
+
 def cut_at_stop(token_ids: list[int], stop_token_ids: Iterable[int]) -> tuple[int, str]:
     """Length to keep and finish reason for a generated row that may carry padding after a stop.
 

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from generators.base import GeneratorConfig, Sample, SamplingParams
+from generators.base import GeneratorConfig, Sample, SamplingParams, check_request, row_seeds
 
 
 def load_named_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -241,10 +241,9 @@ class HFGenerator:
     def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
         """``(parameter names, packed modules, tied aliases)``: HF names map one-to-one, tied
         names (``lm_head.weight`` of a tied model) are aliases of the parameter they share."""
-        canonical = {id(p): n for n, p in self.model.named_parameters()}
-        tied = {n: canonical[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
-                if canonical[id(p)] != n}
-        return list(canonical.values()), {}, tied
+        from async_rl.weight_sync import tied_aliases
+
+        return [n for n, _ in self.model.named_parameters()], {}, tied_aliases(self.model)
 
     def check_names(self, names: list[str]) -> None:
         """Raise unless ``names`` cover every parameter exactly once (``map_to_engine``)."""
@@ -286,13 +285,8 @@ class HFGenerator:
     # ------------------------------------------------------------------ sampling
     def row_seeds(self, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:
         """Seed of each of the ``num_prompts * n`` rows: ``mix(seeds[i], j)`` for sample j of
-        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given."""
-        if seeds is None:
-            call = next(self._calls)
-            return [mix_seed(self.cfg.seed, call, k) for k in range(num_prompts * n)]
-        if len(seeds) != num_prompts:
-            raise ValueError(f"got {len(seeds)} seeds for {num_prompts} prompts")
-        return [mix_seed(seed, j) for seed in seeds for j in range(n)]
+        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given (``generators.base.row_seeds``)."""
+        return row_seeds(self.cfg.seed, self._calls, n, num_prompts, seeds)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
@@ -315,10 +309,7 @@ class HFGenerator:
         Raises:
             ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
         """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not params.stop_token_ids:
-            raise ValueError("SamplingParams.stop_token_ids is empty: generation could never stop")
+        check_request(n, params)
         rows = [_Row(index=k, prompt=list(prompts[k // n]), rng=torch.Generator().manual_seed(seed))
                 for k, seed in enumerate(self.row_seeds(n, len(prompts), seeds))]
         results: list[Sample | None] = [None] * len(rows)

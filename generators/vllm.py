@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from generators.base import GeneratorConfig, Sample, SamplingParams, VLLMConfig  # noqa: F401
+from generators.base import GeneratorConfig, Sample, SamplingParams, VLLMConfig, row_seeds  # noqa: F401
 from generators.hf import mix_seed
 
 WORKER_EXTENSION = "generators.vllm_worker.AsyncRLWorkerExtension"
@@ -108,6 +108,9 @@ class VLLMGenerator:
 
     def close(self) -> None:
         """Shut the engine down and stop the loop thread."""
+        if getattr(self, "_own_sender", None) is not None:
+            self._own_sender.close()
+            self._own_sender = None
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
             self.engine = None
@@ -117,13 +120,9 @@ class VLLMGenerator:
 
     # ------------------------------------------------------------------ sampling
     def row_seeds(self, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:
-        """Seed of each of the ``num_prompts * n`` samples (as ``HFGenerator.row_seeds``)."""
-        if seeds is None:
-            call = next(self._calls)
-            return [mix_seed(self.cfg.seed, call, k) for k in range(num_prompts * n)]
-        if len(seeds) != num_prompts:
-            raise ValueError(f"got {len(seeds)} seeds for {num_prompts} prompts")
-        return [mix_seed(seed, j) for seed in seeds for j in range(n)]
+        """Seed of each of the ``num_prompts * n`` rows: ``mix(seeds[i], j)`` for sample j of
+        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given (``generators.base.row_seeds``)."""
+        return row_seeds(self.cfg.seed, self._calls, n, num_prompts, seeds)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  seeds: Sequence[int] | None = None,
@@ -135,10 +134,7 @@ class VLLMGenerator:
         Raises:
             ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
         """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not params.stop_token_ids:
-            raise ValueError("SamplingParams.stop_token_ids is empty: generation could never stop")
+        check_request(n, params)
         row_seeds = self.row_seeds(n, len(prompts), seeds)
         flat = self._call(self._generate_all(prompts, n, params, row_seeds, on_sample))
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -254,6 +250,7 @@ class VLLMGenerator:
         if getattr(self, "_own_sender", None) is None:
             self._own_sender = WeightSender(WeightSyncConfig(transport="shm"), 1)
             self.connect_weight_sync(self._own_sender.init_info(), 0)
+            self._own_sender.unlink_slots()
         names = {n for n, _ in named}
         if aliases is None:
             aliases = {"lm_head.weight": n for n in names if n.endswith("embed_tokens.weight")} \

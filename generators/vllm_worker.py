@@ -8,8 +8,9 @@ follows vLLM's native RL weight-update lifecycle, driven from ``AsyncLLM``:
 
 * ``init_weight_transfer_engine``: connect a ``WeightReceiver`` (shm slots or a gloo/NCCL group);
 * ``start_weight_update``: vLLM's layerwise reload begins (kernels that repack weights, such as
-  the CPU build's oneDNN linears, are restored to checkpoint layout and re-processed at the end,
-  so one update may be split across buckets anywhere, even inside a fused q/k/v);
+  the CPU build's oneDNN linears, are restored to checkpoint layout and re-processed once a
+  module has all its weights, or at finalize; one update thus spans several buckets in one
+  session, unlike separate ``reload_weights`` calls, which must not split a layer);
 * ``update_weights``: load bucket by bucket with the model's own ``load_weights`` (HF names; the
   loader fuses q/k/v and gate/up and converts dtypes), from copies of the bucket (the reload may
   keep tensors until finalize, while the bucket's memory is reused); the names were checked

