@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from generators.base import GeneratorConfig, Sample, SamplingParams, VLLMConfig, row_seeds  # noqa: F401
+from generators.base import GeneratorConfig, Sample, SamplingParams, VLLMConfig, check_request, row_seeds  # noqa: F401
 from generators.hf import mix_seed
 
 WORKER_EXTENSION = "generators.vllm_worker.AsyncRLWorkerExtension"

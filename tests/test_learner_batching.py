@@ -1,0 +1,72 @@
+"""Cutting a batch across ranks by tokens and into micro-batches under a token budget."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from learners.batching import micro_batches_by_tokens, split_by_tokens
+
+
+def _sizes(ranges):
+    return [len(r) for r in ranges]
+
+
+def test_split_examples():
+    assert _sizes(split_by_tokens([5] * 9, 4)) == [3, 2, 2, 2]
+    # Token balance, not count balance: one long sequence gets a rank to itself.
+    assert _sizes(split_by_tokens([100, 1, 1, 1, 1], 2)) == [1, 4]
+    assert _sizes(split_by_tokens([1, 1, 1, 1, 100], 2)) == [4, 1]
+    # Fewer sequences than ranks: one each, the rest empty.
+    assert [list(r) for r in split_by_tokens([3, 4], 3)] == [[0], [1], []]
+    assert [list(r) for r in split_by_tokens([7], 1)] == [[0]]
+
+
+def _best_max(lengths, world):
+    # Brute force over all cut positions with every rank non-empty.
+    n = len(lengths)
+    best = None
+    for cuts in itertools.combinations(range(1, n), world - 1):
+        bounds = [0, *cuts, n]
+        worst = max(sum(lengths[bounds[i]:bounds[i + 1]]) for i in range(world))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_split_is_contiguous_complete_and_optimal(seed):
+    rng = random.Random(seed)
+    world = rng.randint(1, 4)
+    lengths = [rng.randint(0, 20) for _ in range(rng.randint(world + 1, 10))]
+    ranges = split_by_tokens(lengths, world)
+    assert [i for r in ranges for i in r] == list(range(len(lengths)))
+    assert all(len(r) >= 1 for r in ranges)  # nobody empty while another has >= 2
+    assert max(sum(lengths[i] for i in r) for r in ranges) == _best_max(lengths, world)
+
+
+def test_micro_batch_examples():
+    assert _sizes(micro_batches_by_tokens([7] * 8, 8)) == [1] * 8
+    assert [list(r) for r in micro_batches_by_tokens([3, 3, 2], 6)] == [[0, 1], [2]]
+    assert _sizes(micro_batches_by_tokens([2, 2, 2, 2], 8)) == [4]
+    assert micro_batches_by_tokens([], 8) == []
+
+
+def test_a_sequence_over_the_budget_is_named():
+    with pytest.raises(ValueError, match="sequence 2 has 9 tokens"):
+        micro_batches_by_tokens([1, 2, 9, 1], 8)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_micro_batches_respect_the_budget_and_cover_in_order(seed):
+    rng = random.Random(seed)
+    budget = rng.randint(8, 40)
+    lengths = [rng.randint(1, 8) for _ in range(rng.randint(1, 30))]
+    mbs = micro_batches_by_tokens(lengths, budget)
+    assert [i for r in mbs for i in r] == list(range(len(lengths)))
+    assert all(len(r) * max(lengths[i] for i in r) <= budget for r in mbs)
+    # Greedy is maximal: each micro-batch could not take the next sequence.
+    for a, b in zip(mbs, mbs[1:]):
+        grown = list(a) + [b[0]]
+        assert len(grown) * max(lengths[i] for i in grown) > budget
