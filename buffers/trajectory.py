@@ -121,6 +121,24 @@ class TrainBatch:
         )
 
 
+    def trimmed(self) -> "TrainBatch":
+        """The batch cut to its longest row (right padding beyond it removed): ``[B, L']`` and
+        ``[B, L'-1]`` tensors with ``L' = max(attention_mask.sum(1))`` (at least 2 columns).
+        Per-sequence ``[B]`` extras are kept whole."""
+        width = max(2, int(self.attention_mask.sum(1).max())) if len(self) else self.input_ids.shape[1]
+        if width >= self.input_ids.shape[1]:
+            return self
+        full = self.input_ids.shape[1]
+        cut = lambda t: t[:, :width] if t.dim() >= 2 and t.shape[1] == full else (  # noqa: E731
+            t[:, : width - 1] if t.dim() >= 2 and t.shape[1] == full - 1 else t)
+        return TrainBatch(
+            input_ids=cut(self.input_ids), attention_mask=cut(self.attention_mask),
+            position_ids=cut(self.position_ids), loss_mask=cut(self.loss_mask),
+            behavior_logprobs=cut(self.behavior_logprobs), advantages=cut(self.advantages),
+            rewards=self.rewards, group_ids=self.group_ids, extras={k: cut(v) for k, v in self.extras.items()},
+        )
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids ``[B, L]`` int64 that count only real tokens: ``cumsum(mask) - 1``, clamped at 0.
 

@@ -72,6 +72,9 @@ class LearnerConfig:
     """Clip the global gradient L2 norm to this (> 0); 0 disables clipping."""
     micro_batch_size: int = 64
     """Sequences per forward/backward pass (>= 1); gradients accumulate across micro-batches."""
+    max_tokens_per_micro_batch: int = 0
+    """> 0: micro-batches are cut by tokens instead, each at most this many (padded) tokens, and
+    padding beyond a micro-batch's longest sequence is removed (``learners.batching``)."""
     num_mini_batches: int = 1
     """Optimizer steps per training step: the step's batch is split into this many (>= 1)."""
     num_epochs: int = 1
@@ -107,6 +110,8 @@ class LearnerConfig:
             raise ValueError(f"learner.grad_clip must be >= 0, got {self.grad_clip}")
         if self.num_threads < 0:
             raise ValueError(f"learner.num_threads must be >= 0, got {self.num_threads}")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"learner.max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}")
         for key in ("micro_batch_size", "num_mini_batches", "num_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"learner.{key} must be >= 1, got {getattr(self, key)}")

@@ -136,17 +136,19 @@ class FSDPCritic:
             out.append(self.model(mb.input_ids, mb.attention_mask, mb.position_ids))
         return torch.cat(out)
 
-    def backward(self, mb: TrainBatch, agg_mode: str, num_tokens, num_seqs, horizon) -> dict[str, torch.Tensor]:
+    def backward(self, mb: TrainBatch, agg_mode: str, num_tokens, num_seqs, horizon,
+                 grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
         """Clipped value loss of one micro-batch against ``extras["returns"]``; accumulates grads.
 
         The loss is divided by the mini-batch's global normalisers, like the policy loss, so
-        micro-batch splits do not change the update.
+        micro-batch splits do not change the update; ``grad_scale`` is the world size (FSDP
+        averages gradients over ranks, the global normaliser already divides).
         """
         values = self.model(mb.input_ids, mb.attention_mask, mb.position_ids)
         loss, metrics = value_loss(values, mb.extras["values"], mb.extras["returns"], mb.loss_mask,
                                    clip_range_value=self.cfg.clip_range_value, agg_mode=agg_mode,
                                    num_global_tokens=num_tokens, num_global_seqs=num_seqs, horizon=horizon)
-        (self.cfg.loss_coef * loss).backward()
+        (self.cfg.loss_coef * grad_scale * loss).backward()
         return {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in metrics.items()}}
 
     def optimizer_step(self, grad_clip: float) -> torch.Tensor:

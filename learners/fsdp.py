@@ -33,6 +33,7 @@ from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.metrics import reduce_metrics
 from buffers.trajectory import TrainBatch
 from learners.base import LearnerConfig, clip_and_step
+from learners.batching import micro_batches_by_tokens, split_by_tokens
 from learners.critic import FSDPCritic, copy_matching_parameters
 
 
@@ -243,24 +244,39 @@ class FSDPLearner:
         per_mb: list[dict[str, torch.Tensor]] = []
         weights: list[float] = []
         # Micro-batch losses are already divided by the mini-batch's global normaliser, so their
-        # sum is the mini-batch loss; loss/pg is that sum averaged over the optimizer steps.
+        # sum (over micro-batches and ranks) is the mini-batch loss; loss/pg is that sum averaged
+        # over the optimizer steps.
         pg_losses: list[torch.Tensor] = []
         vf_losses: list[torch.Tensor] = []
+        world, rank = dist.get_world_size(), dist.get_rank()
         for epoch in range(self.cfg.num_epochs):
             for idx in self._split(len(batch), self.cfg.num_mini_batches, epoch):
                 mini = batch.select(idx)
                 mini_prox = proximal[idx]
-                num_tokens, num_seqs = count_normalizers(mini.loss_mask)
-                if dist.get_world_size() > 1:
+                # This rank's contiguous, token-balanced share (every rank holds the whole batch).
+                share = split_by_tokens(mini.attention_mask.sum(1).tolist(), world)[rank]
+                mine = mini.select(slice(share.start, share.stop))
+                mine_prox = mini_prox[share.start : share.stop]
+                num_tokens, num_seqs = count_normalizers(mine.loss_mask)
+                if world > 1:
+                    # Global normalisers before any backward pass: every rank divides by the same.
                     norms = torch.stack([num_tokens, num_seqs]).float()
                     dist.all_reduce(norms)
                     num_tokens, num_seqs = norms[0], norms[1]
-                for start in range(0, len(mini), self.cfg.micro_batch_size):
-                    sl = slice(start, start + self.cfg.micro_batch_size)
-                    mb = mini.select(sl)
+                for sl, real in self._micro_slices(mine, mini):
+                    mb = (mine if real else mini).select(sl)
+                    mb_prox = (mine_prox if real else mini_prox)[sl]
+                    if not real:
+                        # Padding micro-batch: FSDP's collectives need every rank to run as many
+                        # passes; a zero loss mask makes it contribute nothing.
+                        mb.loss_mask = torch.zeros_like(mb.loss_mask)
+                    if self.cfg.max_tokens_per_micro_batch:
+                        keep = mb.trimmed()
+                        mb_prox = mb_prox[:, : keep.loss_mask.shape[1]]
+                        mb = keep
                     logprobs, entropy = self._forward(mb, with_entropy=True)
                     loss, metrics = self.policy_loss(
-                        logprobs, mini_prox[sl], mb.behavior_logprobs, mb.advantages, mb.loss_mask,
+                        logprobs, mb_prox, mb.behavior_logprobs, mb.advantages, mb.loss_mask,
                         agg_mode=a.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs,
                         horizon=a.loss_horizon_tokens, behavior_correction=a.behavior_correction,
                         tis_cap=a.tis_cap, icepop_low=a.icepop_low, icepop_high=a.icepop_high,
@@ -280,15 +296,18 @@ class FSDPLearner:
                                                  num_global_seqs=num_seqs, horizon=a.loss_horizon_tokens)
                         total = total + a.kl_coef * kl_loss
                         metrics["loss/kl"] = masked_mean(kl.detach(), mb.loss_mask)
-                    total.backward()
+                    # FSDP averages gradients over ranks; the global normaliser already divides, so
+                    # scale back up to the sum (the 1-rank gradient).
+                    (total * world).backward()
                     metrics["actor/entropy"] = masked_mean(entropy.detach(), mb.loss_mask)
                     if self.critic is not None:
                         critic_metrics = self.critic.backward(mb, a.loss_agg_mode, num_tokens, num_seqs,
-                                                              a.loss_horizon_tokens)
+                                                              a.loss_horizon_tokens, grad_scale=world)
                         vf_losses.append(critic_metrics.pop("critic/vf_loss"))
                         metrics.update(critic_metrics)
-                    per_mb.append(metrics)
-                    weights.append(float(mb.loss_mask.sum()))
+                    if real:
+                        per_mb.append(metrics)
+                        weights.append(float(mb.loss_mask.sum()))
                 step_metrics = {"actor/grad_norm": self._optimizer_step()}
                 if self.critic is not None:
                     step_metrics["critic/grad_norm"] = self.critic.optimizer_step(self.cfg.grad_clip)
@@ -300,9 +319,28 @@ class FSDPLearner:
         out = reduce_metrics(per_mb, weights)
         out["actor/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
         num_steps = self.cfg.num_epochs * self.cfg.num_mini_batches
-        out["loss/pg"] = torch.stack(pg_losses).sum() / num_steps
+        sums = torch.stack([torch.stack(pg_losses).sum(), torch.stack(vf_losses).sum() if vf_losses else torch.zeros(())])
+        if world > 1:
+            # The losses are shares of one global normaliser: their sum over ranks is the loss.
+            dist.all_reduce(sums)
+        out["loss/pg"] = sums[0] / num_steps
         if vf_losses:
-            out["critic/vf_loss"] = torch.stack(vf_losses).sum() / num_steps
+            out["critic/vf_loss"] = sums[1] / num_steps
+        return out
+
+    def _micro_slices(self, mine: TrainBatch, mini: TrainBatch) -> list[tuple[slice, bool]]:
+        """This rank's micro-batches (slices of ``mine``), padded with ``(slice(0, 1), False)``
+        entries up to the most any rank has, so every rank runs as many passes."""
+        if self.cfg.max_tokens_per_micro_batch:
+            ranges = micro_batches_by_tokens(mine.attention_mask.sum(1).tolist(), self.cfg.max_tokens_per_micro_batch)
+            slices = [slice(r.start, r.stop) for r in ranges]
+        else:
+            slices = [slice(s, s + self.cfg.micro_batch_size) for s in range(0, len(mine), self.cfg.micro_batch_size)]
+        out = [(sl, True) for sl in slices]
+        if dist.get_world_size() > 1:
+            count = torch.tensor([len(out)])
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            out += [(slice(0, 1), False)] * (int(count) - len(out))
         return out
 
     def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, torch.Tensor]:

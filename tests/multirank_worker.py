@@ -1,0 +1,59 @@
+"""One learner rank of the multi-rank tests (run in a spawned process; see test_learner_multirank)."""
+
+from __future__ import annotations
+
+import random
+
+
+def make_batch(seed: int = 0):
+    """A fixed batch of 11 variable-length trajectories with advantages (the same on every rank)."""
+    import torch
+
+    from buffers.trajectory import Trajectory, collate
+
+    rng = random.Random(seed)
+    trajs = []
+    for k in range(11):
+        n = rng.randint(1, 9)
+        resp = [rng.randint(10, 200) for _ in range(n)]
+        trajs.append(Trajectory(trajectory_id=f"{k}/0", group_id=k, prompt_uid=f"p{k}",
+                                prompt_ids=[rng.randint(10, 200) for _ in range(rng.randint(2, 6))],
+                                response_ids=resp, behavior_logprobs=[-rng.uniform(3, 6) for _ in resp],
+                                loss_mask=[1] * n, finish_reason="stop", policy_version=[0] * n, reward=0.0))
+    batch = collate(trajs, pad_token_id=0)
+    g = torch.Generator().manual_seed(seed)
+    batch.advantages = torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask
+    return batch
+
+
+def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, out: str,
+        max_tokens: int = 0, critic: bool = False) -> None:
+    """Train one step on ``make_batch()`` and write loss and full weights to ``out`` (rank 0)."""
+    import torch
+    import torch.distributed as dist
+
+    from async_rl.algorithms.config import AlgorithmConfig
+    from learners.base import LearnerConfig
+    from learners.fsdp import FSDPLearner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    algo = AlgorithmConfig(name="ppo" if critic else "grpo", loss_agg_mode=agg_mode, clip_ratio_low=0.2,
+                           clip_ratio_high=0.2, loss_horizon_tokens=16).apply_preset()
+    # A large Adam eps keeps the update continuous in the gradient: with the default 1e-8 the
+    # first Adam step is ~lr * sign(g), so float-noise-sized gradients (summed in another order
+    # on 2 ranks) could flip sign and move a weight by 2 * lr.
+    cfg = LearnerConfig(lr=1e-2, eps=1e-3, warmup_steps=1, micro_batch_size=2, num_mini_batches=2,
+                        max_tokens_per_micro_batch=max_tokens)
+    learner = FSDPLearner(cfg, algo, model_path, temperature=1.0, total_optimizer_steps=4)
+    batch = make_batch()
+    if critic:
+        batch.extras["values"] = torch.zeros_like(batch.loss_mask)
+        batch.extras["returns"] = batch.advantages.clone()
+    learner.prepare(batch)
+    metrics = learner.train_step(batch)
+    weights = {n: t.clone() for n, t in learner.named_weights()}  # collective: every rank
+    if rank == 0:
+        torch.save({"loss": float(metrics["loss/pg"]), "vf": float(metrics.get("critic/vf_loss", 0.0)),
+                    "weights": weights}, out)
+    dist.destroy_process_group()
