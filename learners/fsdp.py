@@ -167,13 +167,24 @@ class FSDPLearner:
         return logprobs, entropy
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
+        if self.cfg.max_tokens_per_micro_batch:
+            for r in micro_batches_by_tokens(batch.attention_mask.sum(1).tolist(), self.cfg.max_tokens_per_micro_batch):
+                yield batch.select(slice(r.start, r.stop)).trimmed()
+            return
         for start in range(0, len(batch), self.cfg.micro_batch_size):
             yield batch.select(slice(start, start + self.cfg.micro_batch_size))
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Log-probs ``[B, L-1]`` float32 of the batch's labels under the current weights (or ``model``'s)."""
-        return torch.cat([self._forward(mb, with_entropy=False, model=model)[0] for mb in self._micro_batches(batch)])
+        """Log-probs ``[B, L-1]`` float32 of the batch's labels under the current weights (or
+        ``model``'s); 0 beyond each micro-batch's trimmed width (padding)."""
+        out = torch.zeros(batch.loss_mask.shape)
+        row = 0
+        for mb in self._micro_batches(batch):
+            lp = self._forward(mb, with_entropy=False, model=model)[0]
+            out[row : row + len(mb), : lp.shape[1]] = lp
+            row += len(mb)
+        return out
 
     @torch.no_grad()
     def prepare(self, batch: TrainBatch) -> dict[str, float]:

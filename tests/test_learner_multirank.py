@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 def _train(world: int, tmp_path, model_path: str, mode: str, **kw) -> dict:
     from multirank_worker import run
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     init = tmp_path / f"init-{world}-{mode}"
     out = tmp_path / f"out-{world}-{mode}.pt"
     ctx = mp.get_context("spawn")
@@ -50,3 +51,12 @@ def test_two_ranks_with_token_budget_and_critic_equal_one_rank(tmp_path, tiny_mo
     assert two["vf"] == pytest.approx(one["vf"], rel=1e-5, abs=1e-7)
     for name, w in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_token_budget_micro_batches_equal_padded_ones(tmp_path, tiny_model_path):
+    # Other micro-batch cuts and trimmed padding, same global normalisers: the same update.
+    padded = _train(1, tmp_path / "a", tiny_model_path, "seq-mean-token-mean")
+    budget = _train(1, tmp_path / "b", tiny_model_path, "seq-mean-token-mean", max_tokens=20)
+    assert budget["loss"] == pytest.approx(padded["loss"], rel=1e-5, abs=1e-7)
+    for name, w in padded["weights"].items():
+        torch.testing.assert_close(budget["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
