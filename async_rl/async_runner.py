@@ -31,9 +31,11 @@ many-fold on a small machine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
+from collections import deque
 import time
 from typing import Any
 
@@ -60,6 +62,10 @@ class AsyncLoop:
 
     Args:
         ctx: the run's shared parts (the learner is driven from the calling thread).
+        resume_state: ``state_dict()`` of the loop a checkpoint saved, or ``None``. The replay
+            buffer, counters and dataset position are restored; groups that were dispatched but
+            not complete at the checkpoint (queued, in an engine, or partial in the buffer) are
+            abandoned (counted) and their prompts dispatched again first, under new group ids.
 
     Raises:
         RuntimeError: (from ``step``) a generator actor died, or no data arrived for
@@ -68,7 +74,7 @@ class AsyncLoop:
 
     stall_timeout_s = 600.0
 
-    def __init__(self, ctx: RunContext) -> None:
+    def __init__(self, ctx: RunContext, resume_state: dict[str, Any] | None = None) -> None:
         import ray
         from ray.util.queue import Queue
 
@@ -98,7 +104,8 @@ class AsyncLoop:
             reward_fn = os.path.abspath(reward_fn)
         worker_cls = ray.remote(num_cpus=0, max_concurrency=3)(GeneratorWorker)
         self.workers = [worker_cls.remote(i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn,
-                                          cfg.reward.on_error, sender_factory, per_worker)
+                                          cfg.reward.on_error, sender_factory, per_worker, cfg.learner.lora,
+                                          cfg.agent)
                         for i in range(g_cfg.num_workers)]
         from async_rl.weight_sync import RayTarget, WeightPublisher, resolve_transport
 
@@ -106,12 +113,18 @@ class AsyncLoop:
         self.publisher = WeightPublisher(cfg.weight_sync, self.transport, ctx.learner,
                                          [RayTarget(w) for w in self.workers])
         self.published_version = -1
-        self._publish()  # the warm-started weights, version 0
+        self._publish()  # the warm-started (or resumed) weights
         self.run_refs = [w.run.remote(self.requests) for w in self.workers]
         self.num_dispatched = 0
         self.num_dynamic_dropped = 0
         self.num_trained_groups = 0
         self._last_rejected_samples = 0
+        # Dispatched groups not yet known complete, by id: what a checkpoint must re-issue.
+        self._outstanding: dict[int, Any] = {}
+        self._reissue: deque = deque()
+        self._dispatch_lock = threading.Lock()
+        if resume_state is not None:
+            self._load_state_dict(resume_state)
         self._dispatched_tokens = 0
         self._stop = threading.Event()
         self._errors: list[BaseException] = []
@@ -147,12 +160,19 @@ class AsyncLoop:
             if not self.admission.can_start(self.num_dispatched, max(self.published_version, 0), self._num_discarded()):
                 time.sleep(0.002)
                 continue
-            prompt = self.ctx.train_ds.next_batch(1)[0]
-            gid = self.num_dispatched
-            self.requests.put(GroupRequest(group_id=gid, prompt_ids=prompt.prompt_ids, prompt_uid=prompt.uid,
+            with self._dispatch_lock:
+                gid = self.num_dispatched
+                if self._reissue:
+                    request = dataclasses.replace(self._reissue.popleft(), group_id=gid, seed=group_seed(seed, gid))
+                else:
+                    prompt = self.ctx.train_ds.next_batch(1)[0]
+                    request = GroupRequest(group_id=gid, prompt_ids=prompt.prompt_ids, prompt_uid=prompt.uid,
                                            data_source=prompt.data_source, ground_truth=prompt.ground_truth,
-                                           extra_info=prompt.extra_info, n=self.n, seed=group_seed(seed, gid)))
-            self.num_dispatched += 1
+                                           extra_info=prompt.extra_info, n=self.n, seed=group_seed(seed, gid),
+                                           messages=prompt.messages)
+                self._outstanding[gid] = request
+                self.requests.put(request)
+                self.num_dispatched += 1
 
     def _route(self, msg) -> None:
         from buffers.transport import GroupClosed
@@ -254,8 +274,41 @@ class AsyncLoop:
         })
         metrics.update({f"reward/{k.split('/', 1)[1]}": v for k, v in self.ctx.scorer.pop_metrics().items()})
         metrics["reward/errors"] = delta.get("reward_errors", 0.0)
+        metrics.update({k: v for k, v in delta.items() if k.startswith("tools/")})
         self._last_stats, self._last_t = stats, now
         return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue the pipeline (taken between two learner steps):
+        the replay buffer's contents and counters, the dispatch counters, the dataset position,
+        and the requests of groups dispatched but not complete, all consistent with each other."""
+        with self._dispatch_lock:
+            self._outstanding = {g: r for g, r in self._outstanding.items() if not self.buffer.is_finished(g)}
+            return {
+                "buffer": self.buffer.state_dict(),
+                "dataset": self.ctx.train_ds.state_dict(),
+                "num_dispatched": self.num_dispatched,
+                "num_dynamic_dropped": self.num_dynamic_dropped,
+                "num_trained_groups": self.num_trained_groups,
+                "last_rejected_samples": self._last_rejected_samples,
+                "outstanding": list(self._outstanding.values()) + list(self._reissue),
+            }
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.ctx.train_ds.load_state_dict(state["dataset"])
+        self.num_dispatched = int(state["num_dispatched"])
+        self.num_dynamic_dropped = int(state["num_dynamic_dropped"])
+        self.num_trained_groups = int(state["num_trained_groups"])
+        self._last_rejected_samples = int(state["last_rejected_samples"])
+        for request in state["outstanding"]:
+            # Its samples in this run's engines are gone; partial ones in the buffer are dropped
+            # (counted as abandoned) and the prompt starts over as a new group.
+            self.buffer.abandon_group(request.group_id)
+            self._reissue.append(request)
+        if self._reissue:
+            logger.warning("resume: %d groups were in flight at the checkpoint; their prompts are dispatched again",
+                           len(self._reissue))
 
     def sync_eval_engine(self) -> None:
         """Copy the learner's weights into the colocated engine used for evaluation."""

@@ -52,15 +52,30 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     from async_rl.controller import train
+    from learners.launch import launched_by_torchrun
 
+    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+        # torchrun ranks 1..N-1 run only their learner rank; rank 0 runs the trainer.
+        from async_rl.controller import learner_args
+        from async_rl.data.builtin import resolve
+        from learners.launch import follow_from_env
+
+        follow_from_env(*learner_args(cfg, resolve(cfg.model.path)))
+        return 0
     try:
-        train(cfg)
+        summary = train(cfg)
     except (ValueError, FileNotFoundError) as e:
         # Bad input (a malformed dataset row, a missing file): one actionable line, no traceback.
         # ASYNC_RL_LOG_LEVEL=DEBUG shows the traceback.
         logging.getLogger(__name__).debug("training failed", exc_info=True)
         print(f"async-rl: error: {e}", file=sys.stderr)
         return 1
+    if "interrupted" in summary:
+        # Stopped by a signal after saving: the shell convention 128 + signal number, so a job
+        # scheduler sees the run did not finish (resume with trainer.resume=auto).
+        import signal
+
+        return 128 + int(signal.Signals[summary["interrupted"]])
     return 0
 
 

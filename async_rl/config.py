@@ -21,6 +21,7 @@ from typing import Any, Sequence, get_type_hints
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
+from async_rl.agent import AgentConfig
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.controller import TrainerConfig
 from async_rl.data.dataset import DataConfig
@@ -57,6 +58,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -165,6 +167,23 @@ def _cross_validate(cfg: Config) -> None:
     if n < 2 and cfg.algorithm.dynamic_sampling:
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
                           "differ, which needs at least 2 samples per prompt")
+    _check_lora(cfg)
+
+
+def _check_lora(cfg: Config) -> None:
+    import logging
+
+    from learners.lora import LoRAConfig, vllm_max_lora_rank
+
+    lora = cfg.learner.lora
+    if lora.rank == 0 and lora != LoRAConfig():
+        logging.getLogger(__name__).warning("learner.lora.* is set but learner.lora.rank=0: LoRA is off and "
+                                            "those settings have no effect")
+    if lora.rank > 0 and cfg.generator.backend == "vllm":
+        try:
+            vllm_max_lora_rank(lora.rank)
+        except ValueError as e:
+            raise ConfigError(f"generator.backend=vllm: {e}") from None
 
 
 def to_yaml(cfg: Config) -> str:

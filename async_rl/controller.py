@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from async_rl.checkpoint import CheckpointConfig
+
 if TYPE_CHECKING:
     from async_rl.config import Config
 
@@ -99,6 +101,11 @@ class TrainerConfig:
     export_model: bool = True
     """Write the final policy as a Hugging Face directory to ``<run_dir>/final_model``."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When to save checkpoints (``async_rl.checkpoint``)."""
+    resume: str | None = None
+    """``auto``: continue from ``<output_dir>/<run_name>``'s latest checkpoint if there is one;
+    a checkpoint or run directory: continue from it; ``None``: start fresh."""
 
     def __post_init__(self) -> None:
         if self.mode not in TRAINER_MODES:
@@ -156,7 +163,7 @@ def group_seed(run_seed: int, group_id: int) -> int:
 
 
 def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_id: int,
-            seed: int | None = None) -> RolloutResult:
+            seed: int | None = None, agent=None) -> RolloutResult:
     """Sample ``n`` responses per prompt, score them and build trajectories.
 
     Args:
@@ -170,32 +177,59 @@ def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_i
         first_group_id: id of the first group.
         seed: run seed; group g is sampled with ``group_seed(seed, g)``. ``None``: the
             generator's own call-counter seeds (evaluation).
+        agent: an ``async_rl.agent.AgentLoop`` for multi-turn tool use (each sample is a
+            conversation; the reward scores its final answer), or ``None`` for single-turn.
     """
     from buffers.trajectory import Trajectory
 
     seeds = None if seed is None else [group_seed(seed, first_group_id + i) for i in range(len(prompts))]
-    groups = generator.generate([p.prompt_ids for p in prompts], n, params, seeds=seeds)
+    if agent is not None:
+        groups = agent.run(generator, [(p.prompt_ids, p.messages) for p in prompts], n, params, seeds)
+    else:
+        groups = generator.generate([p.prompt_ids for p in prompts], n, params, seeds=seeds)
     trajectories, rejected_samples, rejected_groups, num_tokens = [], 0, 0, 0
     for i, (prompt, samples) in enumerate(zip(prompts, groups)):
         gid = first_group_id + i
         kept = 0
         for j, s in enumerate(samples):
-            num_tokens += len(s.response_ids)
-            text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-            result = scorer.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
+            num_tokens += sum(s.loss_mask) if agent is not None else len(s.response_ids)  # generated, not tool tokens
+            traj = trajectory_of(s, tokenizer, gid, j, prompt.uid, prompt.prompt_ids)
+            result = scorer.score(prompt.data_source, traj.response_text, prompt.ground_truth, prompt.extra_info)
             if result.rejected:
                 rejected_samples += 1
                 continue
             kept += 1
-            trajectories.append(Trajectory(
-                trajectory_id=f"{gid}/{j}", group_id=gid, prompt_uid=prompt.uid,
-                prompt_ids=prompt.prompt_ids, response_ids=s.response_ids, behavior_logprobs=s.logprobs,
-                loss_mask=[1] * len(s.response_ids), finish_reason=s.finish_reason,
-                policy_version=s.policy_version, reward=result.score, reward_extras=dict(result.extras),
-                response_text=text,
-            ))
+            traj.reward, traj.reward_extras = result.score, {**traj.reward_extras, **result.extras}
+            trajectories.append(traj)
         rejected_groups += kept == 0
     return RolloutResult(trajectories, rejected_samples, rejected_groups, num_tokens)
+
+
+def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str, prompt_ids: list[int]):
+    """An unscored ``Trajectory`` of a generator ``Sample`` or an agent ``Conversation``.
+
+    A conversation keeps its loss mask (0 on tool tokens), its per-token versions, its turn and
+    tool counts (in ``reward_extras``: ``agent/turns``, ``agent/tool_calls``,
+    ``agent/tool_errors``, ``agent/max_turns``) and its final answer as ``response_text`` (what
+    the reward scores); a single-turn sample is masked 1 everywhere and its decoded text is the
+    answer.
+    """
+    from buffers.trajectory import Trajectory
+
+    conversation = hasattr(sample, "final_text")
+    text = sample.final_text if conversation else tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    traj = Trajectory(
+        trajectory_id=f"{group_id}/{index}", group_id=group_id, prompt_uid=prompt_uid, prompt_ids=prompt_ids,
+        response_ids=list(sample.response_ids), behavior_logprobs=list(sample.logprobs),
+        loss_mask=list(sample.loss_mask) if conversation else [1] * len(sample.response_ids),
+        # "max_turns" is an unfinished answer, like a length cut, for DAPO's overlong filter.
+        finish_reason=sample.finish_reason if sample.finish_reason in ("stop", "length") else "length",
+        policy_version=list(sample.policy_version), reward=0.0, response_text=text)
+    if conversation:
+        traj.reward_extras = {"agent/turns": float(sample.num_turns), "agent/tool_calls": float(sample.num_tool_calls),
+                              "agent/tool_errors": float(sample.num_tool_errors),
+                              "agent/max_turns": float(sample.finish_reason == "max_turns")}
+    return traj
 
 
 def accuracy_of(trajectories) -> float:
@@ -294,9 +328,10 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
     return batch, metrics
 
 
-def evaluate(generator, dataset, params, scorer, tokenizer) -> dict[str, float]:
-    """Held-out accuracy and mean reward: one response per prompt (greedy or sampled)."""
-    result = rollout(generator, list(dataset), 1, params, scorer, tokenizer, first_group_id=-(10**9))
+def evaluate(generator, dataset, params, scorer, tokenizer, agent=None) -> dict[str, float]:
+    """Held-out accuracy and mean reward: one response per prompt (greedy or sampled); with an
+    agent, one multi-turn conversation per prompt."""
+    result = rollout(generator, list(dataset), 1, params, scorer, tokenizer, first_group_id=-(10**9), agent=agent)
     trajs = result.trajectories
     return {
         "eval/accuracy": accuracy_of(trajs),
@@ -306,17 +341,24 @@ def evaluate(generator, dataset, params, scorer, tokenizer) -> dict[str, float]:
     }
 
 
-def _lookup(prompt, dotted: str) -> str:
+def _lookup(prompt, dotted: str):
     key = dotted.split(".", 1)[1]
     if key not in prompt.extra_info or prompt.extra_info[key] is None:
         raise ValueError(f"warm start: row {prompt.uid} has no '{dotted}' (set trainer.warm_start.response_field)")
-    return str(prompt.extra_info[key])
+    return prompt.extra_info[key]
 
 
-def warm_start(learner, dataset, tokenizer, cfg: WarmStartConfig, eos_id: int, seed: int, log) -> None:
+def warm_start(learner, dataset, tokenizer, cfg: WarmStartConfig, eos_id: int, seed: int, log, agent=None) -> None:
     """Supervised warm start: ``cfg.steps`` NLL steps on ``prompt -> reference response + EOS``.
 
-    Prompts are drawn with their own seeded RNG so the RL data stream is not advanced.
+    With an agent (multi-turn tool use) the field holds a demonstration instead: the messages
+    after the prompt (assistant tool calls, tool responses, the final answer) as a list or JSON
+    text; it is tokenised turn by turn as a rollout would be (``agent.demonstration_ids``), and
+    only the assistant turns are trained. Prompts are drawn with their own seeded RNG so the RL
+    data stream is not advanced.
+
+    Raises:
+        ValueError: a row without the field, or a demonstration the chat template cannot render.
     """
     from buffers.trajectory import Trajectory, collate
 
@@ -324,10 +366,18 @@ def warm_start(learner, dataset, tokenizer, cfg: WarmStartConfig, eos_id: int, s
     for step in range(1, cfg.steps + 1):
         trajs = []
         for k, p in enumerate(rng.choices(dataset.prompts, k=cfg.batch_size)):
-            ids = tokenizer(_lookup(p, cfg.response_field), add_special_tokens=False)["input_ids"] + [eos_id]
+            value = _lookup(p, cfg.response_field)
+            if agent is not None:
+                from async_rl.agent import demonstration_ids
+
+                demo = json.loads(value) if isinstance(value, str) else value
+                ids, mask = demonstration_ids(tokenizer, p.messages, demo, agent.schemas, agent.stop_token_ids)
+            else:
+                ids = tokenizer(str(value), add_special_tokens=False)["input_ids"] + [eos_id]
+                mask = [1] * len(ids)
             trajs.append(Trajectory(
                 trajectory_id=f"sft/{step}/{k}", group_id=k, prompt_uid=p.uid, prompt_ids=p.prompt_ids,
-                response_ids=ids, behavior_logprobs=[0.0] * len(ids), loss_mask=[1] * len(ids),
+                response_ids=ids, behavior_logprobs=[0.0] * len(ids), loss_mask=mask,
                 finish_reason="stop", policy_version=[0] * len(ids)))
         metrics = learner.sft_step(collate(trajs, tokenizer.pad_token_id), cfg.lr)
         if step % max(1, cfg.steps // 5) == 0 or step == cfg.steps:
@@ -375,6 +425,8 @@ class RunContext:
     log: Any
     publisher: Any = None
     """Sync mode: the ``WeightPublisher`` into ``generator`` (hybrid engine)."""
+    agent: Any = None
+    """The ``AgentLoop`` of multi-turn tool rollouts (``agent.tools`` set), else ``None``."""
 
 
 class SyncLoop:
@@ -390,9 +442,11 @@ class SyncLoop:
         c = self.ctx
         t0 = time.perf_counter()
         ro, metrics, groups_used = collect_step_rollouts(c.cfg, c.train_ds, c.generator, c.scorer, c.tokenizer,
-                                                         c.params, self.next_group)
+                                                         c.params, self.next_group, c.agent)
         self.next_group += groups_used
         metrics.update({f"reward/{k.split('/', 1)[1]}": v for k, v in c.scorer.pop_metrics().items()})
+        if c.agent is not None:
+            metrics.update(c.agent.pop_metrics())
         metrics.update({"perf/tokens_per_s": ro.num_generated_tokens / max(time.perf_counter() - t0, 1e-9),
                         "timing/generate_s": time.perf_counter() - t0})
         metrics.update(learn_on(c, step, ro))
@@ -402,6 +456,15 @@ class SyncLoop:
 
     def sync_eval_engine(self) -> None:
         """The colocated engine already holds the latest weights."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this loop: the next group id and the dataset position."""
+        return {"next_group": self.next_group, "dataset": self.ctx.train_ds.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict``'s output."""
+        self.next_group = int(state["next_group"])
+        self.ctx.train_ds.load_state_dict(state["dataset"])
 
     def close(self) -> dict[str, Any]:
         """Nothing to stop (the engine belongs to ``train``); returns no summary entries."""
@@ -417,6 +480,8 @@ def train(cfg: "Config") -> dict[str, Any]:
     """
     from transformers import AutoTokenizer
 
+    from async_rl.checkpoint import (StopRequest, load_trainer_state, resolve_resume, rng_state,
+                                     save_checkpoint, set_rng_state)
     from async_rl.config import to_dict
     from async_rl.data.builtin import resolve
     from async_rl.data.dataset import PromptDataset
@@ -425,9 +490,11 @@ def train(cfg: "Config") -> dict[str, Any]:
     from async_rl.weight_sync import LocalTarget, WeightPublisher, resolve_transport
     from generators import make_generator
     from generators.base import SamplingParams
-    from learners.fsdp import FSDPLearner
+    from learners.launch import launch_learner
 
     t_cfg, seed = cfg.trainer, cfg.trainer.seed
+    resume_from = resolve_resume(t_cfg.resume, t_cfg.output_dir, t_cfg.run_name)
+    resumed = load_trainer_state(resume_from) if resume_from is not None else None
     random.seed(seed)
     torch.manual_seed(seed)
     if cfg.learner.num_threads:
@@ -437,9 +504,18 @@ def train(cfg: "Config") -> dict[str, Any]:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     d = cfg.data
-    train_ds = PromptDataset([resolve(f) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle)
+    stops = stop_token_ids(tokenizer, model_path, cfg.generator.extra_stop_token_ids)
+    agent = None
+    if cfg.agent.enabled:
+        from async_rl.agent import AgentLoop
+
+        agent = AgentLoop(cfg.agent, tokenizer, stops)
+    # With tools, prompts are rendered with their schemas (the model sees what it may call).
+    tools = agent.schemas if agent is not None else None
+    train_ds = PromptDataset([resolve(f) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle,
+                             tools=tools)
     val_ds = (PromptDataset([resolve(f) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
-                            limit=d.val_max_prompts) if d.val_files else None)
+                            limit=d.val_max_prompts, tools=tools) if d.val_files else None)
     fn = get_reward_fn(cfg.reward.fn) if cfg.reward.fn else _dispatch_by_source
     if not cfg.reward.fn:
         # Fail before training, not as a reward error on every sample: each data_source needs a reward.
@@ -447,8 +523,11 @@ def train(cfg: "Config") -> dict[str, Any]:
             default_reward_for(source)
     # The run directory is made only once the inputs have loaded, so a bad dataset leaves none behind.
     run_dir = make_run_dir(cfg)
-    stops = stop_token_ids(tokenizer, model_path, cfg.generator.extra_stop_token_ids)
-    steps_per_train_step = cfg.learner.num_mini_batches * cfg.learner.num_epochs
+    if len(train_ds) < t_cfg.prompts_per_step:
+        logger.warning("the train set has %d prompts, fewer than trainer.prompts_per_step=%d: each step repeats "
+                       "prompts (every step still draws its full batch, crossing epochs)", len(train_ds),
+                       t_cfg.prompts_per_step)
+    learner, learner_handle = launch_learner(*learner_args(cfg, model_path))
     ctx = RunContext(
         cfg=cfg, tokenizer=tokenizer, model_path=model_path, train_ds=train_ds, val_ds=val_ds,
         scorer=RewardScorer(fn, on_error=cfg.reward.on_error),
@@ -456,10 +535,10 @@ def train(cfg: "Config") -> dict[str, Any]:
         eval_scorer=RewardScorer(fn, on_error="zero"),
         params=SamplingParams.from_config(cfg.generator, stops),
         eval_params=SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy),
-        learner=FSDPLearner(cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
-                            total_optimizer_steps=t_cfg.total_steps * steps_per_train_step),
+        learner=learner,
         generator=_colocated_engine(cfg, model_path, tokenizer.pad_token_id, make_generator),
         run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
+        agent=agent,
     )
     learner, generator, log = ctx.learner, ctx.generator, ctx.log
     summary: dict[str, Any] = {"run_dir": str(run_dir), "mode": t_cfg.mode,
@@ -472,46 +551,74 @@ def train(cfg: "Config") -> dict[str, Any]:
         log.print(f"run directory: {run_dir}")
         if train_ds.num_rejected_too_long:
             log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")
-        if val_ds is not None and t_cfg.warm_start.steps:
-            summary["eval_before_warm_start"] = evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, tokenizer)["eval/accuracy"]
-            log.print(f"eval before warm start: accuracy {summary['eval_before_warm_start']:.4f}")
-        if t_cfg.warm_start.steps:
-            warm_start(learner, train_ds, tokenizer, t_cfg.warm_start, tokenizer.eos_token_id, seed, log.print)
+        tail_evals: list[float] = []
+        if resumed is None:
+            _start_fresh(ctx, summary)
+            start_step = 1
+        else:
+            # Instead of the warm start and begin_rl: weights, optimizer, schedules and the
+            # reference policy all come from the checkpoint.
+            learner.load_checkpoint(str(resume_from / "learner"))
             if ctx.publisher is not None:
                 ctx.publisher.push(learner.version)
             else:
                 push_weights(learner, generator)
-        learner.begin_rl()
-        if val_ds is not None:
-            ev = evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, tokenizer)
-            summary["eval_step_0"] = ev["eval/accuracy"]
-            log.log(ev, step=0)
-            log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}")
+            summary.update(resumed["summary"])
+            tail_evals = list(resumed["tail_evals"])
+            start_step = resumed["step"] + 1
+            log.print(f"resumed from {resume_from}: step {resumed['step']} done, policy version {learner.version}")
         if t_cfg.mode == "async":
             from async_rl.async_runner import AsyncLoop
 
-            loop = AsyncLoop(ctx)
+            loop = AsyncLoop(ctx, resume_state=resumed["loop"] if resumed else None)
         else:
             loop = SyncLoop(ctx)
+            if resumed is not None:
+                loop.load_state_dict(resumed["loop"])
+        if resumed is not None:
+            set_rng_state(resumed["rng"])
+        if start_step > 1:
+            log.advance(start_step - 1)
+
+        def checkpoint(step: int) -> None:
+            t0 = time.perf_counter()
+            state = {"rng": rng_state(), "loop": loop.state_dict(), "tail_evals": tail_evals,
+                     "summary": {k: v for k, v in summary.items() if k.startswith("eval_")}}
+            path = save_checkpoint(run_dir, step, learner, state, t_cfg.checkpoint.keep_last)
+            log.print(f"checkpoint written to {path} ({time.perf_counter() - t0:.1f} s)")
+
         t_rl = time.perf_counter()
-        tail_evals: list[float] = []
-        for step in range(1, t_cfg.total_steps + 1):
-            metrics = loop.step(step)
-            due = t_cfg.eval_every_steps and step % t_cfg.eval_every_steps == 0
-            if val_ds is not None and (due or step == t_cfg.total_steps):
-                t0 = time.perf_counter()
-                loop.sync_eval_engine()
-                metrics.update(evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, tokenizer))
-                metrics["timing/eval_s"] = time.perf_counter() - t0
-                summary["eval_final"] = metrics["eval/accuracy"]
-                if step > 0.75 * t_cfg.total_steps:
-                    tail_evals.append(metrics["eval/accuracy"])
-            log.log(metrics, step=step)
-            log.advance(step)
+        last_step, saved_step = start_step - 1, start_step - 1
+        with StopRequest() as stop:
+            for step in range(start_step, t_cfg.total_steps + 1):
+                metrics = loop.step(step)
+                due = t_cfg.eval_every_steps and step % t_cfg.eval_every_steps == 0
+                if val_ds is not None and (due or step == t_cfg.total_steps):
+                    t0 = time.perf_counter()
+                    loop.sync_eval_engine()
+                    metrics.update(evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, tokenizer, ctx.agent))
+                    metrics["timing/eval_s"] = time.perf_counter() - t0
+                    summary["eval_final"] = metrics["eval/accuracy"]
+                    if step > 0.75 * t_cfg.total_steps:
+                        tail_evals.append(metrics["eval/accuracy"])
+                log.log(metrics, step=step)
+                log.advance(step)
+                last_step = step
+                if stop.requested:
+                    summary["interrupted"] = stop.signal_name
+                    log.print(f"{stop.signal_name}: stopping after step {step} of {t_cfg.total_steps}")
+                    break
+                every = t_cfg.checkpoint.every_steps
+                if every and step % every == 0:
+                    checkpoint(step)
+                    saved_step = step
+            if t_cfg.checkpoint.save_at_exit and last_step != saved_step:
+                checkpoint(last_step)
+        summary["last_step"] = last_step
         summary["rl_wall_s"] = time.perf_counter() - t_rl
         summary.update(loop.close())
         loop = None
-        if "eval_step_0" in summary and "eval_final" in summary:
+        if "eval_step_0" in summary and "eval_final" in summary and "interrupted" not in summary:
             summary["eval_gain_points"] = 100.0 * (summary["eval_final"] - summary["eval_step_0"])
             log.print(f"eval accuracy: step 0 {summary['eval_step_0']:.4f} -> step {t_cfg.total_steps} "
                       f"{summary['eval_final']:.4f} ({summary['eval_gain_points']:+.1f} points)")
@@ -521,7 +628,7 @@ def train(cfg: "Config") -> dict[str, Any]:
             summary["eval_tail_gain_points"] = 100.0 * (summary["eval_tail_mean"] - summary["eval_step_0"])
             log.print(f"eval accuracy, mean of the {len(tail_evals)} evals in the last quarter: "
                       f"{summary['eval_tail_mean']:.4f} ({summary['eval_tail_gain_points']:+.1f} points)")
-        if t_cfg.export_model:
+        if t_cfg.export_model and "interrupted" not in summary:
             learner.export_hf(str(run_dir / "final_model"), tokenizer)
             summary["final_model"] = str(run_dir / "final_model")
             log.print(f"final policy written to {run_dir / 'final_model'}")
@@ -532,9 +639,40 @@ def train(cfg: "Config") -> dict[str, Any]:
             ctx.publisher.close()
         if hasattr(generator, "close"):
             generator.close()
+        learner_handle.close()
         log.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def learner_args(cfg: "Config", model_path: str) -> tuple:
+    """``FSDPLearner``'s constructor arguments for a run (the same on every learner rank)."""
+    steps_per_train_step = cfg.learner.num_mini_batches * cfg.learner.num_epochs
+    return (cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
+            cfg.trainer.total_steps * steps_per_train_step)
+
+
+def _start_fresh(ctx: RunContext, summary: dict[str, Any]) -> None:
+    """A run's start without a checkpoint: optional warm start (evaluated before, pushed after),
+    ``begin_rl``, and the step-0 evaluation (``summary["eval_step_0"]``)."""
+    t_cfg, learner, generator, val_ds = ctx.cfg.trainer, ctx.learner, ctx.generator, ctx.val_ds
+    if val_ds is not None and t_cfg.warm_start.steps:
+        summary["eval_before_warm_start"] = evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer,
+                                                     ctx.tokenizer, ctx.agent)["eval/accuracy"]
+        ctx.log.print(f"eval before warm start: accuracy {summary['eval_before_warm_start']:.4f}")
+    if t_cfg.warm_start.steps:
+        warm_start(learner, ctx.train_ds, ctx.tokenizer, t_cfg.warm_start, ctx.tokenizer.eos_token_id, t_cfg.seed,
+                   ctx.log.print, ctx.agent)
+        if ctx.publisher is not None:
+            ctx.publisher.push(learner.version)
+        else:
+            push_weights(learner, generator)
+    learner.begin_rl()
+    if val_ds is not None:
+        ev = evaluate(generator, val_ds, ctx.eval_params, ctx.eval_scorer, ctx.tokenizer, ctx.agent)
+        summary["eval_step_0"] = ev["eval/accuracy"]
+        ctx.log.log(ev, step=0)
+        ctx.log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}")
 
 
 def _dispatch_by_source(data_source, response_text, ground_truth, extra_info):
@@ -554,11 +692,13 @@ def _colocated_engine(cfg, model_path: str, pad_token_id: int, make_generator):
     if cfg.trainer.mode == "async" and cfg.generator.backend != "hf":
         import dataclasses
 
-        return make_generator(dataclasses.replace(cfg.generator, backend="hf"), model_path, pad_token_id)
-    return make_generator(cfg.generator, model_path, pad_token_id, num_threads=os.cpu_count() or 1)
+        return make_generator(dataclasses.replace(cfg.generator, backend="hf"), model_path, pad_token_id,
+                              lora=cfg.learner.lora)
+    return make_generator(cfg.generator, model_path, pad_token_id, num_threads=os.cpu_count() or 1,
+                          lora=cfg.learner.lora)
 
 
-def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, first_group: int,
+def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, first_group: int, agent=None,
                           ) -> tuple[RolloutResult, dict[str, float], int]:
     """One step's trajectories: a single rollout round, or DAPO dynamic sampling.
 
@@ -582,7 +722,7 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
     n = t_cfg.samples_per_prompt
     if not algo.dynamic_sampling:
         prompts = train_ds.next_batch(t_cfg.prompts_per_step)
-        return rollout(generator, prompts, n, params, scorer, tokenizer, first_group, t_cfg.seed), {}, len(prompts)
+        return rollout(generator, prompts, n, params, scorer, tokenizer, first_group, t_cfg.seed, agent), {}, len(prompts)
     totals = {"samples": 0, "groups": 0, "tokens": 0, "used": 0, "accepted": 0}
 
     def generate_round(missing: int):
@@ -592,7 +732,7 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
         # on too, so no accepted sample is lost.
         rate = totals["accepted"] / totals["used"] if totals["used"] else 1.0
         prompts = train_ds.next_batch(min(MAX_OVERSAMPLING * missing, math.ceil(missing / max(rate, 1 / MAX_OVERSAMPLING))))
-        ro = rollout(generator, prompts, n, params, scorer, tokenizer, first_group + totals["used"], t_cfg.seed)
+        ro = rollout(generator, prompts, n, params, scorer, tokenizer, first_group + totals["used"], t_cfg.seed, agent)
         totals["used"] += len(prompts)
         totals["samples"] += ro.num_rejected_samples
         totals["groups"] += ro.num_rejected_groups
@@ -646,6 +786,9 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult) -> dict[str, float]:
     for k, v in train_metrics.items():
         # The loss returns its mismatch metrics under loss/; they belong to their own namespace.
         metrics[k.replace("loss/mismatch_", "mismatch/")] = v
+    for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors", "agent/max_turns"):
+        if key in trajs[0].reward_extras:
+            metrics[f"rollout/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / len(trajs)
     metrics.update({
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,

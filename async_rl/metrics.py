@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -432,7 +433,13 @@ def _init_wandb(cfg: WandbConfig, run_dir: Path, run_config: dict | None):
             "logging.wandb.mode is 'online' but no W&B credentials were found; run `wandb login`, "
             "set WANDB_API_KEY, or use logging.wandb.mode=offline"
         )
+    # One W&B run per run directory: a resumed job continues the same W&B run.
+    id_file = run_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+    id_file.write_text(run_id)
     return wandb.init(
+        id=run_id,
+        resume="allow",
         dir=str(run_dir),
         project=cfg.project,
         entity=cfg.entity,

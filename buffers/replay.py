@@ -312,6 +312,11 @@ class ReplayBuffer:
             return [list(g.trajectories) for g in taken]
 
     # ------------------------------------------------------------------------- introspection
+    def is_finished(self, group_id: int) -> bool:
+        """Whether group ``group_id`` completed (ready, served, evicted or rejected) or was abandoned."""
+        with self._cond:
+            return group_id in self._finished
+
     @property
     def dropped(self) -> dict[str, int]:
         """Samples dropped, by reason: ``duplicate``, ``late``, ``stale`` (never-served groups), ``abandoned``."""

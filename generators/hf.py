@@ -26,20 +26,22 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from generators.base import GeneratorConfig, Sample, SamplingParams, check_request, row_seeds
 
 
-def load_named_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       require_all: bool = True) -> int:
+def load_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter],
+                       named_tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> int:
     """Copy tensors into ``model``'s parameters by Hugging Face name, in place (dtype converted).
 
     Tied parameters may arrive under any of their names (for example ``lm_head.weight`` aliasing
     ``model.embed_tokens.weight``); with ``require_all`` each underlying parameter must be written
-    at least once (a bucketed update checks coverage once, before its first bucket).
+    at least once (a bucketed update checks coverage once, before its first bucket). ``model`` may
+    also be a ``{name: parameter}`` mapping: the parameters an update targets (LoRA: the adapter
+    matrices under their sync names, ``learners.lora.adapter_parameters``).
 
     Returns:
         The number of bytes copied.
@@ -48,8 +50,12 @@ def load_named_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str
         KeyError: a name that is not a parameter of ``model`` (named in the message).
         ValueError: a shape mismatch, or parameters that no tensor updated (listed).
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
-    canonical = {id(p): name for name, p in model.named_parameters()}
+    if isinstance(model, torch.nn.Module):
+        params = dict(model.named_parameters(remove_duplicate=False))
+        canonical = {id(p): name for name, p in model.named_parameters()}
+    else:
+        params = dict(model)
+        canonical = {id(p): name for name, p in params.items()}
     pending = set(canonical.values())
     nbytes = 0
     with torch.no_grad():
@@ -168,6 +174,9 @@ class HFGenerator:
         cfg: generator settings (batch size, seed, partial-rollout mode, threads).
         pad_token_id: id used for left padding of prompts.
         device: torch device string.
+        lora: the learner's ``LoRAConfig``; with ``rank > 0`` the model is wrapped with the same
+            peft adapters (initialised as peft does, so the engine starts as the base model) and
+            weight updates carry exactly the adapter matrices (``learners.lora``); ``None`` = none.
 
     The model runs in eval mode under ``torch.inference_mode``. Sampling uses per-row generators
     seeded from the caller's seeds (or from ``cfg.seed`` and a call counter), never the global RNG,
@@ -176,12 +185,23 @@ class HFGenerator:
     staged and applied between two decoding steps, and the call returns once they are in use.
     """
 
-    def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int, device: str = "cpu") -> None:
+    def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int, device: str = "cpu",
+                 lora=None) -> None:
         from transformers import AutoModelForCausalLM
+
+        from learners.lora import lora_enabled, wrap
 
         self.cfg = cfg
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.lora = lora if lora_enabled(lora) else None
+        if self.lora is not None:
+            # peft draws the adapters' initial A from the global RNG: fork it, so building an
+            # engine never shifts the learner's random stream in colocated mode.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed)
+                model = wrap(model, self.lora)
+        self.model = model.to(self.device).eval()
         self.pad_token_id = pad_token_id
         self.policy_version = 0
         self._calls = itertools.count()
@@ -206,7 +226,7 @@ class HFGenerator:
                 the staged weights are applied there).
         """
         named = list(named_tensors)
-        self._run_update(lambda: load_named_weights(self.model, named), version)
+        self._run_update(lambda: load_named_weights(self._targets(), named), version)
 
     def _run_update(self, load: Callable[[], object], version: int) -> None:
         # Runs ``load`` now, or between two decoding steps of a running ``generate`` (staged).
@@ -237,12 +257,23 @@ class HFGenerator:
             finally:
                 done.set()
 
+    def _targets(self) -> torch.nn.Module | dict[str, torch.nn.Parameter]:
+        # What an update writes: the whole model, or with LoRA only the adapter matrices.
+        if self.lora is None:
+            return self.model
+        from learners.lora import adapter_parameters
+
+        return adapter_parameters(self.model)
+
     # ------------------------------------------------------------------ weight sync layer
     def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
         """``(parameter names, packed modules, tied aliases)``: HF names map one-to-one, tied
-        names (``lm_head.weight`` of a tied model) are aliases of the parameter they share."""
+        names (``lm_head.weight`` of a tied model) are aliases of the parameter they share. With
+        LoRA: the adapter matrices' sync names only, no aliases."""
         from async_rl.weight_sync import tied_aliases
 
+        if self.lora is not None:
+            return list(self._targets()), {}, {}
         return [n for n, _ in self.model.named_parameters()], {}, tied_aliases(self.model)
 
     def check_names(self, names: list[str]) -> None:
@@ -276,8 +307,9 @@ class HFGenerator:
         update = UpdatePlan.from_dict(plan)
 
         def load() -> None:
+            targets = self._targets()
             for bucket in self._receiver.receive(update, check=self.check_names):
-                load_named_weights(self.model, bucket, require_all=False)
+                load_named_weights(targets, bucket, require_all=False)
 
         self._run_update(load, version)
         return time.perf_counter() - t0

@@ -46,6 +46,7 @@ class GroupRequest:
         data_source, ground_truth, extra_info: what the reward function needs.
         n: samples in the group (>= 1).
         seed: sampling seed of the group (``controller.group_seed``).
+        messages: the prompt's chat messages (multi-turn tool use continues the conversation).
     """
 
     group_id: int
@@ -56,6 +57,7 @@ class GroupRequest:
     extra_info: dict[str, Any]
     n: int
     seed: int
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -86,10 +88,13 @@ class GeneratorWorker:
         on_error: ``reward.on_error``.
         sender: ``ZmqSenderFactory`` (or any picklable callable returning a sender).
         num_threads: torch intra-op threads of this process (>= 1).
+        lora: the learner's ``LoRAConfig`` (``make_generator``); ``None`` = no LoRA.
+        agent_cfg: ``AgentConfig``; with tools configured each sample is a multi-turn
+            conversation (``async_rl.agent``) run on this worker's engine.
     """
 
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
-                 reward_fn: str | None, on_error: str, sender, num_threads: int) -> None:
+                 reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None) -> None:
         import torch
         from transformers import AutoTokenizer
 
@@ -100,8 +105,13 @@ class GeneratorWorker:
         self.worker_id = worker_id
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.engine = make_generator(gen_cfg, model_path, pad, num_threads=max(1, num_threads))
+        self.engine = make_generator(gen_cfg, model_path, pad, num_threads=max(1, num_threads), lora=lora)
         self.params = params
+        self.agent = None
+        if agent_cfg is not None and agent_cfg.enabled:
+            from async_rl.agent import AgentLoop
+
+            self.agent = AgentLoop(agent_cfg, self.tokenizer, params.stop_token_ids)
         if reward_fn:
             fn = get_reward_fn(reward_fn)
         else:
@@ -141,6 +151,8 @@ class GeneratorWorker:
         out = {k: float(v) for k, v in vars(self.stats).items() if k != "extra"}
         out["reward_errors"] = float(self.scorer.num_errors)
         out["in_flight_updates"] = float(self.engine.num_weight_updates_in_flight)
+        if self.agent is not None:
+            out.update({k: float(v) for k, v in self.agent.executor.counts().items()})
         return out
 
     def pid(self) -> int:
@@ -178,8 +190,8 @@ class GeneratorWorker:
         return self.get_stats()
 
     def _serve(self, batch: list[GroupRequest]) -> None:
+        from async_rl.controller import trajectory_of
         from buffers.transport import GroupClosed
-        from buffers.trajectory import Trajectory
 
         n = batch[0].n
         if any(r.n != n for r in batch):
@@ -190,23 +202,23 @@ class GeneratorWorker:
         def on_sample(i: int, j: int, s) -> None:
             req = batch[i]
             self.stats.samples += 1
-            self.stats.generated_tokens += len(s.response_ids)
-            text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
-            result = self.scorer.score(req.data_source, text, req.ground_truth, req.extra_info)
+            self.stats.generated_tokens += sum(s.loss_mask) if hasattr(s, "final_text") else len(s.response_ids)
+            traj = trajectory_of(s, self.tokenizer, req.group_id, j, req.prompt_uid, req.prompt_ids)
+            result = self.scorer.score(req.data_source, traj.response_text, req.ground_truth, req.extra_info)
             if result.rejected:
                 self.stats.rejected_samples += 1
             else:
                 kept[i] += 1
-                self.sender.send(Trajectory(
-                    trajectory_id=f"{req.group_id}/{j}", group_id=req.group_id, prompt_uid=req.prompt_uid,
-                    prompt_ids=req.prompt_ids, response_ids=s.response_ids, behavior_logprobs=s.logprobs,
-                    loss_mask=[1] * len(s.response_ids), finish_reason=s.finish_reason,
-                    policy_version=s.policy_version, reward=result.score, reward_extras=dict(result.extras),
-                    response_text=text))
+                traj.reward, traj.reward_extras = result.score, {**traj.reward_extras, **result.extras}
+                self.sender.send(traj)
             finished[i] += 1
             if finished[i] == n:
                 self.stats.groups += 1
                 self.sender.send(GroupClosed(group_id=req.group_id, num_kept=kept[i]))
 
+        if self.agent is not None:
+            self.agent.run(self.engine, [(r.prompt_ids, r.messages) for r in batch], n, self.params,
+                           [r.seed for r in batch], on_sample=on_sample)
+            return
         self.engine.generate([r.prompt_ids for r in batch], n, self.params, seeds=[r.seed for r in batch],
                              on_sample=on_sample)

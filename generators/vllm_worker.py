@@ -19,6 +19,17 @@ follows vLLM's native RL weight-update lifecycle, driven from ``AsyncLLM``:
 
 Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact there); only the
 plan (names, dtypes, shapes, offsets) does.
+
+**LoRA** (engine started with ``enable_lora``): the base weights never change; an update carries
+only the adapter matrices (``learners.lora``) and bypasses the reload lifecycle. At start-up
+``async_rl_init_lora`` registers a zero adapter under one fixed id (the engine then computes
+exactly the base model), which every request names. ``async_rl_load_lora`` receives an update's
+buckets through the same ``WeightReceiver``, builds vLLM's ``LoRAModel`` from the tensors in
+memory (``LoRAModel.from_lora_tensors``, the loader behind vLLM's adapter directories, which
+fuses q/k/v and gate/up) and swaps it in under the same id: the slot is freed and refilled, so no
+adapter of an older version stays in memory and requests frozen by a ``keep`` pause continue on
+the new adapter, exactly as they would continue on new full weights. vLLM's own ``add_lora``
+path needs a directory on disk per version; this one never touches the disk.
 """
 
 from __future__ import annotations
@@ -34,6 +45,11 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from async_rl.weight_sync import UpdatePlan, WeightReceiver, map_to_engine
 
 BACKEND = "async_rl"
+LORA_ID = 1
+"""The one adapter id every request names (a version is swapped in under it)."""
+LORA_NAME = "async-rl-policy"
+LORA_PATH = "in-memory://async-rl-policy"
+"""``LoRARequest`` requires a path; this adapter is never loaded from one (see the module docstring)."""
 
 # The layerwise reload warns "RotaryEmbedding: Failed to load weights" on every update (a module
 # with no weights); our own name check is the authority on what an update must contain.
@@ -136,6 +152,13 @@ if BACKEND not in getattr(WeightTransferEngineFactory, "_registry", {}):
         pass
 
 
+def lora_request():
+    """The ``LoRARequest`` of the policy's adapter (``LORA_ID``), attached to every request."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(LORA_NAME, LORA_ID, LORA_PATH)
+
+
 class AsyncRLWorkerExtension:
     """Methods mixed into vLLM's worker (``worker_extension_cls``), called via ``collective_rpc``."""
 
@@ -143,13 +166,65 @@ class AsyncRLWorkerExtension:
         """``engine_weight_names`` of the served model (for the name-mapping check)."""
         return engine_weight_names(self.model_runner.get_model())
 
-    def async_rl_check_update(self, plan: dict[str, Any]) -> None:
-        """Check an update's names against the model before any byte moves (``map_to_engine``);
-        on failure the sender is told (it raises at once) and this raises."""
+    def async_rl_lora_names(self, lora: dict[str, Any]) -> list[str]:
+        """The adapter names an update must carry for LoRA settings ``lora`` (``learners.lora.spec``):
+        one ``lora_A``/``lora_B`` pair per targeted HF projection of vLLM's LoRA modules."""
+        from learners.lora import expected_vllm_adapter_names
+
+        manager = self.model_runner.lora_manager._adapter_manager
+        return expected_vllm_adapter_names(list(manager.modules), dict(manager.packed_modules_mapping),
+                                           list(lora["target_modules"]))
+
+    def async_rl_init_lora(self, rank: int) -> None:
+        """Register a zero adapter of ``rank`` under ``LORA_ID`` (the base model, until an update)."""
+        self.model_runner.lora_manager.add_dummy_lora(lora_request(), rank)
+
+    def async_rl_load_lora(self, plan: dict[str, Any], lora: dict[str, Any]) -> None:
+        """Receive an adapter update (``UpdatePlan.to_dict()``) and swap it in under ``LORA_ID``.
+
+        Raises:
+            RuntimeError: no weight receiver connected, or vLLM rejects the adapter (rank above
+                ``max_lora_rank``).
+        """
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        eng = self.weight_transfer_engine
+        if eng.receiver is None:
+            raise RuntimeError("adapter update before init_weight_transfer_engine")
+        tensors = {}
+        for bucket in eng.receiver.receive(UpdatePlan.from_dict(plan)):
+            tensors.update((name, t.clone()) for name, t in bucket)  # the bucket's memory is reused
+        worker_manager = self.model_runner.lora_manager
+        helper = PEFTHelper.from_dict({"r": int(lora["rank"]), "lora_alpha": float(lora["alpha"]),
+                                       "target_modules": list(lora["target_modules"])})
+        helper.validate_legal(worker_manager.lora_config)
+        model = self.model_runner.get_model()
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        adapter = LoRAModel.from_lora_tensors(
+            LORA_ID, tensors, helper, device="cpu", dtype=worker_manager.lora_config.lora_dtype,
+            model_vocab_size=worker_manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
+        manager = worker_manager._adapter_manager
+        # Same id: removing frees its slot, activating copies the new matrices into it.
+        manager.remove_adapter(LORA_ID)
+        manager.add_adapter(adapter)
+        manager.activate_adapter(LORA_ID)
+        eng.num_updates += 1
+
+    def async_rl_check_update(self, plan: dict[str, Any], lora: dict[str, Any] | None = None) -> None:
+        """Check an update's names against the model before any byte moves (``map_to_engine``;
+        with LoRA settings ``lora``: exactly the adapter names, ``async_rl_lora_names``); on
+        failure the sender is told (it raises at once) and this raises."""
+        from learners.lora import check_adapter_names
+
         eng = self.weight_transfer_engine
         update = UpdatePlan.from_dict(plan)
         try:
-            eng.check(update.names)
+            if lora is not None:
+                check_adapter_names(update.names, self.async_rl_lora_names(lora))
+            else:
+                eng.check(update.names)
         except Exception as e:
             if eng.receiver is not None:
                 eng.receiver.fail(update, f"{type(e).__name__}: {e}")

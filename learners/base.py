@@ -15,9 +15,11 @@ from typing import Iterator, Protocol
 import torch
 
 from buffers.trajectory import TrainBatch
+from learners.lora import LoRAConfig
 
 LEARNER_BACKENDS = ("fsdp2",)
 LR_SCHEDULES = ("constant", "linear", "cosine")
+MIXED_PRECISION = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -53,7 +55,23 @@ class LearnerConfig:
     backend: str = "fsdp2"
     """``fsdp2``: torch FSDP2 (``fully_shard``) over a gloo (CPU) or NCCL (GPU) process group."""
     world_size: int = 1
-    """Learner ranks (>= 1). Only 1 is supported so far."""
+    """Learner ranks (>= 1) on one process group (gloo on CPU). Rank 0 is the trainer process;
+    ranks 1.. are Ray actors it places (``learners.launch``), or the other ranks of a
+    ``torchrun --nproc-per-node N -m async_rl.cli train ...`` launch."""
+    device: str = "auto"
+    """``cpu``, ``cuda`` (one GPU per rank, NCCL for the collectives), or ``auto`` = ``cuda`` when
+    torch sees a GPU."""
+    mixed_precision: str = "auto"
+    """FSDP2 ``MixedPrecisionPolicy``: ``bf16`` (bf16 parameters and activations in forward and
+    backward, float32 master weights, gradient reduction and optimizer), ``fp32`` (none), or
+    ``auto`` = ``bf16`` on CUDA, ``fp32`` on CPU (where bf16 matmuls are emulated on most cores
+    and only change the numerics)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them (less
+    memory, about one more forward pass of compute)."""
+    cpu_offload: bool = False
+    """FSDP2 ``CPUOffloadPolicy``: keep sharded parameters, gradients and optimizer state in host
+    memory between uses (CUDA learners only; a CPU learner holds them there already)."""
     lr: float = 1e-6
     """Peak AdamW learning rate (> 0)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -86,12 +104,18 @@ class LearnerConfig:
     cores the generator actors leave in async mode."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, used only by estimators that need values (``gae``)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (``rank > 0``): only they train and only they sync to the generators."""
 
     def __post_init__(self) -> None:
         if self.backend not in LEARNER_BACKENDS:
             raise ValueError(f"learner.backend must be one of {LEARNER_BACKENDS}, got {self.backend!r}")
-        if self.world_size != 1:
-            raise ValueError(f"learner.world_size={self.world_size}: only 1 learner rank is supported so far")
+        if self.world_size < 1:
+            raise ValueError(f"learner.world_size must be >= 1, got {self.world_size}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"learner.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"learner.mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
         if not self.lr > 0:
             raise ValueError(f"learner.lr must be > 0, got {self.lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

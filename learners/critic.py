@@ -47,7 +47,8 @@ class ValueModel(nn.Module):
                                use_cache=False).last_hidden_state
         # A matmul with the head's single row, not Linear + squeeze: FSDP2 warns about (and can
         # mishandle) a root module returning a view.
-        return (hidden[:, :-1].float() @ self.value_head.weight[0] + self.value_head.bias[0]).float()
+        # float32 head math also under bf16 mixed precision (head parameters cast to bf16).
+        return hidden[:, :-1].float() @ self.value_head.weight[0].float() + self.value_head.bias[0].float()
 
 
 def copy_matching_parameters(src: Iterable[tuple[str, torch.Tensor]], dst: nn.Module, prefix: str = "") -> int:
@@ -70,11 +71,14 @@ def copy_matching_parameters(src: Iterable[tuple[str, torch.Tensor]], dst: nn.Mo
     for module in dst.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    targets = dict(dst.named_parameters())
+    # Activation checkpointing inserts a wrapper level into names, on either side or on both (a
+    # LoRA policy's merged weights come without it): match without it.
+    unwrap = lambda n: n.replace("_checkpoint_wrapped_module.", "")  # noqa: E731
+    targets = {unwrap(n): p for n, p in dst.named_parameters()}
     done: set[str] = set()
     with torch.no_grad():
         for name, tensor in src:
-            key = name[len(prefix):] if prefix and name.startswith(prefix) else name
+            key = unwrap(name[len(prefix):] if prefix and name.startswith(prefix) else name)
             if key not in targets:
                 continue
             if targets[key].shape != tensor.shape:
@@ -131,9 +135,10 @@ class FSDPCritic:
     def compute_values(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
         """Values ``[B, L-1]`` float32 of ``batch`` under the current critic (no grad)."""
         out = []
+        device = self.model.value_head.weight.device
         for start in range(0, len(batch), micro_batch_size):
-            mb = batch.select(slice(start, start + micro_batch_size))
-            out.append(self.model(mb.input_ids, mb.attention_mask, mb.position_ids))
+            mb = batch.select(slice(start, start + micro_batch_size)).to(device)
+            out.append(self.model(mb.input_ids, mb.attention_mask, mb.position_ids).cpu())
         return torch.cat(out)
 
     def backward(self, mb: TrainBatch, agg_mode: str, num_tokens, num_seqs, horizon,

@@ -20,6 +20,7 @@ computed from these (KL-in-reward and GAE need them), then ``train_step``:
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterator
 
 import torch
@@ -34,13 +35,39 @@ from async_rl.metrics import reduce_metrics
 from buffers.trajectory import TrainBatch
 from learners.base import LearnerConfig, clip_and_step
 from learners.batching import micro_batches_by_tokens, split_by_tokens
+from learners import lora
 from learners.critic import FSDPCritic, copy_matching_parameters
+from learners.spmd import collective
 
 
-def init_single_process_group() -> None:
-    """Create a world-size-1 gloo default group in-process (no rendezvous) if none exists."""
+def hf_name(name: str) -> str:
+    """A parameter's Hugging Face name: without the ``._checkpoint_wrapped_module`` level that
+    activation checkpointing inserts (state dicts drop it too, so engines and checkpoints see
+    the same names with and without it)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return name.replace(_CHECKPOINT_PREFIX, "")  # "layers.0._checkpoint_wrapped_module.mlp" -> "layers.0.mlp"
+
+
+def learner_device(cfg: LearnerConfig) -> torch.device:
+    """The learner's device type: ``learner.device``, with ``auto`` = CUDA when available."""
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("learner.device=cuda but torch sees no CUDA device")
+    return torch.device(cfg.device)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo for the CPU ones (normalisers,
+    micro-batch counts, the rank-0 command channel)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def init_single_process_group(backend: str = "gloo") -> None:
+    """Create a world-size-1 default group in-process (no rendezvous) if none exists."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -49,6 +76,33 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if not layers:
         raise ValueError(f"{type(model).__name__} declares no _no_split_modules: cannot find decoder layers to shard")
     return layers
+
+
+def _token_weighted_across_ranks(local: dict[str, torch.Tensor], per_mb: list[dict], weights: list[float],
+                                 skip: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Token-weighted means of per-micro-batch metrics over every rank's micro-batches.
+
+    ``local`` holds this rank's means (``reduce_metrics``); each key's weight is the tokens of
+    the micro-batches that report it. Ranks may report different keys (a rank without a real
+    micro-batch reports none), so the ``(sum, weight)`` pairs travel with ``all_gather_object``
+    (a few dozen floats per step). Keys in ``skip`` (already global, like gradient norms) are
+    left out.
+    """
+    pairs = {}
+    for key, mean in local.items():
+        if key in skip or mean.dim():
+            continue
+        w = sum(float(wt) for entry, wt in zip(per_mb, weights) if key in entry)
+        pairs[key] = (float(mean) * w if w else 0.0, w)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, pairs)
+    total: dict[str, list[float]] = {}
+    for rank_pairs in gathered:
+        for key, (s, w) in rank_pairs.items():
+            acc = total.setdefault(key, [0.0, 0.0])
+            acc[0] += s
+            acc[1] += w
+    return {k: torch.tensor(s / w if w else float("nan")) for k, (s, w) in total.items()}
 
 
 def lr_lambda(cfg: LearnerConfig, total_steps: int):
@@ -97,9 +151,17 @@ class FSDPLearner:
         self.cfg, self.algo, self.temperature = cfg, algo.apply_preset(), temperature
         self.total_optimizer_steps = total_optimizer_steps
         self.model_path = model_path
-        init_single_process_group()
+        # Set by learners.spmd.drive_followers on rank 0 of a launched multi-rank learner.
+        self._drives_followers, self._command_depth = False, 0
+        self.device = learner_device(cfg)
+        init_single_process_group(process_group_backend(self.device))
+        if self.device.type == "cuda":
+            # torchrun sets LOCAL_RANK; a Ray-placed rank sees only its own GPU (index 0).
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+            self.device = torch.device("cuda", torch.cuda.current_device())
         torch.manual_seed(cfg.seed)
-        self.mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        # fully_shard moves each module's parameters and buffers to the mesh's device.
+        self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         self.model = self._load_policy(model_path)
         self.policy_loss = POLICY_LOSSES.get(algo.policy_loss)
         self.ref_model: torch.nn.Module | None = None
@@ -113,17 +175,46 @@ class FSDPLearner:
         self.reset_optimizer()
 
     def _shard(self, module: torch.nn.Module, layers_of: torch.nn.Module | None = None) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        for layer in _decoder_layers(layers_of or module):
-            fully_shard(layer, mesh=self.mesh)
-        fully_shard(module, mesh=self.mesh)
+        layers = _decoder_layers(layers_of or module)
+        if self.cfg.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-    def _load_policy(self, path: str) -> torch.nn.Module:
+            # Non-reentrant checkpointing of each decoder layer, applied before sharding so
+            # FSDP2's all-gather hooks run again in the recomputed forward.
+            ids = {id(layer) for layer in layers}
+            apply_activation_checkpointing(module, check_fn=lambda m: id(m) in ids)
+            layers = _decoder_layers(layers_of or module)
+        if self._precision() == "bf16":
+            # Layers hand bf16 activations to each other; only the root's output (logits, values)
+            # is cast back to float32 for the log-softmax and the loss.
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            root_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                               output_dtype=torch.float32)
+        else:
+            policy = root_policy = MixedPrecisionPolicy()
+        if self.cfg.cpu_offload and self.mesh.device_type == "cpu":
+            raise ValueError("learner.cpu_offload=true needs a CUDA learner: on CPU the parameters, gradients "
+                             "and optimizer state already live in host memory")
+        offload = CPUOffloadPolicy() if self.cfg.cpu_offload else OffloadPolicy()
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
+        fully_shard(module, mesh=self.mesh, mp_policy=root_policy, offload_policy=offload)
+
+    def _precision(self) -> str:
+        if self.cfg.mixed_precision != "auto":
+            return self.cfg.mixed_precision
+        return "bf16" if self.mesh.device_type == "cuda" else "fp32"
+
+    def _load_policy(self, path: str, with_lora: bool = True) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.config.use_cache = False
+        if with_lora and self.cfg.lora.rank > 0:
+            # Before sharding, so each decoder layer's FSDP unit holds its adapters too.
+            model = lora.wrap(model, self.cfg.lora)
         self._shard(model)
         # Eval mode = no dropout (gradients still flow): the generator samples without dropout, so
         # dropout in the learner would make proximal and training log-probs noisy and the PPO ratio
@@ -135,10 +226,15 @@ class FSDPLearner:
                                       weight_decay=self.cfg.weight_decay)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg, self.total_optimizer_steps))
 
+    @collective
     def reset_optimizer(self, lr: float | None = None) -> None:
         """Fresh AdamW and LR schedule (after a supervised warm start, for example)."""
-        self.optimizer, self.scheduler = self._make_optimizer(self.model.parameters(), lr or self.cfg.lr)
+        # Only trainable parameters: with LoRA the frozen base would get no state, but AdamW
+        # would still walk it every step.
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = self._make_optimizer(params, lr or self.cfg.lr)
 
+    @collective
     def begin_rl(self) -> None:
         """Freeze the RL starting point: call once, after any warm start and before step 1.
 
@@ -148,17 +244,23 @@ class FSDPLearner:
         the current policy.
         """
         self.reset_optimizer()
-        if self.algo.needs_reference:
+        if self.algo.needs_reference and self.cfg.lora.rank > 0:
+            # The base model with adapters off while they are untrained, else a merged copy.
+            self.ref_model = lora.reference_policy(self.model, self.ref_model,
+                                                   lambda: self._load_policy(self.model_path, with_lora=False))
+        elif self.algo.needs_reference:
             if self.ref_model is None:
                 self.ref_model = self._load_policy(self.model_path)
             copy_matching_parameters(self.model.named_parameters(), self.ref_model)
             self.ref_model.eval().requires_grad_(False)
         if self.critic is not None and self.cfg.critic.model_path is None:
-            self.critic.load_backbone(self.model.named_parameters())
+            self.critic.load_backbone(lora.merged_named_weights(self.model).items() if self.cfg.lora.rank > 0
+                                      else self.model.named_parameters())
 
     # ------------------------------------------------------------------ forward passes
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mb = mb.to(self.device)
         logits = (model or self.model)(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                             position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
         labels = mb.input_ids[:, 1:]
@@ -175,18 +277,32 @@ class FSDPLearner:
             yield batch.select(slice(start, start + self.cfg.micro_batch_size))
 
     @torch.no_grad()
+    @collective
     def compute_logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Log-probs ``[B, L-1]`` float32 of the batch's labels under the current weights (or
-        ``model``'s); 0 beyond each micro-batch's trimmed width (padding)."""
+        ``model``'s); 0 beyond each micro-batch's trimmed width (padding).
+
+        On N ranks (each holding the whole batch) every rank computes only its token-balanced
+        share of the rows and one all-reduce assembles the result: each row is written by one
+        rank and the others add exact zeros, so the pass costs 1/N of the compute per rank.
+        """
         out = torch.zeros(batch.loss_mask.shape)
-        row = 0
-        for mb in self._micro_batches(batch):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        share = split_by_tokens(batch.attention_mask.sum(1).tolist(), world)[rank]
+        mine = batch.select(slice(share.start, share.stop))
+        for sl, real in self._micro_slices(mine, batch):
+            mb = (mine if real else batch).select(sl)
+            if self.cfg.max_tokens_per_micro_batch:
+                mb = mb.trimmed()
             lp = self._forward(mb, with_entropy=False, model=model)[0]
-            out[row : row + len(mb), : lp.shape[1]] = lp
-            row += len(mb)
+            if real:
+                out[share.start + sl.start : share.start + sl.start + len(mb), : lp.shape[1]] = lp
+        if world > 1:
+            dist.all_reduce(out)
         return out
 
     @torch.no_grad()
+    @collective
     def prepare(self, batch: TrainBatch) -> dict[str, float]:
         """No-grad passes that advantages and the loss need, stored in ``batch.extras``.
 
@@ -229,6 +345,7 @@ class FSDPLearner:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed + 7919 * self.version + epoch))
         return list(order.tensor_split(parts))
 
+    @collective
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Policy-gradient update(s) on one step's batch; see the module docstring.
 
@@ -275,8 +392,8 @@ class FSDPLearner:
                     dist.all_reduce(norms)
                     num_tokens, num_seqs = norms[0], norms[1]
                 for sl, real in self._micro_slices(mine, mini):
-                    mb = (mine if real else mini).select(sl)
-                    mb_prox = (mine_prox if real else mini_prox)[sl]
+                    mb = (mine if real else mini).select(sl).to(self.device)
+                    mb_prox = (mine_prox if real else mini_prox)[sl].to(self.device)
                     if not real:
                         # Padding micro-batch: FSDP's collectives need every rank to run as many
                         # passes; a zero loss mask makes it contribute nothing.
@@ -328,9 +445,12 @@ class FSDPLearner:
         # steps it took: staleness is counted in these versions, as in AReaL and PipelineRL.
         self.version += 1
         out = reduce_metrics(per_mb, weights)
+        if world > 1:
+            out.update(_token_weighted_across_ranks(out, per_mb, weights, skip=("actor/grad_norm", "critic/grad_norm")))
         out["actor/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
         num_steps = self.cfg.num_epochs * self.cfg.num_mini_batches
-        sums = torch.stack([torch.stack(pg_losses).sum(), torch.stack(vf_losses).sum() if vf_losses else torch.zeros(())])
+        sums = torch.stack([torch.stack(pg_losses).sum().cpu(),
+                            torch.stack(vf_losses).sum().cpu() if vf_losses else torch.zeros(())])
         if world > 1:
             # The losses are shares of one global normaliser: their sum over ranks is the loss.
             dist.all_reduce(sums)
@@ -354,6 +474,7 @@ class FSDPLearner:
             out += [(slice(0, 1), False)] * (int(count) - len(out))
         return out
 
+    @collective
     def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, torch.Tensor]:
         """One supervised step: token-mean negative log-likelihood of the loss-masked tokens.
 
@@ -365,42 +486,139 @@ class FSDPLearner:
         num_tokens, _ = count_normalizers(batch.loss_mask)
         loss_sum = torch.zeros(())
         for mb in self._micro_batches(batch):
+            mb = mb.to(self.device)
             logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                 position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
             nll = -logprobs_from_logits(logits, mb.input_ids[:, 1:], 1.0)
             loss = aggregate_loss(nll, mb.loss_mask, "token-mean", num_global_tokens=num_tokens,
                                   num_global_seqs=len(batch))
             loss.backward()
-            loss_sum += loss.detach()
+            loss_sum += loss.detach().cpu()
         # No scheduler step: the warm start's LR is constant and the RL schedule starts afterwards.
         grad_norm = clip_and_step(self.model.parameters(), self.optimizer, None, self.cfg.grad_clip)
         return {"sft/loss": loss_sum, "sft/grad_norm": grad_norm.detach()}
 
     # ------------------------------------------------------------------ weights out
+    @collective
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full parameters by Hugging Face name (tied ones once), gathered from the shards."""
+        """Full parameters by Hugging Face name (tied ones once), gathered from the shards; with
+        LoRA only the adapter matrices, under peft's adapter-file names (``learners.lora``)."""
+        if self.cfg.lora.rank > 0:
+            for name, tensor in lora.adapter_named_weights(self.model):
+                yield hf_name(name), tensor
+            return
         for name, param in self.model.named_parameters():
             data = param.detach()
-            yield name, data.full_tensor() if hasattr(data, "full_tensor") else data
+            yield hf_name(name), data.full_tensor() if hasattr(data, "full_tensor") else data
 
     def weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, full shape)`` of what ``named_weights`` yields, in order, without
         gathering (a DTensor's shape is the global one)."""
-        return [(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+        if self.cfg.lora.rank > 0:
+            return [(hf_name(n), d, s) for n, d, s in lora.adapter_metadata(self.model)]
+        return [(hf_name(n), p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
 
     def weight_aliases(self) -> dict[str, str]:
         """``{tied name: name sent}`` for parameters ``named_weights`` yields once under another
         name (tied embeddings: ``{"lm_head.weight": "model.embed_tokens.weight"}``)."""
         from async_rl.weight_sync import tied_aliases
 
-        return tied_aliases(self.model)
+        if self.cfg.lora.rank > 0:
+            return {}
+        return {hf_name(k): hf_name(v) for k, v in tied_aliases(self.model).items()}
 
+    @collective
     def export_hf(self, out_dir: str, tokenizer=None) -> None:
-        """Write the current policy as a Hugging Face directory (safetensors) to ``out_dir``."""
+        """Write the current policy as a Hugging Face directory (safetensors) to ``out_dir``; with
+        LoRA a plain model with the adapters merged in, plus the adapter under ``out_dir/adapter``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self.cfg.lora.rank > 0:
+            lora.export_merged(self.model, self.cfg.lora, out_dir, tokenizer, self.model_path)
+            return
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist.get_rank() == 0:
             self.model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.critic is not None:
+            state["critic_model"], state["critic_optim"] = get_state_dict(self.critic.model, self.critic.optimizer)
+        if isinstance(self.ref_model, torch.nn.Module):  # a LoRA AdapterDisabled reference has no state of its own
+            state["ref_model"] = get_model_state_dict(self.ref_model)
+        return state
+
+    @collective
+    def save_checkpoint(self, path: str) -> None:
+        """Write the learner's whole training state under directory ``path`` (every rank).
+
+        Sharded with ``torch.distributed.checkpoint`` (each rank writes its own shards, no
+        gather): policy weights and AdamW state, the critic's weights and optimizer state, the
+        frozen reference policy; plus ``learner_state.pt`` (rank 0) with the policy version and
+        the LR schedulers' positions. ``load_checkpoint`` restores it on any world size.
+        """
+        import os
+
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._checkpoint_state(), checkpoint_id=path)
+        if dist.get_rank() == 0:
+            meta = {"version": self.version, "scheduler": self.scheduler.state_dict(),
+                    "critic_scheduler": self.critic.scheduler.state_dict() if self.critic is not None else None,
+                    "has_ref": self.ref_model is not None,
+                    "ref_adapters_off": isinstance(self.ref_model, lora.AdapterDisabled)}
+            torch.save(meta, os.path.join(path, "learner_state.pt"))
+        dist.barrier()
+
+    @collective
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote (instead of ``begin_rl``: the reference policy,
+        optimizer and schedules come from the checkpoint).
+
+        Raises:
+            FileNotFoundError: ``path`` holds no learner checkpoint.
+            ValueError: the checkpoint's contents do not fit this learner (a critic or reference
+                policy on one side only; parameter names or shapes differ).
+        """
+        import os
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        meta_path = os.path.join(path, "learner_state.pt")
+        if not os.path.exists(meta_path):
+            raise FileNotFoundError(f"{path}: no learner checkpoint (learner_state.pt is missing)")
+        meta = torch.load(meta_path, weights_only=False)
+        if (meta["critic_scheduler"] is not None) != (self.critic is not None):
+            raise ValueError(f"{path}: the checkpoint {'has' if meta['critic_scheduler'] is not None else 'has no'} "
+                             "critic but this run's algorithm "
+                             f"{'needs' if self.critic is not None else 'does not use'} one")
+        if self.algo.needs_reference and not meta["has_ref"]:
+            raise ValueError(f"{path}: the checkpoint has no reference policy but this run's KL term needs one")
+        if meta.get("ref_adapters_off"):
+            self.ref_model = lora.AdapterDisabled(self.model)
+        elif meta["has_ref"] and not isinstance(self.ref_model, torch.nn.Module):
+            self.ref_model = self._load_policy(self.model_path, with_lora=False).requires_grad_(False)
+        state = self._checkpoint_state()
+        if not meta["has_ref"]:
+            state.pop("ref_model", None)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except Exception as e:  # DCP reports missing keys / size mismatches as CheckpointException
+            raise ValueError(f"{path}: the learner checkpoint does not fit this model: {e}") from e
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.critic is not None:
+            set_state_dict(self.critic.model, self.critic.optimizer, model_state_dict=state["critic_model"],
+                           optim_state_dict=state["critic_optim"])
+            self.critic.scheduler.load_state_dict(meta["critic_scheduler"])
+        if "ref_model" in state:
+            set_model_state_dict(self.ref_model, state["ref_model"])
+            self.ref_model.eval().requires_grad_(False)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.version = int(meta["version"])

@@ -57,6 +57,59 @@ ARITHMETIC_SPEC: dict[str, Any] = {
 
 ARITHMETIC_DATA_SOURCE = "async_rl/arithmetic"
 
+# The tool-use variant: the same architecture, a longer context, and a Qwen2.5-style (Hermes)
+# chat template that renders tool schemas, assistant tool calls and tool responses.
+TINY_QWEN2_TOOLS_SPEC: dict[str, Any] = {**TINY_QWEN2_SPEC, "max_position_embeddings": 512, "variant": "tools"}
+
+CALC_SPEC: dict[str, Any] = {
+    "min_operand": 11,
+    "max_operand": 49,
+    "max_addend": 99,
+    "num_train": 2000,
+    "num_test": 100,
+    "seed": 0,
+}
+
+CALC_DATA_SOURCE = "async_rl/calc"
+
+# Qwen2.5's tool layout, compact enough for a 512-token model: the system block lists each tool
+# as name(parameters); an assistant tool call is a <tool_call> block holding
+# {"name": ..., "arguments": {...}}; consecutive tool responses share one user turn, each in a
+# <tool_response> block. Prefix-stable: rendering more messages never changes earlier tokens.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n# Tools\n' }}"
+    "{%- for tool in tools %}{%- set f = tool.function if tool.function is defined else tool %}"
+    "{{- f.name + '(' + (f.parameters.properties.keys() | list | join(', ')) + ')\n' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for tc in message.tool_calls or [] %}{%- set f = tc.function if tc.function is defined else tc %}"
+    "{%- if message.content or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": \"' + f.name + '\", \"arguments\": ' "
+    "+ (f.arguments if f.arguments is string else (f.arguments | tojson)) + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# Single tokens for the tool-call markup, as a trained BPE would merge them.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "tool", "calculator",
+               "expression", '"name": "', '", "arguments": {"', '": "']
+# The template and tokens are part of the artefact's identity: a change rebuilds it.
+TINY_QWEN2_TOOLS_SPEC["template_sha"] = hashlib.sha256(
+    json.dumps([TOOLS_CHAT_TEMPLATE, TOOL_TOKENS]).encode()).hexdigest()[:12]
+
 # ChatML, the layout of Qwen2 chat templates: generation stops at <|im_end|>.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -100,12 +153,13 @@ def _build_cached(name: str, spec: dict[str, Any], build) -> Path:
     return target
 
 
-def build_tokenizer(out_dir: Path):
+def build_tokenizer(out_dir: Path, tools: bool = False):
     """Write a byte-level BPE tokenizer with ChatML special tokens to ``out_dir``.
 
     Vocabulary: the 256 byte symbols, three special tokens (``<|endoftext|>`` = pad,
     ``<|im_start|>``, ``<|im_end|>`` = EOS) and the role names as single tokens; no merges, so
-    any UTF-8 text round-trips exactly.
+    any UTF-8 text round-trips exactly. With ``tools``: also the tool-call markup as single
+    (non-special) tokens and the tool-aware chat template ``TOOLS_CHAT_TEMPLATE``.
 
     Returns:
         The ``transformers.PreTrainedTokenizerFast`` that was saved.
@@ -118,7 +172,7 @@ def build_tokenizer(out_dir: Path):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_tokens(ROLE_TOKENS)
+    tok.add_tokens(ROLE_TOKENS + (TOOL_TOKENS if tools else []))
     tok.add_special_tokens(SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -126,21 +180,22 @@ def build_tokenizer(out_dir: Path):
         pad_token="<|endoftext|>",
         bos_token=None,
         unk_token=None,
-        model_max_length=TINY_QWEN2_SPEC["max_position_embeddings"],
+        model_max_length=(TINY_QWEN2_TOOLS_SPEC if tools else TINY_QWEN2_SPEC)["max_position_embeddings"],
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
     )
     fast.save_pretrained(out_dir)
     return fast
 
 
-def _build_tiny_qwen2(out_dir: Path) -> None:
+def _build_tiny_qwen2(out_dir: Path, spec: dict[str, Any] = TINY_QWEN2_SPEC) -> None:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    spec = dict(TINY_QWEN2_SPEC)
+    spec = dict(spec)
     seed = spec.pop("seed")
-    tokenizer = build_tokenizer(out_dir)
+    spec.pop("template_sha", None)
+    tokenizer = build_tokenizer(out_dir, tools=spec.pop("variant", None) == "tools")
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         bos_token_id=None,
@@ -197,9 +252,63 @@ def _build_arithmetic(out_dir: Path) -> None:
         pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{split}.parquet")
 
 
+def calc_problem(rng: random.Random, spec: dict[str, Any] = CALC_SPEC) -> tuple[str, int]:
+    """One two-step problem ``a*b+c`` or ``a*b-c`` and its value (too hard for the tiny model to
+    compute itself, easy with the calculator)."""
+    a = rng.randint(spec["min_operand"], spec["max_operand"])
+    b = rng.randint(spec["min_operand"], spec["max_operand"])
+    c = rng.randint(1, spec["max_addend"])
+    op = rng.choice("+-")
+    return f"{a}*{b}{op}{c}", a * b + c if op == "+" else a * b - c
+
+
+def make_calc_row(expression: str, value: int, split: str, index: int) -> dict[str, Any]:
+    """One verl-layout row of the calculator task, with a tool-use demonstration.
+
+    ``prompt`` is ``[{"role": "user", "content": "23*17+45="}]``; ``extra_info.answer`` is the
+    value and ``extra_info.demonstration`` the conversation that solves it with the calculator
+    (assistant tool call, tool response, assistant answer), used by the supervised warm start.
+    """
+    answer = str(value)
+    return {
+        "prompt": [{"role": "user", "content": f"{expression}="}],
+        "data_source": CALC_DATA_SOURCE,
+        "ability": "tool-use",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer, "demonstration": [
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}]},
+            {"role": "tool", "name": "calculator", "content": answer},
+            {"role": "assistant", "content": answer},
+        ]},
+    }
+
+
+def _build_calc(out_dir: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = CALC_SPEC
+    rng = random.Random(spec["seed"])
+    problems: dict[str, int] = {}
+    while len(problems) < spec["num_train"] + spec["num_test"]:
+        expression, value = calc_problem(rng, spec)
+        problems.setdefault(expression, value)
+    items = list(problems.items())
+    splits = {"test": items[: spec["num_test"]], "train": items[spec["num_test"] :]}
+    for split, split_items in splits.items():
+        rows = [make_calc_row(e, v, split, i) for i, (e, v) in enumerate(split_items)]
+        # The demonstration's heterogeneous messages are stored as JSON text in parquet.
+        for row in rows:
+            row["extra_info"]["demonstration"] = json.dumps(row["extra_info"]["demonstration"])
+        pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{split}.parquet")
+
+
 _BUILDERS = {
     "tiny-qwen2": (TINY_QWEN2_SPEC, _build_tiny_qwen2),
+    "tiny-qwen2-tools": (TINY_QWEN2_TOOLS_SPEC, lambda out: _build_tiny_qwen2(out, TINY_QWEN2_TOOLS_SPEC)),
     "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
+    "calc": (CALC_SPEC, _build_calc),
 }
 
 

@@ -135,9 +135,9 @@ def validate_row(row: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: 'extra_info' must be a mapping, got {type(extra).__name__}")
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template with the generation prompt."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
     # transformers >= 5 returns a BatchEncoding here; older versions a plain list.
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
@@ -152,20 +152,22 @@ class PromptDataset:
         seed: seed of the per-epoch permutation.
         shuffle: permute each epoch (else file order).
         limit: keep at most this many accepted prompts (0 = all).
+        tools: tool schemas rendered into each prompt by the chat template (multi-turn tool
+            use); their tokens count towards ``max_prompt_tokens``.
 
     Raises:
         ValueError: a malformed row (names the file and row), or no prompt left after filtering.
     """
 
     def __init__(self, files: list[str], tokenizer, max_prompt_tokens: int, seed: int = 0,
-                 shuffle: bool = True, limit: int = 0) -> None:
+                 shuffle: bool = True, limit: int = 0, tools: list[dict] | None = None) -> None:
         self.prompts: list[Prompt] = []
         self.num_rejected_too_long = 0
         for file in files:
             for i, row in enumerate(read_rows(file)):
                 where = f"{file}: row {i} (0-based)"
                 validate_row(row, where)
-                ids = render_prompt(tokenizer, row["prompt"])
+                ids = render_prompt(tokenizer, row["prompt"], tools)
                 if len(ids) > max_prompt_tokens:
                     self.num_rejected_too_long += 1
                     logger.warning("%s: prompt of %d tokens exceeds data.max_prompt_tokens=%d; rejected",

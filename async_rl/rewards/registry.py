@@ -118,6 +118,7 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 DATA_SOURCE_REWARDS: dict[str, str] = {
     "async_rl/arithmetic": "arithmetic",
+    "async_rl/calc": "arithmetic",
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "math",
     "DigitalLearningGmbH/MATH-lighteval": "math",

@@ -1,0 +1,65 @@
+"""Tools for agentic multi-turn rollouts: definitions, a registry, parsers and an executor.
+
+- ``Tool`` / ``@tool``: a function plus its JSON schema (derived from type hints by ``@tool``).
+- ``ToolRegistry``: name -> Tool; ``from_specs(["calculator", "python", "pkg.mod:attr",
+  "file.py:attr"])``; ``schemas()`` for ``tokenizer.apply_chat_template(..., tools=...)``.
+- ``get_parser("hermes")``: finds ``ToolCall`` s in generated text (``parse(text) ->
+  (content, calls)``).
+- ``ToolExecutor(registry).execute(calls) -> list[ToolResult]``: runs calls concurrently with
+  per-tool timeouts; every fault becomes an ``Error: ...`` observation and a counter
+  (``pop_counts()`` -> ``tools/calls``, ``tools/ok``, ``tools/error_<kind>``).
+- Built-ins: ``calculator_tool`` (safe arithmetic, no eval) and ``python_tool`` /
+  ``make_python_tool(...)`` (a subprocess with CPU, memory, wall-clock and output limits and no
+  network).
+
+One agent turn::
+
+    parser, executor = get_parser("hermes"), ToolExecutor(ToolRegistry.from_specs(["calculator"]))
+    content, calls = parser.parse(assistant_text)
+    results = executor.execute(calls)
+    messages += [{"role": "tool", "content": r.content} for r in results]
+"""
+
+from async_rl.tools.base import (
+    BUILTIN_TOOLS,
+    ERROR_KINDS,
+    Tool,
+    ToolCall,
+    ToolExecutor,
+    ToolRegistry,
+    ToolResult,
+    load_tools,
+    tool,
+)
+from async_rl.tools.calculator import calculator_tool, evaluate
+from async_rl.tools.parsers import (
+    PARSERS,
+    HermesParser,
+    Llama3JsonParser,
+    ToolCallParser,
+    get_parser,
+)
+from async_rl.tools.python_exec import make_python_tool, network_isolation, python_tool, run_python
+
+__all__ = [
+    "BUILTIN_TOOLS",
+    "ERROR_KINDS",
+    "PARSERS",
+    "HermesParser",
+    "Llama3JsonParser",
+    "Tool",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolExecutor",
+    "ToolRegistry",
+    "ToolResult",
+    "calculator_tool",
+    "evaluate",
+    "get_parser",
+    "load_tools",
+    "make_python_tool",
+    "network_isolation",
+    "python_tool",
+    "run_python",
+    "tool",
+]

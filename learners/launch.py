@@ -1,0 +1,192 @@
+"""Start the learner on ``learner.world_size`` ranks; rank 0 is the calling (trainer) process.
+
+* ``world_size == 1``: an in-process gloo group of one (no rendezvous, no free port needed).
+* Ray placement (default for ``world_size > 1``): ranks 1..N-1 are Ray actors. Rank 0 picks a
+  free TCP port, the actors and rank 0 join one gloo group through a ``tcp://`` rendezvous, each
+  builds the same ``FSDPLearner`` (same weights, same seed), and the actors then serve rank 0's
+  collective calls (``learners.spmd``). Ray kills the actors when the driver exits, so a crashed
+  trainer leaves no rank behind.
+* torchrun: ``torchrun --nproc-per-node N -m async_rl.cli train --config ...`` starts N copies;
+  rank 0 (``RANK=0``) runs the trainer, the others only the learner (``follow_from_env``), all on
+  the ``env://`` group torchrun sets up. ``learner.world_size`` must equal ``WORLD_SIZE``.
+
+Threads: on CPU each follower uses ``learner.num_threads`` threads, or the cores divided by the
+world size; oversubscribed torch processes slow each other down many-fold.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from learners.base import LearnerConfig
+
+logger = logging.getLogger(__name__)
+
+PG_TIMEOUT = datetime.timedelta(minutes=30)
+"""Collective timeout of the learner group (a rank stuck longer than this fails the run)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one of several started by torchrun (``WORLD_SIZE`` > 1 in the env)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def _follower_threads(cfg: LearnerConfig) -> int:
+    return cfg.num_threads or max(1, (os.cpu_count() or 1) // cfg.world_size)
+
+
+class LearnerRank:
+    """A follower rank (1..N-1) of the learner: joins the group, builds the learner, serves rank 0.
+
+    Args:
+        rank, world_size: this rank and the group size.
+        init_method: ``tcp://host:port`` rendezvous of the group.
+        learner_args: ``(cfg, algo, model_path, temperature, total_optimizer_steps)`` for
+            ``FSDPLearner``.
+    """
+
+    def __init__(self, rank: int, world_size: int, init_method: str, learner_args: tuple) -> None:
+        self.rank, self.world_size, self.init_method, self.learner_args = rank, world_size, init_method, learner_args
+
+    def run(self) -> int:
+        """Join, build, serve until rank 0 stops us; returns the number of calls served."""
+        from learners.fsdp import FSDPLearner
+        from learners.spmd import serve_commands
+
+        from learners.fsdp import learner_device, process_group_backend
+
+        torch.set_num_threads(_follower_threads(self.learner_args[0]))
+        backend = process_group_backend(learner_device(self.learner_args[0]))
+        dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
+                                world_size=self.world_size, timeout=PG_TIMEOUT)
+        try:
+            return serve_commands(FSDPLearner(*self.learner_args))
+        finally:
+            dist.destroy_process_group()
+
+
+class LearnerHandle:
+    """What ``launch_learner`` keeps besides the rank-0 learner: the follower actors and their run
+    refs; ``close`` stops the followers and tears the group down."""
+
+    def __init__(self, learner, actors: list, refs: list, started_ray: bool) -> None:
+        self.learner, self.actors, self.refs, self.started_ray = learner, actors, refs, started_ray
+
+    def close(self) -> None:
+        """Release the followers, wait for them (60 s), destroy the group; safe to call twice."""
+        from learners.spmd import stop_followers
+
+        if self.learner is None:
+            return
+        learner, self.learner = self.learner, None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            try:
+                stop_followers(learner)
+            except Exception as e:  # a broken group: the followers are killed below
+                logger.warning("stopping the learner ranks: %s", e)
+        if self.refs:
+            import ray
+
+            try:
+                ray.get(self.refs, timeout=60)
+            except Exception as e:
+                logger.warning("learner rank shutdown: %s", e)
+            for actor in self.actors:
+                ray.kill(actor)
+            if self.started_ray:
+                ray.shutdown()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from learners.spmd import forget_command_group
+
+            dist.destroy_process_group()
+            forget_command_group()
+
+
+def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float,
+                   total_optimizer_steps: int):
+    """Build the learner on ``cfg.world_size`` ranks; returns ``(rank-0 learner, LearnerHandle)``.
+
+    Raises:
+        ValueError: under torchrun, ``learner.world_size`` differs from ``WORLD_SIZE``.
+        RuntimeError: a follower rank failed to start (its error is chained).
+    """
+    from learners.fsdp import FSDPLearner, learner_device, process_group_backend
+    from learners.spmd import drive_followers
+
+    args = (cfg, algo, model_path, temperature, total_optimizer_steps)
+    device = learner_device(cfg)
+    backend = process_group_backend(device)
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != cfg.world_size:
+            raise ValueError(f"torchrun started {world} processes but learner.world_size={cfg.world_size}")
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method="env://", timeout=PG_TIMEOUT)
+        learner = FSDPLearner(*args)
+        drive_followers(learner)
+        return learner, LearnerHandle(learner, [], [], False)
+    if cfg.world_size == 1:
+        learner = FSDPLearner(*args)
+        return learner, LearnerHandle(learner, [], [], False)
+    import ray
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
+                 _node_ip_address="127.0.0.1", configure_logging=False)
+    host = "127.0.0.1" if started_ray else ray.util.get_node_ip_address()
+    init_method = f"tcp://{host}:{_free_port()}"
+    # num_cpus=0: the thread budget above, not Ray's CPU accounting, shares the cores; on CUDA each
+    # follower asks Ray for one GPU (Ray sets its CUDA_VISIBLE_DEVICES).
+    actor_cls = ray.remote(num_cpus=0, num_gpus=1 if device.type == "cuda" else 0)(LearnerRank)
+    actors = [actor_cls.remote(r, cfg.world_size, init_method, args) for r in range(1, cfg.world_size)]
+    refs = [a.run.remote() for a in actors]
+    if dist.is_initialized():
+        # A world-size-1 group left by an earlier run in this process (tests, notebooks).
+        dist.destroy_process_group()
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=0, world_size=cfg.world_size,
+                                timeout=PG_TIMEOUT)
+        learner = FSDPLearner(*args)
+    except Exception as e:
+        done, _ = ray.wait(refs, timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as follower_error:
+                raise RuntimeError(f"a learner rank failed to start: {follower_error}") from e
+        raise
+    drive_followers(learner)
+    return learner, LearnerHandle(learner, actors, refs, started_ray)
+
+
+def follow_from_env(cfg: LearnerConfig, algo, model_path: str, temperature: float,
+                    total_optimizer_steps: int) -> int:
+    """torchrun ranks 1..N-1: join the ``env://`` group, build the learner, serve rank 0.
+
+    Returns:
+        The number of calls served.
+    """
+    from learners.fsdp import FSDPLearner
+    from learners.spmd import serve_commands
+
+    from learners.fsdp import learner_device, process_group_backend
+
+    torch.set_num_threads(_follower_threads(cfg))
+    dist.init_process_group(process_group_backend(learner_device(cfg)), init_method="env://", timeout=PG_TIMEOUT)
+    try:
+        return serve_commands(FSDPLearner(cfg, algo, model_path, temperature, total_optimizer_steps))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,117 @@
+"""Rank 0 drives the other learner ranks: each collective learner call runs on every rank.
+
+The trainer (controller, generators, weight publisher) lives in one process, learner rank 0. The
+FSDP2 learner's passes are collectives (parameter all-gathers, gradient reduce-scatters,
+normaliser all-reduces, DCP saves), so every rank must make the same calls in the same order.
+Instead of running the whole trainer on every rank (torchrun style, with data fanned out from
+rank 0), rank 0 forwards each collective call: a method marked ``@collective`` first broadcasts
+``(method name, args, kwargs)`` over the learner's process group, then runs; ranks 1..N-1 sit in
+``serve_commands``, receive the same call and make it with the same arguments (a whole
+``TrainBatch`` travels pickled inside the broadcast). Return values of followers are dropped:
+every metric a learner returns is already reduced across ranks.
+
+A call made from inside another collective call (``train_step`` computing proximal log-probs
+itself, for example) is not forwarded again: the followers make the nested call themselves.
+Generator methods (``named_weights``) are drained to the end on followers; rank 0's caller must
+drain them too (the weight publisher does), or the ranks' all-gathers fall out of step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_STOP = "__stop__"
+
+COMMAND_TIMEOUT = datetime.timedelta(days=30)
+"""Followers wait for the next call on a group of their own with this timeout: rank 0 may
+generate or evaluate for longer than any collective's timeout between two learner calls."""
+
+_command_group = None
+
+
+def _commands():
+    """The gloo group commands travel on (created on first use, by every rank in the same order)."""
+    global _command_group
+    if _command_group is None:
+        _command_group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    return _command_group
+
+
+def collective(method: Callable) -> Callable:
+    """Mark a learner method that every rank must call: on a driving rank 0 it is broadcast first.
+
+    The instance must have ``_drives_followers`` (bool) and ``_command_depth`` (int)
+    attributes; ``_drives_followers`` is set by ``drive_followers``.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        outermost = self._command_depth == 0
+        if outermost and self._drives_followers:
+            dist.broadcast_object_list([(method.__name__, args, kwargs)], src=0, group=_commands())
+        self._command_depth += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._command_depth -= 1
+
+    wrapper.is_collective = True
+    return wrapper
+
+
+def drive_followers(learner) -> None:
+    """Make ``learner`` (rank 0 of a group of more than one rank) forward its collective calls."""
+    if dist.get_rank() != 0:
+        raise RuntimeError("only rank 0 drives the other learner ranks")
+    learner._drives_followers = dist.get_world_size() > 1
+    if learner._drives_followers:
+        _commands()
+
+
+def stop_followers(learner) -> None:
+    """Release the followers from ``serve_commands`` (call once, on rank 0, at shutdown)."""
+    if getattr(learner, "_drives_followers", False):
+        learner._drives_followers = False
+        dist.broadcast_object_list([(_STOP, (), {})], src=0, group=_commands())
+
+
+def serve_commands(learner) -> int:
+    """Follower loop (ranks 1..N-1): make every collective call rank 0 makes, until it stops us.
+
+    Returns:
+        The number of calls served.
+
+    Raises:
+        RuntimeError: rank 0 asked for a method that is not marked ``@collective`` (the two
+            sides run different code versions); any exception of a call is raised here too
+            (rank 0 sees the same failure, or a broken process group).
+    """
+    served = 0
+    group = _commands()
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        name, args, kwargs = box[0]
+        if name == _STOP:
+            return served
+        method = getattr(learner, name, None)
+        if not getattr(method, "is_collective", False):
+            raise RuntimeError(f"rank 0 asked for {name!r}, which is not a collective learner method")
+        result = method(*args, **kwargs)
+        if hasattr(result, "__next__"):
+            for _ in result:  # keep the all-gathers in step with rank 0's consumer
+                pass
+        served += 1
+
+
+def forget_command_group() -> None:
+    """Drop the cached command group (after ``dist.destroy_process_group``, before a new run)."""
+    global _command_group
+    _command_group = None

@@ -1,0 +1,191 @@
+"""The multi-turn agent loop: token-in/token-out equality with the chat template, faults as
+observations, aligned per-token lists, turn and token limits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from async_rl.agent import AgentConfig, AgentLoop, demonstration_ids, render_ids, tool_turn_ids
+from generators.base import Sample, SamplingParams
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                                        "required": ["expression"]}}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from async_rl.data.builtin import resolve
+
+    return AutoTokenizer.from_pretrained(resolve("builtin:tiny-qwen2-tools"))
+
+
+def _call(expression: str) -> dict:
+    return {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+
+
+CONVERSATION = [
+    {"role": "assistant", "content": "", "tool_calls": [_call("12*3"), _call("7+5")]},  # two calls in one turn
+    {"role": "tool", "name": "calculator", "content": "36"},
+    {"role": "tool", "name": "calculator", "content": "12"},
+    {"role": "assistant", "content": "Then", "tool_calls": [_call("36+12")]},
+    {"role": "tool", "name": "calculator", "content": "48"},
+    {"role": "assistant", "content": "48"},
+]
+PROMPT = [{"role": "user", "content": "12*3+7+5="}]
+
+
+def _whole(tok, messages, tools=(CALC,)) -> list[int]:
+    """The template's rendering of the whole conversation, up to the last end-of-turn token."""
+    ids = render_ids(tok, messages, list(tools), add_generation_prompt=False)
+    return ids[: max(i for i, t in enumerate(ids) if t == tok.eos_token_id) + 1]
+
+
+def test_incremental_ids_equal_the_whole_template(tok):
+    prompt = render_ids(tok, PROMPT, [CALC], add_generation_prompt=True)
+    ids, mask = demonstration_ids(tok, PROMPT, CONVERSATION, [CALC], [tok.eos_token_id])
+    assert prompt + ids == _whole(tok, PROMPT + CONVERSATION)
+    assert len(ids) == len(mask)
+    # Assistant turns are trained, tool turns (responses and template glue) are not.
+    text_of = lambda value: tok.decode([t for t, m in zip(ids, mask) if m == value])  # noqa: E731
+    assert "<tool_response>" in text_of(0) and "36" in text_of(0) and "<|im_start|>assistant" in text_of(0)
+    assert "<tool_response>" not in text_of(1) and text_of(1).count("<tool_call>") == 3
+
+
+def test_no_double_bos(tok):
+    """A template that starts with BOS: the appended tool turns never repeat it."""
+    tok = tok.__class__.from_pretrained(tok.name_or_path)
+    tok.bos_token = "<|endoftext|>"
+    tok.chat_template = "{{- bos_token }}" + tok.chat_template
+    prompt = render_ids(tok, PROMPT, [CALC], add_generation_prompt=True)
+    ids, _ = demonstration_ids(tok, PROMPT, CONVERSATION, [CALC], [tok.eos_token_id])
+    full = prompt + ids
+    assert full == _whole(tok, PROMPT + CONVERSATION)
+    assert full.count(tok.bos_token_id) == 1 and full[0] == tok.bos_token_id
+
+
+def test_prefix_unstable_template_is_refused(tok):
+    tok = tok.__class__.from_pretrained(tok.name_or_path)
+    # Renders the number of messages up front: every added message changes the first tokens.
+    tok.chat_template = "{{- messages | length }}" + tok.chat_template
+    with pytest.raises(ValueError, match="prefix-stable"):
+        tool_turn_ids(tok, PROMPT + CONVERSATION[:1], CONVERSATION[1:3], [CALC], [tok.eos_token_id])
+
+
+class ScriptedGenerator:
+    """A generator whose assistant turns are scripted per user message (turn k of the
+    conversation returns ``script[user][k]``), with fixed log-probs and versions."""
+
+    def __init__(self, tok, scripts: dict[str, list[str]], version: int = 3):
+        self.tok, self.scripts, self.version, self.calls = tok, scripts, version, []
+
+    def generate(self, prompts, n, params, seeds=None):
+        out = []
+        for ids in prompts:
+            text = self.tok.decode(ids)
+            user = next(u for u in self.scripts if f"user\n{u}<|im_end|>" in text)
+            turn = text.count("<|im_start|>assistant") - 1
+            reply = self.tok(self.scripts[user][turn], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            reply = reply[: params.max_tokens]
+            stop = reply[-1] == self.tok.eos_token_id
+            self.calls.append((user, turn, len(ids)))
+            out.append([Sample(reply, [-0.25] * len(reply), "stop" if stop else "length", [self.version] * len(reply))])
+        return out
+
+
+def _turn_text(message) -> str:
+    """What the template renders for an assistant message (after the generation prompt)."""
+    calls = "".join(("\n" if message.get("content") or k else "") + "<tool_call>\n" + json.dumps(
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}) + "\n</tool_call>"
+        for k, c in enumerate(message.get("tool_calls", [])))
+    return (message.get("content") or "") + calls
+
+
+def _loop(tok, tools, **cfg):
+    from async_rl.tools import ToolRegistry
+
+    registry = ToolRegistry()
+    for t in tools:
+        registry.register(t)
+    return AgentLoop(AgentConfig(tools=["calculator"], **cfg), tok, [tok.eos_token_id], registry=registry)
+
+
+def _params(max_tokens=64):
+    return SamplingParams(max_tokens=max_tokens, stop_token_ids=(0,))
+
+
+def test_rollout_ids_equal_the_template_and_lists_stay_aligned(tok):
+    from async_rl.tools import calculator_tool as calculator
+
+    loop = _loop(tok, [calculator])
+    script = [_turn_text(m) for m in CONVERSATION if m["role"] == "assistant"]
+    gen = ScriptedGenerator(tok, {PROMPT[0]["content"]: script})
+    prompt = loop.prompt_ids(PROMPT)
+    (conv,), = loop.run(gen, [(prompt, PROMPT)], 1, _params(), seeds=[7])
+    assert conv.finish_reason == "stop" and conv.num_turns == 3 and conv.num_tool_calls == 3
+    assert conv.final_text == "48"
+    assert prompt + conv.response_ids == _whole(tok, PROMPT + CONVERSATION)
+    assert len(conv.response_ids) == len(conv.logprobs) == len(conv.loss_mask) == len(conv.policy_version)
+    # Generated tokens keep the engine's log-probs; tool tokens have 0 and mask 0.
+    assert all((m == 1) == (lp == -0.25) for m, lp in zip(conv.loss_mask, conv.logprobs))
+    assert set(conv.policy_version) == {3}
+    # The tool really ran: its output is what the template shows as the response.
+    assert conv.messages[2]["content"] == "36" and conv.messages[3]["content"] == "12"
+
+
+@pytest.mark.parametrize("arguments,called_with", [
+    ('{"a": 1', None),       # truncated JSON: an error observation, the tool is not called
+    ("[1, 2]", None),        # not an object
+    ("", {}),                # empty: called with no arguments
+    ('{"a": 1}', {"a": 1}),  # well-formed
+])
+def test_tool_call_argument_strings(tok, arguments, called_with):
+    from async_rl.tools import tool
+
+    seen = []
+
+    @tool(name="record", parameters={"type": "object", "properties": {"a": {"type": "integer"}}})
+    def record(**kwargs):
+        seen.append(kwargs)
+        return "recorded"
+
+    loop = _loop(tok, [record])
+    call = '<tool_call>\n{"name": "record", "arguments": ' + json.dumps(arguments) + "}\n</tool_call>"
+    gen = ScriptedGenerator(tok, {"q": [call, "done"]})
+    (conv,), = loop.run(gen, [(loop.prompt_ids([{"role": "user", "content": "q"}]), [{"role": "user", "content": "q"}])],
+                        1, _params(), seeds=[1])
+    assert seen == ([] if called_with is None else [called_with])
+    # The rollout continued in every case: the model saw the tool turn and answered.
+    assert conv.num_turns == 2 and conv.finish_reason == "stop" and conv.final_text == "done"
+    tool_text = conv.messages[-2]["content"]
+    assert (tool_text == "recorded") == (called_with is not None)
+    assert conv.num_tool_errors == (called_with is None)
+    metrics = loop.pop_metrics()
+    assert metrics["tools/calls"] == 1
+
+
+def test_turn_and_token_limits(tok):
+    from async_rl.tools import calculator_tool as calculator
+
+    loop = _loop(tok, [calculator], max_turns=2)
+    again = _turn_text({"content": "", "tool_calls": [_call("1+1")]})
+    gen = ScriptedGenerator(tok, {"loop": [again] * 5})
+    msgs = [{"role": "user", "content": "loop"}]
+    (conv,), = loop.run(gen, [(loop.prompt_ids(msgs), msgs)], 1, _params(), seeds=[1])
+    assert conv.finish_reason == "max_turns" and conv.num_turns == 2 and conv.num_tool_calls == 1
+    assert conv.loss_mask[-1] == 1  # ends on the generated turn, whose call was not run
+
+    loop = _loop(tok, [calculator], max_response_tokens=30)
+    gen = ScriptedGenerator(tok, {"loop": [again] * 5})
+    (conv,), = loop.run(gen, [(loop.prompt_ids(msgs), msgs)], 1, _params(), seeds=[1])
+    assert conv.finish_reason == "length" and len(conv.response_ids) <= 30
+
+
+def test_agent_config_validation():
+    with pytest.raises(ValueError, match="agent.max_turns"):
+        AgentConfig(max_turns=0)
+    assert not AgentConfig().enabled and AgentConfig(tools=["calculator"]).enabled

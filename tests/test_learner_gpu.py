@@ -1,0 +1,45 @@
+"""The learner on a CUDA device (skipped without one): the same update as on CPU in float32, and
+a bf16 mixed-precision step with float32 master weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from async_rl.algorithms.config import AlgorithmConfig
+from learners.base import LearnerConfig
+
+pytestmark = pytest.mark.gpu
+
+
+def _step(model_path: str, **kw):
+    from multirank_worker import make_batch
+
+    from learners.fsdp import FSDPLearner
+
+    algo = AlgorithmConfig(name="ppo", kl_coef=0.01, loss_horizon_tokens=16).apply_preset()
+    learner = FSDPLearner(LearnerConfig(lr=1e-2, eps=1e-3, micro_batch_size=4, **kw), algo, model_path,
+                          temperature=1.0, total_optimizer_steps=2)
+    learner.begin_rl()
+    batch = make_batch()
+    learner.prepare(batch)
+    batch.extras["returns"] = batch.advantages.clone()
+    metrics = learner.train_step(batch)
+    return metrics, {n: t.detach().cpu().clone() for n, t in learner.named_weights()}, learner
+
+
+def test_cuda_fp32_step_equals_cpu(tiny_model_path):
+    cpu_metrics, cpu_weights, _ = _step(tiny_model_path, device="cpu")
+    gpu_metrics, gpu_weights, learner = _step(tiny_model_path, device="cuda", mixed_precision="fp32")
+    assert learner.device.type == "cuda"
+    assert float(gpu_metrics["loss/pg"]) == pytest.approx(float(cpu_metrics["loss/pg"]), rel=1e-3, abs=1e-5)
+    assert float(gpu_metrics["critic/vf_loss"]) == pytest.approx(float(cpu_metrics["critic/vf_loss"]), rel=1e-3, abs=1e-5)
+    for name, w in cpu_weights.items():
+        torch.testing.assert_close(gpu_weights[name], w, rtol=1e-3, atol=1e-4)
+
+
+def test_cuda_bf16_auto_precision(tiny_model_path):
+    metrics, _, learner = _step(tiny_model_path, device="cuda")
+    assert learner._precision() == "bf16"
+    assert all(p.dtype == torch.float32 for p in learner.model.parameters())
+    assert torch.isfinite(torch.as_tensor(float(metrics["loss/pg"])))
