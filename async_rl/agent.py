@@ -55,9 +55,12 @@ class AgentConfig:
     max_tool_response_tokens: int = 128
     """A tool turn longer than this many tokens is cut (its text, before rendering), so one tool
     output cannot fill the context (>= 1)."""
+    max_tool_calls_per_turn: int = 4
+    """Calls run per assistant turn (>= 1); each further call is answered with an error
+    observation (``tools/error_too_many_calls``) instead of running."""
 
     def __post_init__(self) -> None:
-        for key in ("max_turns", "max_response_tokens", "max_tool_response_tokens"):
+        for key in ("max_turns", "max_response_tokens", "max_tool_response_tokens", "max_tool_calls_per_turn"):
             if getattr(self, key) < 1:
                 raise ValueError(f"agent.{key} must be >= 1, got {getattr(self, key)}")
 
@@ -218,6 +221,7 @@ class AgentLoop:
         self.schemas = self.registry.schemas()
         self.parser = get_parser(cfg.parser)
         self.executor = ToolExecutor(self.registry)
+        self._too_many = self._too_many_popped = 0
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The rendered prompt with the tools' schemas and a generation prompt."""
@@ -289,7 +293,15 @@ class AgentLoop:
         if last_turn:
             c.finish_reason, c.final_text = "max_turns", content
             return
-        results = self.executor.execute(list(calls))
+        limit = self.cfg.max_tool_calls_per_turn
+        results = self.executor.execute(list(calls[:limit]))
+        if len(calls) > limit:
+            from async_rl.tools import ToolResult
+
+            self._too_many += len(calls) - limit
+            results += [ToolResult(name=call.name, ok=False, error_kind="too_many_calls",
+                                   content=f"Error: at most {limit} tool calls per turn; this one was not run")
+                        for call in calls[limit:]]
         c.num_tool_calls += len(results)
         c.num_tool_errors += sum(not r.ok for r in results)
         tool_messages = [{"role": "tool", "name": r.name or "", "content": self._cap(r.content)} for r in results]
@@ -302,6 +314,9 @@ class AgentLoop:
         c.append(ids, [0.0] * len(ids), 0, [version] * len(ids))
 
     def _cap(self, text: str) -> str:
+        # Tokenise only a prefix, so a huge tool output is never tokenised whole: common
+        # vocabularies' tokens cover far fewer than 16 characters, so the first kept tokens match.
+        text = text[: 16 * self.cfg.max_tool_response_tokens + 16]
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) <= self.cfg.max_tool_response_tokens:
             return text
@@ -309,4 +324,15 @@ class AgentLoop:
 
     def pop_metrics(self) -> dict[str, float]:
         """Tool-execution counters since the last call (``tools/calls``, ``tools/error_*``, ...)."""
-        return {k: float(v) for k, v in self.executor.pop_counts().items()}
+        out = {k: float(v) for k, v in self.executor.pop_counts().items()}
+        if self._too_many > self._too_many_popped:
+            out["tools/error_too_many_calls"] = float(self._too_many - self._too_many_popped)
+            self._too_many_popped = self._too_many
+        return out
+
+    def counts(self) -> dict[str, float]:
+        """Tool-execution counters since the start (cumulative; a pool reports deltas of these)."""
+        out = {k: float(v) for k, v in self.executor.counts().items()}
+        if self._too_many:
+            out["tools/error_too_many_calls"] = float(self._too_many)
+        return out

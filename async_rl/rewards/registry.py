@@ -17,12 +17,8 @@ or let ``default_reward_for(data_source)`` choose from the dataset's ``data_sour
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import os
-import re
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -200,22 +196,6 @@ def _import_module(name: str) -> Any:
 
 
 def _load_file(path: str) -> Any:
-    resolved = os.path.realpath(os.path.expanduser(path))
-    if not os.path.isfile(resolved):
-        raise ValueError(f"reward file {path!r} not found (resolved to {resolved!r})")
-    digest = hashlib.sha1(resolved.encode()).hexdigest()[:12]
-    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(resolved))[0])
-    module_name = f"async_rl_user_reward_{stem}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward file {path!r} cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
+    from async_rl.imports import load_file_module
+
+    return load_file_module(path, "async_rl_user_reward", "reward file")

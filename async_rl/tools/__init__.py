@@ -29,6 +29,7 @@ from async_rl.tools.base import (
     ToolRegistry,
     ToolResult,
     load_tools,
+    register_tool,
     tool,
 )
 from async_rl.tools.calculator import calculator_tool, evaluate
@@ -48,6 +49,7 @@ __all__ = [
     "HermesParser",
     "Llama3JsonParser",
     "Tool",
+    "register_tool",
     "ToolCall",
     "ToolCallParser",
     "ToolExecutor",

@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import importlib
-import importlib.util
 import inspect
 import json
 import os
 import re
-import sys
 import threading
 import time
 import types
@@ -45,6 +42,7 @@ from typing import Any
 
 __all__ = [
     "BUILTIN_TOOLS",
+    "register_tool",
     "ERROR_KINDS",
     "Tool",
     "ToolCall",
@@ -297,6 +295,38 @@ BUILTIN_TOOLS: dict[str, Callable[[], list[Tool]]] = {
     "python": _builtin_python,
 }
 
+
+
+def register_tool(obj: "Tool | Callable[..., Any]", name: str | None = None) -> Tool:
+    """Register a tool in code so configs can name it in ``agent.tools`` like a built-in.
+
+    Args:
+        obj: a ``Tool``, or a function (wrapped with ``tool()``, schema from its type hints).
+        name: the name configs use; default the tool's own name.
+
+    Returns:
+        The registered ``Tool``.
+
+    Raises:
+        ValueError: the name is taken (built-ins included).
+
+    Example::
+
+        @register_tool
+        def lookup(key: str) -> str: ...
+        # agent.tools: [lookup]
+
+    In async mode generator actors load tools in their own processes: register in a module
+    the actors import too (or name the tool by import path instead).
+    """
+    t = obj if isinstance(obj, Tool) else tool()(obj)
+    key = name or t.name
+    if key in BUILTIN_TOOLS:
+        raise ValueError(f"a tool named {key!r} is already registered")
+    BUILTIN_TOOLS[key] = lambda: [t]
+    return t
+
+
 _SPEC_HELP = (
     "A tool spec is a built-in name ({builtins}), an import path 'package.module:attr' or a file "
     "path 'path/to/file.py:attr', where attr is a Tool, a function (wrapped with tool()) or a "
@@ -467,26 +497,14 @@ def _import_module(spec: str, name: str) -> Any:
 
 
 def _load_file(spec: str, path: str) -> Any:
-    resolved = os.path.realpath(os.path.expanduser(path))
-    if not os.path.isfile(resolved):
-        raise ValueError(f"tool spec {spec!r}: file {path!r} not found (resolved to {resolved!r})")
-    digest = hashlib.sha1(resolved.encode()).hexdigest()[:12]
-    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(resolved))[0])
-    module_name = f"async_rl_user_tools_{stem}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"tool spec {spec!r}: {path!r} cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    # Registered before executing so dataclasses and pickling inside the file work.
-    sys.modules[module_name] = module
+    from async_rl.imports import load_file_module
+
     try:
-        module_spec.loader.exec_module(module)
+        return load_file_module(path, "async_rl_user_tools", f"tool spec {spec!r}: file")
+    except ValueError:
+        raise
     except Exception as e:
-        del sys.modules[module_name]
         raise ValueError(f"tool spec {spec!r}: loading {path!r} failed: {type(e).__name__}: {e}") from e
-    return module
 
 
 # --------------------------------------------------------------------------------------------
