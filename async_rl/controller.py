@@ -495,6 +495,10 @@ def train(cfg: "Config") -> dict[str, Any]:
     t_cfg, seed = cfg.trainer, cfg.trainer.seed
     resume_from = resolve_resume(t_cfg.resume, t_cfg.output_dir, t_cfg.run_name)
     resumed = load_trainer_state(resume_from) if resume_from is not None else None
+    if resumed is not None and resumed.get("mode", t_cfg.mode) != t_cfg.mode:
+        # The loop states differ (sync: next group id; async: replay buffer and groups in flight).
+        raise ValueError(f"trainer.resume: {resume_from} was written in trainer.mode={resumed['mode']}; "
+                         f"resume it with the same mode (got trainer.mode={t_cfg.mode})")
     random.seed(seed)
     torch.manual_seed(seed)
     if cfg.learner.num_threads:
@@ -582,7 +586,7 @@ def train(cfg: "Config") -> dict[str, Any]:
 
         def checkpoint(step: int) -> None:
             t0 = time.perf_counter()
-            state = {"rng": rng_state(), "loop": loop.state_dict(), "tail_evals": tail_evals,
+            state = {"mode": t_cfg.mode, "rng": rng_state(), "loop": loop.state_dict(), "tail_evals": tail_evals,
                      "summary": {k: v for k, v in summary.items() if k.startswith("eval_")}}
             path = save_checkpoint(run_dir, step, learner, state, t_cfg.checkpoint.keep_last)
             log.print(f"checkpoint written to {path} ({time.perf_counter() - t0:.1f} s)")

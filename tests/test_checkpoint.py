@@ -238,3 +238,12 @@ def test_cli_sigterm_saves_and_exits_143(tmp_path):
     resumed = subprocess.run(again + ["trainer.resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"step {last} done" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_resume_in_another_mode_is_refused(tmp_path):
+    from async_rl.controller import train
+
+    train(_cfg(tmp_path, "run", "trainer.total_steps=1", "trainer.warm_start.steps=0", "data.val_files=[]"))
+    with pytest.raises(ValueError, match="trainer.mode=sync; resume it with the same mode"):
+        train(_cfg(tmp_path, "run", "trainer.total_steps=2", "trainer.resume=auto", "trainer.mode=async"))
