@@ -71,10 +71,16 @@ class AgentConfig:
 
 
 def render_ids(tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:
-    """Token ids of the chat template's rendering of ``messages`` (with ``tools`` schemas)."""
-    out = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+    """Token ids of the chat template's rendering of ``messages`` (with ``tools`` schemas).
+
+    Rendered as text, then tokenised without special tokens (as ``apply_chat_template`` does)
+    and without the tokenizer's "longer than the model's maximum" warning: a conversation may
+    render longer than the context for a moment (a degenerate turn's many error responses) and
+    is then ended by ``agent.max_response_tokens``, never fed to the model whole.
+    """
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def tool_turn_ids(tokenizer, messages: list[dict], tool_messages: list[dict], tools: list[dict] | None,
@@ -317,7 +323,7 @@ class AgentLoop:
         # Tokenise only a prefix, so a huge tool output is never tokenised whole: common
         # vocabularies' tokens cover far fewer than 16 characters, so the first kept tokens match.
         text = text[: 16 * self.cfg.max_tool_response_tokens + 16]
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if len(ids) <= self.cfg.max_tool_response_tokens:
             return text
         return self.tokenizer.decode(ids[: self.cfg.max_tool_response_tokens]) + " ...[truncated]"

@@ -495,6 +495,12 @@ def train(cfg: "Config") -> dict[str, Any]:
     t_cfg, seed = cfg.trainer, cfg.trainer.seed
     resume_from = resolve_resume(t_cfg.resume, t_cfg.output_dir, t_cfg.run_name)
     resumed = load_trainer_state(resume_from) if resume_from is not None else None
+    if t_cfg.resume == "auto" and resumed is None:
+        logger.warning("trainer.resume=auto: no checkpoint under %s; starting fresh",
+                       Path(t_cfg.output_dir) / str(t_cfg.run_name) / "checkpoints")
+    if resumed is not None and resumed["step"] >= t_cfg.total_steps:
+        raise ValueError(f"trainer.resume: {resume_from} is at step {resumed['step']}, not before "
+                         f"trainer.total_steps={t_cfg.total_steps}: nothing to train (raise trainer.total_steps)")
     if resumed is not None and resumed.get("mode", t_cfg.mode) != t_cfg.mode:
         # The loop states differ (sync: next group id; async: replay buffer and groups in flight).
         raise ValueError(f"trainer.resume: {resume_from} was written in trainer.mode={resumed['mode']}; "

@@ -247,3 +247,12 @@ def test_resume_in_another_mode_is_refused(tmp_path):
     train(_cfg(tmp_path, "run", "trainer.total_steps=1", "trainer.warm_start.steps=0", "data.val_files=[]"))
     with pytest.raises(ValueError, match="trainer.mode=sync; resume it with the same mode"):
         train(_cfg(tmp_path, "run", "trainer.total_steps=2", "trainer.resume=auto", "trainer.mode=async"))
+
+
+@pytest.mark.slow
+def test_resume_at_or_past_total_steps_is_refused(tmp_path):
+    from async_rl.controller import train
+
+    train(_cfg(tmp_path, "run", "trainer.total_steps=2", "trainer.warm_start.steps=0", "data.val_files=[]"))
+    with pytest.raises(ValueError, match="at step 2, not before trainer.total_steps=2"):
+        train(_cfg(tmp_path, "run", "trainer.total_steps=2", "trainer.resume=auto"))
