@@ -30,6 +30,7 @@ message to the model as the tool's response, and are counted (``tools/*`` metric
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -335,6 +336,21 @@ class AgentLoop:
             out["tools/error_too_many_calls"] = float(self._too_many - self._too_many_popped)
             self._too_many_popped = self._too_many
         return out
+
+    @contextlib.contextmanager
+    def counted_apart(self):
+        """A block whose tool executions stay out of ``pop_metrics`` (evaluation between two
+        training steps must not show up in the next step's ``tools/*``). Yields a dict that
+        holds the block's own counters on exit."""
+        saved = self.pop_metrics()
+        own: dict[str, float] = {}
+        try:
+            yield own
+        finally:
+            own.update(self.pop_metrics())
+            too_many = int(saved.pop("tools/error_too_many_calls", 0))
+            self._too_many_popped -= too_many
+            self.executor.restore_counts({k: int(v) for k, v in saved.items()})
 
     def counts(self) -> dict[str, float]:
         """Tool-execution counters since the start (cumulative; a pool reports deltas of these)."""

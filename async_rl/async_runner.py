@@ -130,10 +130,12 @@ class AsyncLoop:
         self._errors: list[BaseException] = []
         self._threads = [threading.Thread(target=self._guard(self._dispatch_loop), name="dispatcher", daemon=True),
                          threading.Thread(target=self._guard(self._receive_loop), name="receiver", daemon=True)]
-        for th in self._threads:
-            th.start()
+        # The first window of the per-step worker counters opens before any request is
+        # dispatched, so no generated token or tool call falls outside every step's window.
         self._last_stats = self._worker_stats()
         self._last_t = time.perf_counter()
+        for th in self._threads:
+            th.start()
         ctx.log.print(f"async mode: {g_cfg.num_workers} {g_cfg.backend} generator actors x {per_worker} threads, "
                       f"learner {learner_threads} threads, max_staleness {t_cfg.max_staleness}, weights over "
                       f"{self.transport}, "

@@ -21,6 +21,7 @@ Run with ``async-rl train --config configs/default.yaml``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -330,15 +331,23 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
 
 def evaluate(generator, dataset, params, scorer, tokenizer, agent=None) -> dict[str, float]:
     """Held-out accuracy and mean reward: one response per prompt (greedy or sampled); with an
-    agent, one multi-turn conversation per prompt."""
-    result = rollout(generator, list(dataset), 1, params, scorer, tokenizer, first_group_id=-(10**9), agent=agent)
+    agent, one multi-turn conversation per prompt, whose tool use is reported as
+    ``eval/tool_calls_mean``, ``eval/turns_mean``, ``eval/tool_errors_mean`` (per conversation)
+    and kept out of the training steps' ``tools/*`` counters."""
+    with (agent.counted_apart() if agent is not None else contextlib.nullcontext()):
+        result = rollout(generator, list(dataset), 1, params, scorer, tokenizer, first_group_id=-(10**9), agent=agent)
     trajs = result.trajectories
-    return {
+    n = max(1, len(trajs))
+    out = {
         "eval/accuracy": accuracy_of(trajs),
-        "eval/reward_mean": sum(t.reward for t in trajs) / max(1, len(trajs)),
-        "eval/response_length_mean": sum(len(t.response_ids) for t in trajs) / max(1, len(trajs)),
+        "eval/reward_mean": sum(t.reward for t in trajs) / n,
+        "eval/response_length_mean": sum(len(t.response_ids) for t in trajs) / n,
         "eval/num_prompts": float(len(trajs)),
     }
+    if agent is not None:
+        for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors"):
+            out[f"eval/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / n
+    return out
 
 
 def _lookup(prompt, dotted: str):

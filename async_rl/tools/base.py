@@ -708,6 +708,11 @@ class ToolExecutor:
             self._counts.clear()
             return counts
 
+    def restore_counts(self, counts: dict[str, int]) -> None:
+        """Add counters taken by ``pop_counts`` back (after a block counted apart)."""
+        with self._lock:
+            self._counts.update({k: int(v) for k, v in counts.items()})
+
     # ----------------------------------------------------------------------------------------
 
     def _count(self, results: list[ToolResult]) -> None:
