@@ -1,7 +1,9 @@
 """Learner throughput, side by side in one run: our FSDP2 learner's training step against a plain
 Hugging Face forward/backward loop on the same data, and padded micro-batches (a fixed number of
 sequences, padded to the batch's longest) against token-budget micro-batches (padding beyond each
-micro-batch's longest sequence removed) on long-tailed response lengths.
+micro-batch's longest sequence removed) and packed micro-batches (``learner.packing``: one row of
+real tokens per micro-batch, no padding at all; sdpa with a block-diagonal mask on CPU) on
+long-tailed response lengths.
 
     python bench/bench_learner.py            # ~2 min on 2 cores
     python bench/bench_learner.py --quick
@@ -67,14 +69,15 @@ def plain_loop(path: str, batch, micro: int) -> float:
     return time.perf_counter() - t0
 
 
-def learner_step(path: str, batch, micro: int, max_tokens: int, bypass: bool) -> tuple[float, float]:
+def learner_step(path: str, batch, micro: int, max_tokens: int, bypass: bool, packing: bool = False,
+                 ) -> tuple[float, float]:
     """``(prepare seconds, train_step seconds)`` of our learner on ``batch``."""
     from async_rl.algorithms.config import AlgorithmConfig
     from learners.base import LearnerConfig
     from learners.fsdp import FSDPLearner
 
     algo = AlgorithmConfig(name="grpo", bypass_proximal=bypass, loss_horizon_tokens=512).apply_preset()
-    cfg = LearnerConfig(lr=1e-5, micro_batch_size=micro, max_tokens_per_micro_batch=max_tokens)
+    cfg = LearnerConfig(lr=1e-5, micro_batch_size=micro, max_tokens_per_micro_batch=max_tokens, packing=packing)
     learner = FSDPLearner(cfg, algo, path, temperature=1.0, total_optimizer_steps=10)
     b = batch.select(slice(0, len(batch)))
     t0 = time.perf_counter()
@@ -107,7 +110,9 @@ def main() -> None:
                 "plain HF loop, padded micro-batches": (0.0, plain_loop(d, batch, micro)),
                 "learner, padded micro-batches (bypass)": learner_step(d, batch, micro, 0, True),
                 "learner, token budget (bypass)": learner_step(d, batch, micro, budget, True),
+                "learner, token budget, packed (bypass)": learner_step(d, batch, micro, budget, True, True),
                 "learner, token budget + proximal pass": learner_step(d, batch, micro, budget, False),
+                "learner, packed + proximal pass": learner_step(d, batch, micro, budget, False, True),
             }
             if rep:
                 for k, v in res.items():

@@ -93,6 +93,16 @@ class LearnerConfig:
     max_tokens_per_micro_batch: int = 0
     """> 0: micro-batches are cut by tokens instead, each at most this many (padded) tokens, and
     padding beyond a micro-batch's longest sequence is removed (``learners.batching``)."""
+    packing: bool = False
+    """Run each micro-batch as one row of its sequences' real tokens, without padding (position
+    ids restart per sequence; verl's ``use_remove_padding``). With ``attn_implementation:
+    flash_attention_2`` the attention is flash-attention's varlen kernel; with ``sdpa``/``eager``
+    a block-diagonal causal mask over the row. ``max_tokens_per_micro_batch`` then counts the
+    packed tokens (the sum of lengths) instead of the padded size. The critic stays padded."""
+    attn_implementation: str = "auto"
+    """The Hugging Face attention backend of the policy and reference models: ``sdpa``,
+    ``eager``, ``flash_attention_2`` (CUDA, needs ``flash-attn``), or ``auto`` = the model's
+    default (``sdpa`` for the built-in models)."""
     num_mini_batches: int = 1
     """Optimizer steps per training step: the step's batch is split into this many (>= 1)."""
     num_epochs: int = 1

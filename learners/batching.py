@@ -1,5 +1,6 @@
 """How a learner cuts a batch: across data-parallel ranks by tokens, then into micro-batches
-under a hard token budget.
+under a hard token budget, and (``learner.packing``) how a micro-batch's sequences are packed
+into one padding-free row and its per-label outputs unpacked again.
 
 Both cuts keep sequences in order and contiguous, so a rank's share and a micro-batch are plain
 slices of the batch (``TrainBatch.select(slice)``), and both are pure functions of the sequence
@@ -9,6 +10,8 @@ lengths, so every rank computes the same plan without communicating.
 from __future__ import annotations
 
 from typing import Sequence
+
+import torch
 
 
 def split_by_tokens(lengths: Sequence[int], world_size: int) -> list[range]:
@@ -81,16 +84,19 @@ def split_by_tokens(lengths: Sequence[int], world_size: int) -> list[range]:
     return [range(cuts[r], cuts[r + 1]) for r in range(world_size)]
 
 
-def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[range]:
+def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int, packed: bool = False) -> list[range]:
     """Contiguous micro-batches of ``lengths`` with at most ``max_tokens`` tokens each.
 
-    A micro-batch's cost is counted as its padded size, ``len * max(lengths in it)``, since that
-    is what a padded forward pass computes (lengths ``[7] * 8`` with budget 8 give 8 micro-batches
-    of one sequence; ``[3, 3, 2]`` with budget 6 give ``[0, 1]`` and ``[2]``).
+    A micro-batch's cost is counted as what its forward pass computes: its padded size,
+    ``len * max(lengths in it)`` (lengths ``[7] * 8`` with budget 8 give 8 micro-batches of one
+    sequence; ``[3, 3, 2]`` with budget 6 give ``[0, 1]`` and ``[2]``), or with ``packed`` the
+    sum of its lengths (``[3, 3, 2]`` with budget 6 give ``[0, 1]`` and ``[2]``; ``[3, 2, 1]``
+    give ``[0, 1, 2]``).
 
     Args:
         lengths: tokens of each sequence (>= 1), in batch order.
         max_tokens: the hard budget per micro-batch (>= 1).
+        packed: the micro-batch runs as one packed row (``pack_rows``), without padding.
 
     Returns:
         Ranges covering ``range(len(lengths))`` in order, each within the budget.
@@ -107,11 +113,63 @@ def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[ran
         if n > max_tokens:
             raise ValueError(f"sequence {i} has {n} tokens, more than learner.max_tokens_per_micro_batch="
                              f"{max_tokens}: it fits no micro-batch")
-        longest_with = max(longest, n)
-        if i > start and (i + 1 - start) * longest_with > max_tokens:
+        longest_with = longest + n if packed else max(longest, n)
+        if i > start and (longest_with if packed else (i + 1 - start) * longest_with) > max_tokens:
             out.append(range(start, i))
             start, longest_with = i, n
-        longest = longest_with
+        longest = longest_with  # packed: the tokens so far; padded: the longest so far
     if start < len(lengths):
         out.append(range(start, len(lengths)))
     return out
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate the real tokens of right-padded rows into one row without padding.
+
+    The position ids restart at 0 for every sequence, which is how Hugging Face models tell the
+    sequences of a packed row apart when no attention mask is passed: flash-attention builds
+    varlen ``cu_seqlens`` from them and sdpa/eager a block-diagonal causal mask
+    (``transformers.masking_utils.find_packed_sequence_indices``), so no token attends across a
+    boundary and each sequence's log-probs equal its padded ones.
+
+    Args:
+        input_ids: ``[B, L]`` int64, right-padded.
+        attention_mask: ``[B, L]`` int64/bool, each row ``n_b`` ones then zeros.
+        position_ids: ``[B, L]`` int64, 0 at each row's first token.
+
+    Returns:
+        ``(ids, positions)``, each ``[1, N]`` int64 with ``N = sum(n_b)``, rows in batch order.
+    """
+    keep = attention_mask.bool()
+    return input_ids[keep].unsqueeze(0), position_ids[keep].unsqueeze(0)
+
+
+def unpack_labels(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-label values of a packed row back in the padded label layout.
+
+    Label slot ``t`` of row ``b`` (predicting token ``t + 1``) is packed position
+    ``offset_b + t``; the last position of each sequence would predict the next sequence's first
+    token and is dropped. Differentiable (``masked_scatter``), so gradients reach the packed
+    forward pass.
+
+    Args:
+        values: ``[1, N-1]`` or ``[N-1]`` float, one per packed position but the last (as
+            computed from logits ``[:, :-1]`` against labels ``ids[:, 1:]``).
+        attention_mask: ``[B, L]`` the padded rows' mask (``N = attention_mask.sum()``).
+
+    Returns:
+        ``[B, L-1]`` float, 0 at every slot that does not predict a real token of its own row.
+
+    Raises:
+        ValueError: ``values`` does not hold ``attention_mask.sum() - 1`` entries.
+    """
+    keep = attention_mask.bool()
+    flat = values.reshape(-1)
+    if flat.numel() != int(keep.sum()) - 1:
+        raise ValueError(f"unpack_labels: {flat.numel()} values for {int(keep.sum())} packed tokens (need N - 1)")
+    # One entry per packed token (the last one predicts nothing), scattered to its padded slot.
+    per_token = torch.cat([flat, flat.new_zeros(1)])
+    full = torch.zeros(keep.shape, dtype=flat.dtype, device=flat.device).masked_scatter(keep, per_token)
+    # Slot t is valid when token t + 1 is real: this drops each sequence's boundary position.
+    return torch.where(keep[:, 1:], full[:, :-1], torch.zeros((), dtype=flat.dtype, device=flat.device))

@@ -139,6 +139,9 @@ class FSDPCritic:
         for start in range(0, len(batch), micro_batch_size):
             mb = batch.select(slice(start, start + micro_batch_size)).to(device)
             out.append(self.model(mb.input_ids, mb.attention_mask, mb.position_ids).cpu())
+        from learners.fsdp import reshard_root  # import here: learners.fsdp imports this module
+
+        reshard_root(self.model)
         return torch.cat(out)
 
     def backward(self, mb: TrainBatch, agg_mode: str, num_tokens, num_seqs, horizon,

@@ -34,7 +34,7 @@ from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.metrics import reduce_metrics
 from buffers.trajectory import TrainBatch
 from learners.base import LearnerConfig, clip_and_step
-from learners.batching import micro_batches_by_tokens, split_by_tokens
+from learners.batching import micro_batches_by_tokens, pack_rows, split_by_tokens, unpack_labels
 from learners import lora
 from learners.critic import FSDPCritic, copy_matching_parameters
 from learners.spmd import collective
@@ -68,6 +68,22 @@ def init_single_process_group(backend: str = "gloo") -> None:
     """Create a world-size-1 default group in-process (no rendezvous) if none exists."""
     if not dist.is_initialized():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def reshard_root(module: torch.nn.Module) -> None:
+    """Reshard an FSDP2 root after a no-grad forward pass.
+
+    FSDP2 keeps the root unit's parameters (embeddings, final norm, tied head) unsharded after
+    forward, for the backward that normally follows. After a no-grad pass no backward comes: the
+    full parameters would stay allocated on every rank, and ``module.parameters()`` would return
+    the unsharded tensors, so an optimizer built then would step copies that the model never
+    reads (measured: embeddings and final norm frozen; regression test in
+    ``tests/test_learner_options.py``).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        module.reshard()
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -163,6 +179,8 @@ class FSDPLearner:
         # fully_shard moves each module's parameters and buffers to the mesh's device.
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         self.model = self._load_policy(model_path)
+        if cfg.packing:
+            self._check_packing()
         self.policy_loss = POLICY_LOSSES.get(algo.policy_loss)
         self.ref_model: torch.nn.Module | None = None
         self.critic: FSDPCritic | None = None
@@ -210,7 +228,8 @@ class FSDPLearner:
     def _load_policy(self, path: str, with_lora: bool = True) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        extra = {} if self.cfg.attn_implementation == "auto" else {"attn_implementation": self.cfg.attn_implementation}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
         model.config.use_cache = False
         if with_lora and self.cfg.lora.rank > 0:
             # Before sharding, so each decoder layer's FSDP unit holds its adapters too.
@@ -259,18 +278,60 @@ class FSDPLearner:
 
     # ------------------------------------------------------------------ forward passes
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
+                 temperature: float | None = None, packed: bool | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) ``[b, L-1]`` float32 of a micro-batch's labels; with
+        ``learner.packing`` from one padding-free packed row (``learners.batching.pack_rows``),
+        unpacked to the same layout (0 where a slot predicts no real token)."""
         mb = mb.to(self.device)
-        logits = (model or self.model)(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                            position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
+        model = model or self.model
+        temp = self.temperature if temperature is None else temperature
+        if self.cfg.packing if packed is None else packed:
+            ids, positions = pack_rows(mb.input_ids, mb.attention_mask, mb.position_ids)
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, :-1]
+            logprobs = unpack_labels(logprobs_from_logits(logits, ids[:, 1:], temp), mb.attention_mask)
+            entropy = (unpack_labels(entropy_from_logits(logits, temp), mb.attention_mask)
+                       if with_entropy else None)
+            return logprobs, entropy
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                       position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
         labels = mb.input_ids[:, 1:]
-        logprobs = logprobs_from_logits(logits, labels, self.temperature)
-        entropy = entropy_from_logits(logits, self.temperature) if with_entropy else None
+        logprobs = logprobs_from_logits(logits, labels, temp)
+        entropy = entropy_from_logits(logits, temp) if with_entropy else None
         return logprobs, entropy
+
+    @torch.no_grad()
+    def _check_packing(self) -> None:
+        """Refuse ``learner.packing`` for a model whose attention ignores packed position ids
+        (it would let each sequence attend to the ones packed before it): two short sequences
+        must score the same packed as padded.
+
+        Raises:
+            ValueError: the packed log-probs differ (names the attention implementation).
+        """
+        from buffers.trajectory import position_ids_from_mask
+
+        ids = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26, 0, 0]])
+        mask = (ids != 0).long()
+        probe = TrainBatch(ids, mask, position_ids_from_mask(mask), *(torch.zeros(2, 7),) * 3,
+                           torch.zeros(2), torch.zeros(2, dtype=torch.long))
+        packed = self._forward(probe, with_entropy=False, packed=True)[0]
+        padded = self._forward(probe, with_entropy=False, packed=False)[0]
+        reshard_root(self.model)
+        valid = mask[:, 1:].bool()
+        gap = float((packed - padded)[valid].abs().max())
+        # The two layouts differ by rounding only (~1e-6 in float32, ~1e-2 in bf16); attending
+        # across the boundary moves the second sequence's log-probs by ~0.1 to several nats.
+        if gap > (5e-2 if self._precision() == "bf16" else 1e-3):
+            impl = getattr(self.model.config, "_attn_implementation", "?")
+            raise ValueError(f"learner.packing=true: this model's attention ({impl}) does not separate packed "
+                             f"sequences by position ids (log-probs differ by {gap:.3g}); use "
+                             f"learner.packing=false or learner.attn_implementation=sdpa|flash_attention_2")
 
     def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
         if self.cfg.max_tokens_per_micro_batch:
-            for r in micro_batches_by_tokens(batch.attention_mask.sum(1).tolist(), self.cfg.max_tokens_per_micro_batch):
+            for r in micro_batches_by_tokens(batch.attention_mask.sum(1).tolist(), self.cfg.max_tokens_per_micro_batch,
+                                             packed=self.cfg.packing):
                 yield batch.select(slice(r.start, r.stop)).trimmed()
             return
         for start in range(0, len(batch), self.cfg.micro_batch_size):
@@ -297,6 +358,7 @@ class FSDPLearner:
             lp = self._forward(mb, with_entropy=False, model=model)[0]
             if real:
                 out[share.start + sl.start : share.start + sl.start + len(mb), : lp.shape[1]] = lp
+        reshard_root(model or self.model)
         if world > 1:
             dist.all_reduce(out)
         return out
@@ -463,7 +525,8 @@ class FSDPLearner:
         """This rank's micro-batches (slices of ``mine``), padded with ``(slice(0, 1), False)``
         entries up to the most any rank has, so every rank runs as many passes."""
         if self.cfg.max_tokens_per_micro_batch:
-            ranges = micro_batches_by_tokens(mine.attention_mask.sum(1).tolist(), self.cfg.max_tokens_per_micro_batch)
+            ranges = micro_batches_by_tokens(mine.attention_mask.sum(1).tolist(), self.cfg.max_tokens_per_micro_batch,
+                                             packed=self.cfg.packing)
             slices = [slice(r.start, r.stop) for r in ranges]
         else:
             slices = [slice(s, s + self.cfg.micro_batch_size) for s in range(0, len(mine), self.cfg.micro_batch_size)]
@@ -487,9 +550,7 @@ class FSDPLearner:
         loss_sum = torch.zeros(())
         for mb in self._micro_batches(batch):
             mb = mb.to(self.device)
-            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
-            nll = -logprobs_from_logits(logits, mb.input_ids[:, 1:], 1.0)
+            nll = -self._forward(mb, with_entropy=False, temperature=1.0)[0]
             loss = aggregate_loss(nll, mb.loss_mask, "token-mean", num_global_tokens=num_tokens,
                                   num_global_seqs=len(batch))
             loss.backward()

@@ -27,7 +27,7 @@ def make_batch(seed: int = 0):
 
 
 def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, out: str,
-        max_tokens: int = 0, critic: bool = False) -> None:
+        max_tokens: int = 0, critic: bool = False, packing: bool = False) -> None:
     """Train one step on ``make_batch()`` and write loss and full weights to ``out`` (rank 0)."""
     import torch
     import torch.distributed as dist
@@ -44,7 +44,7 @@ def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, o
     # first Adam step is ~lr * sign(g), so float-noise-sized gradients (summed in another order
     # on 2 ranks) could flip sign and move a weight by 2 * lr.
     cfg = LearnerConfig(lr=1e-2, eps=1e-3, warmup_steps=1, micro_batch_size=2, num_mini_batches=2,
-                        max_tokens_per_micro_batch=max_tokens)
+                        max_tokens_per_micro_batch=max_tokens, packing=packing)
     learner = FSDPLearner(cfg, algo, model_path, temperature=1.0, total_optimizer_steps=4)
     batch = make_batch()
     if critic:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from learners.batching import micro_batches_by_tokens, split_by_tokens
+from learners.batching import micro_batches_by_tokens, pack_rows, split_by_tokens, unpack_labels
 
 
 def _sizes(ranges):
@@ -70,3 +70,46 @@ def test_micro_batches_respect_the_budget_and_cover_in_order(seed):
     for a, b in zip(mbs, mbs[1:]):
         grown = list(a) + [b[0]]
         assert len(grown) * max(lengths[i] for i in grown) > budget
+
+
+def test_packed_micro_batches_count_the_sum_of_lengths():
+    assert [list(r) for r in micro_batches_by_tokens([3, 3, 2], 6, packed=True)] == [[0, 1], [2]]
+    assert [list(r) for r in micro_batches_by_tokens([3, 2, 1], 6, packed=True)] == [[0, 1, 2]]
+    # Padded, [1, 1, 6] costs 3 * 6 = 18 tokens; packed it is 8.
+    assert _sizes(micro_batches_by_tokens([1, 1, 6], 8)) == [2, 1]
+    assert _sizes(micro_batches_by_tokens([1, 1, 6], 8, packed=True)) == [3]
+    assert _sizes(micro_batches_by_tokens([7] * 8, 8, packed=True)) == [1] * 8
+    with pytest.raises(ValueError, match="sequence 1 has 9 tokens"):
+        micro_batches_by_tokens([1, 9], 8, packed=True)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_packed_micro_batches_respect_the_budget(seed):
+    rng = random.Random(seed)
+    budget = rng.randint(8, 40)
+    lengths = [rng.randint(1, 8) for _ in range(rng.randint(1, 30))]
+    mbs = micro_batches_by_tokens(lengths, budget, packed=True)
+    assert [i for r in mbs for i in r] == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= budget for r in mbs)
+    for a, b in zip(mbs, mbs[1:]):
+        assert sum(lengths[i] for i in a) + lengths[b[0]] > budget
+
+
+def test_pack_and_unpack_round_trip():
+    import torch
+
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]])
+    mask = (ids != 0).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    packed, positions = pack_rows(ids, mask, pos)
+    assert packed.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    # Value k at packed position k (predicting packed token k + 1); boundary positions 2 and 4
+    # predict the next sequence's first token and must not appear.
+    values = torch.arange(1.0, 9.0, requires_grad=True)
+    out = unpack_labels(values, mask)
+    assert out.tolist() == [[1.0, 2.0, 0.0], [4.0, 0.0, 0.0], [6.0, 7.0, 8.0]]
+    out.sum().backward()
+    assert values.grad.tolist() == [1, 1, 0, 1, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="need N - 1"):
+        unpack_labels(torch.zeros(9), mask)

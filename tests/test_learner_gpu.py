@@ -1,5 +1,5 @@
 """The learner on a CUDA device (skipped without one): the same update as on CPU in float32, and
-a bf16 mixed-precision step with float32 master weights."""
+a bf16 mixed-precision step with float32 master weights, and packed flash-attention varlen passes."""
 
 from __future__ import annotations
 
@@ -43,3 +43,19 @@ def test_cuda_bf16_auto_precision(tiny_model_path):
     assert learner._precision() == "bf16"
     assert all(p.dtype == torch.float32 for p in learner.model.parameters())
     assert torch.isfinite(torch.as_tensor(float(metrics["loss/pg"])))
+
+
+def test_cuda_packing_with_flash_attention_varlen(tiny_model_path):
+    """flash-attention's varlen kernel on packed rows scores the labels as the padded sdpa pass
+    (bf16 compute, so within bf16 tolerance)."""
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    from multirank_worker import make_batch
+
+    _, _, padded = _step(tiny_model_path, device="cuda", attn_implementation="sdpa")
+    _, _, packed = _step(tiny_model_path, device="cuda", attn_implementation="flash_attention_2",
+                         packing=True, max_tokens_per_micro_batch=64)
+    assert packed.model.config._attn_implementation == "flash_attention_2"
+    batch = make_batch()
+    valid = batch.attention_mask[:, 1:].bool()
+    lp, lp_packed = padded.compute_logprobs(batch), packed.compute_logprobs(batch)
+    torch.testing.assert_close(lp_packed[valid], lp[valid], rtol=5e-2, atol=5e-2)

@@ -68,3 +68,77 @@ def test_bf16_critic_step_runs_in_float32_head(tiny_model_path):
     batch.extras["returns"] = batch.advantages.clone()
     metrics = learner.train_step(batch)
     assert torch.isfinite(torch.as_tensor(metrics["critic/vf_loss"]))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packing_gives_the_padded_log_probs_and_update(tiny_model_path, attn):
+    """Packed micro-batches (one padding-free row, position ids restarting per sequence) score
+    every label as the padded batch does, and one training step moves the weights the same."""
+    from multirank_worker import make_batch
+
+    loss, weights, learner = _step(tiny_model_path, attn_implementation=attn)
+    loss_p, weights_p, packed = _step(tiny_model_path, attn_implementation=attn, packing=True,
+                                      max_tokens_per_micro_batch=24)
+    assert packed.model.config._attn_implementation == attn
+    batch = make_batch()
+    lp, lp_packed = learner.compute_logprobs(batch), packed.compute_logprobs(batch)
+    valid = batch.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(lp_packed[valid], lp[valid], rtol=1e-5, atol=1e-5)
+    assert (lp_packed[~valid] == 0).all()
+    assert loss_p == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    for name, w in weights.items():
+        torch.testing.assert_close(weights_p[name], w, rtol=1e-4, atol=1e-6)
+
+
+def test_packing_really_packs(tiny_model_path, monkeypatch):
+    """The packed forward pass sees one row of exactly the real tokens and no attention mask."""
+    from multirank_worker import make_batch
+
+    _, _, learner = _step(tiny_model_path, packing=True, max_tokens_per_micro_batch=1000)
+    seen = []
+    forward = type(learner.model).forward
+
+    def spy(self, *args, **kwargs):
+        seen.append((kwargs["input_ids"].shape, kwargs.get("attention_mask")))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(learner.model), "forward", spy)
+    batch = make_batch()
+    learner.compute_logprobs(batch)
+    assert seen == [((1, int(batch.attention_mask.sum())), None)]
+
+
+def test_packing_is_refused_when_the_attention_mixes_sequences(tiny_model_path, monkeypatch):
+    """A model whose attention does not restart at packed position ids would leak across
+    sequences: the learner probes it at start and refuses, naming the backend."""
+    import learners.fsdp as fsdp
+
+    real = fsdp.pack_rows
+    monkeypatch.setattr(fsdp, "pack_rows", lambda ids, mask, pos: (real(ids, mask, pos)[0],
+                                                                   torch.arange(int(mask.sum()))[None]))
+    with pytest.raises(ValueError, match=r"learner.packing=true: this model's attention \(sdpa\)"):
+        _step(tiny_model_path, packing=True)
+
+
+def test_optimizer_built_after_a_no_grad_pass_trains_every_parameter(tiny_model_path):
+    """Regression: FSDP2 left the root's parameters (embeddings, final norm) unsharded after a
+    no-grad forward, so an optimizer built then (``reset_optimizer``, as ``begin_rl`` does)
+    stepped copies the model never read and those weights stayed frozen."""
+    from multirank_worker import make_batch
+    from transformers import AutoModelForCausalLM
+
+    from learners.fsdp import FSDPLearner
+
+    start = dict(AutoModelForCausalLM.from_pretrained(tiny_model_path).named_parameters())
+    algo = AlgorithmConfig(name="grpo", loss_horizon_tokens=16).apply_preset()
+    learner = FSDPLearner(LearnerConfig(lr=1e-2, eps=1e-3, micro_batch_size=4), algo, tiny_model_path,
+                          temperature=1.0, total_optimizer_steps=2)
+    learner.compute_logprobs(make_batch())  # a no-grad pass first
+    learner.reset_optimizer()
+    assert all(hasattr(p, "full_tensor") for p in learner.model.parameters())  # sharded again
+    batch = make_batch()
+    learner.prepare(batch)
+    learner.train_step(batch)
+    weights = dict(learner.named_weights())
+    frozen = [n for n, w in weights.items() if torch.equal(w, start[n].detach())]
+    assert frozen == []
