@@ -511,3 +511,17 @@ def test_two_learner_ranks_with_lora_equal_one_rank(tmp_path):
     wb = dict(AutoModelForCausalLM.from_pretrained(two["final_model"]).named_parameters())
     for name, w in wa.items():
         torch.testing.assert_close(wb[name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packed_lora_passes_equal_padded_ones(tiny_model_path):
+    """peft's wrapped model takes packed rows too: adapters far from init, the same log-probs."""
+    batch = collate([_traj(0, 0, [5, 6, 7], [9, 10, 11, 12]), _traj(0, 1, [5, 6], [13]),
+                     _traj(1, 0, [8, 9, 10, 11], [14, 15])], pad_token_id=0)
+    out = []
+    for packing in (False, True):
+        learner = FSDPLearner(LearnerConfig(lora=LoRAConfig(rank=RANK), packing=packing),
+                              AlgorithmConfig().apply_preset(), tiny_model_path, 1.0, 10)
+        _randomize_adapters(learner, seed=3)
+        out.append(learner.compute_logprobs(batch))
+    valid = batch.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(out[1][valid], out[0][valid], rtol=1e-5, atol=1e-5)
