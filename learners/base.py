@@ -98,7 +98,7 @@ class LearnerConfig:
     ids restart per sequence; verl's ``use_remove_padding``). With ``attn_implementation:
     flash_attention_2`` the attention is flash-attention's varlen kernel; with ``sdpa``/``eager``
     a block-diagonal causal mask over the row. ``max_tokens_per_micro_batch`` then counts the
-    packed tokens (the sum of lengths) instead of the padded size. The critic stays padded."""
+    packed tokens (the sum of lengths) instead of the padded size. The critic packs too."""
     attn_implementation: str = "auto"
     """The Hugging Face attention backend of the policy and reference models: ``sdpa``,
     ``eager``, ``flash_attention_2`` (CUDA, needs ``flash-attn``), or ``auto`` = the model's

@@ -40,9 +40,10 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor) -> torch.Tensor:
-        """Values ``[B, L-1]`` float32 for the label slots of ``input_ids`` ``[B, L]`` int64."""
+        """Values ``[B, L-1]`` float32 for the label slots of ``input_ids`` ``[B, L]`` int64
+        (``attention_mask`` ``None`` for a packed row told apart by ``position_ids``)."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
         # A matmul with the head's single row, not Linear + squeeze: FSDP2 warns about (and can
@@ -111,12 +112,13 @@ class FSDPCritic:
         model_path: Hugging Face directory of the backbone's starting weights.
         shard: function sharding a module in place (the learner's FSDP2 wrapping).
         make_optimizer: ``(params, lr) -> (optimizer, scheduler)`` with the learner's schedule.
+        packing: run micro-batches as packed rows (``learner.packing``; see ``values``).
     """
 
-    def __init__(self, cfg: CriticConfig, model_path: str, shard, make_optimizer) -> None:
+    def __init__(self, cfg: CriticConfig, model_path: str, shard, make_optimizer, packing: bool = False) -> None:
         from transformers import AutoModel
 
-        self.cfg = cfg
+        self.cfg, self.packing = cfg, packing
         backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
         backbone.config.use_cache = False
         self.model = ValueModel(backbone)
@@ -131,18 +133,16 @@ class FSDPCritic:
         """Overwrite the backbone with the policy's current weights (the head is kept)."""
         copy_matching_parameters(policy_named_params, self.model.backbone, prefix=self.policy_prefix)
 
-    @torch.no_grad()
-    def compute_values(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
-        """Values ``[B, L-1]`` float32 of ``batch`` under the current critic (no grad)."""
-        out = []
-        device = self.model.value_head.weight.device
-        for start in range(0, len(batch), micro_batch_size):
-            mb = batch.select(slice(start, start + micro_batch_size)).to(device)
-            out.append(self.model(mb.input_ids, mb.attention_mask, mb.position_ids).cpu())
-        from learners.fsdp import reshard_root  # import here: learners.fsdp imports this module
+    def values(self, mb: TrainBatch) -> torch.Tensor:
+        """Values ``[b, L-1]`` float32 of a micro-batch (on the critic's device) under the
+        current critic, from one packed row when ``packing`` is on (0 at slots that predict no
+        real token). Differentiable; ``FSDPLearner.prepare`` calls it under ``no_grad``."""
+        if self.packing:
+            from learners.batching import pack_rows, unpack_labels
 
-        reshard_root(self.model)
-        return torch.cat(out)
+            ids, positions = pack_rows(mb.input_ids, mb.attention_mask, mb.position_ids)
+            return unpack_labels(self.model(ids, None, positions), mb.attention_mask)
+        return self.model(mb.input_ids, mb.attention_mask, mb.position_ids)
 
     def backward(self, mb: TrainBatch, agg_mode: str, num_tokens, num_seqs, horizon,
                  grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -152,7 +152,7 @@ class FSDPCritic:
         micro-batch splits do not change the update; ``grad_scale`` is the world size (FSDP
         averages gradients over ranks, the global normaliser already divides).
         """
-        values = self.model(mb.input_ids, mb.attention_mask, mb.position_ids)
+        values = self.values(mb)
         loss, metrics = value_loss(values, mb.extras["values"], mb.extras["returns"], mb.loss_mask,
                                    clip_range_value=self.cfg.clip_range_value, agg_mode=agg_mode,
                                    num_global_tokens=num_tokens, num_global_seqs=num_seqs, horizon=horizon)

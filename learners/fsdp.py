@@ -188,7 +188,7 @@ class FSDPLearner:
             from async_rl.data.builtin import resolve
 
             critic_path = resolve(cfg.critic.model_path) if cfg.critic.model_path else model_path
-            self.critic = FSDPCritic(cfg.critic, critic_path, self._shard, self._make_optimizer)
+            self.critic = FSDPCritic(cfg.critic, critic_path, self._shard, self._make_optimizer, packing=cfg.packing)
         self.version = 0
         self.reset_optimizer()
 
@@ -328,15 +328,6 @@ class FSDPLearner:
                              f"sequences by position ids (log-probs differ by {gap:.3g}); use "
                              f"learner.packing=false or learner.attn_implementation=sdpa|flash_attention_2")
 
-    def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
-        if self.cfg.max_tokens_per_micro_batch:
-            for r in micro_batches_by_tokens(batch.attention_mask.sum(1).tolist(), self.cfg.max_tokens_per_micro_batch,
-                                             packed=self.cfg.packing):
-                yield batch.select(slice(r.start, r.stop)).trimmed()
-            return
-        for start in range(0, len(batch), self.cfg.micro_batch_size):
-            yield batch.select(slice(start, start + self.cfg.micro_batch_size))
-
     @torch.no_grad()
     @collective
     def compute_logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -347,6 +338,14 @@ class FSDPLearner:
         share of the rows and one all-reduce assembles the result: each row is written by one
         rank and the others add exact zeros, so the pass costs 1/N of the compute per rank.
         """
+        return self._score_rows(batch, lambda mb: self._forward(mb, with_entropy=False, model=model)[0],
+                                model or self.model)
+
+    def _score_rows(self, batch: TrainBatch, score, module: torch.nn.Module) -> torch.Tensor:
+        """``score(micro_batch) -> [b, w]`` over this rank's token-balanced share of the rows,
+        assembled into ``[B, L-1]`` float32 on every rank with one all-reduce (rows another rank
+        scored arrive as its values; each rank adds exact zeros elsewhere). ``module`` is the
+        FSDP2 root that ``score`` ran, resharded afterwards (``reshard_root``)."""
         out = torch.zeros(batch.loss_mask.shape)
         world, rank = dist.get_world_size(), dist.get_rank()
         share = split_by_tokens(batch.attention_mask.sum(1).tolist(), world)[rank]
@@ -355,10 +354,10 @@ class FSDPLearner:
             mb = (mine if real else batch).select(sl)
             if self.cfg.max_tokens_per_micro_batch:
                 mb = mb.trimmed()
-            lp = self._forward(mb, with_entropy=False, model=model)[0]
+            values = score(mb.to(self.device))
             if real:
-                out[share.start + sl.start : share.start + sl.start + len(mb), : lp.shape[1]] = lp
-        reshard_root(model or self.model)
+                out[share.start + sl.start : share.start + sl.start + len(mb), : values.shape[1]] = values.float().cpu()
+        reshard_root(module)
         if world > 1:
             dist.all_reduce(out)
         return out
@@ -393,7 +392,8 @@ class FSDPLearner:
             timings["timing/ref_s"] = time.perf_counter() - t0
         if self.critic is not None:
             t0 = time.perf_counter()
-            batch.extras["values"] = self.critic.compute_values(batch, self.cfg.micro_batch_size)
+            # Rows split across ranks as for the log-probs.
+            batch.extras["values"] = self._score_rows(batch, self.critic.values, self.critic.model)
             timings["timing/values_s"] = time.perf_counter() - t0
         return timings
 
@@ -542,19 +542,31 @@ class FSDPLearner:
         """One supervised step: token-mean negative log-likelihood of the loss-masked tokens.
 
         Used by the supervised warm start, at temperature 1 and learning rate ``lr`` (the
-        schedule does not advance). Returns ``{"sft/loss", "sft/grad_norm"}``.
+        schedule does not advance). On N ranks each runs its token-balanced share of the rows
+        against the whole batch's token count, so N ranks take the 1-rank step at 1/N of the
+        compute each. Returns ``{"sft/loss", "sft/grad_norm"}``.
         """
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        num_tokens, _ = count_normalizers(batch.loss_mask)
+        num_tokens, _ = count_normalizers(batch.loss_mask)  # the whole batch's: same on every rank
+        world, rank = dist.get_world_size(), dist.get_rank()
+        share = split_by_tokens(batch.attention_mask.sum(1).tolist(), world)[rank]
+        mine = batch.select(slice(share.start, share.stop))
         loss_sum = torch.zeros(())
-        for mb in self._micro_batches(batch):
+        for sl, real in self._micro_slices(mine, batch):
+            mb = (mine if real else batch).select(sl)
+            if self.cfg.max_tokens_per_micro_batch:
+                mb = mb.trimmed()
             mb = mb.to(self.device)
+            # A padding pass (ranks must run as many passes for FSDP's collectives) adds nothing.
+            mask = mb.loss_mask if real else torch.zeros_like(mb.loss_mask)
             nll = -self._forward(mb, with_entropy=False, temperature=1.0)[0]
-            loss = aggregate_loss(nll, mb.loss_mask, "token-mean", num_global_tokens=num_tokens,
-                                  num_global_seqs=len(batch))
-            loss.backward()
+            loss = aggregate_loss(nll, mask, "token-mean", num_global_tokens=num_tokens, num_global_seqs=len(batch))
+            # FSDP averages gradients over ranks; scale back to the sum over the shares.
+            (loss * world).backward()
             loss_sum += loss.detach().cpu()
+        if world > 1:
+            dist.all_reduce(loss_sum)
         # No scheduler step: the warm start's LR is constant and the RL schedule starts afterwards.
         grad_norm = clip_and_step(self.model.parameters(), self.optimizer, None, self.cfg.grad_clip)
         return {"sft/loss": loss_sum, "sft/grad_norm": grad_norm.detach()}

@@ -27,7 +27,7 @@ def make_batch(seed: int = 0):
 
 
 def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, out: str,
-        max_tokens: int = 0, critic: bool = False, packing: bool = False) -> None:
+        max_tokens: int = 0, critic: bool = False, packing: bool = False, sft: bool = False) -> None:
     """Train one step on ``make_batch()`` and write loss and full weights to ``out`` (rank 0)."""
     import torch
     import torch.distributed as dist
@@ -50,8 +50,16 @@ def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, o
     if critic:
         batch.extras["values"] = torch.zeros_like(batch.loss_mask)
         batch.extras["returns"] = batch.advantages.clone()
-    learner.prepare(batch)
-    metrics = learner.train_step(batch)
+    if sft:
+        # The warm start's step; each rank scores only its share of the rows.
+        forwarded = []
+        forward = learner._forward
+        learner._forward = lambda mb, *a, **k: forwarded.append(int(mb.attention_mask.sum())) or forward(mb, *a, **k)
+        metrics = {"loss/pg": learner.sft_step(batch, 1e-2)["sft/loss"]}
+        metrics["critic/vf_loss"] = float(sum(forwarded))  # tokens this rank ran (rank 0's)
+    else:
+        learner.prepare(batch)
+        metrics = learner.train_step(batch)
     weights = {n: t.clone() for n, t in learner.named_weights()}  # collective: every rank
     if rank == 0:
         torch.save({"loss": float(metrics["loss/pg"]), "vf": float(metrics.get("critic/vf_loss", 0.0)),

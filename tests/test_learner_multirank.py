@@ -64,6 +64,18 @@ def test_two_packed_ranks_with_critic_equal_one_padded_rank(tmp_path, tiny_model
         torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_two_rank_sft_step_equals_one_rank_at_half_the_tokens(tmp_path, tiny_model_path):
+    one = _train(1, tmp_path / "a", tiny_model_path, "token-mean", sft=True)
+    two = _train(2, tmp_path / "b", tiny_model_path, "token-mean", sft=True, packing=True, max_tokens=24)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    # Rank 0 ran its token-balanced share of the rows, not the whole batch (the "vf" slot
+    # carries the real tokens it forwarded).
+    assert one["vf"] == 94  # make_batch's 11 sequences
+    assert 0 < two["vf"] < 0.75 * one["vf"]
+
+
 def test_token_budget_micro_batches_equal_padded_ones(tmp_path, tiny_model_path):
     # Other micro-batch cuts and trimmed padding, same global normalisers: the same update.
     padded = _train(1, tmp_path / "a", tiny_model_path, "seq-mean-token-mean")
