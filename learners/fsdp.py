@@ -338,8 +338,9 @@ class FSDPLearner:
         share of the rows and one all-reduce assembles the result: each row is written by one
         rank and the others add exact zeros, so the pass costs 1/N of the compute per rank.
         """
-        return self._score_rows(batch, lambda mb: self._forward(mb, with_entropy=False, model=model)[0],
-                                model or self.model)
+        # A LoRA reference (adapters off) runs the policy's own sharded root.
+        root = model.model if isinstance(model, lora.AdapterDisabled) else (model or self.model)
+        return self._score_rows(batch, lambda mb: self._forward(mb, with_entropy=False, model=model)[0], root)
 
     def _score_rows(self, batch: TrainBatch, score, module: torch.nn.Module) -> torch.Tensor:
         """``score(micro_batch) -> [b, w]`` over this rank's token-balanced share of the rows,
