@@ -437,7 +437,6 @@ def test_ppo_with_kl_and_lora_resumes_exactly(tmp_path, monkeypatch, warm_start_
     """LoRA with a critic (its backbone from the merged policy) and a KL reference, checkpointed
     and resumed: without a warm start the reference is the policy with adapters off (no state of
     its own), after an adapter warm start a merged plain copy (saved and restored)."""
-    import os
     import signal
 
     from async_rl import controller
@@ -453,21 +452,12 @@ def test_ppo_with_kl_and_lora_resumes_exactly(tmp_path, monkeypatch, warm_start_
             "algorithm.name=ppo", "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.01", "learner.lora.rank=8",
             "learner.lr=1e-3", *extra])
 
+    from test_checkpoint import _interrupt_after, _steps
+
     def steps(name):
-        out = {}
-        for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            if rec["step"] >= 1 and "loss/pg" in rec:
-                out[rec["step"]] = rec
-        return out
+        return _steps(tmp_path / name)
 
-    original = controller.SyncLoop.step
-
-    def interrupted(self, step):
-        out = original(self, step)
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
+    interrupted = _interrupt_after(2, signal.SIGTERM)
 
     train(cfg("full"))
     with monkeypatch.context() as m:
