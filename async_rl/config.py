@@ -167,7 +167,96 @@ def _cross_validate(cfg: Config) -> None:
     if n < 2 and cfg.algorithm.dynamic_sampling:
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
                           "differ, which needs at least 2 samples per prompt")
+    _check_splits(cfg)
+    _check_token_budgets(cfg)
     _check_lora(cfg)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _check_splits(cfg: Config) -> None:
+    """Refuse a config that leaves one of its splits without work.
+
+    Every split of a step's work must get at least one sequence (or group), or the config is
+    refused here, naming the keys and the derived numbers:
+
+    - the step's ``prompts_per_step x samples_per_prompt`` sequences into
+      ``learner.num_mini_batches`` mini-batches (an empty one would still take an optimizer and
+      an LR-scheduler step; the critic shares this split);
+    - each mini-batch over ``learner.world_size`` ranks: the batch is cut by ``tensor_split``, so
+      the smallest mini-batch has ``floor(S / num_mini_batches)`` sequences;
+    - async mode: ``generator.num_workers`` against the ``(max_staleness + 1) x prompts_per_step``
+      groups admission control lets be in flight (``buffers.replay.AdmissionController``);
+    - the warm start's ``batch_size`` sequences over ``learner.world_size`` ranks.
+
+    Micro-batches need no rule: they are cut from a rank's non-empty share and are never empty
+    (``learners.batching``). Dynamic sampling only adds groups; reward rejections may shrink a
+    batch at run time, which the learner handles (``FSDPLearner.train_step`` skips mini-batches
+    without a loss token).
+    """
+    t, lrn = cfg.trainer, cfg.learner
+    n, prompts = t.samples_per_prompt, t.prompts_per_step
+    seqs = prompts * n
+    per_step = f"trainer.prompts_per_step={prompts} x trainer.samples_per_prompt={n}"
+    if lrn.num_mini_batches > seqs:
+        raise ConfigError(f"learner.num_mini_batches={lrn.num_mini_batches} exceeds the "
+                          f"{_plural(seqs, 'sequence')} per step ({per_step}): a mini-batch would be empty "
+                          "and its optimizer step would train on nothing")
+    smallest = seqs // lrn.num_mini_batches
+    if lrn.world_size > smallest:
+        raise ConfigError(f"learner.world_size={lrn.world_size} exceeds the {_plural(smallest, 'sequence')} of "
+                          f"the smallest mini-batch ({per_step} = {seqs} sequences per step in "
+                          f"learner.num_mini_batches={lrn.num_mini_batches}): a rank would get no sequence")
+    if t.mode == "async":
+        in_flight = (t.max_staleness + 1) * prompts
+        if cfg.generator.num_workers > in_flight:
+            raise ConfigError(
+                f"generator.num_workers={cfg.generator.num_workers} exceeds the {_plural(in_flight, 'group')} "
+                f"admission control lets be in flight in trainer.mode=async ((trainer.max_staleness="
+                f"{t.max_staleness} + 1) x trainer.prompts_per_step={prompts}): a worker would never get a group")
+    ws = t.warm_start
+    if ws.steps > 0 and ws.batch_size < lrn.world_size:
+        raise ConfigError(f"trainer.warm_start.batch_size={ws.batch_size} is less than learner.world_size="
+                          f"{lrn.world_size}: a rank would get no warm-start sequence")
+
+
+def _longest_sequence(cfg: Config) -> tuple[int, str]:
+    """The most tokens one rollout sequence (prompt + response) can have, and how it is derived.
+
+    A prompt has at most ``data.max_prompt_tokens`` tokens (longer ones are rejected at load); a
+    response at most ``generator.max_response_tokens``, or with tools (``agent.tools``) a whole
+    conversation at most ``agent.max_response_tokens`` (generated and tool tokens together).
+
+    Returns:
+        ``(tokens, "data.max_prompt_tokens=P + <key>=R")``.
+    """
+    prompt = cfg.data.max_prompt_tokens
+    if cfg.agent.enabled:
+        response, key = cfg.agent.max_response_tokens, "agent.max_response_tokens"
+    else:
+        response, key = cfg.generator.max_response_tokens, "generator.max_response_tokens"
+    return prompt + response, f"data.max_prompt_tokens={prompt} + {key}={response}"
+
+
+def _check_token_budgets(cfg: Config) -> None:
+    """Refuse token budgets that the longest possible rollout sequence would exceed.
+
+    A budget exactly met is fine: a sequence of exactly ``learner.max_tokens_per_micro_batch``
+    tokens gets a micro-batch of its own, and vLLM runs a request up to exactly
+    ``max_model_len`` tokens. (Warm-start sequences are reference answers of any length; a
+    too-long one is still named at run time by ``learners.batching.micro_batches_by_tokens``.)
+    """
+    longest, how = _longest_sequence(cfg)
+    budget = cfg.learner.max_tokens_per_micro_batch
+    if 0 < budget < longest:
+        raise ConfigError(f"learner.max_tokens_per_micro_batch={budget} is less than the {longest} tokens of the "
+                          f"longest possible sequence ({how}): such a sequence would fit no micro-batch")
+    context = cfg.generator.vllm.max_model_len
+    if cfg.generator.backend == "vllm" and 0 < context < longest:
+        raise ConfigError(f"generator.vllm.max_model_len={context} is less than the {longest} tokens of the "
+                          f"longest possible sequence ({how}): vLLM would end responses before the limit")
 
 
 def _check_lora(cfg: Config) -> None:

@@ -26,7 +26,10 @@ class VLLMConfig:
     the learner's dtype (no train/inference mismatch from rounding), and vLLM's CPU bfloat16
     kernels need AVX512-BF16 (the worker dies with SIGILL on AVX2-only CPUs, as measured here)."""
     max_model_len: int = 0
-    """Context length of the engine in tokens; 0 = the checkpoint's."""
+    """Context length of the engine in tokens (prompt and response together); 0 = the
+    checkpoint's. Otherwise at least ``data.max_prompt_tokens + generator.max_response_tokens``
+    (with tools ``+ agent.max_response_tokens`` instead; checked at load), or vLLM would end
+    responses before their limit."""
     gpu_memory_utilization: float = 0.3
     """Fraction of device memory for weights + KV cache (vLLM's own setting; lower on a shared GPU)."""
     cpu_kv_cache_gb: int = 1
@@ -51,7 +54,8 @@ class GeneratorConfig:
     top_k: int = 0
     """Keep the k most likely tokens (>= 0); 0 disables it."""
     max_response_tokens: int = 256
-    """Most tokens generated per response (>= 1); longer responses end with finish reason ``length``."""
+    """Most tokens generated per response (>= 1). A response that reaches it ends with finish
+    reason ``length``, unless its last token is a stop token (``stop``)."""
     max_batch_size: int = 256
     """Most sequences per engine forward batch (>= 1); bounds generation memory."""
     seed: int = 0
@@ -62,7 +66,9 @@ class GeneratorConfig:
     """New weights arriving mid-generation: ``keep`` continues in-flight responses on them (each
     token records its version), ``abort`` stops them and re-issues them with their partial tokens."""
     num_workers: int = 2
-    """Async mode: generator actors in the pool (>= 1), each with its own engine."""
+    """Async mode: generator actors in the pool (>= 1), each with its own engine; at most the
+    ``(trainer.max_staleness + 1) * trainer.prompts_per_step`` groups admission control lets be
+    in flight, or a worker would never get one (checked at load)."""
     threads_per_worker: int = 0
     """Async mode: torch CPU threads per generator actor (>= 0); 0 = the cores divided evenly
     between the workers and the learner (oversubscribed cores slow everything down)."""

@@ -57,7 +57,10 @@ class LearnerConfig:
     world_size: int = 1
     """Learner ranks (>= 1) on one process group (gloo on CPU). Rank 0 is the trainer process;
     ranks 1.. are Ray actors it places (``learners.launch``), or the other ranks of a
-    ``torchrun --nproc-per-node N -m async_rl.cli train ...`` launch."""
+    ``torchrun --nproc-per-node N -m async_rl.cli train ...`` launch. At most the sequences of
+    the smallest mini-batch, ``floor(prompts_per_step * samples_per_prompt / num_mini_batches)``,
+    and at most ``trainer.warm_start.batch_size`` with a warm start, so no rank is left without a
+    sequence (checked at load)."""
     device: str = "auto"
     """``cpu``, ``cuda`` (one GPU per rank, NCCL for the collectives), or ``auto`` = ``cuda`` when
     torch sees a GPU."""
@@ -81,7 +84,8 @@ class LearnerConfig:
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (>= 0)."""
     warmup_steps: int = 0
-    """Optimizer steps of linear LR warm-up from 0 (>= 0)."""
+    """Optimizer steps of linear LR warm-up from 0 (>= 0). The schedule advances once per
+    optimizer step taken; a skipped mini-batch (see ``num_mini_batches``) does not advance it."""
     lr_schedule: str = "constant"
     """After warm-up: ``constant``, ``linear`` (decay to ``min_lr_ratio``) or ``cosine``."""
     min_lr_ratio: float = 0.0
@@ -92,7 +96,10 @@ class LearnerConfig:
     """Sequences per forward/backward pass (>= 1); gradients accumulate across micro-batches."""
     max_tokens_per_micro_batch: int = 0
     """> 0: micro-batches are cut by tokens instead, each at most this many (padded) tokens, and
-    padding beyond a micro-batch's longest sequence is removed (``learners.batching``)."""
+    padding beyond a micro-batch's longest sequence is removed (``learners.batching``). Must be
+    at least the longest possible sequence, ``data.max_prompt_tokens +
+    generator.max_response_tokens`` (with tools ``+ agent.max_response_tokens`` instead; checked
+    at load); a sequence of exactly this many tokens gets a micro-batch of its own."""
     packing: bool = False
     """Run each micro-batch as one row of its sequences' real tokens, without padding (position
     ids restart per sequence; verl's ``use_remove_padding``). With ``attn_implementation:
@@ -104,7 +111,11 @@ class LearnerConfig:
     ``eager``, ``flash_attention_2`` (CUDA, needs ``flash-attn``), or ``auto`` = the model's
     default (``sdpa`` for the built-in models)."""
     num_mini_batches: int = 1
-    """Optimizer steps per training step: the step's batch is split into this many (>= 1)."""
+    """Optimizer steps per training step: the step's batch is split into this many (>= 1, and at
+    most the ``prompts_per_step * samples_per_prompt`` sequences of a step; checked at load). A
+    mini-batch left without a valid token at run time (a batch shrunk below this by reward
+    rejections, or every token masked by the overlong filter) is skipped, with no optimizer or
+    LR-scheduler step, and counted in ``actor/skipped_mini_batches``."""
     num_epochs: int = 1
     """Passes over the step's batch (>= 1)."""
     seed: int = 0

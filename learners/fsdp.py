@@ -12,13 +12,19 @@ computed from these (KL-in-reward and GAE need them), then ``train_step``:
 1. takes the proximal log-probs from ``prepare`` (or computes them if it was skipped);
 2. for each epoch, split the batch into ``num_mini_batches`` mini-batches; for each, count the
    valid tokens and sequences of the whole mini-batch (the global normaliser), run the
-   micro-batches with gradient accumulation, clip, and take one optimizer step (one policy
-   version); the critic, when there is one, takes its step on the same mini-batch;
-3. return metrics reduced once per training step (token-weighted means over micro-batches).
+   micro-batches with gradient accumulation, clip, and take one optimizer step; the critic, when
+   there is one, takes its step on the same mini-batch. A mini-batch without a valid token (on
+   every rank) is skipped: no pass, no optimizer and no LR-scheduler step. That happens when a
+   batch has fewer sequences than ``num_mini_batches`` (reward rejections at run time; the
+   config check refuses it for full batches) or when every token of it is masked (DAPO's
+   overlong filter);
+3. return metrics reduced once per training step (token-weighted means over micro-batches); the
+   step is one policy version whatever its number of optimizer steps.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Iterator
@@ -38,6 +44,8 @@ from learners.batching import micro_batches_by_tokens, pack_rows, split_by_token
 from learners import lora
 from learners.critic import FSDPCritic, copy_matching_parameters
 from learners.spmd import collective
+
+logger = logging.getLogger(__name__)
 
 
 def hf_name(name: str) -> str:
@@ -190,6 +198,7 @@ class FSDPLearner:
             critic_path = resolve(cfg.critic.model_path) if cfg.critic.model_path else model_path
             self.critic = FSDPCritic(cfg.critic, critic_path, self._shard, self._make_optimizer, packing=cfg.packing)
         self.version = 0
+        self._warned_skip = False  # train_step warns once about mini-batches without a valid token
         self.reset_optimizer()
 
     def _shard(self, module: torch.nn.Module, layers_of: torch.nn.Module | None = None) -> None:
@@ -420,7 +429,10 @@ class FSDPLearner:
 
         Returns:
             Metrics under ``loss/``, ``actor/``, ``critic/`` and ``mismatch/``, one value per
-            training step.
+            training step; ``actor/optimizer_steps`` counts the optimizer steps taken and
+            ``actor/skipped_mini_batches`` the mini-batches skipped for want of a valid token
+            (fewer sequences than ``num_mini_batches``, or every token masked). ``loss/pg`` is
+            averaged over the steps taken (0 when none was).
 
         Raises:
             KeyError: a KL loss term or a critic is configured but the batch lacks its extras.
@@ -440,6 +452,7 @@ class FSDPLearner:
         pg_losses: list[torch.Tensor] = []
         vf_losses: list[torch.Tensor] = []
         world, rank = dist.get_world_size(), dist.get_rank()
+        num_steps, skipped = 0, 0
         for epoch in range(self.cfg.num_epochs):
             for idx in self._split(len(batch), self.cfg.num_mini_batches, epoch):
                 mini = batch.select(idx)
@@ -454,6 +467,13 @@ class FSDPLearner:
                     norms = torch.stack([num_tokens, num_seqs]).float()
                     dist.all_reduce(norms)
                     num_tokens, num_seqs = norms[0], norms[1]
+                if int(num_tokens) == 0:
+                    # Nothing to learn from (an empty cut of a short batch, or every token masked),
+                    # and AdamW on a zero gradient is no no-op: momentum and weight decay would still
+                    # move the weights, and the LR schedule would advance. The count is global, so
+                    # every rank skips the same mini-batches and the collectives stay matched.
+                    skipped += 1
+                    continue
                 for sl, real in self._micro_slices(mine, mini):
                     mb = (mine if real else mini).select(sl).to(self.device)
                     mb_prox = (mine_prox if real else mini_prox)[sl].to(self.device)
@@ -482,7 +502,8 @@ class FSDPLearner:
                     if a.entropy_coef:
                         total = total - a.entropy_coef * ent
                     if a.kl_coef and not a.use_kl_in_reward:
-                        kl = kl_penalty(logprobs, mb.extras["ref_logprobs"], a.kl_estimator, mask=mb.loss_mask)
+                        kl = kl_penalty(logprobs, mb.extras["ref_logprobs"], a.kl_estimator, mask=mb.loss_mask,
+                                        k3_clamp=a.kl_k3_clamp)
                         kl_loss = aggregate_loss(kl, mb.loss_mask, a.loss_agg_mode, num_global_tokens=num_tokens,
                                                  num_global_seqs=num_seqs, horizon=a.loss_horizon_tokens)
                         total = total + a.kl_coef * kl_loss
@@ -504,22 +525,33 @@ class FSDPLearner:
                     step_metrics["critic/grad_norm"] = self.critic.optimizer_step(self.cfg.grad_clip)
                 per_mb.append(step_metrics)
                 weights.append(1.0)
+                num_steps += 1
+        if skipped:
+            planned = self.cfg.num_epochs * self.cfg.num_mini_batches
+            if not self._warned_skip:
+                self._warned_skip = True
+                logger.warning("train_step: %d of %d mini-batches had no valid token (a batch of %d sequences for "
+                               "learner.num_mini_batches=%d, or every token masked) and took no optimizer or "
+                               "LR-scheduler step; actor/skipped_mini_batches counts them from here on",
+                               skipped, planned, len(batch), self.cfg.num_mini_batches)
         # One policy version per training step (per batch of trajectories), however many optimizer
         # steps it took: staleness is counted in these versions, as in AReaL and PipelineRL.
         self.version += 1
-        out = reduce_metrics(per_mb, weights)
+        # Every rank takes the same optimizer steps, so per_mb is empty on all ranks or on none.
+        out = reduce_metrics(per_mb, weights) if per_mb else {}
         if world > 1:
             out.update(_token_weighted_across_ranks(out, per_mb, weights, skip=("actor/grad_norm", "critic/grad_norm")))
         out["actor/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
-        num_steps = self.cfg.num_epochs * self.cfg.num_mini_batches
-        sums = torch.stack([torch.stack(pg_losses).sum().cpu(),
+        out["actor/optimizer_steps"] = torch.tensor(float(num_steps))
+        out["actor/skipped_mini_batches"] = torch.tensor(float(skipped))
+        sums = torch.stack([torch.stack(pg_losses).sum().cpu() if pg_losses else torch.zeros(()),
                             torch.stack(vf_losses).sum().cpu() if vf_losses else torch.zeros(())])
         if world > 1:
             # The losses are shares of one global normaliser: their sum over ranks is the loss.
             dist.all_reduce(sums)
-        out["loss/pg"] = sums[0] / num_steps
+        out["loss/pg"] = sums[0] / max(num_steps, 1)
         if vf_losses:
-            out["critic/vf_loss"] = sums[1] / num_steps
+            out["critic/vf_loss"] = sums[1] / max(num_steps, 1)
         return out
 
     def _micro_slices(self, mine: TrainBatch, mini: TrainBatch) -> list[tuple[slice, bool]]:

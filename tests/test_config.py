@@ -120,3 +120,134 @@ def test_dynamic_sampling_needs_two_samples():
         load_config(ROOT / "configs/default.yaml", ["trainer.samples_per_prompt=1", "algorithm.name=ppo",
                                                     "algorithm.dynamic_sampling=true"])
     load_config(ROOT / "configs/default.yaml", ["trainer.samples_per_prompt=1", "algorithm.name=ppo"])
+
+
+# ----------------------------------------------------------------------------- empty work (issue 13)
+# Every split a config implies must get real work: a config that leaves a mini-batch, a learner
+# rank, a generator worker or a warm-start rank without a sequence is refused at load, in one
+# line naming the keys and the derived numbers. Each rule is tested at limit - 1, limit, limit + 1.
+
+def _load(*overrides):
+    return load_config(ROOT / "configs/default.yaml", list(overrides))
+
+
+def test_issue_example_more_mini_batches_than_sequences_is_refused():
+    with pytest.raises(ConfigError) as e:
+        _load("trainer.prompts_per_step=1", "trainer.samples_per_prompt=2", "learner.num_mini_batches=4")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "learner.num_mini_batches=4" in msg and "2 sequences per step" in msg
+    assert "trainer.prompts_per_step=1" in msg and "trainer.samples_per_prompt=2" in msg
+
+
+@pytest.mark.parametrize("mini_batches, ok", [(2, True), (3, True), (4, False)])
+def test_num_mini_batches_boundary(mini_batches, ok):
+    # 1 prompt x 3 samples = 3 sequences per step: 3 mini-batches of one each is the limit.
+    args = ("trainer.prompts_per_step=1", "trainer.samples_per_prompt=3", f"learner.num_mini_batches={mini_batches}")
+    if ok:
+        assert _load(*args).learner.num_mini_batches == mini_batches
+    else:
+        with pytest.raises(ConfigError, match=r"learner.num_mini_batches=4 exceeds the 3 sequences per step"):
+            _load(*args)
+
+
+@pytest.mark.parametrize("world, ok", [(1, True), (2, True), (3, False)])
+def test_world_size_against_the_smallest_mini_batch(world, ok):
+    # 5 sequences over 2 mini-batches are cut [3, 2]: the smaller one has 2, so 2 ranks is the limit.
+    args = ("trainer.prompts_per_step=1", "trainer.samples_per_prompt=5", "learner.num_mini_batches=2",
+            f"learner.world_size={world}")
+    if ok:
+        assert _load(*args).learner.world_size == world
+    else:
+        with pytest.raises(ConfigError) as e:
+            _load(*args)
+        msg = str(e.value)
+        assert "learner.world_size=3" in msg and "learner.num_mini_batches=2" in msg and "2 sequences" in msg
+        assert "trainer.prompts_per_step=1" in msg and "trainer.samples_per_prompt=5" in msg
+
+
+@pytest.mark.parametrize("workers, ok", [(1, True), (2, True), (3, False)])
+def test_async_workers_against_the_groups_in_flight(workers, ok):
+    # Admission lets (max_staleness + 1) x prompts_per_step = 2 groups be in flight: a third
+    # worker would never get one.
+    args = ("trainer.mode=async", "trainer.max_staleness=1", "trainer.prompts_per_step=1",
+            "trainer.samples_per_prompt=8", "learner.num_mini_batches=1", f"generator.num_workers={workers}")
+    if ok:
+        assert _load(*args).generator.num_workers == workers
+    else:
+        with pytest.raises(ConfigError) as e:
+            _load(*args)
+        msg = str(e.value)
+        assert "generator.num_workers=3" in msg and "2 groups" in msg
+        assert "trainer.max_staleness=1" in msg and "trainer.prompts_per_step=1" in msg
+
+
+def test_async_workers_limit_follows_the_resolved_staleness():
+    # max_staleness left unset resolves to 1 in async mode: 2 x 1 groups in flight.
+    base = ("trainer.mode=async", "trainer.prompts_per_step=1", "trainer.samples_per_prompt=8",
+            "learner.num_mini_batches=1")
+    assert _load(*base, "generator.num_workers=2").trainer.max_staleness == 1
+    with pytest.raises(ConfigError, match=r"generator.num_workers=3"):
+        _load(*base, "generator.num_workers=3")
+    with pytest.raises(ConfigError, match=r"generator.num_workers=2 .*1 group"):
+        _load(*base, "trainer.max_staleness=0", "generator.num_workers=2")
+
+
+def test_sync_mode_ignores_num_workers():
+    # The pool exists only in async mode.
+    cfg = _load("trainer.prompts_per_step=1", "trainer.samples_per_prompt=8", "learner.num_mini_batches=1",
+                "generator.num_workers=8")
+    assert cfg.generator.num_workers == 8
+
+
+@pytest.mark.parametrize("batch_size, ok", [(1, False), (2, True), (3, True)])
+def test_warm_start_batch_against_world_size(batch_size, ok):
+    args = ("learner.world_size=2", "trainer.warm_start.steps=5", f"trainer.warm_start.batch_size={batch_size}")
+    if ok:
+        assert _load(*args).trainer.warm_start.batch_size == batch_size
+    else:
+        with pytest.raises(ConfigError, match=r"trainer.warm_start.batch_size=1 .*learner.world_size=2"):
+            _load(*args)
+    # Without a warm start its batch size splits nothing.
+    assert _load("learner.world_size=2", "trainer.warm_start.steps=0", "trainer.warm_start.batch_size=1")
+
+
+# ----------------------------------------------------------------------------- budgets exactly met
+
+@pytest.mark.parametrize("budget, ok", [(39, False), (40, True), (41, True), (0, True)])
+def test_micro_batch_token_budget_fits_the_longest_sequence(budget, ok):
+    # default.yaml: prompts of at most 32 tokens, responses of at most 8: a sequence has <= 40.
+    args = (f"learner.max_tokens_per_micro_batch={budget}",)
+    if ok:
+        assert _load(*args).learner.max_tokens_per_micro_batch == budget
+    else:
+        with pytest.raises(ConfigError) as e:
+            _load(*args)
+        msg = str(e.value)
+        assert "learner.max_tokens_per_micro_batch=39" in msg and "40" in msg
+        assert "data.max_prompt_tokens=32" in msg and "generator.max_response_tokens=8" in msg
+    # Packing counts real tokens, and the longest sequence is as long either way.
+    if not ok:
+        with pytest.raises(ConfigError, match="learner.max_tokens_per_micro_batch=39"):
+            _load(*args, "learner.packing=true")
+
+
+def test_micro_batch_token_budget_counts_the_agent_response_limit():
+    # With tools a response is a whole conversation: agent.max_response_tokens (160) + 64 prompt tokens.
+    path = ROOT / "examples/calculator/config.yaml"
+    assert load_config(path, ["learner.max_tokens_per_micro_batch=224"]).learner.max_tokens_per_micro_batch == 224
+    with pytest.raises(ConfigError, match=r"learner.max_tokens_per_micro_batch=223 .*agent.max_response_tokens=160"):
+        load_config(path, ["learner.max_tokens_per_micro_batch=223"])
+
+
+@pytest.mark.parametrize("max_model_len, ok", [(39, False), (40, True), (41, True), (0, True)])
+def test_vllm_context_fits_prompt_and_response(max_model_len, ok):
+    args = ("generator.backend=vllm", "weight_sync.transport=shm", f"generator.vllm.max_model_len={max_model_len}")
+    if ok:
+        assert _load(*args).generator.vllm.max_model_len == max_model_len
+    else:
+        with pytest.raises(ConfigError, match=r"generator.vllm.max_model_len=39 .*40.*data.max_prompt_tokens=32"
+                                              r".*generator.max_response_tokens=8"):
+            _load(*args)
+    # The HF engine does not use the vLLM section.
+    assert _load("generator.vllm.max_model_len=39")

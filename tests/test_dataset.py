@@ -106,3 +106,28 @@ def test_order_is_seeded_and_resumable(tiny_tokenizer):
     c = PromptDataset([train], tiny_tokenizer, 64, seed=3)
     c.load_state_dict(state)
     assert [p.uid for p in c.next_batch(7)] == nxt
+
+
+@pytest.mark.parametrize("delta, kept", [(-1, False), (0, True), (1, True)])
+def test_prompt_of_exactly_max_prompt_tokens_is_accepted(tmp_path, tiny_tokenizer, delta, kept):
+    from async_rl.data.dataset import render_prompt
+
+    long_row, short_row = _row("12+34+56+78=", "180"), _row("1+2=", "3")
+    length = len(render_prompt(tiny_tokenizer, long_row["prompt"]))
+    assert len(render_prompt(tiny_tokenizer, short_row["prompt"])) < length - 1
+    f = tmp_path / "edge.parquet"
+    _write_parquet(f, [short_row, long_row])
+    ds = PromptDataset([str(f)], tiny_tokenizer, max_prompt_tokens=length + delta)
+    assert ds.num_rejected_too_long == (0 if kept else 1)
+    assert len(ds) == (2 if kept else 1)
+    if kept:
+        assert len(ds.prompts[1].prompt_ids) == length  # whole, never truncated
+
+
+@pytest.mark.parametrize("limit, size", [(2, 2), (3, 3), (4, 3), (0, 3)])
+def test_limit_at_the_number_of_prompts(tmp_path, tiny_tokenizer, limit, size):
+    # data.val_max_prompts: at most `limit` accepted prompts, the first ones; 0 = all.
+    f = tmp_path / "three.parquet"
+    _write_parquet(f, [_row("1+2=", "3"), _row("2+2=", "4"), _row("3+2=", "5")])
+    ds = PromptDataset([str(f)], tiny_tokenizer, max_prompt_tokens=64, limit=limit)
+    assert [p.uid for p in ds] == [f"three:{i}" for i in range(size)]

@@ -113,3 +113,44 @@ def test_pack_and_unpack_round_trip():
     assert values.grad.tolist() == [1, 1, 0, 1, 0, 1, 1, 1]
     with pytest.raises(ValueError, match="need N - 1"):
         unpack_labels(torch.zeros(9), mask)
+
+
+# ----------------------------------------------------------------------------- budgets exactly met
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("length, ok", [(7, True), (8, True), (9, False)])
+def test_one_sequence_at_the_budget_boundary(packed, length, ok):
+    # A sequence of exactly the budget fits (its own micro-batch); one token more fits none.
+    if ok:
+        assert [list(r) for r in micro_batches_by_tokens([length], 8, packed=packed)] == [[0]]
+        assert [list(r) for r in micro_batches_by_tokens([1, length, 1], 8, packed=packed)] in (
+            [[0], [1], [2]], [[0, 1], [2]], [[0], [1, 2]])
+    else:
+        with pytest.raises(ValueError, match="sequence 0 has 9 tokens, more than learner.max_tokens_per_micro_batch=8"):
+            micro_batches_by_tokens([length], 8, packed=packed)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_sequence_of_exactly_the_budget_gets_its_own_micro_batch(packed):
+    assert [list(r) for r in micro_batches_by_tokens([1, 8, 1], 8, packed=packed)] == [[0], [1], [2]]
+    assert [list(r) for r in micro_batches_by_tokens([8, 8], 8, packed=packed)] == [[0], [1]]
+
+
+@pytest.mark.parametrize("budget, cuts", [(7, [[0], [1]]), (8, [[0, 1]]), (9, [[0, 1]])])
+def test_padded_micro_batch_exactly_at_the_budget(budget, cuts):
+    # Padded cost of [4, 4] together: 2 x 4 = 8 tokens.
+    assert [list(r) for r in micro_batches_by_tokens([4, 4], budget)] == cuts
+
+
+@pytest.mark.parametrize("budget, cuts", [(6, [[0], [1]]), (7, [[0, 1]]), (8, [[0, 1]])])
+def test_packed_micro_batch_exactly_at_the_budget_counts_real_tokens(budget, cuts):
+    # Packed cost of [4, 3] together: 4 + 3 = 7 real tokens (padded it would be 8).
+    assert [list(r) for r in micro_batches_by_tokens([4, 3], budget, packed=True)] == cuts
+    assert [list(r) for r in micro_batches_by_tokens([4, 3], 7)] == [[0], [1]]
+
+
+@pytest.mark.parametrize("n, sizes", [(3, [1, 1, 1, 0]), (4, [1, 1, 1, 1]), (5, [2, 1, 1, 1])])
+def test_rank_split_at_the_world_size_boundary(n, sizes):
+    # World size - 1 sequences leave one rank empty (the config check refuses such a config);
+    # exactly world size gives one each; one more goes to the first rank.
+    assert _sizes(split_by_tokens([5] * n, 4)) == sizes
