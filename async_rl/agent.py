@@ -6,7 +6,10 @@ parsed for tool calls in the template's format (``agent.parser``: Hermes/Qwen
 ``<tool_call>{...}</tool_call>`` by default); when there are any, the tools run
 (``async_rl.tools``) and their responses are appended as tokens, and the engine continues. The
 conversation ends at a turn without tool calls (the answer), at ``agent.max_turns`` assistant
-turns, or when the response would exceed ``agent.max_response_tokens``.
+turns, or when the response reaches ``agent.max_response_tokens``: each turn may generate up to
+the conversation's own remaining budget (and the engine's per-turn ``max_tokens``), and a tool
+turn that exactly fills the budget is appended before the conversation ends with ``length``
+(one that would exceed it is not).
 
 Token-in, token-out. Generated ids are kept exactly as sampled: the text is decoded only to find
 tool calls and is never re-encoded. Only the appended tool turn is tokenised, as the difference
@@ -17,6 +20,11 @@ template's glue (the newline after the end-of-turn token, the tool role header, 
 response, the next assistant header), so the whole sequence equals the template's rendering of
 the whole conversation when the model wrote what the template would have, and no BOS is
 repeated.
+
+A turn is decoded for parsing with special tokens kept (only its end-of-turn token is left out):
+tokenizers often make the tool-call tags special tokens, and arguments may hold special-token
+text, so the calls are read from exactly what was generated. The answer (``final_text``, what the
+reward scores) is the text outside the calls without any special token or tool-call tag.
 
 Per response token the rollout keeps: the id, the behavior log-prob (0 on tool tokens), the loss
 mask (1 on generated tokens, 0 on tool output and template glue) and the policy version (tool
@@ -52,10 +60,12 @@ class AgentConfig:
     """Most assistant turns per conversation (>= 1); a tool call in the last one is not run."""
     max_response_tokens: int = 512
     """Most response tokens per conversation, generated and tool tokens together (>= 1); a
-    conversation that reaches it ends with finish reason ``length``."""
+    conversation that reaches it ends with finish reason ``length`` (a tool turn that would go
+    past it is left out)."""
     max_tool_response_tokens: int = 128
-    """A tool turn longer than this many tokens is cut (its text, before rendering), so one tool
-    output cannot fill the context (>= 1)."""
+    """A tool output longer than this many tokens is cut to at most this many (whole characters,
+    its text before rendering) and marked `` ...[truncated]``, so one tool output cannot fill the
+    context (>= 1); one of exactly this many is kept whole."""
     max_tool_calls_per_turn: int = 4
     """Calls run per assistant turn (>= 1); each further call is answered with an error
     observation (``tools/error_too_many_calls``) instead of running."""
@@ -179,7 +189,12 @@ def demonstration_ids(tokenizer, prompt_messages: list[dict], demonstration: lis
 
 @dataclass
 class Conversation:
-    """One sample's multi-turn rollout state (response side: everything after the prompt)."""
+    """One sample's multi-turn rollout state (response side: everything after the prompt).
+
+    ``response_ids``, ``logprobs``, ``loss_mask`` and ``policy_version`` are per response token
+    and always the same length. ``final_text`` is the last assistant turn's text outside its tool
+    calls, without special tokens or tool-call tags: the answer the reward scores.
+    """
 
     prompt_ids: list[int]
     messages: list[dict]
@@ -229,6 +244,10 @@ class AgentLoop:
         self.parser = get_parser(cfg.parser)
         self.executor = ToolExecutor(self.registry)
         self._too_many = self._too_many_popped = 0
+        special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        # Longest first, so a special token that contains another is removed whole.
+        self._not_answer = sorted({*special, *tokenizer.all_special_tokens, *self.parser.tags} - {""},
+                                  key=len, reverse=True)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The rendered prompt with the tools' schemas and a generation prompt."""
@@ -244,7 +263,8 @@ class AgentLoop:
             prompts: ``(prompt_ids, messages)`` per prompt; ``prompt_ids`` must be the rendering of
                 ``messages`` with the tool schemas (``prompt_ids``).
             n: conversations per prompt (the group size).
-            params: ``SamplingParams`` of one assistant turn (``max_tokens`` per turn).
+            params: ``SamplingParams`` of one assistant turn (``max_tokens`` per turn; a turn
+                also stops at its conversation's remaining ``agent.max_response_tokens``).
             seeds: one per prompt; conversation j's turn k is sampled with
                 ``mix_seed(seeds[i], j, k)``, independent of the batch. ``None``: unseeded.
             on_sample: called as ``on_sample(i, j, conversation)`` when a conversation ends.
@@ -263,13 +283,18 @@ class AgentLoop:
             active = [(i, j, c) for i, j, c in flat if c.finish_reason is None]
             if not active:
                 break
-            budget = min(self.cfg.max_response_tokens - len(c.response_ids) for _, _, c in active)
-            turn_params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, budget)))
+            # Each conversation generates up to its own remaining budget (>= 1: one with none left
+            # has ended with "length"). The batch runs to the largest and each sample is cut to its
+            # own; per-sample seeds make the cut sample the one a smaller max_tokens would give, so
+            # no conversation's turn depends on the others in its batch.
+            budgets = [min(params.max_tokens, self.cfg.max_response_tokens - len(c.response_ids))
+                       for _, _, c in active]
+            turn_params = dataclasses.replace(params, max_tokens=max(budgets))
             turn_seeds = [mix_seed(c.seed, turn) for _, _, c in active] if seeds is not None else None
             samples = generator.generate([c.prompt_ids + c.response_ids for _, _, c in active], 1, turn_params,
                                          seeds=turn_seeds)
-            for (i, j, c), (sample,) in zip(active, samples):
-                self._after_turn(c, sample, last_turn=turn == self.cfg.max_turns - 1)
+            for (i, j, c), budget, (sample,) in zip(active, budgets, samples):
+                self._after_turn(c, sample, budget, last_turn=turn == self.cfg.max_turns - 1)
                 if c.finish_reason is not None and on_sample is not None:
                     on_sample(i, j, c)
         for i, j, c in flat:
@@ -277,13 +302,13 @@ class AgentLoop:
                 c.finish_reason = "length"
         return convs
 
-    def _after_turn(self, c: Conversation, sample, last_turn: bool) -> None:
+    def _after_turn(self, c: Conversation, sample, budget: int, last_turn: bool) -> None:
         c.num_turns += 1
-        c.append(list(sample.response_ids), list(sample.logprobs), 1,
-                 list(sample.policy_version) or [0] * len(sample.response_ids))
-        ended = bool(sample.response_ids) and sample.response_ids[-1] in self.stop_token_ids
-        text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-        content, calls = self.parser.parse(text)
+        ids = list(sample.response_ids)[:budget]
+        c.append(ids, list(sample.logprobs)[:budget], 1, list(sample.policy_version)[:budget] or [0] * len(ids))
+        ended = bool(ids) and ids[-1] in self.stop_token_ids
+        content, calls = self.parser.parse(self._turn_text(ids[:-1] if ended else ids))
+        content = self._answer(content)
         if not ended:
             # Cut by the token budget mid-turn: a half-written call is not run.
             c.finish_reason, c.final_text = "length", content
@@ -313,21 +338,54 @@ class AgentLoop:
         c.num_tool_errors += sum(not r.ok for r in results)
         tool_messages = [{"role": "tool", "name": r.name or "", "content": self._cap(r.content)} for r in results]
         ids = tool_turn_ids(self.tokenizer, c.messages, tool_messages, self.schemas, self.stop_token_ids)
-        if len(c.response_ids) + len(ids) >= self.cfg.max_response_tokens:
+        room = self.cfg.max_response_tokens - len(c.response_ids)
+        if len(ids) > room:
             c.finish_reason, c.final_text = "length", content
             return
         c.messages.extend(tool_messages)
         version = c.policy_version[-1] if c.policy_version else 0
         c.append(ids, [0.0] * len(ids), 0, [version] * len(ids))
+        if len(ids) == room:  # nothing left to generate the next turn with
+            c.finish_reason, c.final_text = "length", content
+
+    def _turn_text(self, ids: list[int]) -> str:
+        """The text of generated ids (end-of-turn token already left out), special tokens kept:
+        the parser must see the tags even where the tokenizer makes them special tokens."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+
+    def _answer(self, content: str) -> str:
+        """The answer text of a turn's content, as the reward should see it: without special tokens
+        (as a decode with ``skip_special_tokens=True`` gives) and without the parser's tags, whether
+        or not the tokenizer makes them special tokens."""
+        for token in self._not_answer:
+            content = content.replace(token, "")
+        return content.strip()
 
     def _cap(self, text: str) -> str:
+        """``text`` whole if it has at most ``max_tool_response_tokens`` tokens, else cut to at
+        most that many tokens at a character boundary plus `` ...[truncated]``."""
+        limit = self.cfg.max_tool_response_tokens
         # Tokenise only a prefix, so a huge tool output is never tokenised whole: common
-        # vocabularies' tokens cover far fewer than 16 characters, so the first kept tokens match.
-        text = text[: 16 * self.cfg.max_tool_response_tokens + 16]
-        ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        if len(ids) <= self.cfg.max_tool_response_tokens:
-            return text
-        return self.tokenizer.decode(ids[: self.cfg.max_tool_response_tokens]) + " ...[truncated]"
+        # vocabularies' tokens cover far fewer than 16 characters. A prefix that still fits is
+        # widened (tokens longer than that, e.g. runs of spaces), never returned as if whole.
+        window = 16 * limit + 16
+        while True:
+            ids = self.tokenizer(text[:window], add_special_tokens=False, verbose=False)["input_ids"]
+            if len(ids) > limit:
+                break
+            if window >= len(text):
+                return text
+            window *= 4
+        # A cut inside a multi-byte character decodes to U+FFFD: step back to the last whole
+        # one (at most 3 tokens for UTF-8 bytes). A tokenizer whose decoding is not a prefix of
+        # the text (normalisation) keeps the plain cut.
+        head = self.tokenizer.decode(ids[:limit])
+        for keep in range(limit, max(limit - 4, -1), -1):
+            candidate = self.tokenizer.decode(ids[:keep])
+            if text.startswith(candidate):
+                head = candidate
+                break
+        return head + " ...[truncated]"
 
     def pop_metrics(self) -> dict[str, float]:
         """Tool-execution counters since the last call (``tools/calls``, ``tools/error_*``, ...)."""

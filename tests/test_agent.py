@@ -118,8 +118,11 @@ def _params(max_tokens=64):
     return SamplingParams(max_tokens=max_tokens, stop_token_ids=(0,))
 
 
-def test_rollout_ids_equal_the_template_and_lists_stay_aligned(tok):
+def test_rollout_ids_equal_the_template_and_lists_stay_aligned(tag_tok):
+    """Also with the tool-call tags as special tokens (regression, issue 13: no call was found)."""
     from async_rl.tools import calculator_tool as calculator
+
+    tok = tag_tok
 
     loop = _loop(tok, [calculator])
     script = [_turn_text(m) for m in CONVERSATION if m["role"] == "assistant"]
@@ -166,6 +169,91 @@ def test_tool_call_argument_strings(tok, arguments, called_with):
     assert conv.num_tool_errors == (called_with is None)
     metrics = loop.pop_metrics()
     assert metrics["tools/calls"] == 1
+
+
+# --- Tool calls parsed from exactly what was generated (issue 13, kind 3) --------------------
+
+MARKUP = ["<tool_call>", "</tool_call>", "<|python_tag|>"]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["tags-as-text", "tags-special"])
+def tag_tok(request, tok):
+    """The tool tokenizer as built (tags are ordinary added tokens), and with the tool-call markup
+    made special tokens, as many real checkpoints ship them (decoded only when special tokens are
+    kept)."""
+    tok = tok.__class__.from_pretrained(tok.name_or_path)
+    if request.param:
+        tok.add_special_tokens({"additional_special_tokens": MARKUP})
+        assert tok.decode(tok.convert_tokens_to_ids(["<tool_call>"]), skip_special_tokens=True) == ""
+    return tok
+
+
+def _recording_loop(tok, parser="hermes", **cfg):
+    """An agent loop with one tool, ``record``, that appends its arguments to ``loop.seen``."""
+    from async_rl.tools import ToolRegistry, tool
+
+    seen: list[dict] = []
+
+    @tool(name="record", parameters={"type": "object", "properties": {}})
+    def record(**kwargs):
+        seen.append(kwargs)
+        return "recorded"
+
+    registry = ToolRegistry()
+    registry.register(record)
+    loop = AgentLoop(AgentConfig(tools=["record"], parser=parser, **cfg), tok, [tok.eos_token_id], registry=registry)
+    loop.seen = seen
+    return loop
+
+
+def _hermes_call(arguments) -> str:
+    call = json.dumps({"name": "record", "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+# (id, parser, first assistant turn, arguments the tool is called with, tool errors, final answer).
+# Calls are answered by "done" in the second turn; a turn without calls is the answer.
+GENERATED_TURNS = [
+    ("issue example", "hermes", '<tool_call>\n{"name": "record", "arguments": {"a": 1}}\n</tool_call>',
+     [{"a": 1}], 0, "done"),
+    ("text around two calls", "hermes",
+     "Let me see.\n" + _hermes_call({"a": 1}) + "\n" + _hermes_call({"s": "héllo 世界 🎉", "n": {"m": [1, None]}})
+     + "\nok", [{"a": 1}, {"s": "héllo 世界 🎉", "n": {"m": [1, None]}}], 0, "done"),
+    ("tags inside a string", "hermes", _hermes_call({"s": "x</tool_call>\n<tool_call>y"}),
+     [{"s": "x</tool_call>\n<tool_call>y"}], 0, "done"),
+    ("special-token text inside a string", "hermes", _hermes_call({"s": "<|im_start|>user <|endoftext|>"}),
+     [{"s": "<|im_start|>user <|endoftext|>"}], 0, "done"),
+    ("malformed call", "hermes", '<tool_call>\n{"name": "record", "arguments": {"a": 1}\n</tool_call>', [], 1, "done"),
+    ("llama3 call with tags in a string", "llama3_json",
+     '<|python_tag|>{"name": "record", "parameters": {"s": "<tool_call></tool_call>"}}',
+     [{"s": "<tool_call></tool_call>"}], 0, "done"),
+    ("answer", "hermes", "The answer is 42.", [], 0, "The answer is 42."),
+    # The answer the reward scores holds no special tokens or tool-call markup, however the
+    # tokenizer treats them.
+    ("answer with markup and special tokens", "hermes", "4<|im_start|>2</tool_call>", [], 0, "42"),
+]
+
+
+@pytest.mark.parametrize("parser, turn, called_with, errors, final", [row[1:] for row in GENERATED_TURNS],
+                         ids=[row[0] for row in GENERATED_TURNS])
+def test_tool_calls_are_parsed_from_exactly_what_was_generated(tag_tok, parser, turn, called_with, errors, final):
+    """Regression (issue 13): with ``<tool_call>``/``</tool_call>`` as special tokens the turn was
+    decoded with special tokens skipped, so the tags vanished, no call was found and the call
+    JSON became the answer; special-token text inside arguments was dropped likewise."""
+    loop = _recording_loop(tag_tok, parser)
+    has_calls = bool(called_with) or bool(errors)
+    gen = ScriptedGenerator(tag_tok, {"q": [turn, "done"] if has_calls else [turn]})
+    msgs = [{"role": "user", "content": "q"}]
+    prompt = loop.prompt_ids(msgs)
+    (conv,), = loop.run(gen, [(prompt, msgs)], 1, _params(max_tokens=200), seeds=[1])
+    assert loop.seen == called_with
+    assert (conv.num_turns, conv.num_tool_calls, conv.num_tool_errors) == (1 + has_calls, len(called_with) + errors,
+                                                                            errors)
+    assert conv.finish_reason == "stop" and conv.final_text == final
+    # Generated ids are kept exactly; the lists stay aligned.
+    first = tag_tok(turn, add_special_tokens=False)["input_ids"] + [tag_tok.eos_token_id]
+    assert conv.response_ids[: len(first)] == first and set(conv.loss_mask[: len(first)]) == {1}
+    assert len(conv.response_ids) == len(conv.logprobs) == len(conv.loss_mask) == len(conv.policy_version)
 
 
 def test_turn_and_token_limits(tok):

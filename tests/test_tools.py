@@ -264,6 +264,113 @@ def test_llama3_json_parser():
     assert bad.error == "malformed_json"
 
 
+# What a model may really generate: each row is (id, generated text, expected content, expected
+# calls as (name, arguments, error)). The rows are the contract of "every well-formed call in
+# exactly what was generated, faults as observations"; tests/test_agent.py runs the same kind of
+# turns through the agent loop with the tags as ordinary and as special tokens.
+HERMES_TURNS = [
+    ("one call", hermes('{"name": "f", "arguments": {"a": 1}}'), "", [("f", {"a": 1}, None)]),
+    ("no whitespace", '<tool_call>{"name":"f","arguments":{"a":1}}</tool_call>', "", [("f", {"a": 1}, None)]),
+    ("pretty-printed JSON", hermes('{\n  "name": "f",\n  "arguments": {\n    "a": [1, 2]\n  }\n}'), "",
+     [("f", {"a": [1, 2]}, None)]),
+    ("close tag inside a string", hermes('{"name": "f", "arguments": {"s": "a</tool_call>b"}}'), "",
+     [("f", {"s": "a</tool_call>b"}, None)]),
+    ("open tag inside a string", hermes('{"name": "f", "arguments": {"s": "<tool_call>"}}'), "",
+     [("f", {"s": "<tool_call>"}, None)]),
+    ("a whole call inside a string",
+     hermes('{"name": "f", "arguments": {"s": "<tool_call>{\\"name\\": \\"g\\"}</tool_call>"}}'), "",
+     [("f", {"s": '<tool_call>{"name": "g"}</tool_call>'}, None)]),
+    ("tags inside a JSON-string arguments value",
+     hermes('{"name": "f", "arguments": "{\\"s\\": \\"</tool_call>\\"}"}'), "", [("f", {"s": "</tool_call>"}, None)]),
+    ("special-token text inside a string", hermes('{"name": "f", "arguments": {"s": "<|im_start|>x<|im_end|>"}}'),
+     "", [("f", {"s": "<|im_start|>x<|im_end|>"}, None)]),
+    ("unicode", hermes('{"name": "f", "arguments": {"s": "héllo → 世界 🎉", "t": "\\u00e9\\ud83c\\udf89"}}'), "",
+     [("f", {"s": "héllo → 世界 🎉", "t": "é🎉"}, None)]),
+    ("unicode name and text around", "Voilà:\n" + hermes('{"name": "résumé", "arguments": {}}') + "\n完了",
+     "Voilà:\n完了", [("résumé", {}, None)]),
+    ("nested objects", hermes('{"name": "f", "arguments": {"a": {"b": [1, {"c": null}], "d": {"e": {}}}, "z": true}}'),
+     "", [("f", {"a": {"b": [1, {"c": None}], "d": {"e": {}}}, "z": True}, None)]),
+    ("several calls, text around",
+     "First.\n" + hermes('{"name": "f", "arguments": {"a": 1}}') + "\nthen\n"
+     + hermes('{"name": "g", "arguments": {"s": "}</tool_call>{"}}') + "\nlast.",
+     "First.\nthen\nlast.", [("f", {"a": 1}, None), ("g", {"s": "}</tool_call>{"}, None)]),
+    ("adjacent calls", hermes('{"name": "f", "arguments": {}}') + hermes('{"name": "g", "arguments": {}}'), "",
+     [("f", {}, None), ("g", {}, None)]),
+    ("text after the call only", hermes('{"name": "f", "arguments": {}}') + " and more", "and more",
+     [("f", {}, None)]),
+    ("extra text before the close tag", hermes('{"name": "f", "arguments": {}} oops'), "",
+     [("f", None, "malformed_json")]),
+    ("unclosed object", hermes('{"name": "f", "arguments": {"a": 1}'), "", [("f", None, "malformed_json")]),
+    ("unterminated string holding a close tag",
+     '<tool_call>\n{"name": "f", "arguments": {"s": "a</tool_call>\nnext', "next", [("f", None, "malformed_json")]),
+    ("truncated after a string holding a close tag", '<tool_call>\n{"name": "f", "arguments": {"s": "</tool_call>"}',
+     "", [("f", None, "truncated")]),
+    ("truncated inside a string holding a close tag", '<tool_call>\n{"name": "f", "arguments": {"s": "a</tool_call>b',
+     "", [("f", None, "truncated")]),
+    ("truncated", '<tool_call>\n{"name": "f", "argu', "", [("f", None, "truncated")]),
+    ("interrupted, then a good call", '<tool_call>{"name": "f"' + hermes('{"name": "g", "arguments": {}}'), "",
+     [("f", None, "malformed_json"), ("g", {}, None)]),
+    ("a good call, then a bad one",
+     hermes('{"name": "f", "arguments": {}}') + hermes('{"name": "g", "arguments": [1]}'), "",
+     [("f", {}, None), ("g", None, "not_an_object")]),
+    ("no name", hermes('{"arguments": {"name": "f"}}'), "", [(None, None, "no_name")]),
+    ("stray close tag stays in the content", "a </tool_call> b", "a </tool_call> b", []),
+    ("no calls", "The answer is 42.", "The answer is 42.", []),
+]
+
+
+@pytest.mark.parametrize("text, content, expected", [row[1:] for row in HERMES_TURNS],
+                         ids=[row[0] for row in HERMES_TURNS])
+def test_hermes_parses_generated_turns(text, content, expected):
+    got_content, calls = HermesParser().parse(text)
+    assert [(c.name, c.arguments, c.error) for c in calls] == expected
+    assert got_content == content
+    assert all(bool(c.detail) == (c.error is not None) for c in calls)
+
+
+LLAMA3_TURNS = [
+    ("one call", '{"name": "f", "parameters": {"a": 1}}', "", [("f", {"a": 1}, None)]),
+    ("python tag", '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "", [("f", {"a": 1}, None)]),
+    ("leading whitespace", '\n  {"name": "f", "parameters": {}}', "", [("f", {}, None)]),
+    ("arguments key", '{"name": "f", "arguments": {"a": 1}}', "", [("f", {"a": 1}, None)]),
+    ("parameters as a JSON string", '{"name": "f", "parameters": "{\\"a\\": 1}"}', "", [("f", {"a": 1}, None)]),
+    ("tag-like text inside strings",
+     '{"name": "f", "parameters": {"s": "<|python_tag|>{\\"name\\": \\"g\\", \\"parameters\\": {}}", '
+     '"t": "</tool_call><|eot_id|>"}}', "",
+     [("f", {"s": '<|python_tag|>{"name": "g", "parameters": {}}', "t": "</tool_call><|eot_id|>"}, None)]),
+    ("unicode", '{"name": "f", "parameters": {"s": "héllo → 世界 🎉", "t": "\\u00e9"}}', "",
+     [("f", {"s": "héllo → 世界 🎉", "t": "é"}, None)]),
+    ("nested objects", '{"name": "f", "parameters": {"a": {"b": [1, {"c": null}]}, "z": false}}', "",
+     [("f", {"a": {"b": [1, {"c": None}]}, "z": False}, None)]),
+    ("several calls, ';' and newlines",
+     '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}\n{"name": "h", "parameters": {"s": ";"}}',
+     "", [("f", {"a": 1}, None), ("g", {}, None), ("h", {"s": ";"}, None)]),
+    ("text after the calls", '{"name": "f", "parameters": {}}\nDone, the result follows.', "Done, the result follows.",
+     [("f", {}, None)]),
+    ("a plain JSON object after a call", '{"name": "f", "parameters": {}} {"answer": 42}', '{"answer": 42}',
+     [("f", {}, None)]),
+    # The format: the message is the calls; text before JSON makes the whole message content.
+    ("text before the JSON is content", 'Sure: {"name": "f", "parameters": {}}',
+     'Sure: {"name": "f", "parameters": {}}', []),
+    ("a plain JSON answer", '{"answer": 42}', '{"answer": 42}', []),
+    ("malformed first call", '{"name": "f", "parameters": {"a": ', "", [("f", None, "malformed_json")]),
+    ("malformed call after a good one", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"a": ', "",
+     [("f", {}, None), ("g", None, "malformed_json")]),
+    ("non-object parameters", '{"name": "f", "parameters": [1]}', "", [("f", None, "not_an_object")]),
+    ("non-string name", '{"name": 3, "parameters": {}}', "", [(None, None, "no_name")]),
+    ("no calls", "The answer is 42.", "The answer is 42.", []),
+]
+
+
+@pytest.mark.parametrize("text, content, expected", [row[1:] for row in LLAMA3_TURNS],
+                         ids=[row[0] for row in LLAMA3_TURNS])
+def test_llama3_json_parses_generated_turns(text, content, expected):
+    got_content, calls = Llama3JsonParser().parse(text)
+    assert [(c.name, c.arguments, c.error) for c in calls] == expected
+    assert got_content == content
+    assert all(bool(c.detail) == (c.error is not None) for c in calls)
+
+
 # ---------------------------------------------------------------------------------------------
 # Executor: faults become observations and counters
 

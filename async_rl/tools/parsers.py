@@ -22,6 +22,11 @@ Formats:
   objects ``{"name": ..., "parameters": {...}}`` separated by whitespace or ";", optionally after
   ``<|python_tag|>``; a message that does not start like that is plain content.
 
+Strings inside a call's JSON may hold anything, the format's own tags included
+(``{"s": "</tool_call>"}`` is one argument, not the end of the call). Parse the text exactly as
+generated: tokenizers often make the tags special tokens, so decode with special tokens kept
+(``ToolCallParser.tags`` lists them).
+
 Pick one by name with ``get_parser("hermes")``.
 """
 
@@ -51,9 +56,13 @@ class ToolCallParser(Protocol):
         stop_strings: strings at which generation of a tool-calling turn should stop (pass them to
             the engine, keeping them in the output: vLLM ``include_stop_str_in_output=True``);
             empty when the turn ends with the model's own end-of-turn token.
+        tags: the format's markup (``"<tool_call>"``, ...). Tokenizers often hold these as special
+            tokens, so the text to parse must be decoded with special tokens kept; the agent
+            removes them (and every other special token) from the answer the reward scores.
     """
 
     stop_strings: tuple[str, ...]
+    tags: tuple[str, ...]
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """Split an assistant message into (content outside the calls, calls in order)."""
@@ -136,16 +145,22 @@ class HermesParser:
 
     Rules, per block:
 
-    - the text between the markers (stripped) is decoded with ``json.loads``; invalid JSON ->
-      ``error="malformed_json"``;
-    - a ``<tool_call>`` with no closing tag before the end of the text -> ``error="truncated"``
-      (typically cut by the length limit; its JSON may be complete or not); one whose block is
-      interrupted by the next ``<tool_call>`` -> ``"malformed_json"``;
+    - the JSON value after ``<tool_call>`` is read as JSON, so strings in it may hold anything,
+      the tags included (``{"s": "</tool_call>"}``); when only whitespace separates it from
+      ``</tool_call>`` it is the call;
+    - the text ran out before the JSON value or its ``</tool_call>`` ended -> ``error="truncated"``
+      (typically cut by the length limit; its JSON may be complete or not);
+    - otherwise the block is the text up to the first ``</tool_call>`` (stripped) and is invalid
+      JSON -> ``"malformed_json"``; a block interrupted by the next ``<tool_call>`` ->
+      ``"malformed_json"`` (the call after it is still found);
     - not an object, or no string ``"name"`` -> ``"no_name"``; arguments as in
       ``decode_arguments``.
 
     Content is the text outside the blocks: each piece stripped, empty pieces dropped, joined with
     "\\n". A stray ``</tool_call>`` without an opening tag stays in the content.
+
+    Example: ``'Sure.\\n<tool_call>\\n{"name": "f", "arguments": {"s": "a</tool_call>"}}\\n</tool_call>'``
+    -> content ``"Sure."``, one call ``f({"s": "a</tool_call>"})``.
 
     Args:
         stop_at_first_call: set ``stop_strings`` to ``("</tool_call>",)`` so each turn carries at
@@ -157,6 +172,7 @@ class HermesParser:
 
     def __init__(self, stop_at_first_call: bool = False) -> None:
         self.stop_strings: tuple[str, ...] = (self.close_tag,) if stop_at_first_call else ()
+        self.tags: tuple[str, ...] = (self.open_tag, self.close_tag)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """See the class docstring. Never raises for any input string."""
@@ -170,6 +186,12 @@ class HermesParser:
                 break
             pieces.append(text[pos:start])
             body = start + len(self.open_tag)
+            read = self._read_block(text, body)
+            if read is not None:
+                call, pos = read
+                calls.append(call)
+                continue
+            # Not a JSON value closed by the tag: the block is the text up to the first tag.
             end = text.find(self.close_tag, body)
             next_open = text.find(self.open_tag, body)
             if end >= 0 and not (0 <= next_open < end):
@@ -200,6 +222,30 @@ class HermesParser:
         content = "\n".join(p.strip() for p in pieces if p.strip())
         return content, calls
 
+    def _read_block(self, text: str, body: int) -> tuple[ToolCall, int] | None:
+        """The call whose JSON value starts at ``body`` (after whitespace) and the position after
+        it, the value read as JSON so that tags inside its strings are text; None when the value
+        is not valid JSON followed by the closing tag and was not cut off by the end of the text."""
+        start = _skip_space(text, body)
+        try:
+            obj, end = _DECODER.raw_decode(text, start)
+        except json.JSONDecodeError as e:
+            # An error at the end of the text, or a string never closed, is JSON cut off; any
+            # other error is judged on the block up to the closing tag (the model botched the JSON).
+            if e.pos < len(text) and not e.msg.startswith("Unterminated string"):
+                return None
+            raw = text[body:].strip()
+            detail = f"the text ends inside the JSON after {self.open_tag} (the output was probably cut off)"
+            return ToolCall(_peek_name(raw), None, raw, "truncated", detail), len(text)
+        after = _skip_space(text, end)
+        if text.startswith(self.close_tag, after):
+            return call_from_object(obj, text[start:end]), after + len(self.close_tag)
+        if after == len(text):
+            raw = text[start:end]
+            detail = f"{self.open_tag} has no closing {self.close_tag} (the output was probably cut off)"
+            return ToolCall(_peek_name(raw), None, raw, "truncated", detail), len(text)
+        return None
+
     @staticmethod
     def _decode(raw: str) -> ToolCall:
         try:
@@ -207,6 +253,15 @@ class HermesParser:
         except json.JSONDecodeError as e:
             return ToolCall(_peek_name(raw), None, raw, "malformed_json", _where(e))
         return call_from_object(obj, raw)
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
 
 
 def _peek_name(raw: str) -> str | None:
@@ -230,15 +285,18 @@ class Llama3JsonParser:
     Several calls may follow each other, separated by whitespace or ";". The message (stripped,
     after an optional leading ``<|python_tag|>``) counts as calls only if it starts with
     ``{"name"``-like JSON: an object holding "name" and "parameters"/"arguments". Anything else is
-    returned as content with no calls, so a plain JSON answer is not mistaken for a call. JSON
-    that starts like a call but does not decode -> one ``"malformed_json"`` call. Text left after
-    the last call is returned as content.
+    returned as content with no calls, so a plain JSON answer is not mistaken for a call (text
+    before the JSON makes the whole message content). JSON that starts like a call (holds
+    ``"name"``) but does not decode, first or after other calls -> a ``"malformed_json"`` call
+    that takes the rest of the message. Text left after the last call is returned as content.
+    Strings inside the JSON may hold anything (tags, ";", unicode).
     """
 
     python_tag = "<|python_tag|>"
 
     def __init__(self) -> None:
         self.stop_strings: tuple[str, ...] = ()
+        self.tags: tuple[str, ...] = (self.python_tag,)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """See the class docstring. Never raises for any input string."""
@@ -247,16 +305,15 @@ class Llama3JsonParser:
             body = body[len(self.python_tag) :].lstrip()
         if not body.startswith("{"):
             return text.strip(), []
-        decoder = json.JSONDecoder()
         calls: list[ToolCall] = []
         pos = 0
         while pos < len(body):
             try:
-                obj, end = decoder.raw_decode(body, pos)
+                obj, end = _DECODER.raw_decode(body, pos)
             except json.JSONDecodeError as e:
-                if not calls and '"name"' in body[pos:]:
+                if body[pos] == "{" and '"name"' in body[pos:]:
                     raw = body[pos:].strip()
-                    return "", [ToolCall(_peek_name(raw), None, raw, "malformed_json", _where(e))]
+                    return "", calls + [ToolCall(_peek_name(raw), None, raw, "malformed_json", _where(e))]
                 break
             is_call = isinstance(obj, dict) and "name" in obj
             if not (is_call and ("parameters" in obj or "arguments" in obj)):
