@@ -274,9 +274,8 @@ class AsyncLoop:
             "pipeline/in_flight_weight_updates": stats.get("in_flight_updates", 0.0),
             "timing/step_s": now - t0,
         })
-        metrics.update({f"reward/{k.split('/', 1)[1]}": v for k, v in self.ctx.scorer.pop_metrics().items()})
-        metrics["reward/errors"] = delta.get("reward_errors", 0.0)
-        metrics.update({k: v for k, v in delta.items() if k.startswith("tools/")})
+        # Training rollouts are scored in the actors: their counters, not the trainer's scorer.
+        metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/"))})
         self._last_stats, self._last_t = stats, now
         return metrics
 

@@ -172,8 +172,8 @@ def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_i
         prompts: ``Prompt``s; prompt i becomes group ``first_group_id + i``.
         n: samples per prompt.
         params: ``SamplingParams``.
-        scorer: ``RewardScorer``; a rejected sample leaves its group (the group keeps its other
-            samples; a group left empty is counted as a rejected group).
+        scorer: ``RewardScorer``; a rejected sample (``scored_trajectory``) leaves its group (the
+            group keeps its other samples; a group left empty is counted as a rejected group).
         tokenizer: decodes responses for the reward (special tokens skipped).
         first_group_id: id of the first group.
         seed: run seed; group g is sampled with ``group_seed(seed, g)``. ``None``: the
@@ -194,16 +194,48 @@ def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_i
         kept = 0
         for j, s in enumerate(samples):
             num_tokens += sum(s.loss_mask) if agent is not None else len(s.response_ids)  # generated, not tool tokens
-            traj = trajectory_of(s, tokenizer, gid, j, prompt.uid, prompt.prompt_ids)
-            result = scorer.score(prompt.data_source, traj.response_text, prompt.ground_truth, prompt.extra_info)
-            if result.rejected:
+            traj = scored_trajectory(s, tokenizer, scorer, gid, j, prompt.uid, prompt.prompt_ids, prompt.data_source,
+                                     prompt.ground_truth, prompt.extra_info)
+            if traj is None:
                 rejected_samples += 1
                 continue
             kept += 1
-            traj.reward, traj.reward_extras = result.score, {**traj.reward_extras, **result.extras}
             trajectories.append(traj)
         rejected_groups += kept == 0
     return RolloutResult(trajectories, rejected_samples, rejected_groups, num_tokens)
+
+
+def scored_trajectory(sample, tokenizer, scorer, group_id: int, index: int, prompt_uid: str, prompt_ids: list[int],
+                      data_source: str, ground_truth, extra_info):
+    """The ``Trajectory`` of one finished sample with its reward, or ``None`` when it is rejected.
+
+    The one scoring path of both modes (``rollout`` here, the generator actors of
+    ``generators.pool`` in async mode). A rejected sample (its reward function failed under
+    ``reward.on_error=reject``, or returned no reward) is counted by ``scorer`` with its reason and
+    must leave its group: it is neither trained nor part of the group's baseline, never a reward 0.
+
+    Args:
+        sample: a generator ``Sample`` or an agent ``Conversation``.
+        tokenizer: decodes a single-turn response for the reward.
+        scorer: the ``RewardScorer``.
+        group_id, index: the trajectory id is ``"<group_id>/<index>"``.
+        prompt_uid, prompt_ids, data_source, ground_truth, extra_info: the prompt's fields.
+
+    Returns:
+        The trajectory with ``reward`` and ``reward_extras`` set, or ``None``.
+    """
+    traj = trajectory_of(sample, tokenizer, group_id, index, prompt_uid, prompt_ids)
+    result = scorer.score(data_source, traj.response_text, ground_truth, extra_info)
+    if result.rejected:
+        return None
+    traj.reward, traj.reward_extras = result.score, {**traj.reward_extras, **result.extras}
+    return traj
+
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "max_turns": "length"}
+"""A sample's finish reason as the trajectory records it: ``max_turns`` is an unfinished answer, like
+a length cut, for DAPO's overlong filter. Engines never return an aborted sample (they re-issue it),
+so any other reason is a bug, not something to score as truncated."""
 
 
 def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str, prompt_ids: list[int]):
@@ -214,6 +246,9 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
     ``agent/tool_errors``, ``agent/max_turns``) and its final answer as ``response_text`` (what
     the reward scores); a single-turn sample is masked 1 everywhere and its decoded text is the
     answer.
+
+    Raises:
+        KeyError: a finish reason other than ``stop``, ``length`` or ``max_turns``.
     """
     from buffers.trajectory import Trajectory
 
@@ -223,8 +258,7 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
         trajectory_id=f"{group_id}/{index}", group_id=group_id, prompt_uid=prompt_uid, prompt_ids=prompt_ids,
         response_ids=list(sample.response_ids), behavior_logprobs=list(sample.logprobs),
         loss_mask=list(sample.loss_mask) if conversation else [1] * len(sample.response_ids),
-        # "max_turns" is an unfinished answer, like a length cut, for DAPO's overlong filter.
-        finish_reason=sample.finish_reason if sample.finish_reason in ("stop", "length") else "length",
+        finish_reason=_FINISH_REASONS[sample.finish_reason],
         policy_version=list(sample.policy_version), reward=0.0, response_text=text)
     if conversation:
         traj.reward_extras = {"agent/turns": float(sample.num_turns), "agent/tool_calls": float(sample.num_tool_calls),
@@ -253,12 +287,15 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
                ) -> tuple[Any, dict[str, float]]:
     """Collate trajectories and fill in advantages (and critic returns) with the configured algorithm.
 
-    In order: DAPO overlong filtering zeroes the loss mask of truncated samples; DAPO soft
-    overlong punishment shapes the rewards; ``learner.prepare`` adds proximal/reference
-    log-probs and critic values; a KL-in-reward penalty ``kl_coef * KL_t`` (InstructGPT eq. 2)
-    is taken from the per-token rewards (token-reward estimators) or from the sequence reward as
-    its sum over valid tokens (sequence estimators, as verl does); then the estimator runs on the
-    explicit group ids.
+    In order: DAPO soft overlong punishment shapes the rewards; ``learner.prepare`` adds
+    proximal/reference log-probs and critic values; a KL-in-reward penalty ``kl_coef * KL_t``
+    (InstructGPT eq. 2) is taken from the per-token rewards (token-reward estimators) or from the
+    sequence reward as its sum over valid tokens (sequence estimators, as verl does); the estimator
+    runs on the explicit group ids over every trajectory's generated tokens; only then does DAPO
+    overlong filtering zero the loss mask (and advantages) of truncated samples. Leaving the loss
+    is not leaving the baseline: a truncated sample's reward still counts in its group's mean and
+    std (and in whitening statistics), so filtering never changes another sample's advantage.
+    Every trajectory here has a reward (samples without one were rejected and counted upstream).
 
     Args:
         trajectories: the step's trajectories.
@@ -275,7 +312,7 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
     Raises:
         ValueError: a KL penalty or a critic estimator without a learner, or the estimator's errors.
     """
-    from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+    from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, has_spread
     from async_rl.algorithms.config import TOKEN_REWARD_ESTIMATORS
     from async_rl.algorithms.dapo import overlong_filter_mask, overlong_reward_shaping
     from async_rl.algorithms.kl import apply_kl_reward_penalty, kl_penalty
@@ -284,10 +321,6 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
 
     batch = collate(trajectories, pad_token_id)
     metrics: dict[str, float] = {}
-    if algo.overlong_filter:
-        keep = overlong_filter_mask([t.finish_reason for t in trajectories])
-        batch.loss_mask = batch.loss_mask * keep.unsqueeze(-1).float()
-        metrics["rollout/overlong_filtered"] = float((~keep).sum())
     rewards = batch.rewards
     if algo.overlong_buffer_frac > 0:
         lengths = torch.tensor([len(t.response_ids) for t in trajectories])
@@ -304,7 +337,8 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
     token_rewards = None
     if algo.needs_reference and algo.use_kl_in_reward:
         policy_lp = batch.extras.get("proximal_logprobs", batch.behavior_logprobs)
-        kl = kl_penalty(policy_lp, batch.extras["ref_logprobs"], algo.kl_estimator, mask=batch.loss_mask)
+        kl = kl_penalty(policy_lp, batch.extras["ref_logprobs"], algo.kl_estimator, mask=batch.loss_mask,
+                        k3_clamp=algo.kl_k3_clamp)
         metrics["actor/kl_reward_penalty"] = float(algo.kl_coef * masked_mean(kl, batch.loss_mask))
         if algo.advantage_estimator in TOKEN_REWARD_ESTIMATORS:
             token_rewards = apply_kl_reward_penalty(_last_token_rewards(rewards, batch.loss_mask), kl,
@@ -316,6 +350,10 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
         AdvantageInputs(rewards=rewards, response_mask=batch.loss_mask, group_ids=batch.group_ids,
                         values=batch.extras.get("values"), token_rewards=token_rewards),
         **algo.advantage_params())
+    if algo.overlong_filter:
+        keep = overlong_filter_mask([t.finish_reason for t in trajectories])
+        batch.loss_mask = batch.loss_mask * keep.unsqueeze(-1).float()
+        metrics["rollout/overlong_filtered"] = float((~keep).sum())
     batch.advantages = advantages * batch.loss_mask
     if "values" in batch.extras:
         batch.extras["returns"] = returns
@@ -323,9 +361,10 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
         err, ret = (returns - batch.extras["values"])[mask], returns[mask]
         metrics["critic/values_mean"] = float(batch.extras["values"][mask].mean()) if mask.any() else 0.0
         metrics["critic/returns_mean"] = float(ret.mean()) if mask.any() else 0.0
-        if ret.numel() > 1 and float(ret.var()) > 0:
-            # Explained variance 1 - Var[R - V] / Var[R]: 1 is a perfect critic, <= 0 no better than a constant.
-            metrics["critic/explained_variance"] = float(1.0 - err.var() / ret.var())
+        if ret.numel() > 1 and bool(has_spread(ret.min(), ret.max())):
+            # Explained variance 1 - Var[R - V] / Var[R]: 1 is a perfect critic, <= 0 no better than a
+            # constant. Undefined for constant returns (a rounding residue of Var[R] would make it huge).
+            metrics["critic/explained_variance"] = float(1.0 - err.double().var() / ret.double().var())
     return batch, metrics
 
 
@@ -453,7 +492,7 @@ class SyncLoop:
         ro, metrics, groups_used = collect_step_rollouts(c.cfg, c.train_ds, c.generator, c.scorer, c.tokenizer,
                                                          c.params, self.next_group, c.agent)
         self.next_group += groups_used
-        metrics.update({f"reward/{k.split('/', 1)[1]}": v for k, v in c.scorer.pop_metrics().items()})
+        metrics.update(c.scorer.pop_metrics())
         if c.agent is not None:
             metrics.update(c.agent.pop_metrics())
         metrics.update({"perf/tokens_per_s": ro.num_generated_tokens / max(time.perf_counter() - t0, 1e-9),

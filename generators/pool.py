@@ -147,9 +147,10 @@ class GeneratorWorker:
         self._stop.set()
 
     def get_stats(self) -> dict[str, float]:
-        """Counters so far, plus the reward scorer's error counts."""
+        """Counters so far, plus the reward scorer's (``reward/scored``, ``reward/errors``,
+        ``reward/no_reward``, ``reward/rejected``; totals since the actor started)."""
         out = {k: float(v) for k, v in vars(self.stats).items() if k != "extra"}
-        out["reward_errors"] = float(self.scorer.num_errors)
+        out.update(self.scorer.counts())
         out["in_flight_updates"] = float(self.engine.num_weight_updates_in_flight)
         if self.agent is not None:
             out.update(self.agent.counts())
@@ -190,7 +191,7 @@ class GeneratorWorker:
         return self.get_stats()
 
     def _serve(self, batch: list[GroupRequest]) -> None:
-        from async_rl.controller import trajectory_of
+        from async_rl.controller import scored_trajectory
         from buffers.transport import GroupClosed
 
         n = batch[0].n
@@ -203,13 +204,12 @@ class GeneratorWorker:
             req = batch[i]
             self.stats.samples += 1
             self.stats.generated_tokens += sum(s.loss_mask) if hasattr(s, "final_text") else len(s.response_ids)
-            traj = trajectory_of(s, self.tokenizer, req.group_id, j, req.prompt_uid, req.prompt_ids)
-            result = self.scorer.score(req.data_source, traj.response_text, req.ground_truth, req.extra_info)
-            if result.rejected:
+            traj = scored_trajectory(s, self.tokenizer, self.scorer, req.group_id, j, req.prompt_uid, req.prompt_ids,
+                                     req.data_source, req.ground_truth, req.extra_info)
+            if traj is None:
                 self.stats.rejected_samples += 1
             else:
                 kept[i] += 1
-                traj.reward, traj.reward_extras = result.score, {**traj.reward_extras, **result.extras}
                 self.sender.send(traj)
             finished[i] += 1
             if finished[i] == n:

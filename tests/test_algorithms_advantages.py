@@ -28,10 +28,13 @@ def test_single_sample_group_gives_no_nan_fault_case_1(name):
 
 
 @pytest.mark.parametrize("name", GROUP_ESTIMATORS)
-def test_zero_token_sample_is_excluded_from_group_fault_case_2(name):
-    # Sample 0 has no trainable token: it must not enter the group mean. Sample 1 is then alone
-    # in its group -> advantage 0, not (1 - 50.5) / ... or -49.5.
-    inputs = _inputs([100.0, 1.0], [[0, 0, 0], [1, 1, 0]], group_ids=[3, 3])
+def test_sample_without_reward_is_excluded_from_group_fault_case_2(name):
+    # Sample 0 has no reward (its 100 is garbage): it must not enter the group mean. Sample 1 is
+    # then alone in its group -> advantage 0, not (1 - 50.5) / ... or -49.5. (Until issue 13 this
+    # rule keyed on "no trainable token"; a sample filtered out of the loss keeps its reward in the
+    # baseline: tests/test_advantage_baseline.py.)
+    inputs = _inputs([100.0, 1.0], [[1, 1, 0], [1, 1, 0]], group_ids=[3, 3])
+    inputs.scored = torch.tensor([False, True])
     adv, _ = compute_advantages(name, inputs)
     assert adv.tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
 

@@ -181,13 +181,15 @@ def test_overlong_shaping_and_filter_in_batch():
     firsts = [batch.advantages[i][batch.loss_mask[i].bool()][0].item() for i in range(3)]
     assert firsts == pytest.approx([0.5, 0.0, -0.5])
     assert metrics["reward/overlong_penalty_mean"] == pytest.approx(-0.5)
-    # Filtering: the truncated sample gets no loss and leaves the group statistics.
+    # Filtering: the truncated sample gets no loss but keeps its reward in the group statistics
+    # (issue 13, kind 1): rewards [1, 0, 5] -> mean 2 -> [-1, -2, no loss].
     algo = _algo(name="dr_grpo", overlong_filter=True)
     trajs = [_traj(0, 0, [1] * 5, 1.0), _traj(0, 1, [1] * 9, 0.0), _traj(0, 2, [1] * 10, 5.0, "length")]
     batch, metrics = make_batch(trajs, algo, 0, 10)
     assert batch.loss_mask[2].sum() == 0 and metrics["rollout/overlong_filtered"] == 1.0
+    assert batch.advantages[2].abs().sum() == 0
     firsts = [batch.advantages[i][batch.loss_mask[i].bool()][0].item() for i in range(2)]
-    assert firsts == pytest.approx([0.5, -0.5])
+    assert firsts == pytest.approx([-1.0, -2.0])
 
 
 def test_shaping_disabled_changes_nothing():

@@ -160,7 +160,7 @@ def _raises(*args):
         (lambda *args: {"score": -math.inf}, "non-finite score -inf"),
         (lambda *args: 10**400, "score out of float range"),
         (lambda *args: "1.0", "bad return type str"),
-        (lambda *args: None, "bad return type NoneType"),
+        # A None reward is not an error but a missing reward: tests/test_kl_reward_edges.py.
         (lambda *args: {"acc": 1.0}, "dict without 'score'"),
         (lambda *args: {"score": "high"}, "bad 'score' type str"),
     ],
@@ -203,7 +203,7 @@ def test_scorer_passes_arguments_positionally():
 
 
 def _metrics(scored, errors, rejected):
-    return {"reward/scored": scored, "reward/errors": errors, "reward/rejected": rejected}
+    return {"reward/scored": scored, "reward/errors": errors, "reward/no_reward": 0.0, "reward/rejected": rejected}
 
 
 def test_scorer_counters_and_pop_metrics():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_rl.algorithms.aggregation import LOSS_AGG_MODES
+from async_rl.algorithms.kl import K3_CLAMP, KL_KINDS
 
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {"advantage_estimator": "grpo", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean"},
@@ -40,7 +41,7 @@ CRITIC_ESTIMATORS = ("gae",)
 # Estimators whose inputs are per-token rewards; the others take one reward per sequence.
 TOKEN_REWARD_ESTIMATORS = ("gae", "reinforce_pp")
 BEHAVIOR_CORRECTIONS = ("none", "tis", "icepop", "seq_tis", "seq_icepop")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = KL_KINDS
 
 
 @dataclass
@@ -79,7 +80,12 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     """Weight of the KL-to-reference term (>= 0); 0 disables it (and the reference model)."""
     kl_estimator: str = "k3"
-    """k1 | k2 | k3 (Schulman, "Approximating KL divergence", 2020)."""
+    """k1 | k2 | k3 | abs (Schulman, "Approximating KL divergence", 2020; verl's kl, mse,
+    low_var_kl, abs)."""
+    kl_k3_clamp: float | None = K3_CLAMP
+    """Bound on the per-token k3 estimate in nats (> 0), as verl's ``low_var_kl`` (10); where it
+    binds the token's KL gradient is 0. ``None`` = unbounded (one token with log-ratio 20 then adds
+    4.85e8). The log-ratio itself is always clamped to +-20 before ``exp``."""
     use_kl_in_reward: bool = False
     """Apply the KL as a reward penalty instead of a loss term."""
     entropy_coef: float = 0.0
@@ -125,6 +131,8 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.icepop_low/high must satisfy 0 < low < high, got {self.icepop_low}/{self.icepop_high}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"algorithm.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.kl_k3_clamp is not None and not self.kl_k3_clamp > 0:
+            raise ValueError(f"algorithm.kl_k3_clamp must be > 0 or null, got {self.kl_k3_clamp}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("algorithm.kl_coef and algorithm.entropy_coef must be >= 0")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):

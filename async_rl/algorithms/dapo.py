@@ -13,12 +13,15 @@ asking for more groups until enough carry signal, and gives up with a clear erro
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from async_rl.algorithms.advantages import has_spread
 
 __all__ = [
     "GroupRewards",
@@ -94,23 +97,38 @@ def _check_finite(rewards: Tensor) -> None:
 
 
 def group_has_spread(rewards: Tensor, group_ids: Tensor, valid: Tensor | None = None) -> Tensor:
-    """Whether each group's rewards differ (max > min) over its valid samples.
+    """Whether each group's rewards differ by more than float rounding over its valid samples.
+
+    "Differ" is the estimators' rule (`async_rl.algorithms.advantages.has_spread`, on the rewards
+    as float32), so a group with spread gets non-zero group-relative advantages and a group
+    without gets exactly 0.
 
     Args:
-        rewards: `[B]` float rewards.
-        group_ids: `[B]` int64 group of each sample.
-        valid: optional `[B]` bool; invalid samples (e.g. no trainable token) are ignored.
+        rewards: `[B]` float or integer rewards.
+        group_ids: `[B]` integer group of each sample.
+        valid: optional `[B]` bool; invalid samples (e.g. without a reward) are ignored.
 
     Returns:
         `[G]` bool, one entry per group in `torch.unique(group_ids)` order (sorted ids). A group
         with fewer than two valid samples has no spread.
 
     Raises:
-        ValueError: shapes differ, or a valid reward is NaN/inf.
+        ValueError: a tensor is not 1-D of length B or has the wrong dtype (non-numeric rewards,
+            non-integer group ids, non-bool `valid`), or a valid reward is NaN/inf.
     """
+    if not isinstance(rewards, Tensor) or not isinstance(group_ids, Tensor):
+        raise ValueError(f"rewards and group_ids must be tensors, got {type(rewards).__name__} and "
+                         f"{type(group_ids).__name__}")
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [B]")
-    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    if rewards.dtype == torch.bool or rewards.is_complex() or group_ids.is_floating_point() \
+            or group_ids.is_complex() or group_ids.dtype == torch.bool:
+        raise ValueError(f"rewards must be real numbers and group_ids integers, got dtypes {rewards.dtype} and "
+                         f"{group_ids.dtype}")
+    if valid is not None and (not isinstance(valid, Tensor) or valid.shape != rewards.shape
+                              or valid.dtype != torch.bool):
+        raise ValueError(f"valid must be a [B]={tuple(rewards.shape)} bool tensor, got {valid!r}")
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
     r = rewards.float()
     _check_finite(r[valid])
     unique_ids, inverse = torch.unique(group_ids, return_inverse=True)
@@ -119,8 +137,9 @@ def group_has_spread(rewards: Tensor, group_ids: Tensor, valid: Tensor | None = 
         0, inverse, torch.where(valid, r, math.inf), reduce="amin")
     high = torch.full((num_groups,), -math.inf, device=r.device).scatter_reduce(
         0, inverse, torch.where(valid, r, -math.inf), reduce="amax")
-    # All-invalid groups have high=-inf, low=+inf: the comparison is False as wanted.
-    return high > low
+    count = torch.zeros(num_groups, device=r.device).index_add(0, inverse, valid.float())
+    # All-invalid groups have high=-inf, low=+inf: has_spread is False for them as wanted.
+    return (count >= 2) & has_spread(low, high)
 
 
 def filter_groups_with_spread(rewards: Tensor, group_ids: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -138,14 +157,36 @@ def filter_groups_with_spread(rewards: Tensor, group_ids: Tensor, valid: Tensor 
 
 
 def rewards_have_spread(rewards: Sequence[float], min_spread: float = 0.0) -> bool:
-    """Pure-python spread test of one group: `max - min > min_spread`.
+    """Pure-python spread test of one group, by the estimators' rule.
+
+    True iff the group has at least two rewards, they differ by more than float rounding
+    (`has_spread` on the rewards as float32: 0.1 + 0.2 and 0.3 are one float32 value, so no
+    spread), and `max - min > min_spread`.
+
+    Args:
+        rewards: the group's rewards (real numbers; bool counts as 0/1).
+        min_spread: threshold on `max - min`, >= 0.
 
     Raises:
-        ValueError: a reward is NaN/inf.
+        ValueError: `rewards` is not a sequence of real numbers (a `None` reward included), a
+            reward is NaN/inf, or `min_spread` is negative or not a number.
     """
-    if not all(math.isfinite(r) for r in rewards):
-        raise ValueError(f"non-finite reward in group rewards {list(rewards)}")
-    return len(rewards) >= 2 and max(rewards) - min(rewards) > min_spread
+    if isinstance(rewards, (str, bytes)) or not isinstance(rewards, Sequence):
+        raise ValueError(f"group rewards must be a sequence of numbers, got {type(rewards).__name__}")
+    bad = [r for r in rewards if not isinstance(r, numbers.Real)]
+    if bad:
+        raise ValueError(f"group rewards must be real numbers, got {bad[0]!r} in {list(rewards)} (a reward of None "
+                         f"means it could not be computed: reject that sample instead)")
+    if not isinstance(min_spread, numbers.Real) or not min_spread >= 0:
+        raise ValueError(f"min_spread must be a number >= 0, got {min_spread!r}")
+    values = [float(r) for r in rewards]
+    if not all(math.isfinite(r) for r in values):
+        raise ValueError(f"non-finite reward in group rewards {values}")
+    if len(values) < 2:
+        return False
+    as_f32 = torch.tensor(values, dtype=torch.float32)
+    low, high = as_f32.min(), as_f32.max()
+    return bool(has_spread(low, high)) and float(high - low) > min_spread
 
 
 @dataclass

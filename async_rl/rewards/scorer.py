@@ -2,9 +2,13 @@
 
 A reward function is user code run thousands of times per step; one bad sample must not stop a
 run, and a NaN must never reach the advantages. ``RewardScorer.score`` turns every outcome into a
-``RewardResult``: a finite float score plus numeric extras, or a recorded error. An error becomes
-score 0.0 (``on_error="zero"``) or a rejected sample (``on_error="reject"``; the caller drops it
-and counts it). Errors are logged with rate limiting and counted for the metrics.
+``RewardResult``: a finite float score plus numeric extras, or a recorded error. An error (the
+function raised, or returned NaN/inf or a value of the wrong type) becomes score 0.0
+(``on_error="zero"``) or a rejected sample (``on_error="reject"``; the caller drops it and counts
+it). A reward of ``None`` (or ``{"score": None}``) says the reward could not be computed: it is
+never trained as 0, whatever ``on_error`` says, but always a rejection with reason ``no_reward``
+(the sample then leaves its group's baseline too). Errors and missing rewards are logged with rate
+limiting and counted for the metrics.
 
 Example::
 
@@ -12,7 +16,7 @@ Example::
     result = scorer.score("openai/gsm8k", "... #### 72", "72", None)
     result.score, result.extras      # (1.0, {"acc": 1.0})
     scorer.pop_metrics()
-    # {"reward/scored": 1.0, "reward/errors": 0.0, "reward/rejected": 0.0}
+    # {"reward/scored": 1.0, "reward/errors": 0.0, "reward/no_reward": 0.0, "reward/rejected": 0.0}
 """
 
 from __future__ import annotations
@@ -25,12 +29,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ON_ERROR_MODES", "RewardResult", "RewardScorer"]
+__all__ = ["ON_ERROR_MODES", "REJECT_REASONS", "RewardResult", "RewardScorer"]
 
 logger = logging.getLogger(__name__)
 
 ON_ERROR_MODES = ("zero", "reject")
 """Valid ``on_error`` values: score a failed sample 0.0, or mark it rejected."""
+
+REJECT_REASONS = ("error", "no_reward")
+"""Why a sample was rejected: its reward function failed under ``on_error="reject"``, or it
+returned no reward (``None``)."""
 
 _NUM_FULL_LOGS = 5
 """Errors logged in full (with traceback) per scorer; later ones only at 10, 100, 1000, ..."""
@@ -45,16 +53,18 @@ class RewardResult:
         score: the reward, always a finite float; 0.0 when ``error`` is set.
         extras: the other finite numeric fields of a dict return value, e.g. {"acc": 1.0};
             empty for a plain float return and when ``error`` is set.
-        rejected: the function failed and ``on_error="reject"``: drop the sample, do not train on
-            ``score``.
-        error: short reason when the function failed ("raised ValueError: ...", "non-finite
-            score nan", "bad return type str ..."), else None.
+        rejected: drop the sample, do not train on ``score``: the function failed and
+            ``on_error="reject"``, or it returned no reward.
+        error: short reason when the function failed or gave no reward ("raised ValueError: ...",
+            "non-finite score nan", "bad return type str ...", "no reward (None)"), else None.
+        reason: why it was rejected, one of ``REJECT_REASONS``; None when not rejected.
     """
 
     score: float
     extras: dict[str, float] = field(default_factory=dict)
     rejected: bool = False
     error: str | None = None
+    reason: str | None = None
 
 
 class RewardScorer:
@@ -73,8 +83,10 @@ class RewardScorer:
 
     Attributes:
         num_scored: calls to ``score`` since construction, failures included.
-        num_errors: failed calls since construction.
-        num_rejected: failed calls turned into rejections since construction.
+        num_errors: failed calls since construction (raised, NaN/inf, wrong type).
+        num_no_reward: calls that returned no reward (``None``) since construction.
+        num_rejected: rejections since construction: failures under ``on_error="reject"`` plus
+            every missing reward.
     """
 
     def __init__(self, fn: Callable[..., Any], on_error: str = "zero") -> None:
@@ -86,8 +98,9 @@ class RewardScorer:
         self.on_error = on_error
         self.num_scored = 0
         self.num_errors = 0
+        self.num_no_reward = 0
         self.num_rejected = 0
-        self._popped = (0, 0, 0)
+        self._popped = (0, 0, 0, 0)
         self._lock = threading.Lock()
         self._name = getattr(fn, "__qualname__", None) or repr(fn)
 
@@ -103,8 +116,9 @@ class RewardScorer:
             extra_info: the row's ``extra_info`` or None, passed through.
 
         Returns:
-            A ``RewardResult``. The function is called positionally, so verl-style functions
-            whose parameters are named differently (``solution_str``) work.
+            A ``RewardResult``; ``rejected`` with reason ``no_reward`` when the function returned
+            ``None`` or ``{"score": None, ...}``. The function is called positionally, so
+            verl-style functions whose parameters are named differently (``solution_str``) work.
         """
         exc: Exception | None = None
         try:
@@ -113,6 +127,8 @@ class RewardScorer:
             exc = e
             reason = _truncate(f"raised {type(e).__name__}: {e}")
         else:
+            if value is None or (isinstance(value, Mapping) and "score" in value and value["score"] is None):
+                return self._fail("no reward (None)", data_source, None, no_reward=True)
             outcome = _validate(value)
             if not isinstance(outcome, str):
                 with self._lock:
@@ -121,38 +137,54 @@ class RewardScorer:
             reason = outcome
         return self._fail(reason, data_source, exc)
 
+    def counts(self) -> dict[str, float]:
+        """Totals since construction, as the metrics name them (reduction: sum).
+
+        Returns:
+            ``{"reward/scored", "reward/errors", "reward/no_reward", "reward/rejected"}``.
+        """
+        with self._lock:
+            now = (self.num_scored, self.num_errors, self.num_no_reward, self.num_rejected)
+        return dict(zip(_METRIC_KEYS, map(float, now)))
+
     def pop_metrics(self) -> dict[str, float]:
         """Return counts since the previous call and start a new window.
 
         Returns:
-            {"reward/scored", "reward/errors", "reward/rejected"}: numbers of calls, failures and
-            rejections since the last ``pop_metrics`` (reduction: sum over the window).
+            ``{"reward/scored", "reward/errors", "reward/no_reward", "reward/rejected"}``: calls,
+            failures, missing rewards and rejections since the last ``pop_metrics`` (reduction:
+            sum over the window).
         """
         with self._lock:
-            now = (self.num_scored, self.num_errors, self.num_rejected)
+            now = (self.num_scored, self.num_errors, self.num_no_reward, self.num_rejected)
             before, self._popped = self._popped, now
-        scored, errors, rejected = (float(a - b) for a, b in zip(now, before))
-        return {"reward/scored": scored, "reward/errors": errors, "reward/rejected": rejected}
+        return {k: float(a - b) for k, a, b in zip(_METRIC_KEYS, now, before)}
 
-    def _fail(self, reason: str, data_source: str, exc: Exception | None) -> RewardResult:
-        rejected = self.on_error == "reject"
+    def _fail(self, reason: str, data_source: str, exc: Exception | None, no_reward: bool = False) -> RewardResult:
+        rejected = no_reward or self.on_error == "reject"
         with self._lock:
             self.num_scored += 1
-            self.num_errors += 1
+            self.num_errors += not no_reward
+            self.num_no_reward += no_reward
             self.num_rejected += rejected
-            count = self.num_errors
+            count = self.num_no_reward if no_reward else self.num_errors
+        what = "returned no reward" if no_reward else "failed"
         if count <= _NUM_FULL_LOGS:
             logger.warning(
-                "reward function %s failed (data_source=%r, error %d, counted as %s): %s",
-                self._name, data_source, count, "rejected" if rejected else "score 0.0", reason,
-                exc_info=exc,
+                "reward function %s %s (data_source=%r, %s %d, counted as %s): %s",
+                self._name, what, data_source, "missing reward" if no_reward else "error", count,
+                "rejected" if rejected else "score 0.0", reason, exc_info=exc,
             )
         elif _is_power_of_ten(count):
             logger.warning(
-                "reward function %s: %d failures so far (%d rejected); latest: %s",
-                self._name, count, self.num_rejected, reason,
+                "reward function %s: %d %s so far (%d rejected in all); latest: %s",
+                self._name, count, "missing rewards" if no_reward else "failures", self.num_rejected, reason,
             )
-        return RewardResult(score=0.0, rejected=rejected, error=reason)
+        return RewardResult(score=0.0, rejected=rejected, error=reason,
+                            reason=("no_reward" if no_reward else "error") if rejected else None)
+
+
+_METRIC_KEYS = ("reward/scored", "reward/errors", "reward/no_reward", "reward/rejected")
 
 
 def _validate(value: Any) -> tuple[float, dict[str, float]] | str:
