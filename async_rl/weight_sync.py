@@ -22,21 +22,21 @@ Protocol (one ``WeightSender`` on the learner, one ``WeightReceiver`` in each en
    caller runs both sides concurrently).
 2. **Per-version update**. ``plan_update(named_shapes, version)`` lays the tensors out in buckets
    (names, dtypes, shapes, byte offsets; tied aliases carry no bytes; a decoder layer is never
-   split across buckets, because a loader may keep a partial layer's tensors until it is whole). The plan goes to every
-   generator through the control plane (a Ray call, or vLLM's ``update_weights`` request) with
-   the version. Each receiver first checks every name against its engine (unknown names and
-   parameters left without a tensor are an error naming them) and posts ``ready`` or ``error``
-   to the store; the sender waits for all ``ready`` before moving a byte, so a bad name fails the
-   sync before any engine is touched. A failure after that (the sender's, or one engine's load)
-   is posted as ``error`` too and ``shm`` receivers stop at once (``broadcast`` ones at the
-   group's timeout); an engine that stopped mid-update holds undefined weights and must receive
-   a complete update before it generates again (the caller raises). Then bucket by bucket: the sender packs (casting to
-   the wire dtype), publishes (slot + store key, or broadcast), and receivers unpack views and
-   hand them to their engine's loader, then acknowledge (``shm``: a slot is reused only after
-   every receiver acknowledged it).
-3. **Finalize**. A receiver's engine finishes its load (vLLM: layerwise reload finalization), then
-   its control call returns. The caller bumps the published policy version only when every
-   generator's call has returned: a sync is atomic from the learner's view.
+   split across buckets, because a loader may keep a partial layer's tensors until it is whole). The
+   plan goes to every generator through the control plane (a Ray call, or vLLM's ``update_weights``
+   request) with the version. Each receiver first checks the whole plan against its engine
+   (``check_update``, see *All or nothing* below) and posts ``ready`` or ``error`` to the store;
+   the sender waits for all ``ready`` before moving a byte, so a bad update fails the sync before
+   any engine is touched. A failure after that (the sender's, a receiver's, or one engine's load)
+   is posted as ``error`` too: ``shm`` receivers and the sender stop at once, ``broadcast`` ones at
+   the group's timeout. Then bucket by bucket: the sender packs (casting to the wire dtype),
+   publishes (slot + store key, or broadcast), and receivers unpack views and hand them to their
+   engine's loader, then acknowledge (``shm``: a slot is reused only after every receiver
+   acknowledged it).
+3. **Finalize**. A receiver's engine finishes its load (HF: swaps the staged tensors in; vLLM:
+   layerwise reload finalization), then its control call returns. The caller bumps the published
+   policy version only when every generator's call has returned: a sync is atomic from the
+   learner's view, and a failed one publishes nothing.
 4. **In-flight requests**: decided by the engine, per ``generator.partial_rollout``: ``keep``
    pauses the engine with requests frozen (their KV cache kept) and resumes them on the new
    weights; ``abort`` aborts them and re-issues their partial responses as prompt extensions.
@@ -45,6 +45,43 @@ Protocol (one ``WeightSender`` on the learner, one ``WeightReceiver`` in each en
 
 A sync that does not complete in ``weight_sync.timeout_s`` raises ``TimeoutError`` naming the
 receivers that did not acknowledge and the bucket each reached.
+
+**All or nothing.** Every engine, on every transport (``colocated`` included), with full weights
+and with LoRA adapters, validates the whole update before the first byte of it is written
+(``check_update``): every name maps to a parameter (fused q/k/v and gate/up shards, tied heads
+as aliases), every parameter is covered exactly once, each tensor has its target's full
+(unsharded) shape, and each dtype converts to the target's under one rule (``converts_to``):
+a floating-point tensor loads into a floating-point parameter of any precision, rounded to the
+parameter's dtype (exact when widening, e.g. a ``bfloat16`` wire into a ``float32`` engine;
+narrowing is the engine's own precision setting, e.g. ``generator.vllm.dtype=bfloat16``); any
+other pair must match exactly, so an integer, bool or complex tensor for a floating parameter is
+refused, and so is a dtype the wire does not carry. Two different tensors for one tied parameter
+are refused too (send one, the other as its alias). A refused update raises one line naming
+every offending weight (expected against got) and leaves every engine bit-identical.
+
+A failure after the first byte (the sender dies or raises mid-stream, a bucket fails to load, a
+receiver times out) never leaves an engine sampling from a half-written model:
+
+* **HF engine: staging.** Buckets are received into a copy of the targeted parameters (the
+  whole model, or only the adapters with LoRA) while generation goes on, and swapped in between
+  two decoding steps once the last bucket arrived; a failure before the swap drops the copy and
+  the engine keeps its old weights and version. Peak memory is the model plus one copy of its
+  parameters on the engine's device, cheap for the models the HF engine serves (the large-model
+  engine is vLLM); the colocated path converts first and writes last, with no copy unless a dtype
+  or device changes. Should the swap itself fail (a device fault), the engine is marked
+  unusable, as below.
+* **vLLM engine: unusable until repaired.** Its layerwise reload writes processed layers into
+  the live weights in place as they complete (on the CPU build into oneDNN-packed kernels) and
+  a second copy of a large model does not fit beside its KV cache, so it cannot stage. After a
+  failure the reload is unwound (unprocessed layers get their old tensors back, the reload state
+  is cleared) and, if any bucket had reached the model, the engine is marked unusable: requests
+  frozen by the update are aborted, ``generate`` raises, and the next complete update makes it
+  usable again. If no byte had reached the model it keeps serving its old weights. LoRA updates
+  on vLLM are staged (every bucket is received before the adapter is swapped in), so only a
+  failure inside the swap marks the engine unusable.
+
+An engine's ``policy_version`` moves only with a complete update, and ``WeightPublisher`` publishes
+a version only when every engine loaded all of it.
 """
 
 from __future__ import annotations
@@ -53,6 +90,7 @@ import datetime
 import os
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -113,6 +151,40 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the wire name of a dtype)."""
     return str(dtype).removeprefix("torch.")
+
+
+def converts_to(sent: torch.dtype | str, target: torch.dtype | str) -> bool:
+    """Whether a tensor of dtype ``sent`` may load into a parameter of dtype ``target``.
+
+    The one dtype rule of every engine: equal dtypes, or both floating point (the tensor is then
+    rounded to ``target``, as ``Tensor.to`` does: exact when widening, e.g. ``bfloat16`` ->
+    ``float32``). Integer, bool and complex tensors load only into parameters of their own dtype.
+    Names (``"float32"``) are accepted for either side; a name the wire does not carry is never
+    convertible.
+    """
+    if isinstance(sent, str):
+        if sent not in _DTYPES:
+            return False
+        sent = _DTYPES[sent]
+    if isinstance(target, str):
+        target = _DTYPES.get(target, getattr(torch, target, None))
+        if not isinstance(target, torch.dtype):
+            return False
+    return sent == target or (sent.is_floating_point and target.is_floating_point)
+
+
+class WeightUpdateError(ValueError):
+    """A weight update refused before any byte of it was written; the message (one line) names
+    every offending weight and what was wrong with it."""
+
+
+class UnknownWeightError(WeightUpdateError, KeyError):
+    """A ``WeightUpdateError`` whose update carries names the engine has no parameter for (also
+    a ``KeyError``, what a lookup by an unknown name raises)."""
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ quotes its argument as if it were the missing key.
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -198,7 +270,8 @@ def plan_update(named_shapes: Sequence[tuple[str, torch.dtype, Sequence[int]]], 
         wire_dtype: cast floating tensors to this dtype on the wire (None keeps each dtype).
 
     Raises:
-        ValueError: a name listed twice, or an alias whose target is not sent.
+        ValueError: a name listed twice, an alias whose target is not sent, or a dtype the wire
+            does not carry (``bool``, ``int8``, complex, float8...).
     """
     seen: set[str] = set()
     items = []
@@ -206,6 +279,9 @@ def plan_update(named_shapes: Sequence[tuple[str, torch.dtype, Sequence[int]]], 
         if name in seen:
             raise ValueError(f"weight {name!r} listed twice in one update")
         seen.add(name)
+        if dtype_name(dtype) not in _DTYPES:
+            raise ValueError(f"weight {name!r}: dtype {dtype_name(dtype)} cannot travel on the wire "
+                             f"(carried: {sorted(_DTYPES)})")
         if wire_dtype is not None and dtype.is_floating_point:
             dtype = wire_dtype
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
@@ -246,7 +322,8 @@ def pack_bucket(buf: torch.Tensor, metas: Sequence[TensorMeta], tensors: dict[st
     """Copy ``tensors`` into the flat uint8 ``buf`` at their planned offsets, cast to the wire dtype.
 
     Raises:
-        ValueError: a tensor whose shape differs from the plan's.
+        ValueError: a tensor whose shape differs from the plan's, or whose dtype does not convert
+            to the plan's (``converts_to``: an integer tensor where the plan announced floats).
     """
     for m in metas:
         if m.alias_of is not None:
@@ -254,6 +331,8 @@ def pack_bucket(buf: torch.Tensor, metas: Sequence[TensorMeta], tensors: dict[st
         t = tensors[m.name]
         if tuple(t.shape) != m.shape:
             raise ValueError(f"weight {m.name!r}: shape {tuple(t.shape)} differs from the plan's {m.shape}")
+        if not converts_to(t.dtype, m.dtype):
+            raise ValueError(f"weight {m.name!r}: dtype {dtype_name(t.dtype)} does not convert to the plan's {m.dtype}")
         view = buf[m.offset : m.offset + m.nbytes].view(_DTYPES[m.dtype]).view(m.shape)
         view.copy_(t.detach())
 
@@ -271,31 +350,17 @@ def unpack_bucket(buf: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[
 
 
 # ---------------------------------------------------------------------------------------- name map
-def map_to_engine(hf_names: Iterable[str], engine_names: Iterable[str],
-                  packed_modules: dict[str, list[str]] | None = None,
-                  tied: dict[str, str] | None = None) -> dict[str, tuple[str, str | None]]:
-    """Map each Hugging Face weight name onto the engine parameter (and shard) that loads it.
-
-    An engine may fuse HF tensors (vLLM: ``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``,
-    ``gate_proj``/``up_proj`` into ``gate_up_proj``; ``packed_modules`` lists them as
-    ``{fused: [parts]}``) and may drop a tied output head from its parameters (``tied``:
-    ``{hf_name: engine_name}``, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``).
-
-    Returns:
-        ``{hf_name: (engine_name, shard)}``, shard being the part name of a fused parameter, or
-        ``None``. Every engine parameter is covered, each shard of a fused one exactly once.
-
-    Raises:
-        KeyError: an HF name that maps to no engine parameter (named in the message).
-        ValueError: an engine parameter (or a shard of one) that no HF name covers, or one
-            covered twice (the leftovers are named).
-    """
+def _map_names(hf_names: Iterable[str], engine_names: Iterable[str], packed_modules: dict[str, list[str]] | None,
+               tied: dict[str, str] | None):
+    # Every problem at once: (mapping, unknown names, names covering a target twice, uncovered).
     engine = set(engine_names)
     packed = packed_modules or {}
     part_to_fused = {part: fused for fused, parts in packed.items() for part in parts}
     tied = tied or {}
     out: dict[str, tuple[str, str | None]] = {}
     covered: dict[tuple[str, str | None], str] = {}
+    unknown: list[str] = []
+    twice: list[str] = []
     for name in hf_names:
         if name in tied and tied[name] in engine:
             out[name] = (tied[name], "tied")
@@ -312,10 +377,12 @@ def map_to_engine(hf_names: Iterable[str], engine_names: Iterable[str],
                         target = (fused, p)
                     break
             if target is None:
-                raise KeyError(f"weight {name!r} maps to no parameter of the engine's model")
+                unknown.append(name)
+                continue
         if target in covered:
-            raise ValueError(f"weights {covered[target]!r} and {name!r} both load engine parameter {target[0]!r}"
-                             + (f" shard {target[1]!r}" if target[1] else ""))
+            twice.append(f"weights {covered[target]!r} and {name!r} both load engine parameter {target[0]!r}"
+                         + (f" shard {target[1]!r}" if target[1] else ""))
+            continue
         covered[target] = name
         out[name] = target
     missing = []
@@ -326,8 +393,114 @@ def map_to_engine(hf_names: Iterable[str], engine_names: Iterable[str],
             missing += [f"{e}[{p}]" for p in packed[fused] if (e, p) not in covered]
         elif fused not in packed and (e, None) not in covered:
             missing.append(e)
+    return out, unknown, twice, missing
+
+
+def map_to_engine(hf_names: Iterable[str], engine_names: Iterable[str],
+                  packed_modules: dict[str, list[str]] | None = None,
+                  tied: dict[str, str] | None = None) -> dict[str, tuple[str, str | None]]:
+    """Map each Hugging Face weight name onto the engine parameter (and shard) that loads it.
+
+    An engine may fuse HF tensors (vLLM: ``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``,
+    ``gate_proj``/``up_proj`` into ``gate_up_proj``; ``packed_modules`` lists them as
+    ``{fused: [parts]}``) and may drop a tied output head from its parameters (``tied``:
+    ``{hf_name: engine_name}``, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``).
+    Names only; ``check_update`` also checks shapes, dtypes and tied tensors.
+
+    Returns:
+        ``{hf_name: (engine_name, shard)}``, shard being the part name of a fused parameter,
+        ``"tied"`` for a tied alias, or ``None``. Every engine parameter is covered, each shard of
+        a fused one exactly once.
+
+    Raises:
+        KeyError: an HF name that maps to no engine parameter (named in the message).
+        ValueError: an engine parameter (or a shard of one) that no HF name covers, or one
+            covered twice (the leftovers are named).
+    """
+    out, unknown, twice, missing = _map_names(hf_names, engine_names, packed_modules, tied)
+    if unknown:
+        raise KeyError(f"weight {unknown[0]!r} maps to no parameter of the engine's model")
+    if twice:
+        raise ValueError(twice[0])
     if missing:
         raise ValueError(f"weight update leaves {len(missing)} engine parameters without a tensor: {missing[:8]}")
+    return out
+
+
+def _few(names: list[str], k: int = 8) -> str:
+    return f"{names[:k]}" + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
+def check_update(sent: Iterable[tuple[str, torch.dtype | str, Sequence[int], str | None]], engine_names: Iterable[str],
+                 packed_modules: dict[str, list[str]] | None = None, tied: dict[str, str] | None = None,
+                 specs: dict[str, tuple[str, tuple[int, ...]]] | None = None,
+                 require_all: bool = True) -> dict[str, tuple[str, str | None]]:
+    """Validate a whole weight update against an engine, before any byte of it is written.
+
+    Checks, reporting every problem at once: each name sent once; each name maps to an engine
+    parameter (``map_to_engine``: fused shards, tied aliases); with ``require_all`` every engine
+    parameter (each shard of a fused one) is covered exactly once; each tensor's shape equals the
+    engine's for that name and its dtype converts to the engine's (``converts_to``); a tied
+    parameter gets at most one tensor of its own (its other names must be aliases of it).
+
+    Args:
+        sent: ``(name, dtype, shape, alias_of)`` of every tensor of the update: the dtype as a
+            ``torch.dtype`` or its wire name, the full (unsharded) shape, and ``alias_of`` the
+            name whose bytes an alias shares (``None`` for a tensor of its own).
+        engine_names, packed_modules, tied: the engine's parameter names, fused modules and tied
+            aliases, as for ``map_to_engine``.
+        specs: ``{HF name: (dtype name, full shape)}`` the engine loads under each name it accepts
+            (fused parts and tied aliases included); a name missing here gets no shape or dtype
+            check, ``None`` skips them all.
+        require_all: whether every engine parameter must receive a tensor.
+
+    Returns:
+        ``map_to_engine``'s mapping of the names sent.
+
+    Raises:
+        UnknownWeightError: (a ``KeyError``) names that map to no engine parameter; the message
+            also lists any other problem.
+        WeightUpdateError: (a ``ValueError``) anything else: a name listed twice, an engine
+            parameter left without a tensor or loaded twice, a shape or dtype mismatch (``'name':
+            got (384, 128), engine expects (128, 384)``), two tensors for one tied parameter.
+    """
+    sent = [(n, dt if isinstance(dt, str) else dtype_name(dt), tuple(int(x) for x in shape), alias)
+            for n, dt, shape, alias in sent]
+    tied = tied or {}
+    problems: list[str] = []
+    names = [n for n, *_ in sent]
+    dup = sorted(n for n, k in Counter(names).items() if k > 1)
+    if dup:
+        problems.append(f"listed twice: {_few(dup)}")
+    out, unknown, twice, missing = _map_names(dict.fromkeys(names), engine_names, packed_modules, tied)
+    if unknown:
+        problems.append(f"unknown weights (no engine parameter loads them): {_few(unknown)}")
+    problems += twice[:8]
+    if missing and require_all:
+        problems.append(f"left {len(missing)} parameters unchanged (engine parameters without a tensor): "
+                        f"{_few(missing)}")
+    aliases = {n: a for n, _, _, a in sent if a is not None}
+    for alias, target in tied.items():
+        if alias in out and target in out and aliases.get(alias) != target and aliases.get(target) != alias:
+            problems.append(f"{alias!r} and {target!r} are one tied engine parameter but were sent as two "
+                            f"tensors (send one, the other as its alias)")
+    shapes, dtypes = [], []
+    for name, dt, shape, _ in sent:
+        spec = (specs or {}).get(name)
+        if spec is None or name not in out:
+            continue
+        want_dtype, want_shape = spec[0], tuple(spec[1])
+        if shape != want_shape:
+            shapes.append(f"{name!r} got {shape}, engine expects {want_shape}")
+        if not converts_to(dt, want_dtype):
+            why = "the wire does not carry it" if dt not in _DTYPES else "only floating-point weights convert"
+            dtypes.append(f"{name!r} got {dt}, engine holds {want_dtype} ({why})")
+    for what, found in (("wrong shape", shapes), ("wrong dtype", dtypes)):
+        if found:
+            problems.append(f"{what}: " + "; ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else ""))
+    if problems:
+        cls = UnknownWeightError if unknown else WeightUpdateError
+        raise cls("weight update refused before any byte was written: " + " | ".join(problems))
     return out
 
 
@@ -458,6 +631,11 @@ class WeightSender:
         nslots = len(self.slots)
         bcast_buf = None
         for i, metas in enumerate(plan.buckets):
+            if i and self.store.check([f"{plan.update_id}/error"]):
+                # A receiver gave up (its loader failed): broadcast receivers would leave the next
+                # collective unmatched, shm ones would never acknowledge.
+                raise RuntimeError(f"weight sync v{plan.version}: a generator failed: "
+                                   f"{self.store.get(f'{plan.update_id}/error').decode()}")
             want = {m.name for m in metas if m.alias_of is None}
             got: dict[str, torch.Tensor] = {}
             while len(got) < len(want):
@@ -560,8 +738,12 @@ class WeightReceiver:
                                     float(self.info["timeout_s"]), self.info["prefix"])
 
     def fail(self, plan: UpdatePlan, message: str) -> None:
-        """Tell the sender this update cannot be loaded (it raises ``RuntimeError`` with ``message``)."""
-        self.store.set(f"{plan.update_id}/error", f"receiver {self.rank}: {message}")
+        """Tell the sender this update cannot be loaded (it raises ``RuntimeError`` with ``message``).
+
+        The first error posted for an update stands (it is the cause; later ones are its echoes)."""
+        key = f"{plan.update_id}/error"
+        if not self.store.check([key]):
+            self.store.set(key, f"receiver {self.rank}: {message}")
 
     def receive(self, plan: UpdatePlan, check=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket's ``(name, tensor)`` views in plan order.
@@ -569,10 +751,18 @@ class WeightReceiver:
         Args:
             plan: the update's layout.
             check: optional callable on ``plan.names`` run before any byte moves (the engine's
-                name check); if it raises, the sender is told and the error propagates.
+                check of the whole plan, ``check_update``); if it raises, the sender is told and
+                the error propagates.
 
         A yielded bucket's views are valid only until the next one is requested: the loader must
-        consume (or copy) them before asking for the next.
+        consume (or copy) them before asking for the next. If the loader stops early (it raised,
+        or closed this iterator) the sender is told, so it stops instead of waiting for
+        acknowledgements; a loader that ``fail``s with its own message inside the loop, before
+        leaving it, has that message reach the sender instead.
+
+        Raises:
+            RuntimeError: the sender (or another receiver) reported an error mid-update.
+            TimeoutError: a bucket did not arrive within ``timeout_s`` (``shm``).
         """
         if check is not None:
             try:
@@ -582,19 +772,28 @@ class WeightReceiver:
                 raise
         self.connect()
         self.store.add(f"{plan.update_id}/ready", 1)
-        for i, metas in enumerate(plan.buckets):
-            if self.transport == "shm":
-                key = f"{plan.update_id}/bucket{i}"
-                self._wait_key(plan, key)
-                path, nbytes = self.store.get(key).decode().rsplit(":", 1)
-                buf = self._slot(path, int(nbytes))[: plan.bucket_nbytes[i]]
-            else:
-                if self._buf is None or self._buf.numel() < plan.bucket_nbytes[i]:
-                    self._buf = torch.empty(max(plan.bucket_nbytes), dtype=torch.uint8, device=self.info["device"])
-                buf = self._buf[: plan.bucket_nbytes[i]]
-                self.group.broadcast(buf, 0).wait()
-            yield unpack_bucket(buf, metas)
-            self.store.add(f"{plan.update_id}/ack{i}", 1)
+        i, complete = 0, False
+        try:
+            for i, metas in enumerate(plan.buckets):
+                if self.transport == "shm":
+                    key = f"{plan.update_id}/bucket{i}"
+                    self._wait_key(plan, key)
+                    path, nbytes = self.store.get(key).decode().rsplit(":", 1)
+                    buf = self._slot(path, int(nbytes))[: plan.bucket_nbytes[i]]
+                else:
+                    if self._buf is None or self._buf.numel() < plan.bucket_nbytes[i]:
+                        self._buf = torch.empty(max(plan.bucket_nbytes), dtype=torch.uint8, device=self.info["device"])
+                    buf = self._buf[: plan.bucket_nbytes[i]]
+                    self.group.broadcast(buf, 0).wait()
+                yield unpack_bucket(buf, metas)
+                self.store.add(f"{plan.update_id}/ack{i}", 1)
+            complete = True
+        finally:
+            if not complete:
+                try:
+                    self.fail(plan, f"stopped at bucket {i} of {len(plan.buckets)}")
+                except Exception:  # noqa: BLE001 - the store may be gone with the sender; the cause propagates
+                    pass
 
     def _wait_key(self, plan: UpdatePlan, key: str) -> None:
         err = f"{plan.update_id}/error"
@@ -739,11 +938,20 @@ class WeightPublisher:
         """Send the learner's current weights as ``version``; returns once every generator has
         loaded them (then, and only then, ``published_version = version``).
 
+        A failed push publishes nothing: each engine either refused the update before any write
+        (unchanged), dropped its staged copy (HF: old weights and version), or is marked unusable
+        until a complete update (vLLM, after a failure past its first loaded bucket). See the
+        module docstring, *All or nothing*.
+
         Returns:
             ``timing/weight_sync_s`` and, for shm/broadcast, bytes moved and pack/send seconds.
 
         Raises:
-            RuntimeError: a generator rejected the update (e.g. an unknown weight name).
+            RuntimeError: a generator rejected the update (the message names the weights and what
+                was wrong) or failed loading it.
+            KeyError, ValueError: ``colocated``: the engine's own refusal (``check_update``).
+            Exception: whatever the learner's ``named_weights`` raised mid-stream (re-raised once
+                the engines have settled).
             TimeoutError: the sync did not finish in ``weight_sync.timeout_s`` (who, where).
         """
         t0 = time.perf_counter()
@@ -764,12 +972,16 @@ class WeightPublisher:
             handles = [t.receive(plan.to_dict(), version) for t in self.targets]
             try:
                 metrics = self.sender.send(plan, named, deadline)
-            except RuntimeError as sent:
-                # A receiver refused the plan: surface its own exception too (it names the weight).
+            except Exception as sent:
+                # Let every engine settle first (a staged copy dropped, or the engine marked
+                # unusable), so that none is still loading when the caller sees the error; a
+                # receiver's own exception names the weight, so surface it too.
                 try:
                     self._wait(handles, plan, "collecting the receivers' errors", timeout_s=30)
                 except Exception as cause:
-                    raise RuntimeError(f"{sent} ({type(cause).__name__}: {cause})") from cause
+                    if isinstance(sent, RuntimeError) and str(cause) not in str(sent):
+                        raise RuntimeError(f"{sent} ({type(cause).__name__}: {cause})") from cause
+                    raise sent from cause
                 raise
             self._wait(handles, plan, "waiting for the engines to load", max(1.0, deadline - time.monotonic()))
         self.published_version = version

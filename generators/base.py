@@ -158,7 +158,22 @@ class Generator(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights by Hugging Face parameter name and set ``policy_version = version``."""
+        """Load new weights by Hugging Face parameter name and set ``policy_version = version``,
+        all or nothing (``async_rl.weight_sync``, *All or nothing*).
+
+        The whole update is checked (names, coverage, shapes, dtypes, tied aliases) before any
+        byte is written; a refused update leaves the engine bit-identical and its version
+        unchanged. An update that fails after its first write leaves the engine on its old weights
+        (staged engines) or unusable: ``generate`` then raises ``RuntimeError`` until a complete
+        update succeeds, so nothing is ever sampled from half-written weights.
+
+        Raises:
+            KeyError: a name the engine does not have (``weight_sync.UnknownWeightError``).
+            ValueError: parameters left without a tensor, a shape or dtype mismatch
+                (``weight_sync.WeightUpdateError``).
+            RuntimeError: the write failed midway (the engine is unusable until the next complete
+                update).
+        """
         ...
 
 

@@ -19,6 +19,10 @@ greedy mode so it simply appends the token the hook chose. The hook, once per de
   (``partial_rollout: abort``) so the unfinished rows are re-issued with their partial tokens as
   prompt extension after the new weights are loaded (a fresh KV cache under the new weights).
   Both are the in-flight update modes of PipelineRL (arXiv 2509.19128) and AReaL (2505.24298).
+
+Weight updates are all or nothing (``async_rl.weight_sync``'s *All or nothing*): checked whole
+before any write, staged, then written at one step boundary; a write that fails midway (a device
+fault) leaves an engine that refuses to sample until a complete update succeeds.
 """
 
 from __future__ import annotations
@@ -33,44 +37,105 @@ import torch
 from generators.base import GeneratorConfig, Sample, SamplingParams, check_request, row_seeds
 
 
-def load_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter],
-                       named_tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> int:
-    """Copy tensors into ``model``'s parameters by Hugging Face name, in place (dtype converted).
-
-    Tied parameters may arrive under any of their names (for example ``lm_head.weight`` aliasing
-    ``model.embed_tokens.weight``); with ``require_all`` each underlying parameter must be written
-    at least once (a bucketed update checks coverage once, before its first bucket). ``model`` may
-    also be a ``{name: parameter}`` mapping: the parameters an update targets (LoRA: the adapter
-    matrices under their sync names, ``learners.lora.adapter_parameters``).
-
-    Returns:
-        The number of bytes copied.
-
-    Raises:
-        KeyError: a name that is not a parameter of ``model`` (named in the message).
-        ValueError: a shape mismatch, or parameters that no tensor updated (listed).
-    """
+def _param_table(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]):
+    # (every name a parameter loads under -> parameter, canonical names, {tied name: canonical}).
     if isinstance(model, torch.nn.Module):
         params = dict(model.named_parameters(remove_duplicate=False))
         canonical = {id(p): name for name, p in model.named_parameters()}
     else:
         params = dict(model)
-        canonical = {id(p): name for name, p in params.items()}
-    pending = set(canonical.values())
+        canonical = {}
+        for name, p in params.items():
+            canonical.setdefault(id(p), name)
+    tied = {n: canonical[id(p)] for n, p in params.items() if canonical[id(p)] != n}
+    return params, list(canonical.values()), tied
+
+
+def stage_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter],
+                        named_tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = True,
+                        copy: bool = False) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Validate a whole update against ``model`` and convert it, writing nothing.
+
+    The update is checked as a whole first (``async_rl.weight_sync.check_update``: every name a
+    parameter of ``model``, with ``require_all`` every parameter covered, each shape equal to its
+    parameter's, each dtype convertible under ``converts_to``); tied names (``lm_head.weight``
+    aliasing ``model.embed_tokens.weight``) may both be sent only with equal tensors. Then each
+    tensor is converted to its parameter's dtype and device (``copy``: always into new memory, so
+    the result outlives the caller's buffers).
+
+    Args:
+        model: a module, or ``{name: parameter}`` (LoRA: ``learners.lora.adapter_parameters``).
+        named_tensors: ``(name, tensor)`` by Hugging Face name; consumed entirely before any check.
+        require_all: every underlying parameter must receive a tensor.
+        copy: stage into new memory even where no conversion is needed.
+
+    Returns:
+        ``(parameter, tensor)`` pairs ready for ``write_staged`` (each tied parameter once).
+
+    Raises:
+        async_rl.weight_sync.UnknownWeightError: (a ``KeyError``) a name that is not a parameter.
+        async_rl.weight_sync.WeightUpdateError: (a ``ValueError``) parameters left without a
+            tensor, a shape or dtype mismatch, two different tensors for one tied parameter.
+    """
+    from async_rl.weight_sync import check_update
+
+    params, names, tied = _param_table(model)
+    named = list(named_tensors)
+    by_name = dict(named)
+    sent = []
+    for name, t in named:
+        alias = None
+        target = tied.get(name)
+        other = by_name.get(target) if target is not None else None
+        # One tied parameter sent twice: fine when the two are the same values (an alias).
+        if other is not None and other.shape == t.shape and other.dtype == t.dtype and (
+                other.data_ptr() == t.data_ptr() or torch.equal(other, t.to(other.device))):
+            alias = target
+        sent.append((name, t.dtype, tuple(t.shape), alias))
+    specs = {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape)) for n, p in params.items()}
+    check_update(sent, names, {}, tied, specs, require_all=require_all)
+    staged: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+    for name, t in named:
+        p = params[name]
+        staged[id(p)] = (p, t.detach().to(dtype=p.dtype, device=p.device, copy=copy))
+    return list(staged.values())
+
+
+def write_staged(staged: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> int:
+    """Copy staged tensors (``stage_named_weights``) into their parameters; returns bytes written.
+
+    Same shapes, dtypes and devices by construction, so only a device fault can stop it midway;
+    then the parameters before it hold the new values and the caller must not sample from the
+    model until a complete update (``HFGenerator`` marks itself unusable).
+    """
     nbytes = 0
     with torch.no_grad():
-        for name, tensor in named_tensors:
-            if name not in params:
-                raise KeyError(f"weight {name!r} is not a parameter of the generator's model")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the engine's {tuple(param.shape)}")
-            param.copy_(tensor.to(dtype=param.dtype, device=param.device))
-            pending.discard(canonical[id(param)])
-            nbytes += tensor.numel() * tensor.element_size()
-    if pending and require_all:
-        raise ValueError(f"weight update left {len(pending)} parameters unchanged: {sorted(pending)[:8]}")
+        for param, t in staged:
+            param.copy_(t)
+            nbytes += t.numel() * t.element_size()
     return nbytes
+
+
+def load_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter],
+                       named_tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> int:
+    """Copy tensors into ``model``'s parameters by Hugging Face name, in place, all or nothing.
+
+    The whole update is validated and converted to each parameter's dtype (``stage_named_weights``)
+    before the first parameter is written, so a refused update leaves ``model`` untouched. Tied
+    parameters may arrive under any of their names (for example ``lm_head.weight`` aliasing
+    ``model.embed_tokens.weight``). ``model`` may also be a ``{name: parameter}`` mapping: the
+    parameters an update targets (LoRA: the adapter matrices under their sync names,
+    ``learners.lora.adapter_parameters``).
+
+    Returns:
+        The number of bytes written (in the parameters' dtypes).
+
+    Raises:
+        KeyError: a name that is not a parameter of ``model`` (named in the message).
+        ValueError: parameters that no tensor updated (with ``require_all``; listed), a shape or
+            dtype mismatch (expected against got), two different tensors for one tied parameter.
+    """
+    return write_staged(stage_named_weights(model, named_tensors, require_all))
 
 
 def mix_seed(*parts: int) -> int:
@@ -149,6 +214,8 @@ class _StepHook:
         if self.gen._pending is not None:
             if self.gen.cfg.partial_rollout == "keep":
                 self.gen._apply_pending(in_flight=True)
+                # Half-written weights: not one more token from them (generate raises).
+                self.abort = self.gen._unusable is not None
             else:
                 self.abort = True
         out = torch.full_like(scores, float("-inf"))
@@ -209,24 +276,44 @@ class HFGenerator:
         self._generating = False
         self._pending: tuple[Callable[[], object], int, threading.Event] | None = None
         self._pending_error: BaseException | None = None
+        self._unusable: str | None = None
+        """Why the engine refuses to sample (an update failed after its first write), or None."""
         self._receiver = None
         self.num_weight_updates_in_flight = 0
         """Weight updates applied between two decoding steps of a batch (``keep`` mode)."""
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights by name (see ``load_named_weights``) and adopt ``version``.
+        """Load new weights by name and adopt ``version``, all or nothing (colocated transport).
 
-        Thread-safe. While ``generate`` runs in another thread the weights are staged and
-        applied at the next decoding-step boundary; the call blocks until then, so on return
-        every later token is produced by ``version``.
+        The whole update is validated and converted before any parameter is written
+        (``stage_named_weights``); a refused update leaves every parameter bit-identical and the
+        version unchanged. Thread-safe: while ``generate`` runs in another thread the weights are
+        written at the next decoding-step boundary and the call blocks until then, so on return
+        every later token is produced by ``version``. Should the write itself fail midway (a
+        device fault), the engine refuses to sample until a complete update succeeds.
 
         Raises:
-            KeyError, ValueError: as ``load_named_weights`` (raised here, or by ``generate`` when
-                the staged weights are applied there).
+            KeyError, ValueError: the update was refused (``stage_named_weights``), nothing written.
+            RuntimeError: the write failed midway; the engine is unusable until the next complete
+                update (``generate`` raises).
         """
-        named = list(named_tensors)
-        self._run_update(lambda: load_named_weights(self._targets(), named), version)
+        staged = stage_named_weights(self._targets(), named_tensors)
+        self._run_update(lambda: self._write(staged, version), version)
+
+    def _write(self, staged: list, version: int) -> None:
+        try:
+            write_staged(staged)
+        except BaseException as e:
+            self._unusable = (f"the HF engine refuses to sample: weight update v{version} failed after its first "
+                              f"write ({type(e).__name__}: {e}), so its weights mix two versions; a complete "
+                              f"update must succeed first")
+            raise
+        self._unusable = None
+
+    def _check_usable(self) -> None:
+        if self._unusable is not None:
+            raise RuntimeError(self._unusable)
 
     def _run_update(self, load: Callable[[], object], version: int) -> None:
         # Runs ``load`` now, or between two decoding steps of a running ``generate`` (staged).
@@ -252,7 +339,7 @@ class HFGenerator:
                 load()
                 self.policy_version = version
                 self.num_weight_updates_in_flight += in_flight
-            except BaseException as e:  # re-raised in the updating thread; decoding goes on
+            except BaseException as e:  # re-raised in the updating thread; generate checks _unusable
                 self._pending_error = e
             finally:
                 done.set()
@@ -276,6 +363,21 @@ class HFGenerator:
             return list(self._targets()), {}, {}
         return [n for n, _ in self.model.named_parameters()], {}, tied_aliases(self.model)
 
+    def weight_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``{name: (dtype name, shape)}`` of every name an update may carry (tied aliases
+        included; with LoRA the adapter matrices: ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``)."""
+        params = _param_table(self._targets())[0]
+        return {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape)) for n, p in params.items()}
+
+    def check_plan(self, plan) -> None:
+        """Raise unless the ``UpdatePlan`` can load whole (``async_rl.weight_sync.check_update``:
+        names, coverage, shapes, dtypes, tied aliases); nothing is touched either way."""
+        from async_rl.weight_sync import check_update
+
+        engine, packed, tied = self.weight_names()
+        check_update([(m.name, m.dtype, m.shape, m.alias_of) for b in plan.buckets for m in b], engine, packed, tied,
+                     self.weight_specs())
+
     def check_names(self, names: list[str]) -> None:
         """Raise unless ``names`` cover every parameter exactly once (``map_to_engine``)."""
         from async_rl.weight_sync import map_to_engine
@@ -291,13 +393,20 @@ class HFGenerator:
         self._receiver.connect()
 
     def receive_weights(self, plan: dict, version: int) -> float:
-        """Load one update (``UpdatePlan.to_dict()``) from the connected sender; returns seconds.
+        """Load one update (``UpdatePlan.to_dict()``) from the connected sender, all or nothing;
+        returns seconds until the new weights are in use.
 
-        The names are checked before any byte moves; the buckets are then received and copied
-        into the parameters between two decoding steps (generation waits meanwhile).
+        The whole plan is checked before any byte moves (``check_plan``). The buckets are then
+        received into a staged copy of the targeted parameters (generation goes on meanwhile)
+        and, once the last one arrived, written between two decoding steps. A failure before
+        that (the sender died or raised, a bucket timed out) drops the copy: the engine keeps its
+        old weights and version. Memory: one copy of the targeted parameters (the whole model, or
+        the adapters with LoRA) on the engine's device while the update is in flight.
 
         Raises:
-            KeyError, ValueError: a name the model lacks, or parameters the plan leaves out.
+            KeyError, ValueError: the plan was refused (names, coverage, shapes, dtypes, ties).
+            RuntimeError, TimeoutError: the transfer failed midway (the engine is unchanged), or
+                the final write failed (the engine is unusable until a complete update).
         """
         import time
 
@@ -305,13 +414,19 @@ class HFGenerator:
 
         t0 = time.perf_counter()
         update = UpdatePlan.from_dict(plan)
-
-        def load() -> None:
-            targets = self._targets()
-            for bucket in self._receiver.receive(update, check=self.check_names):
-                load_named_weights(targets, bucket, require_all=False)
-
-        self._run_update(load, version)
+        targets = self._targets()
+        params = _param_table(targets)[0]
+        staged: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        for bucket in self._receiver.receive(update, check=lambda _names: self.check_plan(update)):
+            try:
+                for name, t in bucket:
+                    p = params[name]
+                    # A copy: the bucket's memory is reused for the next one.
+                    staged[id(p)] = (p, t.to(dtype=p.dtype, device=p.device, copy=True))
+            except Exception as e:  # (out of memory): tell the sender why before leaving the loop
+                self._receiver.fail(update, f"staging a bucket failed: {type(e).__name__}: {e}")
+                raise
+        self._run_update(lambda: self._write(list(staged.values()), version), version)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ sampling
@@ -340,8 +455,12 @@ class HFGenerator:
 
         Raises:
             ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
+            RuntimeError: the engine is unusable: a weight update failed after its first write
+                (before this call, or while it decoded; it stops then, returning nothing), until
+                a complete update succeeds.
         """
         check_request(n, params)
+        self._check_usable()
         rows = [_Row(index=k, prompt=list(prompts[k // n]), rng=torch.Generator().manual_seed(seed))
                 for k, seed in enumerate(self.row_seeds(n, len(prompts), seeds))]
         results: list[Sample | None] = [None] * len(rows)
@@ -359,9 +478,11 @@ class HFGenerator:
             for start in range(0, len(rows), self.cfg.max_batch_size):
                 live = rows[start : start + self.cfg.max_batch_size]
                 while live:
+                    self._check_usable()
                     self._decode(live, params, finish)
                     # Rows cut short by an abort resume from their partial tokens on the new weights.
                     self._apply_pending()
+                    self._check_usable()
                     live = [r for r in live if not r.done]
         finally:
             with self._lock:

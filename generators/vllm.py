@@ -18,6 +18,11 @@ decodes.
   requests frozen and their KV kept (they continue on the new weights, later tokens carry the new
   version); ``abort`` aborts them, clears the caches, and re-issues each unfinished sample with
   its partial tokens appended to the prompt (PipelineRL arXiv 2509.19128; AReaL 2505.24298).
+  An update is checked whole before any byte moves; one that fails after its first bucket
+  reached the model cannot be undone (the layerwise reload writes in place, and a second copy of
+  a large model does not fit beside its KV cache), so the engine then aborts the requests the
+  update froze and refuses to sample until a complete update succeeds
+  (``async_rl.weight_sync``'s *All or nothing*).
 * **Prefix cache**: each request carries ``cache_salt = "v<version>"``, so no request ever hits a
   block computed under older weights (in ``keep`` mode a frozen request keeps its own KV: that is
   what keep means).
@@ -81,6 +86,9 @@ class VLLMGenerator:
         self.num_reissued = 0
         self._updating = False
         self._active = 0
+        self._requests: set[str] = set()
+        self._unusable: str | None = None
+        """Why the engine refuses to sample (an update failed after its first loaded byte), or None."""
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.vcfg.cpu_kv_cache_gb))
@@ -153,8 +161,12 @@ class VLLMGenerator:
 
         Raises:
             ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
+            RuntimeError: the engine is unusable: a weight update failed after its first byte
+                reached the model (before this call, or during it: its requests are aborted),
+                until a complete update succeeds.
         """
         check_request(n, params)
+        self._check_usable()
         row_seeds = self.row_seeds(n, len(prompts), seeds)
         flat = self._call(self._generate_all(prompts, n, params, row_seeds, on_sample))
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -178,6 +190,7 @@ class VLLMGenerator:
         cached = 0
         while True:
             await self._resumed.wait()
+            self._check_usable()
             # A re-issued (aborted) sample cannot continue its old RNG stream: derive a new one.
             sp = VSP(n=1, temperature=0.0 if params.greedy else params.temperature,
                      top_p=1.0 if params.greedy else params.top_p, top_k=0 if params.greedy else params.top_k,
@@ -186,9 +199,11 @@ class VLLMGenerator:
                      skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
             request = {"prompt_token_ids": prompt + tokens, "cache_salt": f"v{self.policy_version}"}
             finish = None
+            request_id = uuid.uuid4().hex
             self._active += 1
+            self._requests.add(request_id)
             try:
-                async for out in self.engine.generate(request, sp, request_id=uuid.uuid4().hex,
+                async for out in self.engine.generate(request, sp, request_id=request_id,
                                                       lora_request=self._lora_request):
                     c = out.outputs[0]
                     version = self.policy_version
@@ -201,6 +216,9 @@ class VLLMGenerator:
                         cached = out.num_cached_tokens
             finally:
                 self._active -= 1
+                self._requests.discard(request_id)
+            if finish == "abort":
+                self._check_usable()  # aborted because the update failed half-loaded
             if finish == "abort" and self._updating and len(tokens) < params.max_tokens:
                 self.num_reissued += 1
                 continue
@@ -218,61 +236,110 @@ class VLLMGenerator:
 
         self._call(self.engine.init_weight_transfer_engine(
             WeightTransferInitRequest(init_info={"info": dict(init_info), "rank": rank})))
+        self._connected_to = init_info.get("prefix")
 
     def receive_weights(self, plan: dict[str, Any], version: int, timeout_s: float | None = None) -> float:
         """Load one update (``UpdatePlan.to_dict()``) from the connected sender; returns seconds.
 
-        Pauses generation per ``partial_rollout`` and resumes it once the whole update is loaded;
-        ``policy_version`` becomes ``version`` before any request continues.
+        The whole plan is checked first (``vllm_worker``'s ``async_rl_check_update``: names,
+        coverage, shapes, dtypes, tied aliases); a refused update leaves the engine untouched,
+        serving on. Then generation pauses per ``partial_rollout`` and resumes once the whole
+        update is loaded; ``policy_version`` becomes ``version`` before any request continues.
+        A failure after the first bucket reached the model (sender died or raised, a bucket
+        failed to load, a timeout) cannot be undone here (the layerwise reload writes in place):
+        the reload is unwound, the requests the update froze are aborted, and the engine refuses
+        to sample (``generate`` raises) until a complete update succeeds; ``policy_version``
+        stays. A failure before the first bucket leaves it serving its old weights. LoRA
+        updates are staged: only a failure inside the adapter swap makes the engine unusable.
 
         Raises:
-            RuntimeError: the engine rejected the update (e.g. an unknown weight name: the
-                model is untouched then, the check runs before any byte is loaded).
+            RuntimeError: the update was refused (the message names the weights and what was
+                wrong; the engine is untouched), or it failed midway (the message says whether
+                the engine kept its old weights or is now unusable).
         """
         t0 = time.perf_counter()
         self._call(self._receive(plan, version), timeout=timeout_s)
         return time.perf_counter() - t0
 
+    def _check_usable(self) -> None:
+        if self._unusable is not None:
+            raise RuntimeError(self._unusable)
+
     async def _receive(self, plan: dict[str, Any], version: int) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        # Names first, while the model is untouched: a bad plan fails here (and the sender is told).
-        await self.engine.collective_rpc("async_rl_check_update", args=(plan, self.lora))
+        # The whole plan first, while the model is untouched: a bad one fails here (and the sender is told).
+        try:
+            await self.engine.collective_rpc("async_rl_check_update", args=(plan, self.lora))
+        except Exception as e:
+            raise RuntimeError(f"vLLM engine refused weight update v{version} (untouched, still serving "
+                               f"v{self.policy_version}): {e}") from e
         keep = self.cfg.partial_rollout == "keep"
         in_flight = self._active > 0
         self._updating = True
         self._resumed.clear()
         await self.engine.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
         try:
-            if self.lora is not None:
-                # Adapter only: the base weights are untouched, no reload lifecycle.
-                await self.engine.collective_rpc("async_rl_load_lora", args=(plan, self.lora))
-            else:
-                await self.engine.start_weight_update()
-                try:
+            try:
+                if self.lora is not None:
+                    # Adapter only: the base weights are untouched, no reload lifecycle.
+                    await self.engine.collective_rpc("async_rl_load_lora", args=(plan, self.lora))
+                else:
+                    await self.engine.start_weight_update()
                     await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"plan": plan}))
-                except Exception as e:
-                    raise RuntimeError(f"vLLM engine failed while loading weights v{version} (its weights are "
-                                       f"now undefined; restart the generator): {e}") from e
-                await self.engine.finish_weight_update(str(version))
+                    await self.engine.finish_weight_update(str(version))
+            except Exception as e:
+                raise RuntimeError(await self._failed_update(version, e)) from e
+            except BaseException:  # cancelled (shutting down): nothing can be unwound any more
+                self._unusable = f"vLLM engine: weight update v{version} was cancelled midway; it refuses to sample"
+                raise
             self.policy_version = version
+            self._unusable = None
             self.num_weight_updates_in_flight += int(in_flight and keep)
         finally:
             self._updating = False
             self._resumed.set()
             await self.engine.resume_generation()
 
+    async def _failed_update(self, version: int, error: BaseException) -> str:
+        # Unwind the update in the workers; unless no byte of it reached the model, nothing may be
+        # sampled until a complete update: abort the requests it froze, refuse new ones.
+        try:
+            intact = all(await self.engine.collective_rpc("async_rl_abort_update"))
+        except Exception:  # noqa: BLE001 - a worker that cannot even unwind is not trusted either
+            intact = False
+        what = f"vLLM engine: weight update v{version} failed ({type(error).__name__}: {error})"
+        if intact:
+            return f"{what}; no byte of it reached the model, which keeps serving v{self.policy_version}"
+        self._unusable = (f"{what} after its first bytes were loaded; its weights mix two versions, so the engine "
+                          f"refuses to sample until a complete update succeeds")
+        if self._requests:
+            await self.engine.abort(list(self._requests))
+        return self._unusable
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        aliases: dict[str, str] | None = None) -> None:
         """Colocated convenience: load ``named_tensors`` through a private shared-memory sender.
 
         The engine runs in its own processes, so even "in-process" weights cross a process
-        boundary; this uses the same layer as everything else (one receiver, two slots).
+        boundary; this uses the same layer as everything else (one receiver, two slots) and the
+        same all-or-nothing contract as ``receive_weights``. A tied model's head may be sent as
+        a tensor of its own only if it equals the embedding (it then travels as an alias).
+
+        Raises:
+            RuntimeError: as ``receive_weights``.
+            ValueError: the tensors cannot be planned (a name twice, a dtype the wire does not
+                carry); nothing moved.
         """
         from async_rl.weight_sync import WeightSender, WeightSyncConfig
 
         named = list(named_tensors)
-        if getattr(self, "_own_sender", None) is None:
+        own = getattr(self, "_own_sender", None)
+        if own is None or getattr(self, "_connected_to", None) != own.prefix:
+            # First use, or a publisher connected the engine to its sender since (the receiver
+            # would wait on, and report to, that sender's store; our slot files are unlinked).
+            if own is not None:
+                own.close()
             self._own_sender = WeightSender(WeightSyncConfig(transport="shm"), 1)
             self.connect_weight_sync(self._own_sender.init_info(), 0)
             self._own_sender.unlink_slots()
@@ -280,11 +347,24 @@ class VLLMGenerator:
         if aliases is None and self.lora is not None:
             aliases = {}  # adapters only: the tied embedding is part of the untouched base
         if aliases is None:
-            aliases = {"lm_head.weight": n for n in names if n.endswith("embed_tokens.weight")} \
-                if self.tied_embeddings and "lm_head.weight" not in names else {}
+            aliases = {}
+            if self.tied_embeddings:
+                embed = next((n for n in names if n.endswith("embed_tokens.weight")), None)
+                head = dict(named).get("lm_head.weight")
+                same = embed is not None and head is not None and head.shape == dict(named)[embed].shape and \
+                    head.dtype == dict(named)[embed].dtype and torch.equal(head, dict(named)[embed])
+                if same:
+                    named = [(n, t) for n, t in named if n != "lm_head.weight"]
+                if embed is not None and "lm_head.weight" not in {n for n, _ in named}:
+                    aliases = {"lm_head.weight": embed}
         plan = self._own_sender.plan(named, version, aliases)
         fut = asyncio.run_coroutine_threadsafe(self._receive(plan.to_dict(), version), self.loop)
-        self._own_sender.send(plan, named)
+        try:
+            self._own_sender.send(plan, named)
+        except Exception:
+            # The engine's own error names the weight: prefer it, once the engine has settled.
+            fut.result(self._own_sender.cfg.timeout_s)
+            raise
         fut.result(self._own_sender.cfg.timeout_s)
 
     @property

@@ -13,9 +13,17 @@ follows vLLM's native RL weight-update lifecycle, driven from ``AsyncLLM``:
   session, unlike separate ``reload_weights`` calls, which must not split a layer);
 * ``update_weights``: load bucket by bucket with the model's own ``load_weights`` (HF names; the
   loader fuses q/k/v and gate/up and converts dtypes), from copies of the bucket (the reload may
-  keep tensors until finalize, while the bucket's memory is reused); the names were checked
-  against the model (``map_to_engine``) by ``async_rl_check_update`` before the reload began;
+  keep tensors until finalize, while the bucket's memory is reused); the whole plan was checked
+  against the model (``check_update``: names, coverage, full shapes from ``engine_weight_specs``,
+  dtypes, tied aliases) by ``async_rl_check_update`` before the reload began;
 * ``finish_weight_update``: finalize the layerwise reload.
+
+A failure after the reload began cannot be rolled back: processed layers (and biases, which
+load in place at once) already hold the new values. ``async_rl_abort_update`` unwinds the rest
+(every layer still waiting gets its own old tensors back, the reload state is cleared, vLLM's
+update session ends) and reports whether any bucket had reached the model; the generator then
+refuses to sample until a complete update (``generators.vllm``, ``async_rl.weight_sync``'s *All
+or nothing*).
 
 Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact there); only the
 plan (names, dtypes, shapes, offsets) does.
@@ -29,7 +37,9 @@ memory (``LoRAModel.from_lora_tensors``, the loader behind vLLM's adapter direct
 fuses q/k/v and gate/up) and swaps it in under the same id: the slot is freed and refilled, so no
 adapter of an older version stays in memory and requests frozen by a ``keep`` pause continue on
 the new adapter, exactly as they would continue on new full weights. vLLM's own ``add_lora``
-path needs a directory on disk per version; this one never touches the disk.
+path needs a directory on disk per version; this one never touches the disk. The update is
+staged: all of it is received and the adapter built before the one in use is removed, so only a
+failure inside the swap leaves the engine without a whole adapter.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from async_rl.weight_sync import UpdatePlan, WeightReceiver, map_to_engine
+from async_rl.weight_sync import UpdatePlan, WeightReceiver, check_update, dtype_name
 
 BACKEND = "async_rl"
 LORA_ID = 1
@@ -89,8 +99,83 @@ def engine_weight_names(model) -> tuple[list[str], dict[str, list[str]], dict[st
     return names, packed, tied
 
 
+def _hf_output_sizes(module) -> list[int] | None:
+    # Full (unsharded) output size of each HF projection a fused linear holds, in packed order.
+    if all(hasattr(module, a) for a in ("total_num_heads", "total_num_kv_heads", "head_size")):
+        v = getattr(module, "v_head_size", module.head_size)
+        return [module.total_num_heads * module.head_size, module.total_num_kv_heads * module.head_size,
+                module.total_num_kv_heads * v]
+    sizes = getattr(module, "output_sizes", None)
+    return list(sizes) if sizes else None
+
+
+def engine_weight_specs(model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{HF name: (dtype name, full shape)}`` of every tensor a vLLM model loads, by the names an
+    update carries (fused q/k/v and gate/up split into their HF projections, the tied head as an
+    alias of the embedding).
+
+    Shapes come from the layers' own full sizes (``input_size``/``output_size``/``output_sizes``
+    of linear layers, ``org_vocab_size``/``embedding_dim`` of vocabulary embeddings), never from
+    the parameters themselves: tensor parallelism shards them, the vocabulary is padded, and the
+    CPU build repacks linear weights into oneDNN kernels (their parameters then have shape
+    ``[0]``). Other parameters (norms) are replicated and keep their checkpoint shape. Read it
+    before any reload (a reload swaps parameters for meta tensors).
+    """
+    _, packed, tied = engine_weight_names(model)
+    specs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, p in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        # An engine serving LoRA wraps each linear (``qkv_proj.base_layer.weight``): its base
+        # weights keep their HF names (the adapters' shapes derive from them, ``adapter_specs``).
+        module_name, _, leaf = name.replace(".base_layer.", ".").rpartition(".")
+        hf_name = f"{module_name}.{leaf}" if module_name else leaf
+        prefix, _, last = module_name.rpartition(".")
+        dtype = dtype_name(p.dtype)
+        is_linear = leaf in ("weight", "bias") and hasattr(module, "input_size") and hasattr(module, "output_size")
+        sizes = _hf_output_sizes(module) if last in packed else None
+        # Vocabulary embeddings (and the head) also carry input/output sizes, padded ones: first.
+        if leaf == "weight" and hasattr(module, "org_vocab_size") and hasattr(module, "embedding_dim"):
+            specs[hf_name] = (dtype, (module.org_vocab_size, module.embedding_dim))
+        elif is_linear and sizes is not None and len(sizes) == len(packed[last]):
+            for part, out in zip(packed[last], sizes):
+                hf = f"{prefix}.{part}.{leaf}" if prefix else f"{part}.{leaf}"
+                specs[hf] = (dtype, (out, module.input_size) if leaf == "weight" else (out,))
+        elif is_linear:
+            full = (module.output_size, module.input_size) if leaf == "weight" else (module.output_size,)
+            specs[hf_name] = (dtype, full)
+        else:
+            specs[hf_name] = (dtype, tuple(p.shape))
+    for alias, target in tied.items():
+        if target in specs:
+            specs[alias] = specs[target]
+    return specs
+
+
+def adapter_specs(names: list[str], base_specs: dict[str, tuple[str, tuple[int, ...]]],
+                  rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{adapter sync name: (dtype name, shape)}``: ``lora_A`` ``[rank, in]`` and ``lora_B``
+    ``[out, rank]`` of each targeted HF projection, ``in``/``out`` from its base weight's shape in
+    ``base_specs`` (``engine_weight_specs``). Names without a base weight there get no spec."""
+    from learners.lora import PEFT_PREFIX
+
+    out = {}
+    for n in names:
+        module = n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0]
+        base = base_specs.get(f"{module}.weight")
+        if base is None or len(base[1]) != 2:
+            continue
+        rows, cols = base[1]
+        out[n] = (base[0], (rank, cols) if ".lora_A." in n else (rows, rank))
+    return out
+
+
 class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLUpdateInfo]):
-    """vLLM weight-transfer engine receiving ``async_rl.weight_sync`` buckets (see module docstring)."""
+    """vLLM weight-transfer engine receiving ``async_rl.weight_sync`` buckets (see module docstring).
+
+    ``intact`` is False from the first bucket handed to the model's loader until the update is
+    finished: the model then mixes two versions (the layerwise reload writes processed layers in
+    place) and must not be sampled from (``abort_weight_update``).
+    """
 
     init_info_cls = AsyncRLInitInfo
     update_info_cls = AsyncRLUpdateInfo
@@ -99,9 +184,11 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.receiver: WeightReceiver | None = None
-        # Names are read before any reload (a reload swaps parameters for meta tensors).
+        # Read before any reload (a reload swaps parameters for meta tensors).
         self.names, self.packed, self.tied = engine_weight_names(self.model)
+        self.specs = engine_weight_specs(self.model)
         self.num_updates = 0
+        self.intact = True
 
     def init_transfer_engine(self, init_info: AsyncRLInitInfo) -> None:
         if self.receiver is not None:
@@ -109,9 +196,14 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         self.receiver = WeightReceiver(init_info.info, init_info.rank)
         self.receiver.connect()
 
-    def check(self, names: list[str]) -> None:
-        """Raise unless ``names`` map one-to-one onto this model's parameters (``map_to_engine``)."""
-        map_to_engine(names, self.names, self.packed, self.tied)
+    def check(self, plan: UpdatePlan) -> None:
+        """Raise unless ``plan`` loads whole into this model (``check_update``: names, coverage,
+        full shapes, dtypes, tied aliases), and carries the tied head (vLLM's CPU build keeps the
+        old head otherwise, ``../shared/MEASURED.md``)."""
+        metas = [m for b in plan.buckets for m in b]
+        check_update([(m.name, m.dtype, m.shape, m.alias_of) for m in metas], self.names, self.packed, self.tied,
+                     self.specs)
+        names = {m.name for m in metas}
         missing_alias = [n for n in self.tied if n not in names]
         if missing_alias:
             raise ValueError(f"tied model: {missing_alias} must be sent (as an alias of {self.tied[missing_alias[0]]!r})")
@@ -125,19 +217,54 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         if self.receiver is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
         plan = UpdatePlan.from_dict(update_info.plan)
-        # The names were checked by ``async_rl_check_update`` before the reload began.
+        # The plan was checked by ``async_rl_check_update`` before the reload began.
         for bucket in self.receiver.receive(plan):
-            # The layerwise reload may keep a module's tensors until finalize (a tied output head
-            # is only completed there), and the bucket's memory is reused by the next bucket:
-            # hand it copies. Measured: without them a multi-bucket update diverged from a fresh
-            # engine (tests/test_vllm.py).
-            self.model.load_weights([(name, t.clone()) for name, t in bucket])
+            self.intact = False
+            try:
+                # The layerwise reload may keep a module's tensors until finalize (a tied output
+                # head is only completed there), and the bucket's memory is reused by the next
+                # bucket: hand it copies. Measured: without them a multi-bucket update diverged
+                # from a fresh engine (tests/test_vllm.py).
+                self.model.load_weights([(name, t.clone()) for name, t in bucket])
+            except Exception as e:
+                self.receiver.fail(plan, f"loading a bucket failed: {type(e).__name__}: {e}")
+                raise
         self.num_updates += 1
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self.intact = True
+
+    def abort_weight_update(self) -> bool:
+        """Unwind a reload that will not be finished; returns ``intact``.
+
+        Every layer still waiting for weights gets its own tensors back (old values, untouched by
+        the reload) and its reload state is cleared, so the model is whole again and the next
+        ``start_weight_update`` begins from scratch (vLLM would otherwise skip layers it still
+        believes in progress and process them with the failed update's buffered tensors). Layers
+        already processed, and biases (loaded in place at once), keep the new values: unless
+        ``intact``, the model mixes two versions. Uses vLLM 0.32's layerwise-reload internals.
+        """
+        from vllm.model_executor.model_loader.reload import layerwise
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+        model = self.model
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+        for layer in model.modules():
+            info = layerwise.LAYERWISE_INFO.get(layer)
+            if info is None or not info.can_load():
+                continue
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)
+            for t in get_layer_tensors(layer).values():
+                if layerwise._get_weight_loader(t).__name__ == "online_process_loader":
+                    t.weight_loader = layerwise._get_original_loader(t)
+            info.reset()
+        layerwise.LOADING_LAYERS.clear()
+        return self.intact
 
     def shutdown(self) -> None:
         if self.receiver is not None:
@@ -182,9 +309,13 @@ class AsyncRLWorkerExtension:
     def async_rl_load_lora(self, plan: dict[str, Any], lora: dict[str, Any]) -> None:
         """Receive an adapter update (``UpdatePlan.to_dict()``) and swap it in under ``LORA_ID``.
 
+        Staged: every bucket is received (copied) and vLLM's ``LoRAModel`` built before the
+        adapter in use is touched, so a failure up to there leaves it serving the old adapter
+        (``intact`` stays True); only a failure inside the swap itself leaves ``intact`` False.
+
         Raises:
-            RuntimeError: no weight receiver connected, or vLLM rejects the adapter (rank above
-                ``max_lora_rank``).
+            RuntimeError: no weight receiver connected, the transfer failed (sender error,
+                timeout), or vLLM rejects the adapter (rank above ``max_lora_rank``).
         """
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
@@ -192,8 +323,9 @@ class AsyncRLWorkerExtension:
         eng = self.weight_transfer_engine
         if eng.receiver is None:
             raise RuntimeError("adapter update before init_weight_transfer_engine")
+        update = UpdatePlan.from_dict(plan)
         tensors = {}
-        for bucket in eng.receiver.receive(UpdatePlan.from_dict(plan)):
+        for bucket in eng.receiver.receive(update):
             tensors.update((name, t.clone()) for name, t in bucket)  # the bucket's memory is reused
         worker_manager = self.model_runner.lora_manager
         helper = PEFTHelper.from_dict({"r": int(lora["rank"]), "lora_alpha": float(lora["alpha"]),
@@ -206,29 +338,43 @@ class AsyncRLWorkerExtension:
             model_vocab_size=worker_manager.vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
         manager = worker_manager._adapter_manager
-        # Same id: removing frees its slot, activating copies the new matrices into it.
+        # Same id: removing frees its slot, activating copies the new matrices into it. Between
+        # the two no complete adapter is loaded.
+        eng.intact = False
         manager.remove_adapter(LORA_ID)
         manager.add_adapter(adapter)
         manager.activate_adapter(LORA_ID)
+        eng.intact = True
         eng.num_updates += 1
 
     def async_rl_check_update(self, plan: dict[str, Any], lora: dict[str, Any] | None = None) -> None:
-        """Check an update's names against the model before any byte moves (``map_to_engine``;
-        with LoRA settings ``lora``: exactly the adapter names, ``async_rl_lora_names``); on
-        failure the sender is told (it raises at once) and this raises."""
-        from learners.lora import check_adapter_names
-
+        """Check a whole update against the model before any byte moves (``check_update``: names,
+        coverage, full shapes, dtypes, tied aliases; with LoRA settings ``lora``: exactly the
+        adapter names, ``async_rl_lora_names``, with ``lora_A`` ``[rank, in]`` and ``lora_B``
+        ``[out, rank]``); on failure the sender is told (it raises at once) and this raises."""
         eng = self.weight_transfer_engine
         update = UpdatePlan.from_dict(plan)
         try:
             if lora is not None:
-                check_adapter_names(update.names, self.async_rl_lora_names(lora))
+                names = self.async_rl_lora_names(lora)
+                check_update([(m.name, m.dtype, m.shape, m.alias_of) for b in update.buckets for m in b], names,
+                             specs=adapter_specs(names, eng.specs, int(lora["rank"])))
             else:
-                eng.check(update.names)
+                eng.check(update)
         except Exception as e:
             if eng.receiver is not None:
                 eng.receiver.fail(update, f"{type(e).__name__}: {e}")
             raise
+
+    def async_rl_abort_update(self) -> bool:
+        """After a failed update: unwind it (``AsyncRLWeightTransferEngine.abort_weight_update``)
+        and end vLLM's update session; returns whether the model still holds its previous version
+        whole (no byte of the failed update reached it)."""
+        eng = self.weight_transfer_engine
+        # vLLM ends its session itself when a chunk fails, but not when finishing fails.
+        self._weight_update_active = False
+        eng.reset_weight_update_target()
+        return eng.abort_weight_update()  # a LoRA update has no reload to unwind: just ``intact``
 
     def async_rl_num_updates(self) -> int:
         """Updates this worker's engine has loaded."""

@@ -1,6 +1,7 @@
 """LoRA through peft (``learners.lora``): config, adapter-only training and weight sync, the reference
 policy with adapters off, the merged export, and engines (HF, vLLM) synced with adapters only that
-sample exactly what the learner's merged policy scores."""
+sample exactly what the learner's merged policy scores; adapter updates into vLLM are all or
+nothing (the HF engine's: ``test_weight_sync_atomic.py``)."""
 
 from __future__ import annotations
 
@@ -397,6 +398,56 @@ def test_vllm_engine_refuses_adapters_of_other_targets(vllm_lora_engine, tiny_mo
         pub.push(version + 1)
     pub.close()
     assert engine.policy_version == version
+
+
+def _vllm_fingerprint(engine, tok) -> list[tuple[list[int], list[float]]]:
+    return [(g[0].response_ids, g[0].logprobs) for g in engine.generate(_prompts(tok), 1, _greedy(tok))]
+
+
+def _adapter_update(tiny_model_path, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Adapters (the engine's names and shapes, from a peft-wrapped HF model) far from their init."""
+    from transformers import AutoModelForCausalLM
+
+    hf = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), LoRAConfig(rank=RANK))
+    gen = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(p.shape, generator=gen) * 0.2) for n, p in lora.adapter_parameters(hf).items()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["unknown", "missing", "shape", "dtype", "dies after the first bucket"])
+def test_vllm_adapter_update_is_all_or_nothing(vllm_lora_engine, tiny_model_path, tiny_tokenizer, case):
+    # Adapter updates are staged on vLLM: a bad one is refused before any byte moves, one whose
+    # sender dies mid-stream is dropped whole; either way the adapter in use stays, and serves.
+    from update_cases import ListLearner, bad_update
+
+    engine, tok = vllm_lora_engine, tiny_tokenizer
+    good = _adapter_update(tiny_model_path, seed=11)
+    pub = WeightPublisher(WeightSyncConfig(transport="shm"), "shm", ListLearner(good), [LocalTarget(engine)])
+    pub.push(engine.policy_version + 1)
+    pub.close()
+    before, version = _vllm_fingerprint(engine, tok), engine.policy_version
+    victim = "base_model.model.model.layers.2.mlp.down_proj.lora_A.weight"
+    if case.startswith("dies"):
+        die_after = next(i for i, (n, _) in enumerate(good) if ".layers.2." in n)
+        learner = ListLearner(_adapter_update(tiny_model_path, seed=12), die_after=die_after)
+        fragments = ["learner died"]
+    else:
+        bad, fragments = bad_update(case, _adapter_update(tiny_model_path, seed=12), victim,
+                                    "base_model.model.lm_head.lora_A.weight")
+        learner = ListLearner(bad)
+    pub = WeightPublisher(WeightSyncConfig(transport="shm", bucket_size_mb=0.05), "shm", learner,
+                          [LocalTarget(engine)])
+    try:
+        with pytest.raises(RuntimeError) as err:
+            pub.push(version + 1)
+    finally:
+        pub.close()
+    assert all(f in str(err.value) for f in fragments), str(err.value)
+    assert engine.policy_version == version and pub.published_version is None
+    after = _vllm_fingerprint(engine, tok)
+    assert [ids for ids, _ in after] == [ids for ids, _ in before]
+    for (_, a), (_, b) in zip(after, before):
+        assert a == pytest.approx(b, abs=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- end to end

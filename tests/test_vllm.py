@@ -1,6 +1,10 @@
 """The vLLM generator on vLLM's CPU build: weights synced into a running engine equal a fresh
 engine's, no prefix-cache reuse across versions, HF -> engine name mapping on a tied and an
-untied model, name errors before any byte moves, and in-flight updates (keep / abort)."""
+untied model, name errors before any byte moves, and in-flight updates (keep / abort). All or
+nothing: a bad update (unknown name, missing parameter, wrong shape, wrong dtype, two tensors for
+the tied head) is refused before any byte moves on every transport; one whose sender dies after
+the first bucket leaves an engine that refuses to sample (frozen requests included) until a
+complete update, which then equals that update exactly."""
 
 from __future__ import annotations
 
@@ -175,3 +179,139 @@ def test_weights_arriving_mid_generation(engine, tiny_model_path, tiny_tokenizer
     if mode == "abort":
         assert engine.num_reissued > reissued
     engine.cfg.partial_rollout = "keep"
+
+
+# ---------------------------------------------------------------------------------------- all or nothing
+def _fingerprint(engine) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and log-probs of two short prompts (shorter than a KV block: never served from
+    the prefix cache). vLLM's CPU build keeps linear weights packed inside oneDNN, out of reach, so
+    "the weights did not change" is checked on what they compute."""
+    p = SamplingParams(greedy=True, max_tokens=6, stop_token_ids=(1,))
+    return [(s.response_ids, s.logprobs) for g in engine.generate([[5, 6, 7, 8, 9], [11, 12, 13]], 1, p) for s in g]
+
+
+def _same(a, b) -> bool:
+    return [ids for ids, _ in a] == [ids for ids, _ in b] and all(
+        x == pytest.approx(y, abs=1e-6) for (_, x), (_, y) in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def good_update(tiny_model_path):
+    """The tiny (tied) model plus noise: ``(named tensors, aliases)`` as a learner sends them."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    named = [(n, p.detach() + torch.randn_like(p) * 0.05) for n, p in model.named_parameters()]
+    return named, {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+VLLM_BAD = [  # (case, victim): k_proj is one shard of the fused qkv_proj
+    ("unknown", "model.layers.2.mlp.down_proj.weight"), ("missing", "model.layers.2.mlp.down_proj.weight"),
+    ("shape", "model.layers.2.mlp.down_proj.weight"), ("shape", "model.layers.2.self_attn.k_proj.weight"),
+    ("dtype", "model.layers.2.mlp.down_proj.weight"), ("tied", "lm_head.weight")]
+
+
+@pytest.mark.parametrize("transport", ["shm", "broadcast", "update_weights"])
+@pytest.mark.parametrize("case,victim", VLLM_BAD)
+def test_a_bad_update_is_refused_whole_by_the_vllm_engine(engine, good_update, transport, case, victim):
+    from update_cases import ListLearner, bad_update
+
+    from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
+
+    named, aliases = good_update
+    if case == "tied":  # the tied head as a tensor of its own, different from the embedding
+        bad, fragments = named + [("lm_head.weight", dict(named)["model.embed_tokens.weight"] + 0.5)], [victim]
+        aliases = {}
+    else:
+        bad, fragments = bad_update(case, named, victim, "model.layers.0.mlp.gate_prj.weight")
+    before, version = _fingerprint(engine), engine.policy_version
+    if transport == "update_weights":
+        with pytest.raises((RuntimeError, ValueError)) as err:
+            engine.update_weights(bad, version + 1, aliases=aliases)
+    else:
+        pub = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=0.05), transport,
+                              ListLearner(bad, aliases), [LocalTarget(engine)])
+        try:
+            with pytest.raises(RuntimeError) as err:
+                pub.push(version + 1)
+        finally:
+            pub.close()
+        assert pub.published_version is None
+    assert all(f in str(err.value) for f in fragments), str(err.value)
+    assert engine.policy_version == version
+    assert _same(_fingerprint(engine), before)
+
+
+@pytest.mark.parametrize("transport,die_at", [("shm", "layer 2"), ("broadcast", "layer 2"), ("shm", "start")])
+def test_a_sender_dying_mid_update_never_lets_the_vllm_engine_sample_mixed_weights(engine, good_update, transport,
+                                                                                  die_at):
+    from update_cases import ListLearner
+
+    from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
+
+    named, aliases = good_update
+    shm = WeightSyncConfig(transport="shm", bucket_size_mb=0.05)
+    v = engine.policy_version
+    pub = WeightPublisher(shm, "shm", ListLearner(named, aliases), [LocalTarget(engine)])
+    pub.push(v + 1)
+    reference = _fingerprint(engine)
+    pub.close()
+    die_after = 0 if die_at == "start" else next(i for i, (n, _) in enumerate(named) if ".layers.2." in n)
+    dying = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=0.05, timeout_s=8.0), transport,
+                            ListLearner([(n, t + 1.0) for n, t in named], aliases, die_after=die_after),
+                            [LocalTarget(engine)])
+    try:
+        with pytest.raises(RuntimeError, match="learner died"):
+            dying.push(v + 2)
+    finally:
+        dying.close()
+    assert engine.policy_version == v + 1 and dying.published_version is None
+    if die_at == "start":  # no byte reached the model: it serves its old weights
+        assert _same(_fingerprint(engine), reference)
+    else:
+        with pytest.raises(RuntimeError, match="refuses to sample"):
+            _fingerprint(engine)
+    # A complete update makes it usable again, and exactly equal to that update.
+    pub = WeightPublisher(shm, "shm", ListLearner(named, aliases), [LocalTarget(engine)])
+    pub.push(v + 3)
+    pub.close()
+    assert engine.policy_version == v + 3
+    assert _same(_fingerprint(engine), reference)
+
+
+def test_requests_frozen_by_an_update_that_fails_half_loaded_are_not_continued(engine, good_update, tiny_tokenizer):
+    from update_cases import ListLearner
+
+    from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
+
+    named, aliases = good_update
+    engine.cfg.partial_rollout = "keep"
+    v = engine.policy_version
+    params = SamplingParams(temperature=1.0, max_tokens=128, stop_token_ids=(tiny_tokenizer.eos_token_id,))
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(engine.generate([[5 + i, 6, 7, 8] for i in range(32)], 2, params, seeds=list(range(32))))
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out.append(e)
+
+    th = threading.Thread(target=run)
+    th.start()
+    while engine._active == 0:
+        time.sleep(0.01)
+    die_after = next(i for i, (n, _) in enumerate(named) if ".layers.2." in n)
+    pub = WeightPublisher(WeightSyncConfig(transport="shm", bucket_size_mb=0.05), "shm",
+                          ListLearner(named, aliases, die_after=die_after), [LocalTarget(engine)])
+    try:
+        with pytest.raises(RuntimeError, match="learner died"):
+            pub.push(v + 1)
+    finally:
+        pub.close()
+    th.join(timeout=300)
+    assert len(out) == 1 and isinstance(out[0], RuntimeError) and "refuses to sample" in str(out[0]), out
+    pub = WeightPublisher(WeightSyncConfig(transport="shm"), "shm", ListLearner(named, aliases), [LocalTarget(engine)])
+    pub.push(v + 2)
+    pub.close()
+    _fingerprint(engine)

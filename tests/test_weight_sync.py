@@ -1,6 +1,7 @@
-"""The weight sync layer: bucket layout, HF -> engine name mapping, the shm and broadcast
-transports (exact bytes, slot reuse, errors before any byte moves, timeouts), and the HF engine
-receiving through it."""
+"""The weight sync layer: bucket layout, HF -> engine name mapping, the whole-update check (names,
+shards, shapes, dtypes, tied heads, every problem in one line), the shm and broadcast transports
+(exact bytes, slot reuse, errors before any byte moves, a failing receiver stopping the sender,
+timeouts), and the HF engine receiving through it."""
 
 from __future__ import annotations
 
@@ -269,3 +270,111 @@ def test_shm_slot_files_are_gone_once_receivers_hold_them(hf_engine):
     assert paths and not any(os.path.exists(p) for p in paths)  # unlinked, still mapped
     pub.push(hf_engine.policy_version + 1)  # and still carrying updates
     pub.close()
+
+
+# ---------------------------------------------------------------------------------------- all or nothing
+QWEN2_SPECS = {  # the HF layout a one-layer Qwen2 engine loads (hidden 8, 2 heads of 4, 1 KV head, MLP 16)
+    "model.embed_tokens.weight": ("float32", (10, 8)), "lm_head.weight": ("float32", (10, 8)),
+    "model.layers.0.self_attn.q_proj.weight": ("float32", (8, 8)), "model.layers.0.self_attn.k_proj.weight": ("float32", (4, 8)),
+    "model.layers.0.self_attn.v_proj.weight": ("float32", (4, 8)), "model.layers.0.self_attn.q_proj.bias": ("float32", (8,)),
+    "model.layers.0.self_attn.k_proj.bias": ("float32", (4,)), "model.layers.0.self_attn.v_proj.bias": ("float32", (4,)),
+    "model.layers.0.self_attn.o_proj.weight": ("float32", (8, 8)), "model.layers.0.mlp.gate_proj.weight": ("float32", (16, 8)),
+    "model.layers.0.mlp.up_proj.weight": ("float32", (16, 8)), "model.layers.0.mlp.down_proj.weight": ("float32", (8, 16)),
+    "model.layers.0.input_layernorm.weight": ("float32", (8,)),
+    "model.layers.0.post_attention_layernorm.weight": ("float32", (8,)), "model.norm.weight": ("float32", (8,))}
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def _sent(**changes):
+    """Every HF tensor of the tied one-layer model as the engine wants it, the head as an alias;
+    ``changes``: ``{short name: (dtype, shape) or None (left out)}``, short = the last two segments."""
+    out = []
+    for n in QWEN2_HF + ["lm_head.weight"]:
+        dtype, shape = QWEN2_SPECS[n]
+        alias = "model.embed_tokens.weight" if n == "lm_head.weight" else None
+        key = ".".join(n.split(".")[-2:])
+        if key in changes:
+            if changes[key] is None:
+                continue
+            dtype, shape = changes[key]
+            alias = None if n == "lm_head.weight" else alias
+        out.append((n, dtype, shape, alias))
+    return out
+
+
+@pytest.mark.parametrize("sent,error,fragments", [
+    (_sent() + [("model.layers.0.mlp.gate_prj.weight", "float32", (16, 8), None)], KeyError,
+     ["unknown weights", "gate_prj"]),
+    (_sent(**{"v_proj.weight": None}), ValueError, [r"qkv_proj.weight[v_proj]", "without a tensor"]),
+    (_sent(**{"k_proj.weight": ("float32", (8, 8))}), ValueError,
+     ["'model.layers.0.self_attn.k_proj.weight' got (8, 8), engine expects (4, 8)"]),
+    (_sent(**{"down_proj.weight": ("float32", (16, 8))}), ValueError, ["down_proj.weight' got (16, 8)", "(8, 16)"]),
+    (_sent(**{"norm.weight": ("int64", (8,))}), ValueError, ["'model.norm.weight' got int64, engine holds float32"]),
+    (_sent(**{"norm.weight": ("bool", (8,))}), ValueError, ["got bool", "the wire does not carry it"]),
+    (_sent(**{"lm_head.weight": ("float32", (10, 8))}), ValueError, ["'lm_head.weight' and 'model.embed_tokens.weight'"]),
+    (_sent(**{"norm.weight": ("int32", (8,)), "up_proj.weight": ("float32", (8, 16)), "o_proj.weight": None}), ValueError,
+     ["o_proj.weight", "up_proj.weight' got (8, 16)", "norm.weight' got int32"]),
+], ids=["unknown", "missing-shard", "fused-shard-shape", "shape", "int-dtype", "bool-dtype", "tied-twice", "all-at-once"])
+def test_check_update_refuses_the_whole_update_naming_every_problem(sent, error, fragments):
+    from async_rl.weight_sync import WeightUpdateError, check_update
+
+    with pytest.raises(error) as err:
+        check_update(sent, QWEN2_ENGINE, PACKED, TIED, QWEN2_SPECS)
+    assert isinstance(err.value, WeightUpdateError)
+    message = str(err.value)
+    assert "\n" not in message and all(f in message for f in fragments), message
+
+
+def test_check_update_accepts_floats_of_any_precision_and_the_tied_head_as_alias():
+    from async_rl.weight_sync import check_update, converts_to
+
+    # The documented dtype rule: floating point converts to the engine's dtype, nothing else does.
+    assert converts_to(torch.bfloat16, torch.float32) and converts_to("float64", "bfloat16")
+    assert not converts_to(torch.int64, torch.float32) and not converts_to("bool", "float32")
+    assert not converts_to(torch.float32, torch.int64) and converts_to("int64", torch.int64)
+    sent = _sent(**{"q_proj.weight": ("bfloat16", (8, 8)), "norm.weight": ("float16", (8,)),
+                    "down_proj.weight": ("float64", (8, 16))})
+    mapping = check_update(sent, QWEN2_ENGINE, PACKED, TIED, QWEN2_SPECS)
+    assert mapping["lm_head.weight"] == ("model.embed_tokens.weight", "tied")
+
+
+def test_the_wire_refuses_dtypes_it_cannot_carry_and_tensors_that_contradict_the_plan():
+    with pytest.raises(ValueError, match="'flags': dtype bool cannot travel"):
+        plan_update([("w", torch.float32, (4,)), ("flags", torch.bool, (4,))], 0, 1024)
+    plan = plan_update([("w", torch.float32, (4,))], 0, 1024)
+    buf = torch.zeros(plan.bucket_nbytes[0], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="'w': dtype int64 does not convert to the plan's float32"):
+        pack_bucket(buf, plan.buckets[0], {"w": torch.arange(4)})
+    assert not buf.any()
+
+
+@pytest.mark.parametrize("loader", ["raises", "reports"])
+def test_a_receiver_failing_mid_update_stops_the_sender_with_its_error(loader):
+    # Regression: a loader that raised mid-update left the sender waiting for its acknowledgement
+    # until timeout_s (TimeoutError). One that reports its own error first has that one win.
+    cfg = WeightSyncConfig(transport="shm", bucket_size_mb=0.02, timeout_s=30)
+    sender = WeightSender(cfg, 1)
+    named = _named()
+    plan = sender.plan(named, 1)
+    assert len(plan.buckets) > cfg.num_slots + 1  # the sender must wait for acknowledgements
+
+    def receive():
+        rx = WeightReceiver(sender.init_info(), 0)
+        rx.connect()
+        try:
+            for i, _ in enumerate(rx.receive(plan)):
+                if i == 1:
+                    if loader == "reports":
+                        rx.fail(plan, "OSError: disk on fire while loading bucket 1")
+                    raise OSError("disk on fire while loading bucket 1")
+        except OSError:
+            pass
+
+    th = threading.Thread(target=receive)
+    th.start()
+    sender.unlink_slots()
+    expected = "disk on fire" if loader == "reports" else "receiver 0: stopped at bucket 1 of"
+    with pytest.raises(RuntimeError, match=expected):
+        sender.send(plan, named)
+    th.join(timeout=30)
+    sender.close()
