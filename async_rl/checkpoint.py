@@ -175,7 +175,8 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
 
 class StopRequest:
     """SIGINT/SIGTERM handling for a training loop: the first signal asks the loop to stop after
-    the step in progress (and save); a second one restores the default handlers and re-raises.
+    the step in progress (and save); a second one restores the previous handlers and re-raises
+    (with the default action where the signal was inherited as ignored, as under ``nohup``).
 
     Use as a context manager around the loop; handlers are installed only in the main thread
     (``signal`` allows no other) and restored on exit.
@@ -197,7 +198,11 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         if self.signal_name is not None:
+            previous = self._previous.get(signum)
             self._restore()
+            if previous in (signal.SIG_IGN, None):
+                # Inherited as ignored (``nohup ... &``): a second signal must still stop at once.
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
             signal.raise_signal(signum)
             return
         self.signal_name = signal.Signals(signum).name

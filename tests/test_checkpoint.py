@@ -200,14 +200,31 @@ def test_checkpoint_config_validation():
     assert cfg.trainer.resume == "auto" and cfg.trainer.checkpoint.every_steps == 10
 
 
-def test_stop_request_first_signal_asks_second_raises():
-    with StopRequest() as stop:
-        assert not stop.requested
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.requested and stop.signal_name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
+@pytest.mark.parametrize("inherited", [signal.default_int_handler, signal.SIG_IGN])
+def test_stop_request_first_signal_asks_second_raises(inherited):
+    # The disposition the process was started with must not matter: `nohup ... &` (as a CI runner
+    # may start the suite) inherits SIGINT as ignored, and a second Ctrl-C must still stop at once.
+    original = signal.signal(signal.SIGINT, inherited)
+    try:
+        with StopRequest() as stop:
+            assert not stop.requested
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert stop.requested and stop.signal_name == "SIGINT"
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, original)
+
+
+def test_stop_request_restores_the_handler_it_found():
+    original = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopRequest():
+            assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, original)
 
 
 @pytest.mark.slow
