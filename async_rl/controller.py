@@ -248,9 +248,13 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
     answer.
 
     Raises:
-        KeyError: a finish reason other than ``stop``, ``length`` or ``max_turns``.
+        ValueError: a finish reason other than ``stop``, ``length`` or ``max_turns``.
     """
     from buffers.trajectory import Trajectory
+
+    if sample.finish_reason not in _FINISH_REASONS:
+        raise ValueError(f"trajectory {group_id}/{index}: finish reason {sample.finish_reason!r} is not one of "
+                         f"{sorted(_FINISH_REASONS)}; an unfinished sample must not be scored as truncated")
 
     conversation = hasattr(sample, "final_text")
     text = sample.final_text if conversation else tokenizer.decode(sample.response_ids, skip_special_tokens=True)

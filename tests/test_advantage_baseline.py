@@ -154,3 +154,20 @@ def test_scored_reward_must_be_finite():
         compute_advantages("grpo", _inputs([1.0, float("nan")], [[1], [1]], [0, 0]))
     with pytest.raises(ValueError, match="scored"):
         _inputs([1.0, 2.0], [[1], [1]], [0, 0], scored=[1, 0, 1])
+
+
+def test_an_unknown_finish_reason_is_not_scored_as_truncated():
+    # The old code mapped any reason other than stop/length (an aborted sample) to "length" and
+    # scored it as a finished, truncated response.
+    from types import SimpleNamespace
+
+    from async_rl.controller import trajectory_of
+
+    sample = SimpleNamespace(response_ids=[9], logprobs=[-0.1], finish_reason="abort", policy_version=[0])
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "9"
+
+    with pytest.raises(ValueError, match="'abort'"):
+        trajectory_of(sample, Tok(), 0, 0, "p", [5])
