@@ -274,7 +274,7 @@ class AgentLoop:
         """
         import dataclasses
 
-        from generators.hf import mix_seed
+        from async_rl.generators.hf import mix_seed
 
         convs = [[Conversation(list(ids), [dict(m) for m in msgs], mix_seed(seeds[i], j) if seeds is not None else -1)
                   for j in range(n)] for i, (ids, msgs) in enumerate(prompts)]

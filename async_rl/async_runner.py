@@ -8,7 +8,7 @@
            │
            └── new weights, version v+1 ──WeightPublisher (buckets: shm / broadcast)──> every worker
 
-* **Admission** (``buffers.replay.AdmissionController``): a group may start only while started
+* **Admission** (``async_rl.buffers.replay.AdmissionController``): a group may start only while started
   groups (minus those that can never be trained: rejected, evicted, dropped by dynamic sampling)
   ≤ (max_staleness + v + 1) × B, with v the version every generator holds. With max_staleness 0
   the pool samples exactly the groups sync mode would, from the same weights and per-group seeds,
@@ -78,9 +78,9 @@ class AsyncLoop:
         import ray
         from ray.util.queue import Queue
 
-        from buffers.replay import AdmissionController, ReplayBuffer
-        from buffers.transport import make_transport
-        from generators.pool import GeneratorWorker
+        from async_rl.buffers.replay import AdmissionController, ReplayBuffer
+        from async_rl.buffers.transport import make_transport
+        from async_rl.generators.pool import GeneratorWorker
 
         self.ctx = ctx
         cfg, t_cfg, g_cfg = ctx.cfg, ctx.cfg.trainer, ctx.cfg.generator
@@ -155,7 +155,7 @@ class AsyncLoop:
         return sum(self.buffer.dropped_groups.values()) + self.num_dynamic_dropped
 
     def _dispatch_loop(self) -> None:
-        from generators.pool import GroupRequest
+        from async_rl.generators.pool import GroupRequest
 
         seed = self.ctx.cfg.trainer.seed
         while not self._stop.is_set():
@@ -177,7 +177,7 @@ class AsyncLoop:
                 self.num_dispatched += 1
 
     def _route(self, msg) -> None:
-        from buffers.transport import GroupClosed
+        from async_rl.buffers.transport import GroupClosed
 
         if isinstance(msg, GroupClosed):
             self.buffer.close_group(msg.group_id, msg.num_kept)

@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     from async_rl.controller import train
-    from learners.launch import launched_by_torchrun
+    from async_rl.learners.launch import launched_by_torchrun
 
     if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         # torchrun ranks 1..N-1 run only their learner rank; rank 0 runs the trainer.
         from async_rl.controller import learner_args
         from async_rl.data.builtin import resolve
-        from learners.launch import follow_from_env
+        from async_rl.learners.launch import follow_from_env
 
         follow_from_env(*learner_args(cfg, resolve(cfg.model.path)))
         return 0

@@ -28,8 +28,8 @@ from async_rl.data.dataset import DataConfig
 from async_rl.metrics import LoggingConfig
 from async_rl.rewards.config import RewardConfig
 from async_rl.weight_sync import WeightSyncConfig
-from generators.base import GeneratorConfig
-from learners.base import LearnerConfig
+from async_rl.generators.base import GeneratorConfig
+from async_rl.learners.base import LearnerConfig
 
 
 class ConfigError(ValueError):
@@ -188,11 +188,11 @@ def _check_splits(cfg: Config) -> None:
     - each mini-batch over ``learner.world_size`` ranks: the batch is cut by ``tensor_split``, so
       the smallest mini-batch has ``floor(S / num_mini_batches)`` sequences;
     - async mode: ``generator.num_workers`` against the ``(max_staleness + 1) x prompts_per_step``
-      groups admission control lets be in flight (``buffers.replay.AdmissionController``);
+      groups admission control lets be in flight (``async_rl.buffers.replay.AdmissionController``);
     - the warm start's ``batch_size`` sequences over ``learner.world_size`` ranks.
 
     Micro-batches need no rule: they are cut from a rank's non-empty share and are never empty
-    (``learners.batching``). Dynamic sampling only adds groups; reward rejections may shrink a
+    (``async_rl.learners.batching``). Dynamic sampling only adds groups; reward rejections may shrink a
     batch at run time, which the learner handles (``FSDPLearner.train_step`` skips mini-batches
     without a loss token).
     """
@@ -246,7 +246,7 @@ def _check_token_budgets(cfg: Config) -> None:
     A budget exactly met is fine: a sequence of exactly ``learner.max_tokens_per_micro_batch``
     tokens gets a micro-batch of its own, and vLLM runs a request up to exactly
     ``max_model_len`` tokens. (Warm-start sequences are reference answers of any length; a
-    too-long one is still named at run time by ``learners.batching.micro_batches_by_tokens``.)
+    too-long one is still named at run time by ``async_rl.learners.batching.micro_batches_by_tokens``.)
     """
     longest, how = _longest_sequence(cfg)
     budget = cfg.learner.max_tokens_per_micro_batch
@@ -262,7 +262,7 @@ def _check_token_budgets(cfg: Config) -> None:
 def _check_lora(cfg: Config) -> None:
     import logging
 
-    from learners.lora import LoRAConfig, vllm_max_lora_rank
+    from async_rl.learners.lora import LoRAConfig, vllm_max_lora_rank
 
     lora = cfg.learner.lora
     if lora.rank == 0 and lora != LoRAConfig():

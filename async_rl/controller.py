@@ -158,7 +158,7 @@ class RolloutResult:
 def group_seed(run_seed: int, group_id: int) -> int:
     """Sampling seed of group ``group_id``: the same in sync and async mode, whichever generator
     samples it, so both modes draw the same responses from the same weights."""
-    from generators.hf import mix_seed
+    from async_rl.generators.hf import mix_seed
 
     return mix_seed(run_seed, group_id)
 
@@ -181,7 +181,7 @@ def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_i
         agent: an ``async_rl.agent.AgentLoop`` for multi-turn tool use (each sample is a
             conversation; the reward scores its final answer), or ``None`` for single-turn.
     """
-    from buffers.trajectory import Trajectory
+    from async_rl.buffers.trajectory import Trajectory
 
     seeds = None if seed is None else [group_seed(seed, first_group_id + i) for i in range(len(prompts))]
     if agent is not None:
@@ -210,7 +210,7 @@ def scored_trajectory(sample, tokenizer, scorer, group_id: int, index: int, prom
     """The ``Trajectory`` of one finished sample with its reward, or ``None`` when it is rejected.
 
     The one scoring path of both modes (``rollout`` here, the generator actors of
-    ``generators.pool`` in async mode). A rejected sample (its reward function failed under
+    ``async_rl.generators.pool`` in async mode). A rejected sample (its reward function failed under
     ``reward.on_error=reject``, or returned no reward) is counted by ``scorer`` with its reason and
     must leave its group: it is neither trained nor part of the group's baseline, never a reward 0.
 
@@ -250,7 +250,7 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
     Raises:
         ValueError: a finish reason other than ``stop``, ``length`` or ``max_turns``.
     """
-    from buffers.trajectory import Trajectory
+    from async_rl.buffers.trajectory import Trajectory
 
     if sample.finish_reason not in _FINISH_REASONS:
         raise ValueError(f"trajectory {group_id}/{index}: finish reason {sample.finish_reason!r} is not one of "
@@ -321,7 +321,7 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
     from async_rl.algorithms.dapo import overlong_filter_mask, overlong_reward_shaping
     from async_rl.algorithms.kl import apply_kl_reward_penalty, kl_penalty
     from async_rl.algorithms.logprobs import masked_mean
-    from buffers.trajectory import collate
+    from async_rl.buffers.trajectory import collate
 
     batch = collate(trajectories, pad_token_id)
     metrics: dict[str, float] = {}
@@ -412,7 +412,7 @@ def warm_start(learner, dataset, tokenizer, cfg: WarmStartConfig, eos_id: int, s
     Raises:
         ValueError: a row without the field, or a demonstration the chat template cannot render.
     """
-    from buffers.trajectory import Trajectory, collate
+    from async_rl.buffers.trajectory import Trajectory, collate
 
     rng = random.Random(seed + 17)
     for step in range(1, cfg.steps + 1):
@@ -540,9 +540,9 @@ def train(cfg: "Config") -> dict[str, Any]:
     from async_rl.metrics import MetricsLogger
     from async_rl.rewards import RewardScorer, default_reward_for, get_reward_fn
     from async_rl.weight_sync import LocalTarget, WeightPublisher, resolve_transport
-    from generators import make_generator
-    from generators.base import SamplingParams
-    from learners.launch import launch_learner
+    from async_rl.generators import make_generator
+    from async_rl.generators.base import SamplingParams
+    from async_rl.learners.launch import launch_learner
 
     t_cfg, seed = cfg.trainer, cfg.trainer.seed
     resume_from = resolve_resume(t_cfg.resume, t_cfg.output_dir, t_cfg.run_name)
@@ -827,7 +827,7 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult) -> dict[str, float]:
         RuntimeError: no trajectory to train on, or a sample older than ``trainer.max_staleness``
             (the buffer and admission control should make that impossible).
     """
-    from buffers.replay import staleness as staleness_of
+    from async_rl.buffers.replay import staleness as staleness_of
 
     cfg, learner = ctx.cfg, ctx.learner
     trajs = ro.trajectories

@@ -875,7 +875,7 @@ class LocalTarget:
 
 
 class RayTarget:
-    """A generator actor (``generators.pool.GeneratorWorker``) reached through Ray calls."""
+    """A generator actor (``async_rl.generators.pool.GeneratorWorker``) reached through Ray calls."""
 
     def __init__(self, actor) -> None:
         self.actor = actor

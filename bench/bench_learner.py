@@ -36,7 +36,7 @@ def make_model(path: str, hidden: int, layers: int) -> None:
 
 def make_batch(n: int, seed: int = 0):
     """``n`` trajectories with long-tailed response lengths (most short, a few long)."""
-    from buffers.trajectory import Trajectory, collate
+    from async_rl.buffers.trajectory import Trajectory, collate
 
     rng = random.Random(seed)
     trajs = []
@@ -73,8 +73,8 @@ def learner_step(path: str, batch, micro: int, max_tokens: int, bypass: bool, pa
                  ) -> tuple[float, float]:
     """``(prepare seconds, train_step seconds)`` of our learner on ``batch``."""
     from async_rl.algorithms.config import AlgorithmConfig
-    from learners.base import LearnerConfig
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.base import LearnerConfig
+    from async_rl.learners.fsdp import FSDPLearner
 
     algo = AlgorithmConfig(name="grpo", bypass_proximal=bypass, loss_horizon_tokens=512).apply_preset()
     cfg = LearnerConfig(lr=1e-5, micro_batch_size=micro, max_tokens_per_micro_batch=max_tokens, packing=packing)

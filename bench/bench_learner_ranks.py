@@ -32,8 +32,8 @@ def _rank(rank: int, world: int, init: str, model: str, n: int, reps: int, threa
 
     from async_rl.algorithms.config import AlgorithmConfig
     from bench_learner import make_batch
-    from learners.base import LearnerConfig
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.base import LearnerConfig
+    from async_rl.learners.fsdp import FSDPLearner
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)

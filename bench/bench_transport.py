@@ -27,8 +27,8 @@ import time
 import numpy as np
 import zmq
 
-from buffers.trajectory import Trajectory
-from buffers.transport import (
+from async_rl.buffers.trajectory import Trajectory
+from async_rl.buffers.transport import (
     ZmqSenderFactory, ZmqTrajectoryReceiver, decode_trajectory, encode_trajectory,
 )
 

@@ -112,12 +112,12 @@ def digests(model) -> dict[str, str]:
 
 class HFEngineActor:
     """An ``HFGenerator`` in its own process (wrapped with ``ray.remote``): the receiving half of
-    ``generators.pool.GeneratorWorker`` without its sampling loop."""
+    ``async_rl.generators.pool.GeneratorWorker`` without its sampling loop."""
 
     def __init__(self, model_path: str, pad_token_id: int, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
-        from generators.base import GeneratorConfig
-        from generators.hf import HFGenerator
+        from async_rl.generators.base import GeneratorConfig
+        from async_rl.generators.hf import HFGenerator
 
         self.engine = HFGenerator(model_path, GeneratorConfig(max_batch_size=8), pad_token_id)
 
@@ -174,8 +174,8 @@ def bench_hf(args, model, model_path: str, pad: int, table: Table, checks: list[
     import ray
 
     from async_rl.weight_sync import LocalTarget, RayTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
-    from generators.base import GeneratorConfig
-    from generators.hf import HFGenerator
+    from async_rl.generators.base import GeneratorConfig
+    from async_rl.generators.hf import HFGenerator
 
     learner = ModuleWeights(model)
     version = 1
@@ -242,8 +242,8 @@ def _hf_check(model, prompts: list[list[int]], groups) -> tuple[float, float]:
 
 def bench_vllm_sync(args, model, model_path: str, eos: int, table: Table, checks: list[str]) -> None:
     from async_rl.weight_sync import LocalTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
-    from generators.base import GeneratorConfig, SamplingParams
-    from generators.vllm import VLLMGenerator
+    from async_rl.generators.base import GeneratorConfig, SamplingParams
+    from async_rl.generators.vllm import VLLMGenerator
 
     learner = ModuleWeights(model)
     t0 = time.perf_counter()
@@ -288,9 +288,9 @@ def bench_generation(args, tiny_path: str) -> list[str]:
     from vllm import LLM
     from vllm import SamplingParams as VSP
 
-    from generators.base import GeneratorConfig, SamplingParams
-    from generators.hf import mix_seed
-    from generators.vllm import VLLMGenerator
+    from async_rl.generators.base import GeneratorConfig, SamplingParams
+    from async_rl.generators.hf import mix_seed
+    from async_rl.generators.vllm import VLLMGenerator
 
     tok = AutoTokenizer.from_pretrained(tiny_path)
     n_prompts, n_tokens = args.gen_prompts, args.gen_tokens

@@ -25,7 +25,7 @@ of the bytes), with the tied embedding still tied.
 
 vLLM (only when ``import vllm`` works with a CUDA build):
 
-* our ``VLLMGenerator(device="cuda")`` (``generators.vllm``, our ``async_rl`` weight-transfer
+* our ``VLLMGenerator(device="cuda")`` (``async_rl.generators.vllm``, our ``async_rl`` weight-transfer
   backend) receiving over ``shm`` and then over ``broadcast`` on NCCL (same one-GPU caveat: run
   last, since a failed load leaves that engine's weights undefined);
 * a raw ``AsyncLLM`` built with ``weight_transfer_config={"backend": "ipc"}`` fed by vLLM's own
@@ -73,7 +73,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# vLLM's worker processes import generators.vllm_worker (our worker extension) by module path.
+# vLLM's worker processes import async_rl.generators.vllm_worker (our worker extension) by module path.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 FULL_MODEL = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
@@ -177,8 +177,8 @@ def _receiver_main(conn, model_path: str, device: str, pad: int) -> None:
         torch.cuda.set_device(torch.device(device))  # "cuda" in the sender's init_info means this one
     else:
         torch.set_num_threads(1)
-    from generators.base import GeneratorConfig
-    from generators.hf import HFGenerator, load_named_weights
+    from async_rl.generators.base import GeneratorConfig
+    from async_rl.generators.hf import HFGenerator, load_named_weights
 
     engine = HFGenerator(model_path, GeneratorConfig(max_batch_size=8), pad, device=device)
 
@@ -303,8 +303,8 @@ def publisher_on(cfg, learner, targets: list, device: str):
 # ---------------------------------------------------------------------------------------- torch-only
 def torch_only(args, model, model_path: str, pad: int, model_bytes: int) -> None:
     from async_rl.weight_sync import LocalTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
-    from generators.base import GeneratorConfig
-    from generators.hf import HFGenerator
+    from async_rl.generators.base import GeneratorConfig
+    from async_rl.generators.hf import HFGenerator
 
     dev = args.device
     sync = _sync(dev)
@@ -461,8 +461,8 @@ def vllm_part(args, model, model_path: str, eos: int, model_bytes: int) -> None:
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     from async_rl.weight_sync import LocalTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
-    from generators.base import GeneratorConfig, SamplingParams, VLLMConfig
-    from generators.vllm import VLLMGenerator
+    from async_rl.generators.base import GeneratorConfig, SamplingParams, VLLMConfig
+    from async_rl.generators.vllm import VLLMGenerator
 
     # vLLM's IPC update carries torch classes in its handles: its RPC encoder needs pickle for them.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from buffers.trajectory import Trajectory
+from async_rl.buffers.trajectory import Trajectory
 
 STATE_FORMAT = 1
 """Version of the ``ReplayBuffer.state_dict`` layout."""

@@ -60,7 +60,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from buffers.trajectory import Trajectory
+from async_rl.buffers.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class GroupClosed:
 
 
 Message = Trajectory | GroupClosed
-"""What travels from generators to the buffer."""
+"""What travels from async_rl.generators to the buffer."""
 
 
 def encode_message(msg: Message) -> list[bytes]:

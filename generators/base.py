@@ -195,7 +195,7 @@ def row_seeds(base_seed: int, calls, n: int, num_prompts: int, seeds: Sequence[i
     Raises:
         ValueError: ``seeds`` of a length other than ``num_prompts``.
     """
-    from generators.hf import mix_seed
+    from async_rl.generators.hf import mix_seed
 
     if seeds is None:
         call = next(calls)

@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from generators.base import GeneratorConfig, Sample, SamplingParams, check_request, row_seeds
+from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, check_request, row_seeds
 
 
 def _param_table(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]):
@@ -64,7 +64,7 @@ def stage_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter
     the result outlives the caller's buffers).
 
     Args:
-        model: a module, or ``{name: parameter}`` (LoRA: ``learners.lora.adapter_parameters``).
+        model: a module, or ``{name: parameter}`` (LoRA: ``async_rl.learners.lora.adapter_parameters``).
         named_tensors: ``(name, tensor)`` by Hugging Face name; consumed entirely before any check.
         require_all: every underlying parameter must receive a tensor.
         copy: stage into new memory even where no conversion is needed.
@@ -125,7 +125,7 @@ def load_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]
     parameters may arrive under any of their names (for example ``lm_head.weight`` aliasing
     ``model.embed_tokens.weight``). ``model`` may also be a ``{name: parameter}`` mapping: the
     parameters an update targets (LoRA: the adapter matrices under their sync names,
-    ``learners.lora.adapter_parameters``).
+    ``async_rl.learners.lora.adapter_parameters``).
 
     Returns:
         The number of bytes written (in the parameters' dtypes).
@@ -243,7 +243,7 @@ class HFGenerator:
         device: torch device string.
         lora: the learner's ``LoRAConfig``; with ``rank > 0`` the model is wrapped with the same
             peft adapters (initialised as peft does, so the engine starts as the base model) and
-            weight updates carry exactly the adapter matrices (``learners.lora``); ``None`` = none.
+            weight updates carry exactly the adapter matrices (``async_rl.learners.lora``); ``None`` = none.
 
     The model runs in eval mode under ``torch.inference_mode``. Sampling uses per-row generators
     seeded from the caller's seeds (or from ``cfg.seed`` and a call counter), never the global RNG,
@@ -256,7 +256,7 @@ class HFGenerator:
                  lora=None) -> None:
         from transformers import AutoModelForCausalLM
 
-        from learners.lora import lora_enabled, wrap
+        from async_rl.learners.lora import lora_enabled, wrap
 
         self.cfg = cfg
         self.device = torch.device(device)
@@ -348,7 +348,7 @@ class HFGenerator:
         # What an update writes: the whole model, or with LoRA only the adapter matrices.
         if self.lora is None:
             return self.model
-        from learners.lora import adapter_parameters
+        from async_rl.learners.lora import adapter_parameters
 
         return adapter_parameters(self.model)
 
@@ -432,7 +432,7 @@ class HFGenerator:
     # ------------------------------------------------------------------ sampling
     def row_seeds(self, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:
         """Seed of each of the ``num_prompts * n`` rows: ``mix(seeds[i], j)`` for sample j of
-        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given (``generators.base.row_seeds``)."""
+        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given (``async_rl.generators.base.row_seeds``)."""
         return row_seeds(self.cfg.seed, self._calls, n, num_prompts, seeds)
 
     @torch.inference_mode()

@@ -99,7 +99,7 @@ class GeneratorWorker:
         from transformers import AutoTokenizer
 
         from async_rl.rewards import RewardScorer, get_reward_fn
-        from generators import make_generator
+        from async_rl.generators import make_generator
 
         torch.set_num_threads(max(1, num_threads))
         self.worker_id = worker_id
@@ -192,7 +192,7 @@ class GeneratorWorker:
 
     def _serve(self, batch: list[GroupRequest]) -> None:
         from async_rl.controller import scored_trajectory
-        from buffers.transport import GroupClosed
+        from async_rl.buffers.transport import GroupClosed
 
         n = batch[0].n
         if any(r.n != n for r in batch):

@@ -13,7 +13,7 @@ decodes.
   tagged with the policy version that was loaded when it arrived.
 * **Weights**: through vLLM's native RL interface (``pause_generation`` → ``start_weight_update``
   → ``update_weights`` → ``finish_weight_update`` → ``resume_generation``) with our own
-  weight-transfer backend (``generators.vllm_worker``), which receives ``async_rl.weight_sync``
+  weight-transfer backend (``async_rl.generators.vllm_worker``), which receives ``async_rl.weight_sync``
   buckets (shared memory or a gloo/NCCL broadcast). ``partial_rollout: keep`` pauses with
   requests frozen and their KV kept (they continue on the new weights, later tokens carry the new
   version); ``abort`` aborts them, clears the caches, and re-issues each unfinished sample with
@@ -44,10 +44,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from generators.base import GeneratorConfig, Sample, SamplingParams, VLLMConfig, check_request, row_seeds  # noqa: F401
-from generators.hf import mix_seed
+from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, VLLMConfig, check_request, row_seeds  # noqa: F401
+from async_rl.generators.hf import mix_seed
 
-WORKER_EXTENSION = "generators.vllm_worker.AsyncRLWorkerExtension"
+WORKER_EXTENSION = "async_rl.generators.vllm_worker.AsyncRLWorkerExtension"
 
 
 class VLLMGenerator:
@@ -72,7 +72,7 @@ class VLLMGenerator:
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
         import vllm  # noqa: F401  (fail early with the real ImportError)
 
-        from learners.lora import lora_enabled, spec, vllm_max_lora_rank
+        from async_rl.learners.lora import lora_enabled, spec, vllm_max_lora_rank
 
         self.cfg, self.vcfg = cfg, cfg.vllm
         self.lora = spec(lora) if lora_enabled(lora) else None
@@ -102,7 +102,7 @@ class VLLMGenerator:
         self._thread.start()
         self.engine = self._call(self._start(), timeout=600)
         if self.lora is not None:
-            from generators.vllm_worker import lora_request
+            from async_rl.generators.vllm_worker import lora_request
 
             self._call(self.engine.collective_rpc("async_rl_init_lora", args=(self.lora["rank"],)))
             self._lora_request = lora_request()
@@ -149,7 +149,7 @@ class VLLMGenerator:
     # ------------------------------------------------------------------ sampling
     def row_seeds(self, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:
         """Seed of each of the ``num_prompts * n`` rows: ``mix(seeds[i], j)`` for sample j of
-        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given (``generators.base.row_seeds``)."""
+        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given (``async_rl.generators.base.row_seeds``)."""
         return row_seeds(self.cfg.seed, self._calls, n, num_prompts, seeds)
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,

@@ -1,7 +1,7 @@
 """Code that runs inside vLLM's worker processes: our weight-transfer engine and worker extension.
 
 vLLM loads this module in every worker because the engine is created with
-``worker_extension_cls="generators.vllm_worker.AsyncRLWorkerExtension"``; importing it registers
+``worker_extension_cls="async_rl.generators.vllm_worker.AsyncRLWorkerExtension"``; importing it registers
 the ``async_rl`` backend with vLLM's ``WeightTransferEngineFactory`` before the worker builds its
 weight-transfer engine (``weight_transfer_config={"backend": "async_rl"}``). The engine then
 follows vLLM's native RL weight-update lifecycle, driven from ``AsyncLLM``:
@@ -22,14 +22,14 @@ A failure after the reload began cannot be rolled back: processed layers (and bi
 load in place at once) already hold the new values. ``async_rl_abort_update`` unwinds the rest
 (every layer still waiting gets its own old tensors back, the reload state is cleared, vLLM's
 update session ends) and reports whether any bucket had reached the model; the generator then
-refuses to sample until a complete update (``generators.vllm``, ``async_rl.weight_sync``'s *All
+refuses to sample until a complete update (``async_rl.generators.vllm``, ``async_rl.weight_sync``'s *All
 or nothing*).
 
 Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact there); only the
 plan (names, dtypes, shapes, offsets) does.
 
 **LoRA** (engine started with ``enable_lora``): the base weights never change; an update carries
-only the adapter matrices (``learners.lora``) and bypasses the reload lifecycle. At start-up
+only the adapter matrices (``async_rl.learners.lora``) and bypasses the reload lifecycle. At start-up
 ``async_rl_init_lora`` registers a zero adapter under one fixed id (the engine then computes
 exactly the base model), which every request names. ``async_rl_load_lora`` receives an update's
 buckets through the same ``WeightReceiver``, builds vLLM's ``LoRAModel`` from the tensors in
@@ -156,7 +156,7 @@ def adapter_specs(names: list[str], base_specs: dict[str, tuple[str, tuple[int, 
     """``{adapter sync name: (dtype name, shape)}``: ``lora_A`` ``[rank, in]`` and ``lora_B``
     ``[out, rank]`` of each targeted HF projection, ``in``/``out`` from its base weight's shape in
     ``base_specs`` (``engine_weight_specs``). Names without a base weight there get no spec."""
-    from learners.lora import PEFT_PREFIX
+    from async_rl.learners.lora import PEFT_PREFIX
 
     out = {}
     for n in names:
@@ -294,9 +294,9 @@ class AsyncRLWorkerExtension:
         return engine_weight_names(self.model_runner.get_model())
 
     def async_rl_lora_names(self, lora: dict[str, Any]) -> list[str]:
-        """The adapter names an update must carry for LoRA settings ``lora`` (``learners.lora.spec``):
+        """The adapter names an update must carry for LoRA settings ``lora`` (``async_rl.learners.lora.spec``):
         one ``lora_A``/``lora_B`` pair per targeted HF projection of vLLM's LoRA modules."""
-        from learners.lora import expected_vllm_adapter_names
+        from async_rl.learners.lora import expected_vllm_adapter_names
 
         manager = self.model_runner.lora_manager._adapter_manager
         return expected_vllm_adapter_names(list(manager.modules), dict(manager.packed_modules_mapping),

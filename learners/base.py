@@ -14,8 +14,8 @@ from typing import Iterator, Protocol
 
 import torch
 
-from buffers.trajectory import TrainBatch
-from learners.lora import LoRAConfig
+from async_rl.buffers.trajectory import TrainBatch
+from async_rl.learners.lora import LoRAConfig
 
 LEARNER_BACKENDS = ("fsdp2",)
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -56,7 +56,7 @@ class LearnerConfig:
     """``fsdp2``: torch FSDP2 (``fully_shard``) over a gloo (CPU) or NCCL (GPU) process group."""
     world_size: int = 1
     """Learner ranks (>= 1) on one process group (gloo on CPU). Rank 0 is the trainer process;
-    ranks 1.. are Ray actors it places (``learners.launch``), or the other ranks of a
+    ranks 1.. are Ray actors it places (``async_rl.learners.launch``), or the other ranks of a
     ``torchrun --nproc-per-node N -m async_rl.cli train ...`` launch. At most the sequences of
     the smallest mini-batch, ``floor(prompts_per_step * samples_per_prompt / num_mini_batches)``,
     and at most ``trainer.warm_start.batch_size`` with a warm start, so no rank is left without a
@@ -96,7 +96,7 @@ class LearnerConfig:
     """Sequences per forward/backward pass (>= 1); gradients accumulate across micro-batches."""
     max_tokens_per_micro_batch: int = 0
     """> 0: micro-batches are cut by tokens instead, each at most this many (padded) tokens, and
-    padding beyond a micro-batch's longest sequence is removed (``learners.batching``). Must be
+    padding beyond a micro-batch's longest sequence is removed (``async_rl.learners.batching``). Must be
     at least the longest possible sequence, ``data.max_prompt_tokens +
     generator.max_response_tokens`` (with tools ``+ agent.max_response_tokens`` instead; checked
     at load); a sequence of exactly this many tokens gets a micro-batch of its own."""

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from async_rl.algorithms.critic import value_loss
-from buffers.trajectory import TrainBatch
-from learners.base import CriticConfig, clip_and_step
+from async_rl.buffers.trajectory import TrainBatch
+from async_rl.learners.base import CriticConfig, clip_and_step
 
 
 class ValueModel(nn.Module):
@@ -138,7 +138,7 @@ class FSDPCritic:
         current critic, from one packed row when ``packing`` is on (0 at slots that predict no
         real token). Differentiable; ``FSDPLearner.prepare`` calls it under ``no_grad``."""
         if self.packing:
-            from learners.batching import pack_rows, unpack_labels
+            from async_rl.learners.batching import pack_rows, unpack_labels
 
             ids, positions = pack_rows(mb.input_ids, mb.attention_mask, mb.position_ids)
             return unpack_labels(self.model(ids, None, positions), mb.attention_mask)

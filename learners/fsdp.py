@@ -38,12 +38,12 @@ from async_rl.algorithms.kl import kl_penalty
 from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits, masked_mean
 from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.metrics import reduce_metrics
-from buffers.trajectory import TrainBatch
-from learners.base import LearnerConfig, clip_and_step
-from learners.batching import micro_batches_by_tokens, pack_rows, split_by_tokens, unpack_labels
-from learners import lora
-from learners.critic import FSDPCritic, copy_matching_parameters
-from learners.spmd import collective
+from async_rl.buffers.trajectory import TrainBatch
+from async_rl.learners.base import LearnerConfig, clip_and_step
+from async_rl.learners.batching import micro_batches_by_tokens, pack_rows, split_by_tokens, unpack_labels
+from async_rl.learners import lora
+from async_rl.learners.critic import FSDPCritic, copy_matching_parameters
+from async_rl.learners.spmd import collective
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class FSDPLearner:
         self.cfg, self.algo, self.temperature = cfg, algo.apply_preset(), temperature
         self.total_optimizer_steps = total_optimizer_steps
         self.model_path = model_path
-        # Set by learners.spmd.drive_followers on rank 0 of a launched multi-rank learner.
+        # Set by async_rl.learners.spmd.drive_followers on rank 0 of a launched multi-rank learner.
         self._drives_followers, self._command_depth = False, 0
         self.device = learner_device(cfg)
         init_single_process_group(process_group_backend(self.device))
@@ -290,7 +290,7 @@ class FSDPLearner:
                  temperature: float | None = None, packed: bool | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, L-1]`` float32 of a micro-batch's labels; with
-        ``learner.packing`` from one padding-free packed row (``learners.batching.pack_rows``),
+        ``learner.packing`` from one padding-free packed row (``async_rl.learners.batching.pack_rows``),
         unpacked to the same layout (0 where a slot predicts no real token)."""
         mb = mb.to(self.device)
         model = model or self.model
@@ -318,7 +318,7 @@ class FSDPLearner:
         Raises:
             ValueError: the packed log-probs differ (names the attention implementation).
         """
-        from buffers.trajectory import position_ids_from_mask
+        from async_rl.buffers.trajectory import position_ids_from_mask
 
         ids = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26, 0, 0]])
         mask = (ids != 0).long()
@@ -608,7 +608,7 @@ class FSDPLearner:
     @collective
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full parameters by Hugging Face name (tied ones once), gathered from the shards; with
-        LoRA only the adapter matrices, under peft's adapter-file names (``learners.lora``)."""
+        LoRA only the adapter matrices, under peft's adapter-file names (``async_rl.learners.lora``)."""
         if self.cfg.lora.rank > 0:
             for name, tensor in lora.adapter_named_weights(self.model):
                 yield hf_name(name), tensor

@@ -4,7 +4,7 @@
 * Ray placement (default for ``world_size > 1``): ranks 1..N-1 are Ray actors. Rank 0 picks a
   free TCP port, the actors and rank 0 join one gloo group through a ``tcp://`` rendezvous, each
   builds the same ``FSDPLearner`` (same weights, same seed), and the actors then serve rank 0's
-  collective calls (``learners.spmd``). Ray kills the actors when the driver exits, so a crashed
+  collective calls (``async_rl.learners.spmd``). Ray kills the actors when the driver exits, so a crashed
   trainer leaves no rank behind.
 * torchrun: ``torchrun --nproc-per-node N -m async_rl.cli train --config ...`` starts N copies;
   rank 0 (``RANK=0``) runs the trainer, the others only the learner (``follow_from_env``), all on
@@ -24,7 +24,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from learners.base import LearnerConfig
+from async_rl.learners.base import LearnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +62,10 @@ class LearnerRank:
 
     def run(self) -> int:
         """Join, build, serve until rank 0 stops us; returns the number of calls served."""
-        from learners.fsdp import FSDPLearner
-        from learners.spmd import serve_commands
+        from async_rl.learners.fsdp import FSDPLearner
+        from async_rl.learners.spmd import serve_commands
 
-        from learners.fsdp import learner_device, process_group_backend
+        from async_rl.learners.fsdp import learner_device, process_group_backend
 
         torch.set_num_threads(_follower_threads(self.learner_args[0]))
         backend = process_group_backend(learner_device(self.learner_args[0]))
@@ -86,7 +86,7 @@ class LearnerHandle:
 
     def close(self) -> None:
         """Release the followers, wait for them (60 s), destroy the group; safe to call twice."""
-        from learners.spmd import stop_followers
+        from async_rl.learners.spmd import stop_followers
 
         if self.learner is None:
             return
@@ -108,7 +108,7 @@ class LearnerHandle:
             if self.started_ray:
                 ray.shutdown()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            from learners.spmd import forget_command_group
+            from async_rl.learners.spmd import forget_command_group
 
             dist.destroy_process_group()
             forget_command_group()
@@ -122,8 +122,8 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
         ValueError: under torchrun, ``learner.world_size`` differs from ``WORLD_SIZE``.
         RuntimeError: a follower rank failed to start (its error is chained).
     """
-    from learners.fsdp import FSDPLearner, learner_device, process_group_backend
-    from learners.spmd import drive_followers
+    from async_rl.learners.fsdp import FSDPLearner, learner_device, process_group_backend
+    from async_rl.learners.spmd import drive_followers
 
     args = (cfg, algo, model_path, temperature, total_optimizer_steps)
     device = learner_device(cfg)
@@ -179,10 +179,10 @@ def follow_from_env(cfg: LearnerConfig, algo, model_path: str, temperature: floa
     Returns:
         The number of calls served.
     """
-    from learners.fsdp import FSDPLearner
-    from learners.spmd import serve_commands
+    from async_rl.learners.fsdp import FSDPLearner
+    from async_rl.learners.spmd import serve_commands
 
-    from learners.fsdp import learner_device, process_group_backend
+    from async_rl.learners.fsdp import learner_device, process_group_backend
 
     torch.set_num_threads(_follower_threads(cfg))
     dist.init_process_group(process_group_backend(learner_device(cfg)), init_method="env://", timeout=PG_TIMEOUT)

@@ -315,7 +315,7 @@ def reference_policy(model: torch.nn.Module, current, load_plain):
         ``AdapterDisabled(model)`` when the adapters are still zero (reference == base model, no
         copy); otherwise a frozen plain model holding the merged weights (base + current adapters).
     """
-    from learners.critic import copy_matching_parameters
+    from async_rl.learners.critic import copy_matching_parameters
 
     if adapter_is_zero(model):
         return AdapterDisabled(model)

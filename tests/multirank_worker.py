@@ -9,7 +9,7 @@ def make_batch(seed: int = 0):
     """A fixed batch of 11 variable-length trajectories with advantages (the same on every rank)."""
     import torch
 
-    from buffers.trajectory import Trajectory, collate
+    from async_rl.buffers.trajectory import Trajectory, collate
 
     rng = random.Random(seed)
     trajs = []
@@ -33,8 +33,8 @@ def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, o
     import torch.distributed as dist
 
     from async_rl.algorithms.config import AlgorithmConfig
-    from learners.base import LearnerConfig
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.base import LearnerConfig
+    from async_rl.learners.fsdp import FSDPLearner
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from async_rl.agent import AgentConfig, AgentLoop, demonstration_ids, render_ids, tool_turn_ids
-from generators.base import Sample, SamplingParams
+from async_rl.generators.base import Sample, SamplingParams
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},

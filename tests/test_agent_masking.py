@@ -15,7 +15,7 @@ from async_rl.algorithms.critic import value_loss
 from async_rl.algorithms.kl import entropy_bonus, kl_loss
 from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, POLICY_LOSSES
-from buffers.trajectory import Trajectory, collate
+from async_rl.buffers.trajectory import Trajectory, collate
 
 TOOL_SLOTS = (2, 3)  # response positions of t1, t2 in [a1, a2, t1, t2, a3]
 
@@ -97,8 +97,8 @@ def test_learner_update_ignores_what_is_stored_at_tool_tokens(tiny_model_path):
     log-probs, advantages, returns and reference log-probs at the tool tokens leaves the update
     bit-identical."""
     from async_rl.algorithms.config import AlgorithmConfig
-    from learners.base import LearnerConfig
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.base import LearnerConfig
+    from async_rl.learners.fsdp import FSDPLearner
 
     def run(poison: bool) -> dict[str, torch.Tensor]:
         algo = AlgorithmConfig(name="ppo", kl_coef=0.1, entropy_coef=0.01, loss_horizon_tokens=16).apply_preset()

@@ -63,7 +63,7 @@ def test_async_with_zero_staleness_reproduces_sync(tmp_path, ray_session):
 
 @pytest.mark.slow
 def test_slow_learner_never_trains_on_stale_data(tmp_path, ray_session, monkeypatch):
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.fsdp import FSDPLearner
 
     original = FSDPLearner.train_step
 
@@ -96,10 +96,10 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     from async_rl.controller import group_seed, stop_token_ids
     from async_rl.data.builtin import resolve
     from async_rl.data.dataset import PromptDataset
-    from buffers.replay import ReplayBuffer
-    from buffers.transport import GroupClosed, make_transport
-    from generators.base import GeneratorConfig, SamplingParams
-    from generators.pool import GeneratorWorker, GroupRequest
+    from async_rl.buffers.replay import ReplayBuffer
+    from async_rl.buffers.transport import GroupClosed, make_transport
+    from async_rl.generators.base import GeneratorConfig, SamplingParams
+    from async_rl.generators.pool import GeneratorWorker, GroupRequest
 
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REJECTING_REWARD)

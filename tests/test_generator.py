@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from buffers.trajectory import Trajectory, collate
-from generators.base import GeneratorConfig, SamplingParams, cut_at_stop
-from generators.hf import HFGenerator, load_named_weights
+from async_rl.buffers.trajectory import Trajectory, collate
+from async_rl.generators.base import GeneratorConfig, SamplingParams, cut_at_stop
+from async_rl.generators.hf import HFGenerator, load_named_weights
 
 
 def test_cut_at_stop_keeps_eos_when_pad_equals_eos():

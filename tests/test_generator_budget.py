@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from generators.base import GeneratorConfig, SamplingParams
-from generators.hf import HFGenerator
+from async_rl.generators.base import GeneratorConfig, SamplingParams
+from async_rl.generators.hf import HFGenerator
 
 SEED = 1234
 

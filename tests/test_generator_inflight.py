@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from generators.base import GeneratorConfig, SamplingParams
-from generators.hf import HFGenerator
+from async_rl.generators.base import GeneratorConfig, SamplingParams
+from async_rl.generators.hf import HFGenerator
 
 
 def _prompts(tok, questions=("1+2=", "13+19=", "7+0=", "4+4=")):
@@ -107,7 +107,7 @@ def test_update_while_idle_is_immediate(gen):
 
 
 def test_second_stop_id_ends_as_stop_and_pad_equal_to_eos_keeps_eos_fault_case_12(tiny_model_path, tiny_tokenizer):
-    from buffers.trajectory import Trajectory, collate
+    from async_rl.buffers.trajectory import Trajectory, collate
 
     eos = tiny_tokenizer.eos_token_id
     # pad id == EOS id: the padding of finished rows must not leak into responses or the loss mask.

@@ -104,7 +104,7 @@ class RefLearner:
 @pytest.mark.parametrize("name", ["grpo", "reinforce_pp"])
 def test_kl_in_reward_uses_the_bound(name):
     from async_rl.controller import make_batch
-    from buffers.trajectory import Trajectory
+    from async_rl.buffers.trajectory import Trajectory
 
     trajs = [Trajectory(trajectory_id=f"0/{j}", group_id=0, prompt_uid="p", prompt_ids=[5, 6],
                         response_ids=[9, 9, 9], behavior_logprobs=[0.0] * 3, loss_mask=[1] * 3, finish_reason="stop",
@@ -140,7 +140,7 @@ class _Gen:
         self.script = list(script)
 
     def generate(self, prompts, n, params, seeds=None, on_sample=None):
-        from generators.base import Sample
+        from async_rl.generators.base import Sample
 
         out = []
         for i, _ in enumerate(prompts):
@@ -175,9 +175,9 @@ def test_sync_rollout_never_trains_a_missing_reward_as_zero():
 
 
 def test_async_generator_actor_never_sends_a_missing_reward(tiny_model_path, tmp_path):
-    from generators.base import GeneratorConfig, SamplingParams
-    from generators.pool import GeneratorWorker, GroupRequest
-    from buffers.transport import GroupClosed
+    from async_rl.generators.base import GeneratorConfig, SamplingParams
+    from async_rl.generators.pool import GeneratorWorker, GroupRequest
+    from async_rl.buffers.transport import GroupClosed
 
     reward_file = tmp_path / "judge.py"
     reward_file.write_text("def judge(ds, text, gt, extra):\n    return None if len(text) % 2 else 1.0\n")
@@ -242,9 +242,9 @@ def test_dynamic_sampling_with_a_missing_reward_is_value_error():
 
 @pytest.mark.parametrize("clamp, expected", [(10.0, 10.0 / 4), (None, OUTLIER / 4)])
 def test_learner_kl_loss_term_uses_the_configured_bound(tiny_model_path, clamp, expected):
-    from buffers.trajectory import Trajectory, collate
-    from learners.base import LearnerConfig
-    from learners.fsdp import FSDPLearner
+    from async_rl.buffers.trajectory import Trajectory, collate
+    from async_rl.learners.base import LearnerConfig
+    from async_rl.learners.fsdp import FSDPLearner
 
     algo = AlgorithmConfig(kl_coef=0.1, kl_k3_clamp=clamp).apply_preset()
     learner = FSDPLearner(LearnerConfig(), algo, tiny_model_path, temperature=1.0, total_optimizer_steps=1)

@@ -13,11 +13,11 @@ import torch
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.controller import collect_step_rollouts, make_batch
 from async_rl.rewards import RewardScorer
-from buffers.trajectory import Trajectory, TrainBatch, collate, position_ids_from_mask
-from generators.base import Sample
-from learners.base import CriticConfig, LearnerConfig
-from learners.critic import ValueModel, copy_matching_parameters
-from learners.fsdp import FSDPLearner
+from async_rl.buffers.trajectory import Trajectory, TrainBatch, collate, position_ids_from_mask
+from async_rl.generators.base import Sample
+from async_rl.learners.base import CriticConfig, LearnerConfig
+from async_rl.learners.critic import ValueModel, copy_matching_parameters
+from async_rl.learners.fsdp import FSDPLearner
 
 
 def _traj(gid: int, j: int, response: list[int], reward: float, finish: str = "stop") -> Trajectory:

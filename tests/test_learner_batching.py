@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from learners.batching import micro_batches_by_tokens, pack_rows, split_by_tokens, unpack_labels
+from async_rl.learners.batching import micro_batches_by_tokens, pack_rows, split_by_tokens, unpack_labels
 
 
 def _sizes(ranges):

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from async_rl.algorithms.config import AlgorithmConfig
-from learners.base import LearnerConfig
+from async_rl.learners.base import LearnerConfig
 
 
 def _learner(model_path: str, **kw):
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.fsdp import FSDPLearner
 
     algo = AlgorithmConfig(name="grpo", loss_horizon_tokens=16).apply_preset()
     # A large Adam eps keeps the update continuous in the gradient (see multirank_worker).
@@ -89,7 +89,7 @@ def test_a_batch_without_any_loss_token_changes_nothing(tiny_model_path):
 
 def test_the_critic_skips_the_same_mini_batch(tiny_model_path):
     # PPO: the critic steps on the policy's mini-batches, so it skips the masked one too.
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.fsdp import FSDPLearner
 
     algo = AlgorithmConfig(name="ppo", loss_horizon_tokens=16).apply_preset()
     learner = FSDPLearner(LearnerConfig(lr=1e-2, eps=1e-3, micro_batch_size=4, num_mini_batches=2), algo,

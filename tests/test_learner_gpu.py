@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from async_rl.algorithms.config import AlgorithmConfig
-from learners.base import LearnerConfig
+from async_rl.learners.base import LearnerConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def _step(model_path: str, **kw):
     from multirank_worker import make_batch
 
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.fsdp import FSDPLearner
 
     algo = AlgorithmConfig(name="ppo", kl_coef=0.01, loss_horizon_tokens=16).apply_preset()
     learner = FSDPLearner(LearnerConfig(lr=1e-2, eps=1e-3, micro_batch_size=4, **kw), algo, model_path,

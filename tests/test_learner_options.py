@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from async_rl.algorithms.config import AlgorithmConfig
-from learners.base import LearnerConfig
+from async_rl.learners.base import LearnerConfig
 
 
 def _step(model_path: str, **kw) -> tuple[float, dict[str, torch.Tensor], "object"]:
     from multirank_worker import make_batch
 
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.fsdp import FSDPLearner
 
     algo = AlgorithmConfig(name="grpo", loss_horizon_tokens=16).apply_preset()
     cfg = LearnerConfig(lr=1e-2, eps=1e-3, micro_batch_size=4, **kw)
@@ -57,7 +57,7 @@ def test_bf16_critic_step_runs_in_float32_head(tiny_model_path):
     """PPO's value head under bf16 mixed precision: float32 values, a finite value loss."""
     from multirank_worker import make_batch
 
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.fsdp import FSDPLearner
 
     algo = AlgorithmConfig(name="ppo", loss_horizon_tokens=16).apply_preset()
     learner = FSDPLearner(LearnerConfig(lr=1e-3, micro_batch_size=4, mixed_precision="bf16"), algo,
@@ -111,7 +111,7 @@ def test_packing_really_packs(tiny_model_path, monkeypatch):
 def test_packing_is_refused_when_the_attention_mixes_sequences(tiny_model_path, monkeypatch):
     """A model whose attention does not restart at packed position ids would leak across
     sequences: the learner probes it at start and refuses, naming the backend."""
-    import learners.fsdp as fsdp
+    import async_rl.learners.fsdp as fsdp
 
     real = fsdp.pack_rows
     monkeypatch.setattr(fsdp, "pack_rows", lambda ids, mask, pos: (real(ids, mask, pos)[0],
@@ -127,7 +127,7 @@ def test_optimizer_built_after_a_no_grad_pass_trains_every_parameter(tiny_model_
     from multirank_worker import make_batch
     from transformers import AutoModelForCausalLM
 
-    from learners.fsdp import FSDPLearner
+    from async_rl.learners.fsdp import FSDPLearner
 
     start = dict(AutoModelForCausalLM.from_pretrained(tiny_model_path).named_parameters())
     algo = AlgorithmConfig(name="grpo", loss_horizon_tokens=16).apply_preset()

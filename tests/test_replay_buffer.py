@@ -1,4 +1,4 @@
-"""Tests for buffers.replay: group assembly, duplicates, staleness eviction, reuse, checkpointing
+"""Tests for async_rl.buffers.replay: group assembly, duplicates, staleness eviction, reuse, checkpointing
 and the admission rule, with hand-computed counts.
 
 Run with ``python -m pytest -q tests/test_replay_buffer.py`` (about a second).
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from buffers.replay import AdmissionController, ReplayBuffer, staleness
-from buffers.trajectory import Trajectory
+from async_rl.buffers.replay import AdmissionController, ReplayBuffer, staleness
+from async_rl.buffers.trajectory import Trajectory
 
 
 def tr(group_id: int, index: int, version: int | list[int] = 0, num_tokens: int = 3) -> Trajectory:

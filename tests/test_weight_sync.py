@@ -170,8 +170,8 @@ def test_a_receiver_that_never_connects_times_out_with_a_diagnostic():
 # ---------------------------------------------------------------------------------------- HF engine
 @pytest.fixture(scope="module")
 def hf_engine(tiny_model_path, tiny_tokenizer):
-    from generators.base import GeneratorConfig
-    from generators.hf import HFGenerator
+    from async_rl.generators.base import GeneratorConfig
+    from async_rl.generators.hf import HFGenerator
 
     return HFGenerator(tiny_model_path, GeneratorConfig(max_batch_size=64), tiny_tokenizer.pad_token_id)
 

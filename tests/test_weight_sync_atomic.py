@@ -16,7 +16,7 @@ import torch
 from update_cases import CASES, ListLearner, bad_update, offset
 
 from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
-from generators.base import GeneratorConfig, SamplingParams
+from async_rl.generators.base import GeneratorConfig, SamplingParams
 
 TRANSPORTS = ("colocated", "shm", "broadcast")
 BUCKET_MB = 0.05  # tiny model: one decoder layer per bucket, so an update spans several buckets
@@ -25,8 +25,8 @@ BUCKET_MB = 0.05  # tiny model: one decoder layer per bucket, so an update spans
 @pytest.fixture(scope="module")
 def engines(tiny_model_path, tiny_tokenizer):
     """``{"full": HF engine, "lora": HF engine with rank-8 adapters}``."""
-    from generators.hf import HFGenerator
-    from learners.lora import LoRAConfig
+    from async_rl.generators.hf import HFGenerator
+    from async_rl.learners.lora import LoRAConfig
 
     return {"full": HFGenerator(tiny_model_path, GeneratorConfig(max_batch_size=16), tiny_tokenizer.pad_token_id),
             "lora": HFGenerator(tiny_model_path, GeneratorConfig(max_batch_size=16), tiny_tokenizer.pad_token_id,
@@ -39,7 +39,7 @@ def _update(engine, kind: str):
         named = offset(engine.model.named_parameters())
         return (named, {"lm_head.weight": "model.embed_tokens.weight"}, "model.layers.2.mlp.down_proj.weight",
                 "model.layers.0.mlp.gate_prj.weight")
-    from learners.lora import adapter_parameters
+    from async_rl.learners.lora import adapter_parameters
 
     named = offset(adapter_parameters(engine.model).items())
     return (named, {}, "base_model.model.model.layers.2.mlp.down_proj.lora_A.weight",
@@ -109,7 +109,7 @@ def test_conflicting_tied_weights_are_refused(engines, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_a_sender_dying_mid_update_leaves_the_old_weights(engines, kind, transport):
-    from learners.lora import adapter_parameters
+    from async_rl.learners.lora import adapter_parameters
 
     engine = engines[kind]
     named, aliases, _, _ = _update(engine, kind)
@@ -153,7 +153,7 @@ def _half_written_update(engine):
 
 def test_a_load_failing_after_the_first_write_leaves_an_engine_that_refuses_to_sample(tiny_model_path,
                                                                                      tiny_tokenizer):
-    from generators.hf import HFGenerator
+    from async_rl.generators.hf import HFGenerator
 
     engine = HFGenerator(tiny_model_path, GeneratorConfig(), tiny_tokenizer.pad_token_id)
     good, failing = _half_written_update(engine)
@@ -176,7 +176,7 @@ def test_a_load_failing_after_the_first_write_leaves_an_engine_that_refuses_to_s
 def test_generation_in_flight_stops_when_an_update_fails_half_written(tiny_model_path, tiny_tokenizer, mode):
     # The update lands between two decoding steps of a running batch; once half of it is written
     # the batch must not decode another token with those weights.
-    from generators.hf import HFGenerator
+    from async_rl.generators.hf import HFGenerator
 
     engine = HFGenerator(tiny_model_path, GeneratorConfig(partial_rollout=mode), tiny_tokenizer.pad_token_id)
     _, failing = _half_written_update(engine)
