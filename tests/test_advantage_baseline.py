@@ -11,7 +11,7 @@ import torch
 
 from async_rl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from async_rl.algorithms.config import AlgorithmConfig
-from async_rl.controller import make_batch
+from async_rl.batch import make_batch
 from async_rl.buffers.trajectory import Trajectory
 
 S3 = 0.5 / math.sqrt(1 / 3)  # 0.8660: +-0.5 around mean 0.5 over std sqrt(1/3) (Bessel, n = 4)

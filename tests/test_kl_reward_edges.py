@@ -103,7 +103,7 @@ class RefLearner:
 
 @pytest.mark.parametrize("name", ["grpo", "reinforce_pp"])
 def test_kl_in_reward_uses_the_bound(name):
-    from async_rl.controller import make_batch
+    from async_rl.batch import make_batch
     from async_rl.buffers.trajectory import Trajectory
 
     trajs = [Trajectory(trajectory_id=f"0/{j}", group_id=0, prompt_uid="p", prompt_ids=[5, 6],

@@ -13,7 +13,7 @@ import torch
 
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.config import ConfigError, load_config
-from async_rl.controller import make_batch
+from async_rl.batch import make_batch
 from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
 from async_rl.buffers.trajectory import Trajectory, collate
 from async_rl.generators.base import GeneratorConfig, SamplingParams

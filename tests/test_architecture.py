@@ -1,0 +1,174 @@
+"""The package's shape (issue 14): every import arrow points down, no module reaches into another's
+private names, no function grows past a screen, and the installed layout cannot collide.
+
+The import graph is read from the source with ``ast`` (every ``import`` and ``from ... import``,
+including those inside functions, except under ``if TYPE_CHECKING:``), so a cycle hidden behind a
+function-level import is still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Repository folder -> installed package name (pyproject's package-dir mapping).
+FOLDERS = {"async_rl": "async_rl", "learners": "async_rl.learners", "generators": "async_rl.generators",
+           "buffers": "async_rl.buffers"}
+MAX_FUNCTION_LINES = 120
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for folder, package in FOLDERS.items():
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(f.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([package, *parts])] = f
+    return mods
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str | None:
+    """The module of ours that ``name`` (a module or ``module.attr``) lives in, or ``None``."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path):
+    """Yield ``(imported module of ours, imported name or None, line)`` for every import."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def visit(node, type_checking: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue  # annotations only: never executed
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    if (owner := _owner(alias.name)) is not None:
+                        yield owner, None, child.lineno
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in child.names:
+                    full = f"{base}.{alias.name}"
+                    owner = _owner(full) if full in MODULES else _owner(base)
+                    if owner is not None:
+                        yield owner, (None if full in MODULES else alias.name), child.lineno
+            yield from visit(child, type_checking)
+
+    yield from visit(tree, False)
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {o for o, _, _ in _imports(m, p) if o != m} for m, p in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_graph_sees_our_modules():
+    # The check below would pass vacuously on an empty graph.
+    graph = _graph()
+    assert len(graph) > 40
+    assert "async_rl.buffers.trajectory" in graph["async_rl.batch"]
+
+
+def test_cycle_detector_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles (each line one strongly connected set of modules):\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_private_name_imported_from_another_module():
+    bad = [f"{m}:{line} imports {name} from {owner}" for m, p in MODULES.items()
+           for owner, name, line in _imports(m, p)
+           if owner != m and name is not None and name.startswith("_") and not name.startswith("__")]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_function_longer_than_a_screen():
+    long = []
+    for m, p in MODULES.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_module_imports_the_repository_folders_as_top_level_packages():
+    # They install as async_rl.learners etc.; `import learners` works only from a source checkout.
+    bad = []
+    for m, p in MODULES.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{m}: import {n}" for n in names if n.split(".")[0] in ("learners", "generators", "buffers")]
+    assert not bad, "\n".join(bad)
+
+
+def test_pyproject_installs_every_package_folder_under_async_rl():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(project["packages"])
+    wanted = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert listed == wanted, f"pyproject packages differ: missing {sorted(wanted - listed)}, extra {sorted(listed - wanted)}"
+    for folder, package in FOLDERS.items():
+        if folder != package:
+            assert project["package-dir"][package] == folder
+
+
+@pytest.mark.parametrize("package", ["async_rl.learners", "async_rl.generators", "async_rl.buffers"])
+def test_subpackages_import_under_async_rl(package):
+    import importlib
+
+    mod = importlib.import_module(package)
+    assert Path(mod.__file__).resolve().parent == ROOT / package.split(".")[1]
