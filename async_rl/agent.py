@@ -39,9 +39,13 @@ message to the model as the tool's response, and are counted (``tools/*`` metric
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+
+from async_rl.generators.base import mix_seed
+from async_rl.tools import ToolExecutor, ToolRegistry, ToolResult, get_parser
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +239,6 @@ class AgentLoop:
     """
 
     def __init__(self, cfg: AgentConfig, tokenizer, stop_token_ids: Sequence[int], registry=None) -> None:
-        from async_rl.tools import ToolExecutor, ToolRegistry, get_parser
-
         self.cfg, self.tokenizer = cfg, tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.registry = registry if registry is not None else ToolRegistry.from_specs(cfg.tools)
@@ -272,10 +274,6 @@ class AgentLoop:
         Returns:
             One list of ``n`` finished ``Conversation`` per prompt.
         """
-        import dataclasses
-
-        from async_rl.generators.hf import mix_seed
-
         convs = [[Conversation(list(ids), [dict(m) for m in msgs], mix_seed(seeds[i], j) if seeds is not None else -1)
                   for j in range(n)] for i, (ids, msgs) in enumerate(prompts)]
         flat = [(i, j, c) for i, row in enumerate(convs) for j, c in enumerate(row)]
@@ -328,8 +326,6 @@ class AgentLoop:
         limit = self.cfg.max_tool_calls_per_turn
         results = self.executor.execute(list(calls[:limit]))
         if len(calls) > limit:
-            from async_rl.tools import ToolResult
-
             self._too_many += len(calls) - limit
             results += [ToolResult(name=call.name, ok=False, error_kind="too_many_calls",
                                    content=f"Error: at most {limit} tool calls per turn; this one was not run")

@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, has_spread
-from async_rl.algorithms.config import TOKEN_REWARD_ESTIMATORS
+from async_rl.algorithms.advantages import AdvantageInputs, has_spread
 from async_rl.algorithms.dapo import overlong_filter_mask, overlong_reward_shaping
 from async_rl.algorithms.kl import apply_kl_reward_penalty, kl_penalty
 from async_rl.algorithms.logprobs import masked_mean
@@ -33,7 +32,8 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
 
     In order: DAPO soft overlong punishment shapes the rewards; ``learner.prepare`` adds
     proximal/reference log-probs and critic values; a KL-in-reward penalty ``kl_coef * KL_t``
-    (InstructGPT eq. 2) is taken from the per-token rewards (token-reward estimators) or from the
+    (InstructGPT eq. 2) is taken from the per-token rewards (estimators that declare
+    ``token_rewards``) or from the
     sequence reward as its sum over valid tokens (sequence estimators, as verl does); the estimator
     runs on the explicit group ids over every trajectory's generated tokens; only then does DAPO
     overlong filtering zero the loss mask (and advantages) of truncated samples. Leaving the loss
@@ -71,22 +71,22 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
         metrics.update(learner.prepare(batch))
     elif algo.needs_critic or algo.needs_reference:
         raise ValueError("make_batch: a critic estimator or a KL term needs the learner's prepare() pass")
+    estimator = algo.estimator
     token_rewards = None
     if algo.needs_reference and algo.use_kl_in_reward:
         policy_lp = batch.extras.get("proximal_logprobs", batch.behavior_logprobs)
         kl = kl_penalty(policy_lp, batch.extras["ref_logprobs"], algo.kl_estimator, mask=batch.loss_mask,
                         k3_clamp=algo.kl_k3_clamp)
         metrics["actor/kl_reward_penalty"] = float(algo.kl_coef * masked_mean(kl, batch.loss_mask))
-        if algo.advantage_estimator in TOKEN_REWARD_ESTIMATORS:
+        if estimator.token_rewards:
             token_rewards = apply_kl_reward_penalty(_last_token_rewards(rewards, batch.loss_mask), kl,
                                                     algo.kl_coef, mask=batch.loss_mask)
         else:
             rewards = rewards - algo.kl_coef * (kl * batch.loss_mask).sum(-1)
-    estimator = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
     advantages, returns = estimator(
         AdvantageInputs(rewards=rewards, response_mask=batch.loss_mask, group_ids=batch.group_ids,
                         values=batch.extras.get("values"), token_rewards=token_rewards),
-        **algo.advantage_params())
+        **estimator.params(algo))
     if algo.overlong_filter:
         keep = overlong_filter_mask([t.finish_reason for t in trajectories])
         batch.loss_mask = batch.loss_mask * keep.unsqueeze(-1).float()

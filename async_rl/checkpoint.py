@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,6 @@ def resolve_resume(resume: str | None, output_dir: str, run_name: str | None) ->
 
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch (CPU and CUDA) RNG states of this process."""
-    import numpy as np
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -116,7 +116,6 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what ``rng_state`` returned."""
-    import numpy as np
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

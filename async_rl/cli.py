@@ -51,12 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(to_yaml(cfg), end="")
         return 0
-    from async_rl.controller import train
+    from async_rl.trainer import train
     from async_rl.learners.launch import launched_by_torchrun
 
     if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         # torchrun ranks 1..N-1 run only their learner rank; rank 0 runs the trainer.
-        from async_rl.controller import learner_args
+        from async_rl.trainer import learner_args
         from async_rl.data.builtin import resolve
         from async_rl.learners.launch import follow_from_env
 

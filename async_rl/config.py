@@ -14,6 +14,7 @@ of range.
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Sequence, get_type_hints
@@ -23,13 +24,14 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 
 from async_rl.agent import AgentConfig
 from async_rl.algorithms.config import AlgorithmConfig
-from async_rl.controller import TrainerConfig
+from async_rl.loops.base import TrainerConfig
 from async_rl.data.dataset import DataConfig
 from async_rl.metrics import LoggingConfig
 from async_rl.rewards.config import RewardConfig
 from async_rl.weight_sync import WeightSyncConfig
 from async_rl.generators.base import GeneratorConfig
 from async_rl.learners.base import LearnerConfig
+from async_rl.lora import LoRAConfig, vllm_max_lora_rank
 
 
 class ConfigError(ValueError):
@@ -155,7 +157,11 @@ def _cross_validate(cfg: Config) -> None:
         # Dr.GRPO's constant horizon: the longest response the generator may produce.
         cfg.algorithm.loss_horizon_tokens = cfg.generator.max_response_tokens
     n = cfg.trainer.samples_per_prompt
-    if n < 2 and cfg.algorithm.advantage_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+    try:
+        needs_groups = cfg.algorithm.needs_groups  # resolves the estimator spec
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if n < 2 and needs_groups:
         raise ConfigError(
             f"trainer.samples_per_prompt={n}: the {cfg.algorithm.advantage_estimator} "
             "estimator compares samples within a group and needs at least 2 per prompt")
@@ -260,10 +266,6 @@ def _check_token_budgets(cfg: Config) -> None:
 
 
 def _check_lora(cfg: Config) -> None:
-    import logging
-
-    from async_rl.learners.lora import LoRAConfig, vllm_max_lora_rank
-
     lora = cfg.learner.lora
     if lora.rank == 0 and lora != LoRAConfig():
         logging.getLogger(__name__).warning("learner.lora.* is set but learner.lora.rank=0: LoRA is off and "

@@ -1,7 +1,7 @@
 """Async vs sync speed-up on a long-tailed response-length workload, side by side in one run.
 
 Both modes train the same number of samples (steps x prompts x samples per prompt) with the real
-pipeline (``async_rl.controller.train``): the HF generator, the FSDP2 learner, and in async mode
+pipeline (``async_rl.trainer.train``): the HF generator, the FSDP2 learner, and in async mode
 the Ray generator pool, the ZMQ transport and the replay buffer. The workload: the built-in tiny
 model at its random initialisation samples nearly uniformly over its 262-token vocabulary, and
 ``--stop-ids`` of those tokens end a response, so lengths are geometric (mean about 262 /
@@ -53,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from async_rl.config import load_config
-    from async_rl.controller import train
+    from async_rl.trainer import train
 
     out = tempfile.mkdtemp(prefix="bench-async-")
     rows = []

@@ -112,7 +112,7 @@ def digests(model) -> dict[str, str]:
 
 class HFEngineActor:
     """An ``HFGenerator`` in its own process (wrapped with ``ray.remote``): the receiving half of
-    ``async_rl.generators.pool.GeneratorWorker`` without its sampling loop."""
+    ``async_rl.loops.pool.GeneratorWorker`` without its sampling loop."""
 
     def __init__(self, model_path: str, pad_token_id: int, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
@@ -289,7 +289,7 @@ def bench_generation(args, tiny_path: str) -> list[str]:
     from vllm import SamplingParams as VSP
 
     from async_rl.generators.base import GeneratorConfig, SamplingParams
-    from async_rl.generators.hf import mix_seed
+    from async_rl.generators.base import mix_seed
     from async_rl.generators.vllm import VLLMGenerator
 
     tok = AutoTokenizer.from_pretrained(tiny_path)

@@ -1,5 +1,7 @@
-"""Rollout engines: the generator protocol (``base``), HF transformers (``hf``), vLLM (``vllm``)
-and the generator pool of async mode (``pool``)."""
+"""Rollout engines: the generator protocol (``base``), HF transformers (``hf``) and vLLM (``vllm``,
+with its weight-transfer backend in ``vllm_worker``). The async pool's actors that host them live in
+``async_rl.loops.pool``. Nothing here imports the learner side (LoRA settings and adapter names
+come from ``async_rl.lora``)."""
 
 
 def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0, device: str = "cpu",
@@ -12,7 +14,7 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
         pad_token_id: left-padding id (HF engine).
         num_threads: CPU threads of a vLLM engine process (0 = vLLM's default binding).
         device: ``cpu`` or ``cuda``.
-        lora: the learner's ``LoRAConfig`` (``cfg.learner.lora``): with ``rank > 0`` the engine
+        lora: the run's ``async_rl.lora.LoRAConfig`` (``cfg.learner.lora``): with ``rank > 0`` the engine
             serves the base model plus the same adapters and its weight updates carry only them.
             ``None`` (the default) = no LoRA: full-weight updates.
 

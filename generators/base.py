@@ -3,13 +3,14 @@
 A generator turns prompt token ids into sampled responses and reports, for each sampled token,
 its log-prob under the sampling distribution (the *behavior* log-prob, temperature-scaled) and
 the policy version of the weights that produced it. It receives new weights by name through
-``update_weights``; a weight-sync layer decides how the tensors travel.
+``update_weights`` (in-process) or ``receive_weights`` (buckets from a ``WeightSender``);
+``async_rl.weight_sync`` decides how the tensors travel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -140,26 +141,47 @@ class Sample:
     logprobs: list[float]
     finish_reason: str
     policy_version: list[int] = field(default_factory=list)
-    num_cached_prompt_tokens: int = 0
-    """Prompt tokens whose KV came from the engine's prefix cache (vLLM; 0 for HF)."""
 
 
 class Generator(Protocol):
-    """What the controller needs from an engine backend."""
+    """What the rest of the system calls on a rollout engine (``HFGenerator``, ``VLLMGenerator``):
+    the trainer and the evaluation (``generate``), the generator pool (``generate`` with
+    ``on_sample``, ``num_weight_updates_in_flight``, ``close``), and the weight sync layer
+    (``async_rl.weight_sync``: ``connect_weight_sync`` + ``receive_weights`` for ``shm`` and
+    ``broadcast``, ``update_weights`` for ``colocated``). Every engine implements all of it.
+    """
 
     policy_version: int
+    """Version of the weights loaded now (0 = the starting checkpoint); moves only with a complete
+    update."""
+    num_weight_updates_in_flight: int
+    """Updates applied while a ``generate`` call was decoding (``partial_rollout: keep``), so far."""
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+                 seeds: Sequence[int] | None = None,
+                 on_sample: Callable[[int, int, "Sample"], None] | None = None) -> list[list["Sample"]]:
         """Sample ``n`` responses for each prompt; returns one list of ``n`` samples per prompt.
 
-        With ``seeds`` (one per prompt) sample j of prompt i depends only on ``(seeds[i], j)``
-        and the weights, not on the batch it was generated in."""
+        Args:
+            prompts: prompt token id lists.
+            n: samples per prompt (>= 1).
+            params: sampling settings (``stop_token_ids`` not empty).
+            seeds: one per prompt: sample j of prompt i then depends only on ``(seeds[i], j)`` and
+                the weights, not on the batch it was generated in.
+            on_sample: ``(prompt index, sample index, sample)``, called as each sample finishes
+                (from the engine's decoding thread), so a caller can stream them.
+
+        Raises:
+            ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
+            RuntimeError: the engine is unusable (an update failed after its first write) until a
+                complete update succeeds.
+        """
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights by Hugging Face parameter name and set ``policy_version = version``,
-        all or nothing (``async_rl.weight_sync``, *All or nothing*).
+        """Load new weights by Hugging Face parameter name (full tensors; with LoRA the adapter
+        matrices) and set ``policy_version = version``, all or nothing (``async_rl.weight_sync``,
+        *All or nothing*). The ``colocated`` transport's call; blocks until the weights are in use.
 
         The whole update is checked (names, coverage, shapes, dtypes, tied aliases) before any
         byte is written; a refused update leaves the engine bit-identical and its version
@@ -168,13 +190,52 @@ class Generator(Protocol):
         update succeeds, so nothing is ever sampled from half-written weights.
 
         Raises:
-            KeyError: a name the engine does not have (``weight_sync.UnknownWeightError``).
+            KeyError: a name the engine does not have (``weight_sync.UnknownWeightError``; vLLM
+                reports it as ``RuntimeError``, the message naming it).
             ValueError: parameters left without a tensor, a shape or dtype mismatch
                 (``weight_sync.WeightUpdateError``).
             RuntimeError: the write failed midway (the engine is unusable until the next complete
                 update).
         """
         ...
+
+    def connect_weight_sync(self, init_info: dict[str, Any], rank: int) -> None:
+        """Connect this engine's weight receiver to a sender (``WeightSender.init_info()``, this
+        engine being receiver ``rank``, 0-based). Replaces any earlier connection. For
+        ``broadcast`` it blocks until the sender and every receiver have connected."""
+        ...
+
+    def receive_weights(self, plan: dict[str, Any], version: int) -> float:
+        """Load one update (``UpdatePlan.to_dict()``) from the connected sender, all or nothing,
+        and set ``policy_version = version``; returns the seconds until the new weights were in use.
+        Thread-safe against a running ``generate`` (weights land between decoding steps).
+
+        Raises:
+            KeyError, ValueError, RuntimeError: the plan was refused before any byte moved (the
+                message names the weights), or the transfer failed midway (see ``update_weights``).
+            TimeoutError: a bucket did not arrive within ``weight_sync.timeout_s``.
+        """
+        ...
+
+    def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+        """``(engine parameter names, packed modules {fused: [HF parts]}, tied aliases {HF name:
+        engine name})``: what an update must cover, for ``weight_sync.map_to_engine``. With LoRA
+        ``(adapter sync names, {}, {})``."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (vLLM: its processes and loop thread; HF: nothing to release).
+        Idempotent."""
+        ...
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64 steps); equal inputs give equal seeds on every host."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x & 0x7FFFFFFFFFFFFFFF
 
 
 def check_request(n: int, params: SamplingParams) -> None:
@@ -195,8 +256,6 @@ def row_seeds(base_seed: int, calls, n: int, num_prompts: int, seeds: Sequence[i
     Raises:
         ValueError: ``seeds`` of a length other than ``num_prompts``.
     """
-    from async_rl.generators.hf import mix_seed
-
     if seeds is None:
         call = next(calls)
         return [mix_seed(base_seed, call, k) for k in range(num_prompts * n)]

@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, check_request, row_seeds
+from async_rl.lora import adapter_parameters, lora_enabled, wrap
 
 
 def _param_table(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]):
@@ -52,22 +53,19 @@ def _param_table(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]):
 
 
 def stage_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter],
-                        named_tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = True,
-                        copy: bool = False) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+                        named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """Validate a whole update against ``model`` and convert it, writing nothing.
 
     The update is checked as a whole first (``async_rl.weight_sync.check_update``: every name a
-    parameter of ``model``, with ``require_all`` every parameter covered, each shape equal to its
+    parameter of ``model``, every parameter covered, each shape equal to its
     parameter's, each dtype convertible under ``converts_to``); tied names (``lm_head.weight``
     aliasing ``model.embed_tokens.weight``) may both be sent only with equal tensors. Then each
-    tensor is converted to its parameter's dtype and device (``copy``: always into new memory, so
-    the result outlives the caller's buffers).
+    tensor is converted to its parameter's dtype and device (no copy where none is needed: the
+    caller's tensors must stay unchanged until ``write_staged``).
 
     Args:
-        model: a module, or ``{name: parameter}`` (LoRA: ``async_rl.learners.lora.adapter_parameters``).
+        model: a module, or ``{name: parameter}`` (LoRA: ``async_rl.lora.adapter_parameters``).
         named_tensors: ``(name, tensor)`` by Hugging Face name; consumed entirely before any check.
-        require_all: every underlying parameter must receive a tensor.
-        copy: stage into new memory even where no conversion is needed.
 
     Returns:
         ``(parameter, tensor)`` pairs ready for ``write_staged`` (each tied parameter once).
@@ -93,11 +91,11 @@ def stage_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter
             alias = target
         sent.append((name, t.dtype, tuple(t.shape), alias))
     specs = {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape)) for n, p in params.items()}
-    check_update(sent, names, {}, tied, specs, require_all=require_all)
+    check_update(sent, names, {}, tied, specs)
     staged: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
     for name, t in named:
         p = params[name]
-        staged[id(p)] = (p, t.detach().to(dtype=p.dtype, device=p.device, copy=copy))
+        staged[id(p)] = (p, t.detach().to(dtype=p.dtype, device=p.device))
     return list(staged.values())
 
 
@@ -117,7 +115,7 @@ def write_staged(staged: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> i
 
 
 def load_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter],
-                       named_tensors: Iterable[tuple[str, torch.Tensor]], require_all: bool = True) -> int:
+                       named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy tensors into ``model``'s parameters by Hugging Face name, in place, all or nothing.
 
     The whole update is validated and converted to each parameter's dtype (``stage_named_weights``)
@@ -125,26 +123,17 @@ def load_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]
     parameters may arrive under any of their names (for example ``lm_head.weight`` aliasing
     ``model.embed_tokens.weight``). ``model`` may also be a ``{name: parameter}`` mapping: the
     parameters an update targets (LoRA: the adapter matrices under their sync names,
-    ``async_rl.learners.lora.adapter_parameters``).
+    ``async_rl.lora.adapter_parameters``).
 
     Returns:
         The number of bytes written (in the parameters' dtypes).
 
     Raises:
         KeyError: a name that is not a parameter of ``model`` (named in the message).
-        ValueError: parameters that no tensor updated (with ``require_all``; listed), a shape or
+        ValueError: parameters that no tensor updated (listed), a shape or
             dtype mismatch (expected against got), two different tensors for one tied parameter.
     """
-    return write_staged(stage_named_weights(model, named_tensors, require_all))
-
-
-def mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (splitmix64 steps); equal inputs give equal seeds on every host."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-    return x & 0x7FFFFFFFFFFFFFFF
+    return write_staged(stage_named_weights(model, named_tensors))
 
 
 @dataclass
@@ -243,7 +232,7 @@ class HFGenerator:
         device: torch device string.
         lora: the learner's ``LoRAConfig``; with ``rank > 0`` the model is wrapped with the same
             peft adapters (initialised as peft does, so the engine starts as the base model) and
-            weight updates carry exactly the adapter matrices (``async_rl.learners.lora``); ``None`` = none.
+            weight updates carry exactly the adapter matrices (``async_rl.lora``); ``None`` = none.
 
     The model runs in eval mode under ``torch.inference_mode``. Sampling uses per-row generators
     seeded from the caller's seeds (or from ``cfg.seed`` and a call counter), never the global RNG,
@@ -255,8 +244,6 @@ class HFGenerator:
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int, device: str = "cpu",
                  lora=None) -> None:
         from transformers import AutoModelForCausalLM
-
-        from async_rl.learners.lora import lora_enabled, wrap
 
         self.cfg = cfg
         self.device = torch.device(device)
@@ -348,8 +335,6 @@ class HFGenerator:
         # What an update writes: the whole model, or with LoRA only the adapter matrices.
         if self.lora is None:
             return self.model
-        from async_rl.learners.lora import adapter_parameters
-
         return adapter_parameters(self.model)
 
     # ------------------------------------------------------------------ weight sync layer
@@ -377,13 +362,6 @@ class HFGenerator:
         engine, packed, tied = self.weight_names()
         check_update([(m.name, m.dtype, m.shape, m.alias_of) for b in plan.buckets for m in b], engine, packed, tied,
                      self.weight_specs())
-
-    def check_names(self, names: list[str]) -> None:
-        """Raise unless ``names`` cover every parameter exactly once (``map_to_engine``)."""
-        from async_rl.weight_sync import map_to_engine
-
-        engine, packed, tied = self.weight_names()
-        map_to_engine(names, engine, packed, tied)
 
     def connect_weight_sync(self, init_info: dict, rank: int) -> None:
         """Connect a ``WeightReceiver`` (``WeightSender.init_info()``, receiver ``rank``)."""
@@ -429,12 +407,11 @@ class HFGenerator:
         self._run_update(lambda: self._write(list(staged.values()), version), version)
         return time.perf_counter() - t0
 
-    # ------------------------------------------------------------------ sampling
-    def row_seeds(self, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:
-        """Seed of each of the ``num_prompts * n`` rows: ``mix(seeds[i], j)`` for sample j of
-        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given (``async_rl.generators.base.row_seeds``)."""
-        return row_seeds(self.cfg.seed, self._calls, n, num_prompts, seeds)
+    def close(self) -> None:
+        """Nothing to release: the model is freed with the object (part of the ``Generator``
+        protocol, so callers close every engine alike)."""
 
+    # ------------------------------------------------------------------ sampling
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  seeds: Sequence[int] | None = None,
@@ -462,7 +439,7 @@ class HFGenerator:
         check_request(n, params)
         self._check_usable()
         rows = [_Row(index=k, prompt=list(prompts[k // n]), rng=torch.Generator().manual_seed(seed))
-                for k, seed in enumerate(self.row_seeds(n, len(prompts), seeds))]
+                for k, seed in enumerate(row_seeds(self.cfg.seed, self._calls, n, len(prompts), seeds))]
         results: list[Sample | None] = [None] * len(rows)
 
         def finish(row: _Row) -> None:

@@ -44,8 +44,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, VLLMConfig, check_request, row_seeds  # noqa: F401
-from async_rl.generators.hf import mix_seed
+from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds
+from async_rl.lora import lora_enabled, spec, vllm_max_lora_rank
 
 WORKER_EXTENSION = "async_rl.generators.vllm_worker.AsyncRLWorkerExtension"
 
@@ -72,8 +72,6 @@ class VLLMGenerator:
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
         import vllm  # noqa: F401  (fail early with the real ImportError)
 
-        from async_rl.learners.lora import lora_enabled, spec, vllm_max_lora_rank
-
         self.cfg, self.vcfg = cfg, cfg.vllm
         self.lora = spec(lora) if lora_enabled(lora) else None
         self._max_lora_rank = vllm_max_lora_rank(lora.rank) if self.lora is not None else 0
@@ -84,11 +82,21 @@ class VLLMGenerator:
         self._resumed: asyncio.Event | None = None  # created on the engine's loop (_start)
         self.num_weight_updates_in_flight = 0
         self.num_reissued = 0
+        """Samples aborted by a weight update and issued again (``partial_rollout: abort``)."""
+        self.num_cached_prompt_tokens = 0
+        """Prompt tokens served from the prefix cache so far (summed over samples): what the
+        per-version cache salt keeps at 0 right after an update."""
         self._updating = False
         self._active = 0
         self._requests: set[str] = set()
         self._unusable: str | None = None
         """Why the engine refuses to sample (an update failed after its first loaded byte), or None."""
+        self._tied: bool | None = None
+        self._own_publisher = None
+        """``update_weights``'s one-target publisher (made on first use)."""
+        self._connected_to: str | None = None
+        """The prefix of the sender the engine's receiver is connected to."""
+        self.engine = None
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.vcfg.cpu_kv_cache_gb))
@@ -136,10 +144,10 @@ class VLLMGenerator:
 
     def close(self) -> None:
         """Shut the engine down and stop the loop thread."""
-        if getattr(self, "_own_sender", None) is not None:
-            self._own_sender.close()
-            self._own_sender = None
-        if getattr(self, "engine", None) is not None:
+        if self._own_publisher is not None:
+            self._own_publisher.close()
+            self._own_publisher = None
+        if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
         if self.loop.is_running():
@@ -147,11 +155,6 @@ class VLLMGenerator:
             self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ sampling
-    def row_seeds(self, n: int, num_prompts: int, seeds: Sequence[int] | None) -> list[int]:
-        """Seed of each of the ``num_prompts * n`` rows: ``mix(seeds[i], j)`` for sample j of
-        prompt i, or ``mix(cfg.seed, call, row)`` when no seeds are given (``async_rl.generators.base.row_seeds``)."""
-        return row_seeds(self.cfg.seed, self._calls, n, num_prompts, seeds)
-
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  seeds: Sequence[int] | None = None,
                  on_sample: Callable[[int, int, Sample], None] | None = None) -> list[list[Sample]]:
@@ -167,18 +170,18 @@ class VLLMGenerator:
         """
         check_request(n, params)
         self._check_usable()
-        row_seeds = self.row_seeds(n, len(prompts), seeds)
-        flat = self._call(self._generate_all(prompts, n, params, row_seeds, on_sample))
+        seeds_of_rows = row_seeds(self.cfg.seed, self._calls, n, len(prompts), seeds)
+        flat = self._call(self._generate_all(prompts, n, params, seeds_of_rows, on_sample))
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    async def _generate_all(self, prompts, n, params, row_seeds, on_sample) -> list[Sample]:
+    async def _generate_all(self, prompts, n, params, seeds_of_rows, on_sample) -> list[Sample]:
         async def one(k: int) -> Sample:
-            s = await self._sample(list(prompts[k // n]), params, row_seeds[k])
+            s = await self._sample(list(prompts[k // n]), params, seeds_of_rows[k])
             if on_sample is not None:
                 on_sample(k // n, k % n, s)
             return s
 
-        return list(await asyncio.gather(*(one(k) for k in range(len(row_seeds)))))
+        return list(await asyncio.gather(*(one(k) for k in range(len(seeds_of_rows)))))
 
     async def _sample(self, prompt: list[int], params: SamplingParams, seed: int) -> Sample:
         from vllm import SamplingParams as VSP
@@ -224,8 +227,8 @@ class VLLMGenerator:
                 continue
             if finish not in ("stop", "length"):
                 raise RuntimeError(f"vLLM request ended with finish reason {finish!r}")
-            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions,
-                          num_cached_prompt_tokens=cached)
+            self.num_cached_prompt_tokens += cached
+            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions)
 
     # ------------------------------------------------------------------ weights
     def connect_weight_sync(self, init_info: dict[str, Any], rank: int) -> None:
@@ -238,7 +241,7 @@ class VLLMGenerator:
             WeightTransferInitRequest(init_info={"info": dict(init_info), "rank": rank})))
         self._connected_to = init_info.get("prefix")
 
-    def receive_weights(self, plan: dict[str, Any], version: int, timeout_s: float | None = None) -> float:
+    def receive_weights(self, plan: dict[str, Any], version: int) -> float:
         """Load one update (``UpdatePlan.to_dict()``) from the connected sender; returns seconds.
 
         The whole plan is checked first (``vllm_worker``'s ``async_rl_check_update``: names,
@@ -258,7 +261,7 @@ class VLLMGenerator:
                 the engine kept its old weights or is now unusable).
         """
         t0 = time.perf_counter()
-        self._call(self._receive(plan, version), timeout=timeout_s)
+        self._call(self._receive(plan, version))
         return time.perf_counter() - t0
 
     def _check_usable(self) -> None:
@@ -317,60 +320,56 @@ class VLLMGenerator:
             await self.engine.abort(list(self._requests))
         return self._unusable
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                       aliases: dict[str, str] | None = None) -> None:
-        """Colocated convenience: load ``named_tensors`` through a private shared-memory sender.
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load ``named_tensors`` (full tensors by Hugging Face name) and adopt ``version``, all or
+        nothing (the ``colocated`` transport's call, and a convenience for tools and tests).
 
         The engine runs in its own processes, so even "in-process" weights cross a process
-        boundary; this uses the same layer as everything else (one receiver, two slots) and the
-        same all-or-nothing contract as ``receive_weights``. A tied model's head may be sent as
-        a tensor of its own only if it equals the embedding (it then travels as an alias).
+        boundary: this pushes them through a one-target ``WeightPublisher`` over ``shm`` (the one
+        weight path), with ``receive_weights``'s all-or-nothing contract. A tied model's head may
+        be sent as a tensor of its own only if it equals the embedding (it then travels as an
+        alias); with LoRA the tensors are the adapter matrices only.
 
         Raises:
-            RuntimeError: as ``receive_weights``.
+            RuntimeError: as ``receive_weights`` (the message names the offending weights).
             ValueError: the tensors cannot be planned (a name twice, a dtype the wire does not
                 carry); nothing moved.
+            TimeoutError: not loaded within ``weight_sync.timeout_s`` (the default, 300 s).
         """
-        from async_rl.weight_sync import WeightSender, WeightSyncConfig
+        from async_rl.weight_sync import LocalTarget, NamedTensors, WeightPublisher, WeightSyncConfig
 
-        named = list(named_tensors)
-        own = getattr(self, "_own_sender", None)
-        if own is None or getattr(self, "_connected_to", None) != own.prefix:
-            # First use, or a publisher connected the engine to its sender since (the receiver
-            # would wait on, and report to, that sender's store; our slot files are unlinked).
-            if own is not None:
-                own.close()
-            self._own_sender = WeightSender(WeightSyncConfig(transport="shm"), 1)
-            self.connect_weight_sync(self._own_sender.init_info(), 0)
-            self._own_sender.unlink_slots()
-        names = {n for n, _ in named}
-        if aliases is None and self.lora is not None:
-            aliases = {}  # adapters only: the tied embedding is part of the untouched base
-        if aliases is None:
-            aliases = {}
-            if self.tied_embeddings:
-                embed = next((n for n in names if n.endswith("embed_tokens.weight")), None)
-                head = dict(named).get("lm_head.weight")
-                same = embed is not None and head is not None and head.shape == dict(named)[embed].shape and \
-                    head.dtype == dict(named)[embed].dtype and torch.equal(head, dict(named)[embed])
-                if same:
-                    named = [(n, t) for n, t in named if n != "lm_head.weight"]
-                if embed is not None and "lm_head.weight" not in {n for n, _ in named}:
-                    aliases = {"lm_head.weight": embed}
-        plan = self._own_sender.plan(named, version, aliases)
-        fut = asyncio.run_coroutine_threadsafe(self._receive(plan.to_dict(), version), self.loop)
-        try:
-            self._own_sender.send(plan, named)
-        except Exception:
-            # The engine's own error names the weight: prefer it, once the engine has settled.
-            fut.result(self._own_sender.cfg.timeout_s)
-            raise
-        fut.result(self._own_sender.cfg.timeout_s)
+        named, aliases = self._with_tied_alias(list(named_tensors))
+        pub = self._own_publisher
+        if pub is None or self._connected_to != pub.sender.prefix:
+            # First use, or another publisher connected the engine to its sender since (the
+            # receiver would wait on, and report to, that sender's store).
+            if pub is not None:
+                pub.close()
+            self._own_publisher = None
+            pub = WeightPublisher(WeightSyncConfig(transport="shm"), "shm", NamedTensors([]), [LocalTarget(self)])
+            self._own_publisher = pub
+        pub.learner = NamedTensors(named, aliases)
+        pub.push(version)
+
+    def _with_tied_alias(self, named: list[tuple[str, torch.Tensor]]) -> tuple[list, dict[str, str]]:
+        # A tied model's head equal to its embedding travels as an alias of it; the base's tied
+        # embedding is untouched by an adapter-only (LoRA) update.
+        if self.lora is not None or not self.tied_embeddings:
+            return named, {}
+        by_name = dict(named)
+        embed = next((n for n in by_name if n.endswith("embed_tokens.weight")), None)
+        head = by_name.get("lm_head.weight")
+        if embed is not None and head is not None and head.shape == by_name[embed].shape and \
+                head.dtype == by_name[embed].dtype and torch.equal(head, by_name[embed]):
+            named = [(n, t) for n, t in named if n != "lm_head.weight"]
+        if embed is not None and all(n != "lm_head.weight" for n, _ in named):
+            return named, {"lm_head.weight": embed}
+        return named, {}
 
     @property
     def tied_embeddings(self) -> bool:
         """Whether the served model ties its output head to the input embedding."""
-        if not hasattr(self, "_tied"):
+        if self._tied is None:
             _, _, tied = self.weight_names()
             self._tied = bool(tied)
         return self._tied

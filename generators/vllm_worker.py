@@ -29,7 +29,7 @@ Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact 
 plan (names, dtypes, shapes, offsets) does.
 
 **LoRA** (engine started with ``enable_lora``): the base weights never change; an update carries
-only the adapter matrices (``async_rl.learners.lora``) and bypasses the reload lifecycle. At start-up
+only the adapter matrices (``async_rl.lora``) and bypasses the reload lifecycle. At start-up
 ``async_rl_init_lora`` registers a zero adapter under one fixed id (the engine then computes
 exactly the base model), which every request names. ``async_rl_load_lora`` receives an update's
 buckets through the same ``WeightReceiver``, builds vLLM's ``LoRAModel`` from the tensors in
@@ -52,6 +52,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from async_rl.lora import PEFT_PREFIX, expected_vllm_adapter_names
 from async_rl.weight_sync import UpdatePlan, WeightReceiver, check_update, dtype_name
 
 BACKEND = "async_rl"
@@ -101,6 +102,8 @@ def engine_weight_names(model) -> tuple[list[str], dict[str, list[str]], dict[st
 
 def _hf_output_sizes(module) -> list[int] | None:
     # Full (unsharded) output size of each HF projection a fused linear holds, in packed order.
+    # vLLM's layer classes (QKVParallelLinear, MergedColumnParallelLinear...) differ by model and
+    # version; they are told apart by the attributes they carry.
     if all(hasattr(module, a) for a in ("total_num_heads", "total_num_kv_heads", "head_size")):
         v = getattr(module, "v_head_size", module.head_size)
         return [module.total_num_heads * module.head_size, module.total_num_kv_heads * module.head_size,
@@ -156,8 +159,6 @@ def adapter_specs(names: list[str], base_specs: dict[str, tuple[str, tuple[int, 
     """``{adapter sync name: (dtype name, shape)}``: ``lora_A`` ``[rank, in]`` and ``lora_B``
     ``[out, rank]`` of each targeted HF projection, ``in``/``out`` from its base weight's shape in
     ``base_specs`` (``engine_weight_specs``). Names without a base weight there get no spec."""
-    from async_rl.learners.lora import PEFT_PREFIX
-
     out = {}
     for n in names:
         module = n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0]
@@ -251,6 +252,7 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
         model = self.model
+        # vLLM's reload patches this method on the model for the update's duration (torchao models).
         if hasattr(model, "_original_do_torchao_reload"):
             model._do_torchao_reload = model._original_do_torchao_reload
         for layer in model.modules():
@@ -294,10 +296,8 @@ class AsyncRLWorkerExtension:
         return engine_weight_names(self.model_runner.get_model())
 
     def async_rl_lora_names(self, lora: dict[str, Any]) -> list[str]:
-        """The adapter names an update must carry for LoRA settings ``lora`` (``async_rl.learners.lora.spec``):
+        """The adapter names an update must carry for LoRA settings ``lora`` (``async_rl.lora.spec``):
         one ``lora_A``/``lora_B`` pair per targeted HF projection of vLLM's LoRA modules."""
-        from async_rl.learners.lora import expected_vllm_adapter_names
-
         manager = self.model_runner.lora_manager._adapter_manager
         return expected_vllm_adapter_names(list(manager.modules), dict(manager.packed_modules_mapping),
                                            list(lora["target_modules"]))

@@ -10,14 +10,15 @@ steps); staleness is measured in these versions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from async_rl.buffers.trajectory import TrainBatch
-from async_rl.learners.lora import LoRAConfig
+from async_rl.lora import LoRAConfig
 
-LEARNER_BACKENDS = ("fsdp2",)
 LR_SCHEDULES = ("constant", "linear", "cosine")
 MIXED_PRECISION = ("auto", "fp32", "bf16")
 
@@ -50,10 +51,9 @@ class CriticConfig:
 
 @dataclass
 class LearnerConfig:
-    """Trainer-side settings: sharding, optimizer, schedule and batching."""
+    """Trainer-side settings: sharding, optimizer, schedule and batching of the one learner
+    backend, torch FSDP2 (``fully_shard``) over a gloo (CPU) or NCCL (GPU) process group."""
 
-    backend: str = "fsdp2"
-    """``fsdp2``: torch FSDP2 (``fully_shard``) over a gloo (CPU) or NCCL (GPU) process group."""
     world_size: int = 1
     """Learner ranks (>= 1) on one process group (gloo on CPU). Rank 0 is the trainer process;
     ranks 1.. are Ray actors it places (``async_rl.learners.launch``), or the other ranks of a
@@ -129,8 +129,6 @@ class LearnerConfig:
     """Low-rank adapters (``rank > 0``): only they train and only they sync to the generators."""
 
     def __post_init__(self) -> None:
-        if self.backend not in LEARNER_BACKENDS:
-            raise ValueError(f"learner.backend must be one of {LEARNER_BACKENDS}, got {self.backend!r}")
         if self.world_size < 1:
             raise ValueError(f"learner.world_size must be >= 1, got {self.world_size}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -178,7 +176,7 @@ def clip_and_step(params, optimizer, scheduler, grad_clip: float) -> torch.Tenso
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if hasattr(norm, "full_tensor"):
+    if isinstance(norm, DTensor):  # sharded parameters give a sharded norm
         norm = norm.full_tensor()
     optimizer.step()
     if scheduler is not None:
@@ -187,19 +185,132 @@ def clip_and_step(params, optimizer, scheduler, grad_clip: float) -> torch.Tenso
     return norm.detach()
 
 
+def copy_matching_parameters(src: Iterable[tuple[str, torch.Tensor]], dst: nn.Module, prefix: str = "") -> int:
+    """Copy parameters into ``dst`` by name, in place; returns how many were copied.
+
+    Args:
+        src: ``(name, tensor)`` pairs; a name is matched to ``dst``'s parameter ``name`` after
+            stripping ``prefix`` (for example a causal LM's ``"model."`` onto its bare backbone).
+            Both sides may be DTensors with the same sharding (FSDP2 on the same mesh).
+        dst: the module to overwrite.
+
+    Raises:
+        ValueError: a parameter of ``dst`` got no value, or shapes differ (names both).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    # Write the sharded parameters, the ones FSDP2 all-gathers from: the root may still hold
+    # unsharded ones after a forward without backward (a reference model), and a write into
+    # those would not be guaranteed to survive the next all-gather.
+    for module in dst.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    # Activation checkpointing inserts a wrapper level into names, on either side or on both (a
+    # LoRA policy's merged weights come without it): match without it.
+    unwrap = lambda n: n.replace("_checkpoint_wrapped_module.", "")  # noqa: E731
+    targets = {unwrap(n): p for n, p in dst.named_parameters()}
+    done: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in src:
+            key = unwrap(name[len(prefix):] if prefix and name.startswith(prefix) else name)
+            if key not in targets:
+                continue
+            if targets[key].shape != tensor.shape:
+                raise ValueError(f"parameter {key}: shape {tuple(tensor.shape)} does not fit {tuple(targets[key].shape)}")
+            _copy_into(targets[key], tensor.detach())
+            done.add(key)
+    missing = sorted(set(targets) - done)
+    if missing:
+        raise ValueError(f"no source weights for {len(missing)} parameters, e.g. {missing[:3]}")
+    return len(done)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` across DTensor/plain tensor: FSDP2 keeps the root's parameters
+    unsharded (plain) between forward and backward, so either side may be either kind."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(src, DTensor):
+        src = src.full_tensor()
+    if isinstance(dst, DTensor):
+        src = distribute_tensor(src, dst.device_mesh, dst.placements)
+    dst.copy_(src)
+
+
 class Learner(Protocol):
-    """What the controller needs from a learner backend."""
+    """What the rest of the system calls on a learner (``FSDPLearner``; on N ranks, rank 0's,
+    which forwards each call to the others): the training loops (``prepare`` through
+    ``async_rl.batch.make_batch``, ``train_step``, ``version``), the warm start (``sft_step``,
+    then ``begin_rl``), the weight publisher (``named_weights``, ``weight_metadata``,
+    ``weight_aliases``: an ``async_rl.weight_sync.WeightSource``), checkpoints
+    (``save_checkpoint``, ``load_checkpoint``) and the final export (``export_hf``). Every call
+    but ``version``, ``weight_metadata`` and ``weight_aliases`` is collective: on N ranks each rank
+    makes it.
+    """
 
     version: int
+    """Policy version: training steps taken (one per ``train_step``, whatever its number of
+    optimizer steps); 0 before the first, and what a checkpoint restores."""
+
+    def begin_rl(self) -> None:
+        """Freeze the RL starting point, once, after any warm start and before step 1: reset the
+        optimizer, snapshot the reference policy (KL term) and start the critic from the policy."""
+        ...
+
+    def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, torch.Tensor]:
+        """One supervised step (warm start) at learning rate ``lr`` on the loss-masked tokens of
+        ``batch``; returns ``{"sft/loss", "sft/grad_norm"}`` (0-dim tensors). ``version`` stays."""
+        ...
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Log-probs ``[B, L-1]`` float32 of ``batch``'s labels under the current weights (no grad)."""
         ...
 
+    def prepare(self, batch: TrainBatch) -> dict[str, float]:
+        """No-grad passes the advantages and the loss need, stored in ``batch.extras``
+        (``proximal_logprobs``, ``ref_logprobs``, ``values``: ``[B, L-1]`` float32); returns
+        their timings in seconds.
+
+        Raises:
+            RuntimeError: a KL term is on and ``begin_rl`` was never called.
+        """
+        ...
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One training step (one or more optimizer steps) on ``batch``; returns reduced metrics."""
+        """One training step (one or more optimizer steps) on ``batch`` after ``prepare``;
+        ``version += 1``; returns metrics reduced over ranks and micro-batches."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) parameters by Hugging Face name, each tied parameter once."""
+        """Full (unsharded) parameters by Hugging Face name, each tied parameter once, in
+        ``weight_metadata`` order (with LoRA the adapter matrices only). Gathers one tensor at a
+        time: every rank must iterate it to the end."""
+        ...
+
+    def weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(name, dtype, full shape)`` of what ``named_weights`` yields, in order, without
+        gathering (local, not collective)."""
+        ...
+
+    def weight_aliases(self) -> dict[str, str]:
+        """``{tied name: name sent}`` for parameters ``named_weights`` yields once under another
+        name (``{"lm_head.weight": "model.embed_tokens.weight"}``; ``{}`` with LoRA)."""
+        ...
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write the whole training state (policy, optimizer, critic, reference, schedules,
+        ``version``) under directory ``path`` (``torch.distributed.checkpoint`` shards)."""
+        ...
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what ``save_checkpoint`` wrote, instead of ``begin_rl`` (any number of ranks).
+
+        Raises:
+            FileNotFoundError, ValueError: no checkpoint there, or one of another model or setup.
+        """
+        ...
+
+    def export_hf(self, out_dir: str, tokenizer=None) -> None:
+        """Write the policy as a Hugging Face safetensors directory ``out_dir`` (with LoRA: merged
+        weights plus the adapter under ``out_dir/adapter``), and ``tokenizer`` beside it if given."""
         ...

@@ -19,7 +19,7 @@ from torch import nn
 
 from async_rl.algorithms.critic import value_loss
 from async_rl.buffers.trajectory import TrainBatch
-from async_rl.learners.base import CriticConfig, clip_and_step
+from async_rl.learners.base import CriticConfig, clip_and_step, copy_matching_parameters
 
 
 class ValueModel(nn.Module):
@@ -50,58 +50,6 @@ class ValueModel(nn.Module):
         # mishandle) a root module returning a view.
         # float32 head math also under bf16 mixed precision (head parameters cast to bf16).
         return hidden[:, :-1].float() @ self.value_head.weight[0].float() + self.value_head.bias[0].float()
-
-
-def copy_matching_parameters(src: Iterable[tuple[str, torch.Tensor]], dst: nn.Module, prefix: str = "") -> int:
-    """Copy parameters into ``dst`` by name, in place; returns how many were copied.
-
-    Args:
-        src: ``(name, tensor)`` pairs; a name is matched to ``dst``'s parameter ``name`` after
-            stripping ``prefix`` (for example a causal LM's ``"model."`` onto its bare backbone).
-            Both sides may be DTensors with the same sharding (FSDP2 on the same mesh).
-        dst: the module to overwrite.
-
-    Raises:
-        ValueError: a parameter of ``dst`` got no value, or shapes differ (names both).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    # Write the sharded parameters, the ones FSDP2 all-gathers from: the root may still hold
-    # unsharded ones after a forward without backward (a reference model), and a write into
-    # those would not be guaranteed to survive the next all-gather.
-    for module in dst.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    # Activation checkpointing inserts a wrapper level into names, on either side or on both (a
-    # LoRA policy's merged weights come without it): match without it.
-    unwrap = lambda n: n.replace("_checkpoint_wrapped_module.", "")  # noqa: E731
-    targets = {unwrap(n): p for n, p in dst.named_parameters()}
-    done: set[str] = set()
-    with torch.no_grad():
-        for name, tensor in src:
-            key = unwrap(name[len(prefix):] if prefix and name.startswith(prefix) else name)
-            if key not in targets:
-                continue
-            if targets[key].shape != tensor.shape:
-                raise ValueError(f"parameter {key}: shape {tuple(tensor.shape)} does not fit {tuple(targets[key].shape)}")
-            _copy_into(targets[key], tensor.detach())
-            done.add(key)
-    missing = sorted(set(targets) - done)
-    if missing:
-        raise ValueError(f"no source weights for {len(missing)} parameters, e.g. {missing[:3]}")
-    return len(done)
-
-
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` across DTensor/plain tensor: FSDP2 keeps the root's parameters
-    unsharded (plain) between forward and backward, so either side may be either kind."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(src, DTensor):
-        src = src.full_tensor()
-    if isinstance(dst, DTensor):
-        src = distribute_tensor(src, dst.device_mesh, dst.placements)
-    dst.copy_(src)
 
 
 class FSDPCritic:
@@ -164,4 +112,4 @@ class FSDPCritic:
         return clip_and_step(self.model.parameters(), self.optimizer, self.scheduler, grad_clip)
 
 
-__all__ = ["ValueModel", "FSDPCritic", "copy_matching_parameters"]
+__all__ = ["ValueModel", "FSDPCritic"]

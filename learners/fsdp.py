@@ -27,22 +27,25 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from async_rl.algorithms.aggregation import aggregate_loss, count_normalizers
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.kl import kl_penalty
 from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits, masked_mean
-from async_rl.algorithms.losses import POLICY_LOSSES
+from async_rl.algorithms.losses import POLICY_LOSSES, PolicyLossInputs
 from async_rl.metrics import reduce_metrics
 from async_rl.buffers.trajectory import TrainBatch
-from async_rl.learners.base import LearnerConfig, clip_and_step
+from async_rl.learners.base import LearnerConfig, clip_and_step, copy_matching_parameters
 from async_rl.learners.batching import micro_batches_by_tokens, pack_rows, split_by_tokens, unpack_labels
 from async_rl.learners import lora
-from async_rl.learners.critic import FSDPCritic, copy_matching_parameters
+from async_rl.lora import wrap as wrap_with_lora
+from async_rl.learners.critic import FSDPCritic
 from async_rl.learners.spmd import collective
 
 logger = logging.getLogger(__name__)
@@ -129,6 +132,18 @@ def _token_weighted_across_ranks(local: dict[str, torch.Tensor], per_mb: list[di
     return {k: torch.tensor(s / w if w else float("nan")) for k, (s, w) in total.items()}
 
 
+@dataclass
+class _StepAccumulator:
+    """What ``FSDPLearner.train_step`` gathers over its micro-batches and optimizer steps."""
+
+    per_mb: list[dict[str, torch.Tensor]] = field(default_factory=list)  # metrics per real micro-batch / step
+    weights: list[float] = field(default_factory=list)  # their weights: valid tokens, or 1 for a step's
+    pg_losses: list[torch.Tensor] = field(default_factory=list)  # detached 0-dim policy losses
+    vf_losses: list[torch.Tensor] = field(default_factory=list)  # detached 0-dim critic losses
+    num_steps: int = 0  # optimizer steps taken
+    skipped: int = 0  # mini-batches without a valid token
+
+
 def lr_lambda(cfg: LearnerConfig, total_steps: int):
     """LR multiplier per optimizer step: linear warm-up from 0, then constant/linear/cosine decay.
 
@@ -157,22 +172,24 @@ class FSDPLearner:
 
     Args:
         cfg: learner settings.
-        algo: algorithm settings (policy loss, clipping, aggregation, KL, entropy).
+        algo: algorithm settings (policy loss, clipping, aggregation, KL, entropy), presets
+            already applied (``load_config`` does it; else ``AlgorithmConfig.apply_preset()``).
         model_path: Hugging Face model directory to start from.
         temperature: the generator's sampling temperature; learner log-probs and entropy are
             computed from ``logits / temperature`` so they match the behavior log-probs.
         total_optimizer_steps: for the LR schedule.
 
     Raises:
-        ValueError: the model declares no decoder layers to shard, or the critic's backbone does
-            not match the policy's weights.
+        ValueError: ``algo`` is not resolved (a preset field still None), the model declares no
+            decoder layers to shard, or the critic's backbone does not match the policy's weights.
     """
 
     def __init__(self, cfg: LearnerConfig, algo: AlgorithmConfig, model_path: str, temperature: float,
                  total_optimizer_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.cfg, self.algo, self.temperature = cfg, algo.apply_preset(), temperature
+        # The caller resolves presets (load_config, or apply_preset() by hand): one place fills them.
+        self.cfg, self.algo, self.temperature = cfg, algo.require_resolved(), temperature
         self.total_optimizer_steps = total_optimizer_steps
         self.model_path = model_path
         # Set by async_rl.learners.spmd.drive_followers on rank 0 of a launched multi-rank learner.
@@ -190,6 +207,7 @@ class FSDPLearner:
         if cfg.packing:
             self._check_packing()
         self.policy_loss = POLICY_LOSSES.get(algo.policy_loss)
+        self.correction, self.loss_params = algo.off_policy_correction(), algo.loss_params()
         self.ref_model: torch.nn.Module | None = None
         self.critic: FSDPCritic | None = None
         if self.algo.needs_critic:
@@ -242,7 +260,7 @@ class FSDPLearner:
         model.config.use_cache = False
         if with_lora and self.cfg.lora.rank > 0:
             # Before sharding, so each decoder layer's FSDP unit holds its adapters too.
-            model = lora.wrap(model, self.cfg.lora)
+            model = wrap_with_lora(model, self.cfg.lora)
         self._shard(model)
         # Eval mode = no dropout (gradients still flow): the generator samples without dropout, so
         # dropout in the learner would make proximal and training log-probs noisy and the PPO ratio
@@ -437,42 +455,23 @@ class FSDPLearner:
         Raises:
             KeyError: a KL loss term or a critic is configured but the batch lacks its extras.
         """
-        a = self.algo
-        if a.bypass_proximal:
-            proximal = batch.behavior_logprobs
-        elif "proximal_logprobs" in batch.extras:
-            proximal = batch.extras["proximal_logprobs"]
-        else:
-            proximal = self.compute_logprobs(batch)
-        per_mb: list[dict[str, torch.Tensor]] = []
-        weights: list[float] = []
-        # Micro-batch losses are already divided by the mini-batch's global normaliser, so their
-        # sum (over micro-batches and ranks) is the mini-batch loss; loss/pg is that sum averaged
-        # over the optimizer steps.
-        pg_losses: list[torch.Tensor] = []
-        vf_losses: list[torch.Tensor] = []
+        proximal = self._proximal_logprobs(batch)
+        acc = _StepAccumulator()
         world, rank = dist.get_world_size(), dist.get_rank()
-        num_steps, skipped = 0, 0
         for epoch in range(self.cfg.num_epochs):
             for idx in self._split(len(batch), self.cfg.num_mini_batches, epoch):
-                mini = batch.select(idx)
-                mini_prox = proximal[idx]
+                mini, mini_prox = batch.select(idx), proximal[idx]
                 # This rank's contiguous, token-balanced share (every rank holds the whole batch).
                 share = split_by_tokens(mini.attention_mask.sum(1).tolist(), world)[rank]
                 mine = mini.select(slice(share.start, share.stop))
                 mine_prox = mini_prox[share.start : share.stop]
-                num_tokens, num_seqs = count_normalizers(mine.loss_mask)
-                if world > 1:
-                    # Global normalisers before any backward pass: every rank divides by the same.
-                    norms = torch.stack([num_tokens, num_seqs]).float()
-                    dist.all_reduce(norms)
-                    num_tokens, num_seqs = norms[0], norms[1]
+                num_tokens, num_seqs = self._global_normalizers(mine.loss_mask)
                 if int(num_tokens) == 0:
                     # Nothing to learn from (an empty cut of a short batch, or every token masked),
                     # and AdamW on a zero gradient is no no-op: momentum and weight decay would still
                     # move the weights, and the LR schedule would advance. The count is global, so
                     # every rank skips the same mini-batches and the collectives stay matched.
-                    skipped += 1
+                    acc.skipped += 1
                     continue
                 for sl, real in self._micro_slices(mine, mini):
                     mb = (mine if real else mini).select(sl).to(self.device)
@@ -485,73 +484,105 @@ class FSDPLearner:
                         keep = mb.trimmed()
                         mb_prox = mb_prox[:, : keep.loss_mask.shape[1]]
                         mb = keep
-                    logprobs, entropy = self._forward(mb, with_entropy=True)
-                    loss, metrics = self.policy_loss(
-                        logprobs, mb_prox, mb.behavior_logprobs, mb.advantages, mb.loss_mask,
-                        agg_mode=a.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs,
-                        horizon=a.loss_horizon_tokens, behavior_correction=a.behavior_correction,
-                        tis_cap=a.tis_cap, icepop_low=a.icepop_low, icepop_high=a.icepop_high,
-                        bypass=a.bypass_proximal,
-                        **a.loss_params(),
-                    )
-                    metrics = {f"loss/{k}": v for k, v in metrics.items()}
-                    pg_losses.append(loss.detach())
-                    total = loss
-                    ent = aggregate_loss(entropy, mb.loss_mask, a.loss_agg_mode, num_global_tokens=num_tokens,
-                                         num_global_seqs=num_seqs, horizon=a.loss_horizon_tokens)
-                    if a.entropy_coef:
-                        total = total - a.entropy_coef * ent
-                    if a.kl_coef and not a.use_kl_in_reward:
-                        kl = kl_penalty(logprobs, mb.extras["ref_logprobs"], a.kl_estimator, mask=mb.loss_mask,
-                                        k3_clamp=a.kl_k3_clamp)
-                        kl_loss = aggregate_loss(kl, mb.loss_mask, a.loss_agg_mode, num_global_tokens=num_tokens,
-                                                 num_global_seqs=num_seqs, horizon=a.loss_horizon_tokens)
-                        total = total + a.kl_coef * kl_loss
-                        metrics["loss/kl"] = masked_mean(kl.detach(), mb.loss_mask)
-                    # FSDP averages gradients over ranks; the global normaliser already divides, so
-                    # scale back up to the sum (the 1-rank gradient).
-                    (total * world).backward()
-                    metrics["actor/entropy"] = masked_mean(entropy.detach(), mb.loss_mask)
-                    if self.critic is not None:
-                        critic_metrics = self.critic.backward(mb, a.loss_agg_mode, num_tokens, num_seqs,
-                                                              a.loss_horizon_tokens, grad_scale=world)
-                        vf_losses.append(critic_metrics.pop("critic/vf_loss"))
-                        metrics.update(critic_metrics)
-                    if real:
-                        per_mb.append(metrics)
-                        weights.append(float(mb.loss_mask.sum()))
-                step_metrics = {"actor/grad_norm": self._optimizer_step()}
-                if self.critic is not None:
-                    step_metrics["critic/grad_norm"] = self.critic.optimizer_step(self.cfg.grad_clip)
-                per_mb.append(step_metrics)
-                weights.append(1.0)
-                num_steps += 1
-        if skipped:
-            planned = self.cfg.num_epochs * self.cfg.num_mini_batches
-            if not self._warned_skip:
-                self._warned_skip = True
-                logger.warning("train_step: %d of %d mini-batches had no valid token (a batch of %d sequences for "
-                               "learner.num_mini_batches=%d, or every token masked) and took no optimizer or "
-                               "LR-scheduler step; actor/skipped_mini_batches counts them from here on",
-                               skipped, planned, len(batch), self.cfg.num_mini_batches)
+                    self._micro_batch_backward(mb, mb_prox, num_tokens, num_seqs, acc, real)
+                self._mini_batch_optimizer_step(acc)
+        self._warn_skipped(acc.skipped, len(batch))
         # One policy version per training step (per batch of trajectories), however many optimizer
         # steps it took: staleness is counted in these versions, as in AReaL and PipelineRL.
         self.version += 1
+        return self._step_metrics(acc)
+
+    def _proximal_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` float32 log pi_prox: the behaviour log-probs in bypass mode, else ``prepare``'s
+        (computed now if ``prepare`` was skipped)."""
+        if self.algo.bypass_proximal:
+            return batch.behavior_logprobs
+        if "proximal_logprobs" in batch.extras:
+            return batch.extras["proximal_logprobs"]
+        return self.compute_logprobs(batch)
+
+    def _global_normalizers(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid tokens, sequences with a valid token) of the mini-batch over every rank."""
+        num_tokens, num_seqs = count_normalizers(loss_mask)
+        if dist.get_world_size() > 1:
+            # Global normalisers before any backward pass: every rank divides by the same.
+            norms = torch.stack([num_tokens, num_seqs]).float()
+            dist.all_reduce(norms)
+            num_tokens, num_seqs = norms[0], norms[1]
+        return num_tokens, num_seqs
+
+    def _micro_batch_backward(self, mb: TrainBatch, mb_prox: torch.Tensor, num_tokens: torch.Tensor,
+                              num_seqs: torch.Tensor, acc: "_StepAccumulator", real: bool) -> None:
+        """Forward and backward of one micro-batch: policy loss, entropy bonus, KL term, critic."""
+        a, world = self.algo, dist.get_world_size()
+        agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs, "horizon": a.loss_horizon_tokens}
+        logprobs, entropy = self._forward(mb, with_entropy=True)
+        inputs = PolicyLossInputs(logprobs, mb_prox, mb.behavior_logprobs, mb.advantages, mb.loss_mask,
+                                  agg_mode=a.loss_agg_mode, **agg)
+        loss, metrics = self.policy_loss(inputs, self.correction, **self.loss_params)
+        metrics = {f"loss/{k}": v for k, v in metrics.items()}
+        acc.pg_losses.append(loss.detach())
+        total = loss
+        if a.entropy_coef:
+            total = total - a.entropy_coef * aggregate_loss(entropy, mb.loss_mask, a.loss_agg_mode, **agg)
+        if a.kl_coef and not a.use_kl_in_reward:
+            kl = kl_penalty(logprobs, mb.extras["ref_logprobs"], a.kl_estimator, mask=mb.loss_mask,
+                            k3_clamp=a.kl_k3_clamp)
+            total = total + a.kl_coef * aggregate_loss(kl, mb.loss_mask, a.loss_agg_mode, **agg)
+            metrics["loss/kl"] = masked_mean(kl.detach(), mb.loss_mask)
+        # FSDP averages gradients over ranks; the global normaliser already divides, so
+        # scale back up to the sum (the 1-rank gradient).
+        (total * world).backward()
+        metrics["actor/entropy"] = masked_mean(entropy.detach(), mb.loss_mask)
+        if self.critic is not None:
+            critic_metrics = self.critic.backward(mb, a.loss_agg_mode, num_tokens, num_seqs,
+                                                  a.loss_horizon_tokens, grad_scale=world)
+            acc.vf_losses.append(critic_metrics.pop("critic/vf_loss"))
+            metrics.update(critic_metrics)
+        if real:
+            acc.per_mb.append(metrics)
+            acc.weights.append(float(mb.loss_mask.sum()))
+
+    def _mini_batch_optimizer_step(self, acc: "_StepAccumulator") -> None:
+        step_metrics = {"actor/grad_norm": self._optimizer_step()}
+        if self.critic is not None:
+            step_metrics["critic/grad_norm"] = self.critic.optimizer_step(self.cfg.grad_clip)
+        acc.per_mb.append(step_metrics)
+        acc.weights.append(1.0)
+        acc.num_steps += 1
+
+    def _warn_skipped(self, skipped: int, batch_size: int) -> None:
+        if skipped and not self._warned_skip:
+            self._warned_skip = True
+            logger.warning("train_step: %d of %d mini-batches had no valid token (a batch of %d sequences for "
+                           "learner.num_mini_batches=%d, or every token masked) and took no optimizer or "
+                           "LR-scheduler step; actor/skipped_mini_batches counts them from here on",
+                           skipped, self.cfg.num_epochs * self.cfg.num_mini_batches, batch_size,
+                           self.cfg.num_mini_batches)
+
+    def _step_metrics(self, acc: "_StepAccumulator") -> dict[str, torch.Tensor]:
+        """The training step's metrics: token-weighted means over micro-batches (and ranks), the
+        optimizer-step counts, and ``loss/pg`` / ``critic/vf_loss`` averaged over optimizer steps."""
+        world = dist.get_world_size()
         # Every rank takes the same optimizer steps, so per_mb is empty on all ranks or on none.
-        out = reduce_metrics(per_mb, weights) if per_mb else {}
+        out = reduce_metrics(acc.per_mb, acc.weights) if acc.per_mb else {}
         if world > 1:
-            out.update(_token_weighted_across_ranks(out, per_mb, weights, skip=("actor/grad_norm", "critic/grad_norm")))
+            out.update(_token_weighted_across_ranks(out, acc.per_mb, acc.weights,
+                                                    skip=("actor/grad_norm", "critic/grad_norm")))
         out["actor/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
-        out["actor/optimizer_steps"] = torch.tensor(float(num_steps))
-        out["actor/skipped_mini_batches"] = torch.tensor(float(skipped))
-        sums = torch.stack([torch.stack(pg_losses).sum().cpu() if pg_losses else torch.zeros(()),
-                            torch.stack(vf_losses).sum().cpu() if vf_losses else torch.zeros(())])
+        out["actor/optimizer_steps"] = torch.tensor(float(acc.num_steps))
+        out["actor/skipped_mini_batches"] = torch.tensor(float(acc.skipped))
+        # Micro-batch losses are already divided by the mini-batch's global normaliser, so their
+        # sum (over micro-batches and ranks) is the mini-batch loss; loss/pg is that sum averaged
+        # over the optimizer steps.
+        sums = torch.stack([torch.stack(acc.pg_losses).sum().cpu() if acc.pg_losses else torch.zeros(()),
+                            torch.stack(acc.vf_losses).sum().cpu() if acc.vf_losses else torch.zeros(())])
         if world > 1:
             # The losses are shares of one global normaliser: their sum over ranks is the loss.
             dist.all_reduce(sums)
-        out["loss/pg"] = sums[0] / max(num_steps, 1)
-        if vf_losses:
-            out["critic/vf_loss"] = sums[1] / max(num_steps, 1)
+        out["loss/pg"] = sums[0] / max(acc.num_steps, 1)
+        if acc.vf_losses:
+            out["critic/vf_loss"] = sums[1] / max(acc.num_steps, 1)
         return out
 
     def _micro_slices(self, mine: TrainBatch, mini: TrainBatch) -> list[tuple[slice, bool]]:
@@ -615,7 +646,7 @@ class FSDPLearner:
             return
         for name, param in self.model.named_parameters():
             data = param.detach()
-            yield hf_name(name), data.full_tensor() if hasattr(data, "full_tensor") else data
+            yield hf_name(name), data.full_tensor() if isinstance(data, DTensor) else data
 
     def weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, full shape)`` of what ``named_weights`` yields, in order, without

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -77,7 +78,7 @@ def drive_followers(learner) -> None:
 
 def stop_followers(learner) -> None:
     """Release the followers from ``serve_commands`` (call once, on rank 0, at shutdown)."""
-    if getattr(learner, "_drives_followers", False):
+    if learner._drives_followers:
         learner._drives_followers = False
         dist.broadcast_object_list([(_STOP, (), {})], src=0, group=_commands())
 
@@ -105,7 +106,7 @@ def serve_commands(learner) -> int:
         if not getattr(method, "is_collective", False):
             raise RuntimeError(f"rank 0 asked for {name!r}, which is not a collective learner method")
         result = method(*args, **kwargs)
-        if hasattr(result, "__next__"):
+        if isinstance(result, Iterator):  # a generator method (named_weights): run it to the end
             for _ in result:  # keep the all-gathers in step with rank 0's consumer
                 pass
         served += 1

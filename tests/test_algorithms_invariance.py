@@ -14,7 +14,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from async_rl.algorithms import LOSS_AGG_MODES, POLICY_LOSSES, count_normalizers, kl_loss, logprobs_from_logits
+from async_rl.algorithms import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    OffPolicyCorrection,
+    PolicyLossInputs,
+    count_normalizers,
+    kl_loss,
+    logprobs_from_logits,
+)
 
 B, T, H, V = 8, 6, 5, 11
 ATOL = 1e-6
@@ -51,8 +59,8 @@ CORRECTION = {"ppo_clip": "tis", "gspo": "seq_tis", "cispo": "icepop"}
 def _micro_loss(model, mb, loss_name, mode, num_tokens, num_seqs):
     logprobs = logprobs_from_logits(model(mb["hidden"]), mb["labels"])
     agg = dict(agg_mode=mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs, horizon=T)
-    loss, _ = POLICY_LOSSES.get(loss_name)(logprobs, mb["proximal"], mb["behavior"], mb["advantages"],
-                                           mb["mask"], behavior_correction=CORRECTION[loss_name], **agg)
+    inputs = PolicyLossInputs(logprobs, mb["proximal"], mb["behavior"], mb["advantages"], mb["mask"], **agg)
+    loss, _ = POLICY_LOSSES.get(loss_name)(inputs, OffPolicyCorrection(CORRECTION[loss_name]))
     return loss + 0.1 * kl_loss(logprobs, mb["ref"], mb["mask"], kind="k3", **agg)
 
 

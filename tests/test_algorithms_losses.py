@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from async_rl.algorithms import POLICY_LOSSES, policy_loss
+from async_rl.algorithms import POLICY_LOSSES, OffPolicyCorrection, PolicyLossInputs
+from async_rl.algorithms import policy_loss as resolve_and_call
 
 NAN = float("nan")
 AGG = {"agg_mode": "token-mean"}
@@ -13,6 +14,14 @@ AGG = {"agg_mode": "token-mean"}
 
 def _t(x):
     return torch.tensor(x, dtype=torch.float32)
+
+
+def policy_loss(name, logprobs, proximal, behavior, advantages, mask, *, agg_mode, num_global_tokens,
+                num_global_seqs, horizon=None, behavior_correction="none", bypass=False, **params):
+    """The loss call with the tensors spelled out: one inputs object, one correction config."""
+    inputs = PolicyLossInputs(logprobs, proximal, behavior, advantages, mask, agg_mode=agg_mode,
+                              num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs, horizon=horizon)
+    return resolve_and_call(name, inputs, OffPolicyCorrection(behavior_correction, bypass_proximal=bypass), **params)
 
 
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from async_rl.config import load_config
-from async_rl.controller import train
+from async_rl.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,13 +93,14 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     from ray.util.queue import Queue
     from transformers import AutoTokenizer
 
-    from async_rl.controller import group_seed, stop_token_ids
+    from async_rl.rollout import group_seed, stop_token_ids
     from async_rl.data.builtin import resolve
     from async_rl.data.dataset import PromptDataset
     from async_rl.buffers.replay import ReplayBuffer
     from async_rl.buffers.transport import GroupClosed, make_transport
     from async_rl.generators.base import GeneratorConfig, SamplingParams
-    from async_rl.generators.pool import GeneratorWorker, GroupRequest
+    from async_rl.loops.pool import GeneratorWorker
+    from async_rl.rollout import GroupRequest
 
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REJECTING_REWARD)
@@ -163,7 +164,7 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
 
 
 def test_thread_budget_splits_cores():
-    from async_rl.async_runner import thread_budget
+    from async_rl.loops.async_loop import thread_budget
 
     assert thread_budget(2, 0, cores=2) == (1, 1)  # never 0 threads, even when oversubscribed
     assert thread_budget(2, 0, cores=16) == (5, 6)

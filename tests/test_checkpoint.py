@@ -39,9 +39,9 @@ def _steps(run: Path) -> dict[int, dict]:
 
 def _interrupt_after(step_to_stop: int, signum=signal.SIGINT):
     """Patch SyncLoop.step to send this process ``signum`` during step ``step_to_stop``."""
-    from async_rl import controller
+    from async_rl.loops.sync import SyncLoop
 
-    original = controller.SyncLoop.step
+    original = SyncLoop.step
 
     def step(self, step):
         out = original(self, step)
@@ -61,14 +61,14 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT])
 def test_six_steps_equal_three_plus_three_resumed(tmp_path, monkeypatch, signum):
-    from async_rl import controller
-    from async_rl.controller import train
+    from async_rl.loops.sync import SyncLoop
+    from async_rl.trainer import train
 
     full = train(_cfg(tmp_path, "full"))
     assert "interrupted" not in full and full["last_step"] == 6
 
     with monkeypatch.context() as m:
-        m.setattr(controller.SyncLoop, "step", _interrupt_after(3, signum))
+        m.setattr(SyncLoop, "step", _interrupt_after(3, signum))
         first = train(_cfg(tmp_path, "split"))
     assert first["interrupted"] == signal.Signals(signum).name and first["last_step"] == 3
     assert not (tmp_path / "split" / "final_model").exists()
@@ -96,13 +96,13 @@ def test_six_steps_equal_three_plus_three_resumed(tmp_path, monkeypatch, signum)
 @pytest.mark.slow
 def test_ppo_with_critic_and_kl_resumes_exactly(tmp_path, monkeypatch):
     """The critic (weights, optimizer, schedule) and the frozen reference policy are restored too."""
-    from async_rl import controller
-    from async_rl.controller import train
+    from async_rl.loops.sync import SyncLoop
+    from async_rl.trainer import train
 
     extra = ("algorithm.name=ppo", "algorithm.kl_coef=0.01", "trainer.total_steps=4", "trainer.checkpoint.every_steps=2")
     train(_cfg(tmp_path, "full", *extra))
     with monkeypatch.context() as m:
-        m.setattr(controller.SyncLoop, "step", _interrupt_after(2, signal.SIGTERM))
+        m.setattr(SyncLoop, "step", _interrupt_after(2, signal.SIGTERM))
         first = train(_cfg(tmp_path, "split", *extra))
     assert first["interrupted"] == "SIGTERM" and first["last_step"] == 2
     train(_cfg(tmp_path, "split", *extra, "trainer.resume=auto"))
@@ -118,10 +118,10 @@ def test_async_resume_restores_buffer_and_reissues_in_flight_groups(tmp_path, mo
     """Async mode: the checkpoint holds the replay buffer and the dispatch state; groups in flight
     at the checkpoint are abandoned (counted) and their prompts dispatched again, so the resumed
     run's ledger still adds up and no prompt is skipped."""
-    from async_rl import async_runner
-    from async_rl.controller import train
+    from async_rl.loops.async_loop import AsyncLoop
+    from async_rl.trainer import train
 
-    original = async_runner.AsyncLoop.step
+    original = AsyncLoop.step
 
     def step(self, step):
         out = original(self, step)
@@ -131,7 +131,7 @@ def test_async_resume_restores_buffer_and_reissues_in_flight_groups(tmp_path, mo
 
     extra = ("trainer.mode=async", "generator.num_workers=1", "trainer.total_steps=4", "trainer.max_staleness=2")
     with monkeypatch.context() as m:
-        m.setattr(async_runner.AsyncLoop, "step", step)
+        m.setattr(AsyncLoop, "step", step)
         first = train(_cfg(tmp_path, "run", *extra))
     assert first["interrupted"] == "SIGTERM"
     state = torch.load(latest_checkpoint(tmp_path / "run") / "trainer_state.pt", weights_only=False)["loop"]
@@ -259,7 +259,7 @@ def test_cli_sigterm_saves_and_exits_143(tmp_path):
 
 @pytest.mark.slow
 def test_resume_in_another_mode_is_refused(tmp_path):
-    from async_rl.controller import train
+    from async_rl.trainer import train
 
     train(_cfg(tmp_path, "run", "trainer.total_steps=1", "trainer.warm_start.steps=0", "data.val_files=[]"))
     with pytest.raises(ValueError, match="trainer.mode=sync; resume it with the same mode"):
@@ -268,7 +268,7 @@ def test_resume_in_another_mode_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_resume_at_or_past_total_steps_is_refused(tmp_path):
-    from async_rl.controller import train
+    from async_rl.trainer import train
 
     train(_cfg(tmp_path, "run", "trainer.total_steps=2", "trainer.warm_start.steps=0", "data.val_files=[]"))
     with pytest.raises(ValueError, match="at step 2, not before trainer.total_steps=2"):

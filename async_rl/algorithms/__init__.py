@@ -1,18 +1,25 @@
 """Pure-tensor RL algorithm library: log-probs, advantages, losses, aggregation, KL, DAPO tools.
 
-Nothing here calls a model, reads a config or syncs with `.item()` inside a loss; every function
-takes tensors (per-token `[B, T]`) and returns tensors. Pick parts by name:
+Nothing here calls a model or syncs with `.item()` inside a loss; every function takes tensors
+(per-token `[B, T]`) and returns tensors. Pick parts by spec (a registered name, `builtin:<name>`,
+`pkg.module:attr` or `path/file.py:attr`; one resolver for every kind, `async_rl.registry`):
 
     from async_rl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
     adv, ret = ADVANTAGE_ESTIMATORS.get("grpo")(AdvantageInputs(rewards, mask, group_ids))
-    loss, metrics = POLICY_LOSSES.get("ppo_clip")(logprobs, proximal, behavior, adv, mask,
-                                                  agg_mode="token-mean", num_global_tokens=n_tok,
-                                                  num_global_seqs=n_seq)
+    inputs = PolicyLossInputs(logprobs, proximal, behavior, adv, mask, agg_mode="token-mean",
+                              num_global_tokens=n_tok, num_global_seqs=n_seq)
+    loss, metrics = POLICY_LOSSES.get("ppo_clip")(inputs, OffPolicyCorrection("tis"), clip_ratio_high=0.28)
 
 Run the tests with `pytest tests/test_algorithms_*.py`.
 """
 
-from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
+from async_rl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    EstimatorSpec,
+    compute_advantages,
+    register_estimator,
+)
 from async_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, count_normalizers
 from async_rl.algorithms.critic import value_loss
 from async_rl.algorithms.dapo import (
@@ -31,16 +38,25 @@ from async_rl.algorithms.logprobs import (
     masked_mean,
     masked_sum,
 )
-from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, POLICY_LOSSES, policy_loss
-from async_rl.algorithms.registry import Registry
+from async_rl.algorithms.losses import (
+    BEHAVIOR_CORRECTIONS,
+    POLICY_LOSSES,
+    OffPolicyCorrection,
+    PolicyLossInputs,
+    policy_loss,
+)
+from async_rl.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageInputs",
     "BEHAVIOR_CORRECTIONS",
     "DynamicSamplingResult",
+    "EstimatorSpec",
     "LOSS_AGG_MODES",
+    "OffPolicyCorrection",
     "POLICY_LOSSES",
+    "PolicyLossInputs",
     "Registry",
     "aggregate_loss",
     "apply_kl_reward_penalty",
@@ -60,5 +76,6 @@ __all__ = [
     "overlong_filter_mask",
     "overlong_reward_shaping",
     "policy_loss",
+    "register_estimator",
     "value_loss",
 ]

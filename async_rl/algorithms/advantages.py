@@ -1,7 +1,10 @@
 """Advantage estimators, chosen by name from `ADVANTAGE_ESTIMATORS`.
 
 Every estimator has the same call: `estimator(inputs: AdvantageInputs, **params) ->
-(advantages [B, T] float32, returns [B, T] float32)`. Built-in names:
+(advantages [B, T] float32, returns [B, T] float32)`. `ADVANTAGE_ESTIMATORS.get(spec)` returns an
+`EstimatorSpec`: the function plus what it needs from the rest of the system (a critic, per-token
+rewards, groups) and which config fields become its keyword arguments, so the config, the learner
+and `make_batch` ask the estimator instead of keeping lists of names. Built-in names:
 
     grpo                   (r - group mean) / (group std + eps)              DeepSeekMath
     dr_grpo                r - group mean (no std division)                  Dr. GRPO
@@ -42,16 +45,83 @@ the loss) -> mean 0.5, std 0.5774 over all four -> `+0.866, +0.866, -0.866, 0`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from async_rl.algorithms.registry import Registry
+from async_rl.registry import Registry
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageInputs", "ZERO_SPREAD_RTOL", "compute_advantages", "has_spread"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageInputs", "EstimatorSpec", "ZERO_SPREAD_RTOL", "compute_advantages",
+           "has_spread", "register_estimator"]
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+
+def _no_params(algo: Any) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """An advantage estimator and what it needs; calling it calls `fn`.
+
+    Attributes:
+        fn: `fn(inputs: AdvantageInputs, **params) -> (advantages [B, T] float32, returns [B, T]
+            float32)`.
+        needs_critic: reads `inputs.values` (critic values V(s_t)); the learner then trains a
+            critic and `make_batch` runs the learner's value pass.
+        token_rewards: reads per-token rewards, so a KL-in-reward penalty is applied per token
+            (InstructGPT, arXiv 2203.02155, eq. 2) rather than summed into the sequence reward.
+        needs_groups: compares the samples of one prompt (`inputs.group_ids`), so a run needs at
+            least 2 samples per prompt.
+        params: `AlgorithmConfig -> dict` of keyword arguments for `fn` (read by
+            `AlgorithmConfig.advantage_params`).
+
+    A user estimator named by import path may be a plain function, which gets the defaults
+    (no critic, one reward per sequence, no groups, no keyword arguments from the config), or an
+    `EstimatorSpec` that declares its needs.
+    """
+
+    fn: Callable[..., tuple[Tensor, Tensor]]
+    needs_critic: bool = False
+    token_rewards: bool = False
+    needs_groups: bool = False
+    params: Callable[[Any], dict[str, Any]] = _no_params
+
+    def __call__(self, inputs: "AdvantageInputs", **params: Any) -> tuple[Tensor, Tensor]:
+        return self.fn(inputs, **params)
+
+
+def _as_estimator(kind: str, spec: str, obj: Any) -> EstimatorSpec:
+    if isinstance(obj, EstimatorSpec):
+        return obj
+    if not callable(obj):
+        raise ValueError(f"{kind} {spec!r} is not callable (got {type(obj).__name__})")
+    return EstimatorSpec(obj)
+
+
+ADVANTAGE_ESTIMATORS: Registry[EstimatorSpec] = Registry(
+    "advantage estimator", coerce=_as_estimator,
+    help="An estimator is fn(inputs: AdvantageInputs, **params) -> (advantages, returns) or an EstimatorSpec.")
+
+
+def register_estimator(name: str, *, needs_critic: bool = False, token_rewards: bool = False,
+                       needs_groups: bool = False,
+                       params: Callable[[Any], dict[str, Any]] = _no_params) -> Callable[[Callable], Callable]:
+    """Decorator that registers `fn` in `ADVANTAGE_ESTIMATORS` as an `EstimatorSpec` with these
+    needs (see its attributes) and returns `fn` unchanged.
+
+    Raises:
+        ValueError: as `Registry.register` (taken or malformed name).
+    """
+
+    def decorator(fn: Callable) -> Callable:
+        ADVANTAGE_ESTIMATORS.register(name, EstimatorSpec(fn, needs_critic, token_rewards, needs_groups, params))
+        return fn
+
+    return decorator
+
 
 ZERO_SPREAD_RTOL = 8 * torch.finfo(torch.float32).eps
 """Values within this relative distance of each other (``max - min <= ZERO_SPREAD_RTOL *
@@ -256,7 +326,7 @@ def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Te
 # estimators
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@register_estimator("grpo", needs_groups=True, params=lambda algo: {"norm_by_std": algo.norm_adv_by_std})
 def grpo_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True,
                     epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
     """Group-relative advantage `A_i = (r_i - mean_g) / (std_g + eps)`, broadcast over tokens.
@@ -291,7 +361,7 @@ def grpo_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True,
     return _broadcast(adv, mask), _broadcast(rewards, mask & scored.unsqueeze(-1))
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@register_estimator("dr_grpo", needs_groups=True)
 def dr_grpo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """GRPO without the std division: `A_i = r_i - mean_g`.
 
@@ -306,7 +376,7 @@ def dr_grpo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return grpo_advantages(inputs, norm_by_std=False)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@register_estimator("rloo", needs_groups=True)
 def rloo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE leave-one-out: `A_i = r_i - (sum_{j != i} r_j) / (n_g - 1)` over scored samples.
 
@@ -326,7 +396,7 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return _broadcast(adv, mask), _broadcast(rewards, mask & scored.unsqueeze(-1))
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+@register_estimator("reinforce_pp", token_rewards=True, params=lambda algo: {"gamma": algo.gamma})
 def reinforce_pp_advantages(inputs: AdvantageInputs, *, gamma: float = 1.0,
                             epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
     """REINFORCE++: discounted return-to-go, whitened over all valid tokens of the batch.
@@ -358,7 +428,7 @@ def reinforce_pp_advantages(inputs: AdvantageInputs, *, gamma: float = 1.0,
     return _masked_whiten(returns, mask, epsilon).float(), returns.float()
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+@register_estimator("reinforce_pp_baseline", needs_groups=True)
 def reinforce_pp_baseline_advantages(inputs: AdvantageInputs, *,
                                      epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with baseline: subtract the group mean, then whiten over the batch's tokens.
@@ -388,7 +458,8 @@ def reinforce_pp_baseline_advantages(inputs: AdvantageInputs, *,
     return adv.float(), _broadcast(rewards, mask & scored.unsqueeze(-1))
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@register_estimator("gae", needs_critic=True, token_rewards=True,
+                    params=lambda algo: {"gamma": algo.gamma, "lam": algo.lam, "whiten": algo.whiten_advantages})
 def gae_advantages(inputs: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0,
                    whiten: bool = False, epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the valid tokens of each sequence.

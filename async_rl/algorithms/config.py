@@ -15,8 +15,14 @@ dapo           grpo            ppo_clip     token-mean                 clip-high
 ppo            gae             ppo_clip     token-mean                 critic + GAE (1707.06347, 1506.02438)
 =============  ==============  ===========  =========================  ============================
 
-The ``ppo`` preset (and any config whose estimator is ``gae``) trains a critic next to the policy
-(``learner.critic``); ``kl_coef > 0`` makes the learner keep a frozen reference policy.
+The ``ppo`` preset (and any config whose estimator declares ``needs_critic``, as ``gae`` does)
+trains a critic next to the policy (``learner.critic``); ``kl_coef > 0`` makes the learner keep a
+frozen reference policy. What an estimator needs (critic, per-token rewards, groups) and which
+fields become its keyword arguments is declared by the estimator itself (``EstimatorSpec`` in
+``async_rl.algorithms.advantages``), not listed here.
+
+The checks in ``AlgorithmConfig.__post_init__`` are the one place parameter ranges are checked;
+the losses and the ``OffPolicyCorrection`` built from this config trust them.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorSpec
 from async_rl.algorithms.aggregation import LOSS_AGG_MODES
 from async_rl.algorithms.kl import K3_CLAMP, KL_KINDS
+from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, OffPolicyCorrection
 
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {"advantage_estimator": "grpo", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean"},
@@ -36,12 +44,10 @@ PRESETS: dict[str, dict[str, Any]] = {
              "clip_ratio_high": 0.28, "dynamic_sampling": True, "overlong_buffer_frac": 0.2},
     "ppo": {"advantage_estimator": "gae", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean"},
 }
-# Estimators that need critic values V(s_t): the learner builds a critic when one is chosen.
-CRITIC_ESTIMATORS = ("gae",)
-# Estimators whose inputs are per-token rewards; the others take one reward per sequence.
-TOKEN_REWARD_ESTIMATORS = ("gae", "reinforce_pp")
-BEHAVIOR_CORRECTIONS = ("none", "tis", "icepop", "seq_tis", "seq_icepop")
 KL_ESTIMATORS = KL_KINDS
+# Fields a preset may leave at None for apply_preset to fill; a resolved config has none of them None.
+PRESET_FIELDS = ("advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_high", "dynamic_sampling",
+                 "overlong_buffer_frac", "behavior_correction")
 
 
 @dataclass
@@ -61,7 +67,7 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's reward std (``dr_grpo`` never does)."""
     clip_ratio_low: float = 0.2
-    """PPO clip epsilon below 1 (> 0)."""
+    """PPO clip epsilon below 1, in (0, 1]."""
     clip_ratio_high: float | None = None
     """PPO clip epsilon above 1 (clip-higher); ``None`` = ``clip_ratio_low`` or the preset's."""
     clip_ratio_c: float | None = None
@@ -119,8 +125,9 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.name must be one of {sorted(PRESETS)}, got {self.name!r}")
         if self.loss_agg_mode is not None and self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"algorithm.loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
-        if not self.clip_ratio_low > 0 or (self.clip_ratio_high is not None and not self.clip_ratio_high > 0):
-            raise ValueError(f"algorithm.clip_ratio_low/high must be > 0, got {self.clip_ratio_low}/{self.clip_ratio_high}")
+        if not 0 < self.clip_ratio_low <= 1 or (self.clip_ratio_high is not None and not self.clip_ratio_high > 0):
+            raise ValueError(f"algorithm.clip_ratio_low must be in (0, 1] and clip_ratio_high > 0, got "
+                             f"{self.clip_ratio_low}/{self.clip_ratio_high}")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"algorithm.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
         if self.behavior_correction is not None and self.behavior_correction not in BEHAVIOR_CORRECTIONS:
@@ -148,7 +155,7 @@ class AlgorithmConfig:
         """Fill every field left at ``None`` from the preset ``name``; returns ``self``.
 
         Idempotent. ``load_config`` calls it; code that builds an ``AlgorithmConfig`` directly
-        calls it before use.
+        calls it before use (the learner does not: it requires a resolved config).
         """
         preset = PRESETS[self.name]
         for key in ("advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_high",
@@ -167,10 +174,37 @@ class AlgorithmConfig:
             self.behavior_correction = "none"
         return self
 
+    def require_resolved(self) -> "AlgorithmConfig":
+        """Return ``self`` if ``apply_preset`` has run (no preset field is None).
+
+        Raises:
+            ValueError: a preset field is still None; the message names them.
+        """
+        missing = [key for key in PRESET_FIELDS if getattr(self, key) is None]
+        if missing:
+            raise ValueError(f"AlgorithmConfig {self.name!r} is not resolved ({', '.join(missing)} still None): "
+                             "call apply_preset() first (load_config does)")
+        return self
+
+    @property
+    def estimator(self) -> EstimatorSpec:
+        """The advantage estimator (``EstimatorSpec``: function plus its needs) of this config.
+
+        Raises:
+            ValueError: the estimator spec cannot be resolved (see ``async_rl.registry``), or the
+                preset has not been applied.
+        """
+        return ADVANTAGE_ESTIMATORS.get(self.require_resolved().advantage_estimator)
+
     @property
     def needs_critic(self) -> bool:
         """Whether the advantage estimator needs critic values (the learner then trains a critic)."""
-        return self.advantage_estimator in CRITIC_ESTIMATORS
+        return self.estimator.needs_critic
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether the advantage estimator compares samples of one prompt (needs >= 2 per prompt)."""
+        return self.estimator.needs_groups
 
     @property
     def needs_reference(self) -> bool:
@@ -190,11 +224,12 @@ class AlgorithmConfig:
         return {**params, **self.loss_kwargs}
 
     def advantage_params(self) -> dict[str, Any]:
-        """Keyword arguments for the chosen advantage estimator."""
-        if self.advantage_estimator == "grpo":
-            return {"norm_by_std": self.norm_adv_by_std}
-        if self.advantage_estimator == "gae":
-            return {"gamma": self.gamma, "lam": self.lam, "whiten": self.whiten_advantages}
-        if self.advantage_estimator == "reinforce_pp":
-            return {"gamma": self.gamma}
-        return {}
+        """Keyword arguments for the chosen advantage estimator, as its ``EstimatorSpec.params``
+        declares (``{}`` for a plain user function)."""
+        return self.estimator.params(self)
+
+    def off_policy_correction(self) -> OffPolicyCorrection:
+        """The behaviour-weight settings every policy loss takes (preset applied first)."""
+        self.require_resolved()
+        return OffPolicyCorrection(self.behavior_correction, tis_cap=self.tis_cap, icepop_low=self.icepop_low,
+                                   icepop_high=self.icepop_high, bypass_proximal=self.bypass_proximal)

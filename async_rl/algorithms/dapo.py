@@ -211,35 +211,47 @@ def _default_rewards_of(group: Any) -> Sequence[float]:
 
 
 def fill_groups_with_spread(generate_round: Callable[[int], Iterable[Any]], *, target_groups: int,
-                            max_rounds: int, min_spread: float = 0.0,
+                            max_rounds: int | None = None, max_groups: int | None = None, min_spread: float = 0.0,
                             rewards_of: Callable[[Any], Sequence[float]] = _default_rewards_of,
                             ) -> DynamicSamplingResult:
     """Dynamic sampling: generate rounds of groups until `target_groups` of them have spread.
+
+    DAPO (arXiv 2503.14476, Sec. 3.2) bounds the search by generation rounds; a caller whose
+    rounds take exactly the missing groups (async mode, from the replay buffer) bounds it by
+    groups examined instead.
 
     Args:
         generate_round: called with the number of groups still missing; returns an iterable of
             groups, by default `(group_id, rewards)` tuples (any object works with `rewards_of`).
         target_groups: accepted groups needed, >= 1.
         max_rounds: upper bound on calls to `generate_round`, >= 1.
+        max_groups: instead of `max_rounds`: no further round once this many groups (accepted
+            and rejected) were examined, >= 1.
         min_spread: a group is accepted when `max(rewards) - min(rewards) > min_spread`.
         rewards_of: extracts the list of float rewards from a group.
 
     Returns:
-        `DynamicSamplingResult` with exactly `target_groups` groups.
+        `DynamicSamplingResult`: `target_groups` groups, and accepted groups beyond them as surplus.
 
     Raises:
-        ValueError: `target_groups` or `max_rounds` < 1; a non-finite reward; or fewer than
-            `target_groups` accepted groups after `max_rounds` rounds (the message gives the
-            counts; the loop never runs longer).
+        ValueError: `target_groups` < 1, not exactly one of `max_rounds` / `max_groups` given or
+            one < 1; a non-finite reward; or fewer than `target_groups` accepted groups when the
+            budget is spent (the message gives the counts; the loop never runs longer).
 
     Example: a generator that only ever yields `("g", [5.0])` (one sample, no spread) is called
     `max_rounds` times, then ValueError.
     """
-    if target_groups < 1 or max_rounds < 1:
-        raise ValueError(f"target_groups and max_rounds must be >= 1, got {target_groups} and {max_rounds}")
+    if (max_rounds is None) == (max_groups is None):
+        raise ValueError("fill_groups_with_spread: give exactly one of max_rounds and max_groups")
+    budget = max_rounds if max_rounds is not None else max_groups
+    if target_groups < 1 or budget < 1:
+        raise ValueError(f"target_groups and max_rounds/max_groups must be >= 1, got {target_groups} and {budget}")
     accepted: list[Any] = []
     rejected = 0
-    for round_index in range(1, max_rounds + 1):
+    round_index = 0
+    while (max_rounds is None or round_index < max_rounds) and \
+            (max_groups is None or len(accepted) + rejected < max_groups):
+        round_index += 1
         for group in generate_round(target_groups - len(accepted)):
             if rewards_have_spread(rewards_of(group), min_spread):
                 accepted.append(group)
@@ -250,6 +262,6 @@ def fill_groups_with_spread(generate_round: Callable[[int], Iterable[Any]], *, t
                                          num_rounds=round_index, num_rejected=rejected)
     raise ValueError(
         f"dynamic sampling found only {len(accepted)} of {target_groups} groups with reward spread "
-        f"after {max_rounds} rounds ({rejected} groups rejected with identical rewards); the prompts "
+        f"after {round_index} rounds ({rejected} groups rejected with identical rewards); the prompts "
         f"are too easy or too hard for the policy, or the reward is constant: allow more rounds, "
         f"lower the target, or check the reward function")

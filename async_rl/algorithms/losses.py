@@ -9,17 +9,24 @@ Three log-probs of the same sampled tokens enter every loss (house naming, see S
 Decoupled PPO (Hilton et al. 2021, arXiv 2110.00641; AReaL, Fu et al. 2025, arXiv 2505.24298)
 splits the importance ratio in two: the trust region is enforced on `pi_theta / pi_prox` (clipped),
 and the off-policyness `pi_prox / mu` is a detached weight that is truncated (TIS) or masked
-(IcePop), per token or per sequence. `bypass=True` sets `pi_prox := mu` (no recompute; the clip
-then also absorbs the off-policyness). The same weight corrects training-inference mismatch
+(IcePop), per token or per sequence. `OffPolicyCorrection.bypass_proximal` sets `pi_prox := mu`
+(no recompute; the clip then also absorbs the off-policyness). The same weight corrects training-inference mismatch
 (different kernels / precision in engine and learner) even at staleness 0.
 
     per-token loss = w_behavior * l(ratio, A)       then aggregate_loss(..., agg_mode, N_tok, N_seq)
 
-Every loss has the same call:
+Every loss has the same call, one inputs object, one off-policy-correction config, and its own
+keyword parameters (for a user loss named by import path too):
 
-    loss, metrics = POLICY_LOSSES.get(name)(
-        logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask,
-        agg_mode="token-mean", num_global_tokens=N_tok, num_global_seqs=N_seq, **loss_params)
+    inputs = PolicyLossInputs(logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask,
+                              agg_mode="token-mean", num_global_tokens=N_tok, num_global_seqs=N_seq)
+    correction = OffPolicyCorrection("tis", tis_cap=2.0)        # or algo.off_policy_correction()
+    loss, metrics = POLICY_LOSSES.get(name)(inputs, correction, **loss_params)
+    # loss: 0-dim float32 with grad; metrics: dict of detached 0-dim tensors
+
+Range checks of the parameters live in `AlgorithmConfig` (the user-facing check); a loss called
+directly checks only what cannot be a config mistake (shapes, a missing proximal pass), the
+correction's name and the dual-clip bound.
 
 All per-token tensors are `[B, T]` float32. Masked slots may hold anything (NaN, inf): they are
 selected out before any arithmetic, so they add 0 to the loss and 0 to every gradient, while a
@@ -42,19 +49,85 @@ from torch import Tensor
 from async_rl.algorithms.aggregation import aggregate_loss
 from async_rl.algorithms.kl import LOG_RATIO_CLAMP
 from async_rl.algorithms.logprobs import masked_max, masked_mean, masked_sum
-from async_rl.algorithms.registry import Registry
+from async_rl.registry import Registry
 
-__all__ = ["BEHAVIOR_CORRECTIONS", "POLICY_LOSSES", "policy_loss"]
+__all__ = ["BEHAVIOR_CORRECTIONS", "OffPolicyCorrection", "POLICY_LOSSES", "PolicyLossInputs", "policy_loss"]
 
-POLICY_LOSSES = Registry("policy loss")
+POLICY_LOSSES: Registry = Registry(
+    "policy loss",
+    help="A policy loss is fn(inputs: PolicyLossInputs, correction: OffPolicyCorrection, **params) "
+         "-> (loss, metrics).")
 
 BEHAVIOR_CORRECTIONS: tuple[str, ...] = ("none", "tis", "icepop", "seq_tis", "seq_icepop")
 
 
-def policy_loss(name: str, logprobs: Tensor, proximal_logprobs: Tensor | None,
-                behavior_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
-                **kwargs) -> tuple[Tensor, dict[str, Tensor]]:
-    """Look up policy loss `name` in `POLICY_LOSSES` (or by import path) and call it.
+@dataclass
+class PolicyLossInputs:
+    """What every policy loss reads for one micro-batch (B sequences, T padded label positions).
+
+    Attributes:
+        logprobs: `[B, T]` float32 log pi_theta of the sampled tokens, with grad.
+        proximal_logprobs: `[B, T]` float32 log pi_prox (the learner before this optimizer step,
+            detached); may be None iff the correction has `bypass_proximal`.
+        behavior_logprobs: `[B, T]` float32 log mu (the engine that sampled the tokens).
+        advantages: `[B, T]` float32.
+        loss_mask: `[B, T]` bool or 0/1; 1 on the tokens the loss covers.
+        agg_mode: one of `LOSS_AGG_MODES`, see `aggregate_loss`.
+        num_global_tokens: valid tokens of the whole optimizer step (all micro-batches and
+            ranks), the `token-mean` normaliser; float or 0-dim tensor.
+        num_global_seqs: sequences with a valid token in the optimizer step, the `seq-mean-*`
+            normaliser.
+        horizon: constant horizon in tokens for `seq-mean-token-sum-norm` (Dr. GRPO), else None.
+    """
+
+    logprobs: Tensor
+    proximal_logprobs: Tensor | None
+    behavior_logprobs: Tensor
+    advantages: Tensor
+    loss_mask: Tensor
+    agg_mode: str
+    num_global_tokens: float | Tensor
+    num_global_seqs: float | Tensor
+    horizon: int | None = None
+
+
+@dataclass(frozen=True)
+class OffPolicyCorrection:
+    """How the off-policyness `pi_prox / mu` weights each token (decoupled PPO, Hilton et al.
+    2021, arXiv 2110.00641; AReaL, arXiv 2505.24298). Built once per run from the config
+    (`AlgorithmConfig.off_policy_correction()`), whose checks are the user-facing range checks.
+
+    Attributes:
+        behavior_correction: "none" (w = 1) | "tis" (w = min(pi_prox / mu, tis_cap), truncated
+            importance sampling, Ionides 2008; Yao et al. 2025 "Your efficient RL framework
+            secretly brings you off-policy RL training") | "icepop" (w = pi_prox / mu inside
+            `[icepop_low, icepop_high]`, 0 outside; IcePop, Ling team 2025) | "seq_tis" /
+            "seq_icepop" (the same on the sequence's product of token ratios).
+        tis_cap: truncation cap C of the TIS weight (> 0).
+        icepop_low, icepop_high: IcePop band, 0 < low < high.
+        bypass_proximal: use `behavior_logprobs` as `proximal_logprobs` (no recompute pass; the
+            clip then also absorbs the off-policyness).
+
+    Raises:
+        ValueError: (at construction) an unknown `behavior_correction`.
+    """
+
+    behavior_correction: str = "none"
+    tis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 2.0
+    bypass_proximal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.behavior_correction not in BEHAVIOR_CORRECTIONS:
+            raise ValueError(f"unknown behavior_correction {self.behavior_correction!r}; valid: "
+                             f"{', '.join(BEHAVIOR_CORRECTIONS)}")
+
+
+def policy_loss(name: str, inputs: PolicyLossInputs, correction: OffPolicyCorrection | None = None,
+                **params) -> tuple[Tensor, dict[str, Tensor]]:
+    """Resolve policy loss `name` (a registered name or a spec, see `async_rl.registry`) and call
+    it as `fn(inputs, correction, **params)`; `correction` None = no correction.
 
     Returns:
         `(loss, metrics)`: 0-dim loss with grad, dict of detached 0-dim metric tensors.
@@ -63,7 +136,7 @@ def policy_loss(name: str, logprobs: Tensor, proximal_logprobs: Tensor | None,
         ValueError: unknown name, or the loss's own errors.
     """
     fn = POLICY_LOSSES.get(name)
-    return fn(logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask, **kwargs)
+    return fn(inputs, correction if correction is not None else OffPolicyCorrection(), **params)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,54 +151,51 @@ def _k3(log_r: Tensor) -> Tensor:
 @dataclass
 class _Prepared:
     mask: Tensor  # [B, T] bool
+    proximal: Tensor  # [B, T] float32 log pi_prox (behavior log-probs when bypassing)
     log_ratio: Tensor  # [B, T] log(pi_theta / pi_prox), clamped, 0 outside mask, with grad
     advantages: Tensor  # [B, T] float32, 0 outside mask
     behavior_weight: Tensor  # [B, T] detached w = f(pi_prox / mu)
     metrics: dict[str, Tensor]
 
 
-def _prepare(logprobs: Tensor, proximal_logprobs: Tensor | None, behavior_logprobs: Tensor,
-             advantages: Tensor, loss_mask: Tensor, *, behavior_correction: str, tis_cap: float,
-             icepop_low: float, icepop_high: float, bypass: bool) -> _Prepared:
-    if behavior_correction not in BEHAVIOR_CORRECTIONS:
-        raise ValueError(f"unknown behavior_correction {behavior_correction!r}; valid: "
-                         f"{', '.join(BEHAVIOR_CORRECTIONS)}")
-    if not tis_cap > 0:
-        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-    if not 0 <= icepop_low < icepop_high:
-        raise ValueError(f"need 0 <= icepop_low < icepop_high, got [{icepop_low}, {icepop_high}]")
-    if proximal_logprobs is None and not bypass:
+def _behavior_weight(log_w: Tensor, mask: Tensor, c: OffPolicyCorrection) -> tuple[Tensor, Tensor]:
+    """`(w, truncated)` `[B, T]` from the detached token log-ratios `log(pi_prox / mu)`."""
+    zero = torch.zeros((), dtype=torch.float32, device=log_w.device)
+    if c.behavior_correction.startswith("seq_"):
+        # Sequence-level weight: product of the token ratios, the importance weight of the whole
+        # response; truncating or masking it treats the response as one sample.
+        log_w = torch.where(mask, masked_sum(log_w, mask, dim=-1).unsqueeze(-1), zero)
+    raw_w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if c.behavior_correction in ("tis", "seq_tis"):
+        return raw_w.clamp(max=c.tis_cap), raw_w > c.tis_cap
+    if c.behavior_correction in ("icepop", "seq_icepop"):
+        keep = (raw_w >= c.icepop_low) & (raw_w <= c.icepop_high)
+        return torch.where(keep, raw_w, zero), ~keep
+    return torch.ones_like(raw_w), torch.zeros_like(mask)
+
+
+def _prepare(inputs: PolicyLossInputs, correction: OffPolicyCorrection) -> _Prepared:
+    bypass = correction.bypass_proximal
+    if inputs.proximal_logprobs is None and not bypass:
         raise ValueError("proximal_logprobs is None: recompute them with the learner's pre-update "
-                         "weights, or pass bypass=True to use behavior_logprobs instead")
-    proximal = behavior_logprobs if bypass else proximal_logprobs
+                         "weights, or set bypass_proximal=True to use behavior_logprobs instead")
+    logprobs, behavior = inputs.logprobs, inputs.behavior_logprobs
+    proximal = behavior if bypass else inputs.proximal_logprobs
     shapes = {n: tuple(t.shape) for n, t in [("logprobs", logprobs), ("proximal_logprobs", proximal),
-                                               ("behavior_logprobs", behavior_logprobs),
-                                               ("advantages", advantages), ("loss_mask", loss_mask)]}
+                                               ("behavior_logprobs", behavior),
+                                               ("advantages", inputs.advantages), ("loss_mask", inputs.loss_mask)]}
     if len(set(shapes.values())) != 1 or logprobs.dim() != 2:
         raise ValueError(f"policy loss inputs must all be [B, T], got {shapes}")
 
-    mask = loss_mask.bool()
+    mask = inputs.loss_mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-    logprobs, proximal, behavior = logprobs.float(), proximal.float(), behavior_logprobs.float()
+    logprobs, proximal, behavior = logprobs.float(), proximal.float(), behavior.float()
 
     # Select before subtracting: where() sends zero gradient to unselected slots, and the
     # subtraction's backward passes that zero on unchanged, so NaN there never reaches logprobs.
     log_ratio = torch.where(mask, logprobs - proximal, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    adv = torch.where(mask, advantages.float(), zero)
-
-    behavior_log_w = torch.where(mask, proximal - behavior, zero).detach()
-    if behavior_correction.startswith("seq_"):
-        # Sequence-level weight: product of the token ratios, the importance weight of the whole
-        # response; truncating or masking it treats the response as one sample.
-        behavior_log_w = torch.where(mask, masked_sum(behavior_log_w, mask, dim=-1).unsqueeze(-1), zero)
-    raw_w = torch.exp(behavior_log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    if behavior_correction in ("tis", "seq_tis"):
-        weight, truncated = raw_w.clamp(max=tis_cap), raw_w > tis_cap
-    elif behavior_correction in ("icepop", "seq_icepop"):
-        keep = (raw_w >= icepop_low) & (raw_w <= icepop_high)
-        weight, truncated = torch.where(keep, raw_w, zero), ~keep
-    else:
-        weight, truncated = torch.ones_like(raw_w), torch.zeros_like(mask)
+    adv = torch.where(mask, inputs.advantages.float(), zero)
+    weight, truncated = _behavior_weight(torch.where(mask, proximal - behavior, zero).detach(), mask, correction)
 
     # Mismatch between learner and engine on the same tokens. In bypass mode there is no separate
     # proximal pass, so the current (detached) log-probs stand in for the learner's view.
@@ -142,26 +212,20 @@ def _prepare(logprobs: Tensor, proximal_logprobs: Tensor | None, behavior_logpro
         # x ~ mu and r = pi_learner / mu, so k3 estimates KL(mu || pi_learner).
         "mismatch_kl": masked_mean(_k3(mismatch_log_r), mask),
     }
-    return _Prepared(mask=mask, log_ratio=log_ratio, advantages=adv, behavior_weight=weight, metrics=metrics)
+    return _Prepared(mask=mask, proximal=proximal, log_ratio=log_ratio, advantages=adv, behavior_weight=weight,
+                     metrics=metrics)
 
 
-def _finish(per_token: Tensor, prep: _Prepared, clipped_high: Tensor, clipped_low: Tensor, *,
-            agg_mode: str, num_global_tokens: float | Tensor, num_global_seqs: float | Tensor,
-            horizon: int | None) -> tuple[Tensor, dict[str, Tensor]]:
-    loss = aggregate_loss(prep.behavior_weight * per_token, prep.mask, agg_mode,
-                          num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs,
-                          horizon=horizon)
+def _finish(per_token: Tensor, prep: _Prepared, clipped_high: Tensor, clipped_low: Tensor,
+            inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    loss = aggregate_loss(prep.behavior_weight * per_token, prep.mask, inputs.agg_mode,
+                          num_global_tokens=inputs.num_global_tokens, num_global_seqs=inputs.num_global_seqs,
+                          horizon=inputs.horizon)
     metrics = dict(prep.metrics)
     metrics["clip_frac"] = masked_mean((clipped_high | clipped_low).float(), prep.mask)
     metrics["clip_frac_high"] = masked_mean(clipped_high.float(), prep.mask)
     metrics["clip_frac_low"] = masked_mean(clipped_low.float(), prep.mask)
     return loss, {k: v.detach() for k, v in metrics.items()}
-
-
-def _check_clip(clip_ratio_low: float, clip_ratio_high: float) -> None:
-    if not 0 <= clip_ratio_low <= 1 or clip_ratio_high < 0:
-        raise ValueError(f"need 0 <= clip_ratio_low <= 1 and clip_ratio_high >= 0, got "
-                         f"low={clip_ratio_low}, high={clip_ratio_high}")
 
 
 def _clipped_surrogate(ratio: Tensor, adv: Tensor, clip_ratio_low: float,
@@ -177,17 +241,16 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, clip_ratio_low: float,
     return per_token, high, low
 
 
+_NO_CORRECTION = OffPolicyCorrection()
+
+
 # ----------------------------------------------------------------------------------------------
 # losses
 
 
 @POLICY_LOSSES.register("ppo_clip")
-def ppo_clip_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behavior_logprobs: Tensor,
-                  advantages: Tensor, loss_mask: Tensor, *, agg_mode: str,
-                  num_global_tokens: float | Tensor, num_global_seqs: float | Tensor,
-                  horizon: int | None = None, behavior_correction: str = "none",
-                  tis_cap: float = 2.0, icepop_low: float = 0.5, icepop_high: float = 2.0,
-                  bypass: bool = False, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION, *,
+                  clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                   clip_ratio_c: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate loss with decoupled ratio, clip-higher and optional dual clip.
 
@@ -202,17 +265,10 @@ def ppo_clip_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behavior_l
     decoupled ratio from Hilton et al. 2021 / AReaL (arXiv 2505.24298).
 
     Args:
-        logprobs: `[B, T]` float32 current log-probs (with grad).
-        proximal_logprobs: `[B, T]` float32 pre-update learner log-probs; may be None iff bypass.
-        behavior_logprobs: `[B, T]` float32 engine log-probs.
-        advantages: `[B, T]` float32.
-        loss_mask: `[B, T]` bool/0-1.
-        agg_mode, num_global_tokens, num_global_seqs, horizon: see `aggregate_loss`.
-        behavior_correction: "none" | "tis" | "icepop" | "seq_tis" | "seq_icepop".
-        tis_cap: truncation cap C of the TIS weight `min(pi_prox / mu, C)`, > 0.
-        icepop_low, icepop_high: IcePop keeps `pi_prox / mu` inside `[low, high]`, zeroes it outside.
-        bypass: use `behavior_logprobs` as `proximal_logprobs`.
-        clip_ratio_low, clip_ratio_high: eps_low in [0, 1], eps_high >= 0.
+        inputs: the `[B, T]` tensors and the aggregation (see `PolicyLossInputs`).
+        correction: the behaviour weight (see `OffPolicyCorrection`); default none.
+        clip_ratio_low, clip_ratio_high: eps_low in (0, 1], eps_high > 0 (checked by
+            `AlgorithmConfig`).
         clip_ratio_c: dual-clip bound c > 1, or None for no dual clip.
 
     Returns:
@@ -221,36 +277,27 @@ def ppo_clip_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behavior_l
         A < 0 or, with dual clip, r > c with A < 0.
 
     Raises:
-        ValueError: shape mismatch, bad clip / correction parameters, unknown agg_mode, or
-            proximal_logprobs None without bypass.
+        ValueError: shape mismatch, `clip_ratio_c <= 1`, unknown agg_mode, or proximal_logprobs
+            None without bypass.
 
     Example (eps 0.2): tokens (r, A) = (1.5, +1), (1.5, -1), (0.5, -1) -> clip_frac 2/3,
     clip_frac_high 1/3, clip_frac_low 1/3.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
-    prep = _prepare(logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask,
-                    behavior_correction=behavior_correction, tis_cap=tis_cap, icepop_low=icepop_low,
-                    icepop_high=icepop_high, bypass=bypass)
+    prep = _prepare(inputs, correction)
     ratio, adv = torch.exp(prep.log_ratio), prep.advantages
     per_token, high, low = _clipped_surrogate(ratio, adv, clip_ratio_low, clip_ratio_high)
     if clip_ratio_c is not None:
         negative = adv < 0
         per_token = torch.where(negative, torch.minimum(per_token, -adv * clip_ratio_c), per_token)
         low = low | (negative & (ratio > clip_ratio_c))
-    return _finish(per_token, prep, high & prep.mask, low & prep.mask, agg_mode=agg_mode,
-                   num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs, horizon=horizon)
+    return _finish(per_token, prep, high & prep.mask, low & prep.mask, inputs)
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behavior_logprobs: Tensor,
-              advantages: Tensor, loss_mask: Tensor, *, agg_mode: str,
-              num_global_tokens: float | Tensor, num_global_seqs: float | Tensor,
-              horizon: int | None = None, behavior_correction: str = "none",
-              tis_cap: float = 2.0, icepop_low: float = 0.5, icepop_high: float = 2.0,
-              bypass: bool = False, clip_ratio_low: float = 3e-4,
-              clip_ratio_high: float = 4e-4) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION, *,
+              clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4) -> tuple[Tensor, dict[str, Tensor]]:
     """Group Sequence Policy Optimization: PPO clipping on a sequence-level ratio.
 
     `s_i = exp(mean_t log(pi_theta / pi_prox))` (geometric mean of the token ratios over the
@@ -266,35 +313,25 @@ def gspo_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behavior_logpr
     Args / Returns / Raises: as `ppo_clip_loss` (no dual clip). The clip decision is per
     sequence, so all valid tokens of a sequence are clipped together.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high)
-    prep = _prepare(logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask,
-                    behavior_correction=behavior_correction, tis_cap=tis_cap, icepop_low=icepop_low,
-                    icepop_high=icepop_high, bypass=bypass)
+    prep = _prepare(inputs, correction)
     mask = prep.mask
-    zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-    proximal = behavior_logprobs if bypass else proximal_logprobs
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     # Unclamped token log-ratios for the mean (one extreme token should move s_i by its share,
     # not by the clamp); only the mean is clamped before exp.
-    token_log_ratio = torch.where(mask, logprobs.float() - proximal.float(), zero)
+    lp = torch.where(mask, inputs.logprobs.float(), zero)
+    token_log_ratio = torch.where(mask, inputs.logprobs.float() - prep.proximal, zero)
     seq_log_ratio = masked_mean(token_log_ratio.detach(), mask, dim=-1)
     seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).unsqueeze(-1)
-    lp = torch.where(mask, logprobs.float(), zero)
     ratio = torch.exp(lp - lp.detach() + seq_log_ratio)
     per_token, high, low = _clipped_surrogate(ratio, prep.advantages, clip_ratio_low, clip_ratio_high)
     prep.metrics["ratio_mean"] = masked_mean(ratio.detach(), mask)
     prep.metrics["ratio_max"] = masked_max(ratio.detach(), mask)
-    return _finish(per_token, prep, high & mask, low & mask, agg_mode=agg_mode,
-                   num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs, horizon=horizon)
+    return _finish(per_token, prep, high & mask, low & mask, inputs)
 
 
 @POLICY_LOSSES.register("cispo")
-def cispo_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behavior_logprobs: Tensor,
-               advantages: Tensor, loss_mask: Tensor, *, agg_mode: str,
-               num_global_tokens: float | Tensor, num_global_seqs: float | Tensor,
-               horizon: int | None = None, behavior_correction: str = "none",
-               tis_cap: float = 2.0, icepop_low: float = 0.5, icepop_high: float = 2.0,
-               bypass: bool = False, clip_ratio_low: float = 1.0,
-               clip_ratio_high: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION, *,
+               clip_ratio_low: float = 1.0, clip_ratio_high: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: REINFORCE with a clipped, detached importance weight; no token is dropped.
 
         l = -w * sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta,   r = pi_theta / pi_prox
@@ -312,16 +349,12 @@ def cispo_loss(logprobs: Tensor, proximal_logprobs: Tensor | None, behavior_logp
         "high"/"low" clip fractions count tokens whose weight was truncated above / below,
         whatever the advantage sign, since the truncation scales the gradient for both signs.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high)
-    prep = _prepare(logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask,
-                    behavior_correction=behavior_correction, tis_cap=tis_cap, icepop_low=icepop_low,
-                    icepop_high=icepop_high, bypass=bypass)
+    prep = _prepare(inputs, correction)
     mask = prep.mask
     ratio = torch.exp(prep.log_ratio.detach())
     is_weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    lp = torch.where(mask, logprobs.float(), torch.zeros((), dtype=torch.float32, device=logprobs.device))
+    lp = torch.where(mask, inputs.logprobs.float(), torch.zeros((), dtype=torch.float32, device=mask.device))
     per_token = -is_weight * prep.advantages * lp
     high = mask & (ratio > 1.0 + clip_ratio_high)
     low = mask & (ratio < 1.0 - clip_ratio_low)
-    return _finish(per_token, prep, high, low, agg_mode=agg_mode, num_global_tokens=num_global_tokens,
-                   num_global_seqs=num_global_seqs, horizon=horizon)
+    return _finish(per_token, prep, high, low, inputs)

@@ -193,6 +193,8 @@ class _DropTimeoutDisabledWarning(logging.Filter):
 
 @functools.cache
 def _math_verify() -> Any:
+    # Lazy: math-verify pulls in sympy and latex2sympy (seconds of import), which the default
+    # arithmetic task never needs.
     import math_verify
 
     for name in ("math_verify.parser", "math_verify.grader"):

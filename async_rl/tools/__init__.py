@@ -8,7 +8,8 @@
 - ``ToolExecutor(registry).execute(calls) -> list[ToolResult]``: runs calls concurrently with
   per-tool timeouts; every fault becomes an ``Error: ...`` observation and a counter
   (``pop_counts()`` -> ``tools/calls``, ``tools/ok``, ``tools/error_<kind>``).
-- Built-ins: ``calculator_tool`` (safe arithmetic, no eval) and ``python_tool`` /
+- Built-ins, registered in ``BUILTIN_TOOLS`` by this module as "calculator" and "python":
+  ``calculator_tool`` (safe arithmetic, no eval) and ``python_tool`` /
   ``make_python_tool(...)`` (a subprocess with CPU, memory, wall-clock and output limits and no
   network).
 
@@ -41,6 +42,10 @@ from async_rl.tools.parsers import (
     get_parser,
 )
 from async_rl.tools.python_exec import make_python_tool, network_isolation, python_tool, run_python
+
+# The built-ins register here, above base.py, so base.py never imports the tools built on it.
+register_tool(calculator_tool, "calculator")
+register_tool(python_tool, "python")
 
 __all__ = [
     "BUILTIN_TOOLS",

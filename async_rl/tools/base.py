@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import importlib
 import inspect
 import json
-import os
 import re
 import threading
 import time
@@ -39,6 +37,8 @@ import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from async_rl.registry import Registry
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -276,25 +276,38 @@ def _schema_from_signature(fn: Callable[..., Any], doc: str) -> dict:
 # Registry
 
 
-def _builtin_calculator() -> list[Tool]:
-    from async_rl.tools.calculator import calculator_tool
+def _as_tools(kind: str, spec: str, obj: Any) -> list[Tool]:
+    """``coerce`` of ``BUILTIN_TOOLS``: a Tool, a function, a ``ToolRegistry`` or a list of Tools
+    and functions -> list of Tools."""
+    if isinstance(obj, Tool):
+        return [obj]
+    if isinstance(obj, ToolRegistry):
+        return list(obj)
+    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    tools: list[Tool] = []
+    for item in items:
+        if isinstance(item, Tool):
+            tools.append(item)
+        elif callable(item) and not isinstance(item, type):
+            try:
+                tools.append(tool(item))
+            except ValueError as e:
+                raise ValueError(f"{kind} spec {spec!r}: cannot wrap {item!r} as a tool: {e}") from e
+        else:
+            raise ValueError(
+                f"{kind} spec {spec!r} names a {type(item).__name__}, not a Tool, a function or a "
+                "list of them"
+            )
+    if not tools:
+        raise ValueError(f"{kind} spec {spec!r} names an empty list")
+    return tools
 
-    return [calculator_tool]
 
-
-def _builtin_python() -> list[Tool]:
-    from async_rl.tools.python_exec import python_tool
-
-    return [python_tool]
-
-
-# Short names accepted by ``ToolRegistry.from_specs``; loaded lazily (python_exec probes the
-# sandbox on first use, which nobody who only wants a calculator should pay for).
-BUILTIN_TOOLS: dict[str, Callable[[], list[Tool]]] = {
-    "calculator": _builtin_calculator,
-    "python": _builtin_python,
-}
-
+BUILTIN_TOOLS: Registry[list[Tool]] = Registry(
+    "tool", coerce=_as_tools,
+    help="A tool spec's attr is a Tool, a function (wrapped with tool()) or a list of them.")
+"""Tools configs may name by short name (``agent.tools: [calculator]``): the built-ins, registered
+by ``async_rl.tools`` (its ``__init__``), and whatever ``register_tool`` adds."""
 
 
 def register_tool(obj: "Tool | Callable[..., Any]", name: str | None = None) -> Tool:
@@ -320,18 +333,7 @@ def register_tool(obj: "Tool | Callable[..., Any]", name: str | None = None) -> 
     the actors import too (or name the tool by import path instead).
     """
     t = obj if isinstance(obj, Tool) else tool()(obj)
-    key = name or t.name
-    if key in BUILTIN_TOOLS:
-        raise ValueError(f"a tool named {key!r} is already registered")
-    BUILTIN_TOOLS[key] = lambda: [t]
-    return t
-
-
-_SPEC_HELP = (
-    "A tool spec is a built-in name ({builtins}), an import path 'package.module:attr' or a file "
-    "path 'path/to/file.py:attr', where attr is a Tool, a function (wrapped with tool()) or a "
-    "list of them."
-)
+    return BUILTIN_TOOLS.register(name or t.name, t)
 
 
 class ToolRegistry:
@@ -420,91 +422,21 @@ class ToolRegistry:
 def load_tools(spec: str) -> list[Tool]:
     """Load the tools one spec names.
 
-    A spec is a built-in short name (``BUILTIN_TOOLS``: "calculator", "python"), an import path
-    ``"package.module:attr"`` or a file path ``"path/to/file.py:attr"`` (a module part ending in
-    ".py" or holding a path separator is a file; it is loaded once per resolved path as module
-    ``async_rl_user_tools_<stem>_<hash>``). ``attr`` may be dotted and may name a ``Tool``, a
-    function (wrapped with ``tool()``), a ``ToolRegistry``, or a list/tuple of Tools and functions.
+    A spec is a registered short name (``BUILTIN_TOOLS``: "calculator", "python", and what
+    ``register_tool`` added), ``builtin:<name>``, an import path ``"package.module:attr"`` or a
+    file path ``"path/to/file.py:attr"``, resolved by ``async_rl.registry.Registry.get``.
+    ``attr`` may be dotted and may name a ``Tool``, a function (wrapped with ``tool()``), a
+    ``ToolRegistry``, or a list/tuple of Tools and functions.
 
     Returns:
         The tools, in order.
 
     Raises:
-        ValueError: unknown short name, malformed spec, missing module or file, an exception
-            while importing the module (chained), missing attribute, or an attribute of the
-            wrong kind; the message names the spec.
+        ValueError: unknown short name, empty or malformed spec, missing module or file, an
+            exception while importing the module (chained), missing attribute, or an attribute
+            of the wrong kind; the message names the spec.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"tool spec {spec!r} is empty or not a string. " + _spec_help())
-    spec = spec.strip()
-    if spec in BUILTIN_TOOLS:
-        return BUILTIN_TOOLS[spec]()
-    module_part, sep, attr_path = spec.rpartition(":")
-    if not sep or not module_part or not attr_path:
-        raise ValueError(f"tool spec {spec!r} is not a built-in name nor a path. " + _spec_help())
-    if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:
-        module = _load_file(spec, module_part)
-    else:
-        module = _import_module(spec, module_part)
-    obj: Any = module
-    for attr in attr_path.split("."):
-        if not hasattr(obj, attr):
-            raise ValueError(f"tool spec {spec!r}: {module_part!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, attr)
-    return _as_tools(spec, obj)
-
-
-def _spec_help() -> str:
-    return _SPEC_HELP.format(builtins=", ".join(BUILTIN_TOOLS))
-
-
-def _as_tools(spec: str, obj: Any) -> list[Tool]:
-    if isinstance(obj, Tool):
-        return [obj]
-    if isinstance(obj, ToolRegistry):
-        return list(obj)
-    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
-    tools: list[Tool] = []
-    for item in items:
-        if isinstance(item, Tool):
-            tools.append(item)
-        elif callable(item) and not isinstance(item, type):
-            try:
-                tools.append(tool(item))
-            except ValueError as e:
-                raise ValueError(f"tool spec {spec!r}: cannot wrap {item!r} as a tool: {e}") from e
-        else:
-            raise ValueError(
-                f"tool spec {spec!r} names a {type(item).__name__}, not a Tool, a function or a "
-                "list of them"
-            )
-    if not tools:
-        raise ValueError(f"tool spec {spec!r} names an empty list")
-    return tools
-
-
-def _import_module(spec: str, name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-            raise ValueError(f"tool spec {spec!r}: module {name!r} not found") from e
-        raise ValueError(f"tool spec {spec!r}: importing {name!r} failed: {e}") from e
-    except Exception as e:
-        raise ValueError(
-            f"tool spec {spec!r}: importing {name!r} failed: {type(e).__name__}: {e}"
-        ) from e
-
-
-def _load_file(spec: str, path: str) -> Any:
-    from async_rl.imports import load_file_module
-
-    try:
-        return load_file_module(path, "async_rl_user_tools", f"tool spec {spec!r}: file")
-    except ValueError:
-        raise
-    except Exception as e:
-        raise ValueError(f"tool spec {spec!r}: loading {path!r} failed: {type(e).__name__}: {e}") from e
+    return BUILTIN_TOOLS.get(spec)
 
 
 # --------------------------------------------------------------------------------------------

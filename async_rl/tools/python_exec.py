@@ -47,6 +47,7 @@ import functools
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -171,8 +172,6 @@ def network_isolation() -> str:
         root where user namespaces are disabled), or "none" (only the socket prelude; a
         determined program can reach the network).
     """
-    import socket
-
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind(("127.0.0.1", 0))

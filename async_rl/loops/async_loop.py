@@ -35,13 +35,21 @@ import dataclasses
 import logging
 import os
 import threading
-from collections import deque
 import time
+from collections import deque
 from typing import Any
 
+import ray
 import torch
+from ray.util.queue import Queue
 
-from async_rl.controller import RolloutResult, RunContext, group_seed, learn_on, push_weights
+from async_rl.buffers.replay import AdmissionController, ReplayBuffer
+from async_rl.buffers.transport import GroupClosed, make_transport
+from async_rl.loops.base import RunContext
+from async_rl.loops.common import dynamic_sampling, learn_on
+from async_rl.loops.pool import GeneratorWorker
+from async_rl.rollout import GroupRequest, RolloutResult, group_seed
+from async_rl.weight_sync import RayTarget, WeightPublisher, resolve_transport
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +83,8 @@ class AsyncLoop:
     stall_timeout_s = 600.0
 
     def __init__(self, ctx: RunContext, resume_state: dict[str, Any] | None = None) -> None:
-        import ray
-        from ray.util.queue import Queue
-
-        from async_rl.buffers.replay import AdmissionController, ReplayBuffer
-        from async_rl.buffers.transport import make_transport
-        from async_rl.generators.pool import GeneratorWorker
-
         self.ctx = ctx
+        self._closed = False
         cfg, t_cfg, g_cfg = ctx.cfg, ctx.cfg.trainer, ctx.cfg.generator
         self.n = t_cfg.samples_per_prompt
         self.groups_per_step = t_cfg.prompts_per_step
@@ -107,8 +109,6 @@ class AsyncLoop:
                                           cfg.reward.on_error, sender_factory, per_worker, cfg.learner.lora,
                                           cfg.agent)
                         for i in range(g_cfg.num_workers)]
-        from async_rl.weight_sync import RayTarget, WeightPublisher, resolve_transport
-
         self.transport = resolve_transport(cfg.weight_sync, g_cfg.backend, "async")
         self.publisher = WeightPublisher(cfg.weight_sync, self.transport, ctx.learner,
                                          [RayTarget(w) for w in self.workers])
@@ -155,8 +155,6 @@ class AsyncLoop:
         return sum(self.buffer.dropped_groups.values()) + self.num_dynamic_dropped
 
     def _dispatch_loop(self) -> None:
-        from async_rl.generators.pool import GroupRequest
-
         seed = self.ctx.cfg.trainer.seed
         while not self._stop.is_set():
             if not self.admission.can_start(self.num_dispatched, max(self.published_version, 0), self._num_discarded()):
@@ -167,18 +165,12 @@ class AsyncLoop:
                 if self._reissue:
                     request = dataclasses.replace(self._reissue.popleft(), group_id=gid, seed=group_seed(seed, gid))
                 else:
-                    prompt = self.ctx.train_ds.next_batch(1)[0]
-                    request = GroupRequest(group_id=gid, prompt_ids=prompt.prompt_ids, prompt_uid=prompt.uid,
-                                           data_source=prompt.data_source, ground_truth=prompt.ground_truth,
-                                           extra_info=prompt.extra_info, n=self.n, seed=group_seed(seed, gid),
-                                           messages=prompt.messages)
+                    request = GroupRequest.of(self.ctx.train_ds.next_batch(1)[0], gid, self.n, group_seed(seed, gid))
                 self._outstanding[gid] = request
                 self.requests.put(request)
                 self.num_dispatched += 1
 
     def _route(self, msg) -> None:
-        from async_rl.buffers.transport import GroupClosed
-
         if isinstance(msg, GroupClosed):
             self.buffer.close_group(msg.group_id, msg.num_kept)
         else:
@@ -191,8 +183,6 @@ class AsyncLoop:
 
     # ------------------------------------------------------------------ learner side
     def _check_health(self) -> None:
-        import ray
-
         if self._errors:
             raise RuntimeError(f"async pipeline thread failed: {self._errors[0]!r}") from self._errors[0]
         done, _ = ray.wait(self.run_refs, timeout=0)
@@ -209,39 +199,25 @@ class AsyncLoop:
         return metrics
 
     def _take_groups(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:
-        """B groups for this step (dynamic sampling drops those without reward spread)."""
-        from async_rl.algorithms.dapo import rewards_have_spread
-
-        algo = self.ctx.cfg.algorithm
-        kept: list[list[Any]] = []
-        dropped = 0
-        budget = self.groups_per_step * algo.max_generation_rounds
+        """B complete groups for this step; with dynamic sampling each round takes the missing
+        number from the buffer and drops those without reward spread (``loops.common``)."""
         t0 = time.perf_counter()
-        while len(kept) < self.groups_per_step:
-            self._check_health()
-            groups = self.buffer.get_groups(self.groups_per_step - len(kept), self.ctx.learner.version, timeout_s=0.5)
-            if groups is None:
+
+        def take_round(missing: int) -> list[list[Any]]:
+            while True:
+                self._check_health()
+                groups = self.buffer.get_groups(missing, self.ctx.learner.version, timeout_s=0.5)
+                if groups is not None:
+                    return groups
                 if time.perf_counter() - t0 > self.stall_timeout_s:
                     raise RuntimeError(f"step {step}: no complete group arrived for {self.stall_timeout_s:.0f} s")
-                continue
-            for g in groups:
-                if algo.dynamic_sampling and not rewards_have_spread([t.reward for t in g]):
-                    dropped += 1
-                    self.num_dynamic_dropped += 1
-                else:
-                    kept.append(g)
-            if dropped + len(kept) > budget and len(kept) < self.groups_per_step:
-                raise ValueError(f"step {step}: dynamic sampling found only {len(kept)} of {self.groups_per_step} "
-                                 f"groups with reward spread among {dropped + len(kept)} groups "
-                                 f"(algorithm.max_generation_rounds={algo.max_generation_rounds})")
-        metrics = {"timing/wait_for_data_s": time.perf_counter() - t0}
-        if algo.dynamic_sampling:
-            metrics["rollout/dynamic_sampling_rejected_groups"] = float(dropped)
+
+        kept, metrics = dynamic_sampling(take_round, self.ctx.cfg.algorithm, self.groups_per_step, budget="groups")
+        self.num_dynamic_dropped += int(metrics.get("rollout/dynamic_sampling_rejected_groups", 0))
+        metrics["timing/wait_for_data_s"] = time.perf_counter() - t0
         return kept, metrics
 
     def _worker_stats(self) -> dict[str, float]:
-        import ray
-
         total: dict[str, float] = {}
         for stats in ray.get([w.get_stats.remote() for w in self.workers]):
             for k, v in stats.items():
@@ -312,8 +288,8 @@ class AsyncLoop:
                            len(self._reissue))
 
     def sync_eval_engine(self) -> None:
-        """Copy the learner's weights into the colocated engine used for evaluation."""
-        push_weights(self.ctx.learner, self.ctx.generator)
+        """Push the learner's weights into the colocated engine used for evaluation."""
+        self.ctx.publisher.push(self.ctx.learner.version)
 
     def ledger(self) -> dict[str, int]:
         """Where every dispatched group went; ``accounted == dispatched`` once the pool is stopped."""
@@ -338,9 +314,7 @@ class AsyncLoop:
 
     def close(self) -> dict[str, Any]:
         """Stop the dispatcher, the workers and the receiver; returns ``pipeline/*`` summary entries."""
-        import ray
-
-        if getattr(self, "_closed", False):
+        if self._closed:
             return {}
         self._closed = True
         self._stop.set()

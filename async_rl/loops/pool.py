@@ -2,7 +2,7 @@
 
 ::
 
-    controller ──GroupRequest──> ray.util.queue.Queue ──get──> GeneratorWorker k (own engine)
+    AsyncLoop ──GroupRequest──> ray.util.queue.Queue ──get──> GeneratorWorker k (own engine)
                                                                │ each sample as it finishes:
                                                                │ decode, score, Trajectory
                                                                v
@@ -26,53 +26,32 @@ every worker's call is the barrier after which the new policy version is the onl
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from queue import Empty
+
+import torch
+from transformers import AutoTokenizer
+
+from async_rl.agent import AgentLoop
+from async_rl.buffers.transport import GroupClosed
+from async_rl.generators import make_generator
+from async_rl.rewards import RewardScorer
+from async_rl.rollout import GroupRequest, SampleCounts, reward_function, sample_groups
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class GroupRequest:
-    """One prompt to sample ``n`` responses for, as group ``group_id``.
-
-    Attributes:
-        group_id: the group's id (unique per run); trajectory ids are ``"<group_id>/<j>"``.
-        prompt_ids: rendered prompt token ids.
-        prompt_uid: the dataset identity of the prompt.
-        data_source, ground_truth, extra_info: what the reward function needs.
-        n: samples in the group (>= 1).
-        seed: sampling seed of the group (``controller.group_seed``).
-        messages: the prompt's chat messages (multi-turn tool use continues the conversation).
-    """
-
-    group_id: int
-    prompt_ids: list[int]
-    prompt_uid: str
-    data_source: str
-    ground_truth: str | None
-    extra_info: dict[str, Any]
-    n: int
-    seed: int
-    messages: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class WorkerStats:
-    """Counters of one worker since it started (seconds, tokens, groups)."""
+class WorkerStats(SampleCounts):
+    """Counters of one worker since it started: the rollout counts (``SampleCounts``), seconds
+    busy sampling and idle waiting for requests, weight updates and their load time (seconds)."""
 
     busy_s: float = 0.0
     idle_s: float = 0.0
-    generated_tokens: int = 0
-    groups: int = 0
-    samples: int = 0
-    rejected_samples: int = 0
     weight_updates: int = 0
     weight_update_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class GeneratorWorker:
@@ -95,12 +74,6 @@ class GeneratorWorker:
 
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
                  reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None) -> None:
-        import torch
-        from transformers import AutoTokenizer
-
-        from async_rl.rewards import RewardScorer, get_reward_fn
-        from async_rl.generators import make_generator
-
         torch.set_num_threads(max(1, num_threads))
         self.worker_id = worker_id
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -109,14 +82,8 @@ class GeneratorWorker:
         self.params = params
         self.agent = None
         if agent_cfg is not None and agent_cfg.enabled:
-            from async_rl.agent import AgentLoop
-
             self.agent = AgentLoop(agent_cfg, self.tokenizer, params.stop_token_ids)
-        if reward_fn:
-            fn = get_reward_fn(reward_fn)
-        else:
-            from async_rl.controller import _dispatch_by_source as fn
-        self.scorer = RewardScorer(fn, on_error=on_error)
+        self.scorer = RewardScorer(reward_function(reward_fn), on_error=on_error)
         self.sender = sender()
         self.stats = WorkerStats()
         self._stop = threading.Event()
@@ -139,8 +106,7 @@ class GeneratorWorker:
 
     def close(self) -> None:
         """Shut the engine down (vLLM: its processes)."""
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()
 
     def stop(self) -> None:
         """Ask ``run`` to return after its current batch."""
@@ -149,16 +115,12 @@ class GeneratorWorker:
     def get_stats(self) -> dict[str, float]:
         """Counters so far, plus the reward scorer's (``reward/scored``, ``reward/errors``,
         ``reward/no_reward``, ``reward/rejected``; totals since the actor started)."""
-        out = {k: float(v) for k, v in vars(self.stats).items() if k != "extra"}
+        out = {k: float(v) for k, v in vars(self.stats).items()}
         out.update(self.scorer.counts())
         out["in_flight_updates"] = float(self.engine.num_weight_updates_in_flight)
         if self.agent is not None:
             out.update(self.agent.counts())
         return out
-
-    def pid(self) -> int:
-        """The actor's process id (tests kill it to check re-issue)."""
-        return os.getpid()
 
     # ------------------------------------------------------------------ the loop (first thread)
     def run(self, requests) -> dict[str, float]:
@@ -167,8 +129,6 @@ class GeneratorWorker:
         Returns:
             ``get_stats()`` at exit.
         """
-        from queue import Empty
-
         while not self._stop.is_set():
             t0 = time.perf_counter()
             try:
@@ -191,34 +151,9 @@ class GeneratorWorker:
         return self.get_stats()
 
     def _serve(self, batch: list[GroupRequest]) -> None:
-        from async_rl.controller import scored_trajectory
-        from async_rl.buffers.transport import GroupClosed
-
-        n = batch[0].n
-        if any(r.n != n for r in batch):
-            raise ValueError("a pool batch mixes group sizes")
-        kept = [0] * len(batch)
-        finished = [0] * len(batch)
-
-        def on_sample(i: int, j: int, s) -> None:
-            req = batch[i]
-            self.stats.samples += 1
-            self.stats.generated_tokens += sum(s.loss_mask) if hasattr(s, "final_text") else len(s.response_ids)
-            traj = scored_trajectory(s, self.tokenizer, self.scorer, req.group_id, j, req.prompt_uid, req.prompt_ids,
-                                     req.data_source, req.ground_truth, req.extra_info)
-            if traj is None:
-                self.stats.rejected_samples += 1
-            else:
-                kept[i] += 1
-                self.sender.send(traj)
-            finished[i] += 1
-            if finished[i] == n:
-                self.stats.groups += 1
-                self.sender.send(GroupClosed(group_id=req.group_id, num_kept=kept[i]))
-
-        if self.agent is not None:
-            self.agent.run(self.engine, [(r.prompt_ids, r.messages) for r in batch], n, self.params,
-                           [r.seed for r in batch], on_sample=on_sample)
-            return
-        self.engine.generate([r.prompt_ids for r in batch], n, self.params, seeds=[r.seed for r in batch],
-                             on_sample=on_sample)
+        # The one rollout road of both modes (async_rl.rollout): here each kept trajectory is
+        # streamed the moment its sample is scored, and each group closed once all n are.
+        sample_groups(self.engine, batch, self.params, self.tokenizer, self.scorer, self.agent,
+                      on_trajectory=self.sender.send,
+                      on_group_closed=lambda r, kept: self.sender.send(GroupClosed(r.group_id, kept)),
+                      counts=self.stats)

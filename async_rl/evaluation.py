@@ -1,0 +1,99 @@
+"""Held-out evaluation and the supervised warm start: the two passes of a run outside its RL steps."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from typing import Any, Callable
+
+from async_rl.agent import demonstration_ids
+from async_rl.buffers.trajectory import Trajectory, collate
+from async_rl.rollout import rollout
+
+EVAL_FIRST_GROUP_ID = -(10**9)
+"""Evaluation groups are numbered from here, far from any training group id."""
+
+
+def accuracy_of(trajectories: list[Trajectory]) -> float:
+    """Fraction correct: the reward's ``acc`` field where present, else ``reward >= 1``; NaN for none."""
+    if not trajectories:
+        return float("nan")
+    hits = [t.reward_extras.get("acc", float(t.reward >= 1.0)) for t in trajectories]
+    return sum(hits) / len(hits)
+
+
+def evaluate(generator, dataset, params, scorer, tokenizer, agent=None) -> dict[str, float]:
+    """Held-out accuracy and mean reward of one response per prompt (greedy or sampled).
+
+    With an agent, one multi-turn conversation per prompt, whose tool use is reported as
+    ``eval/tool_calls_mean``, ``eval/turns_mean``, ``eval/tool_errors_mean`` (per conversation)
+    and kept out of the training steps' ``tools/*`` counters.
+
+    Returns:
+        ``eval/accuracy``, ``eval/reward_mean``, ``eval/response_length_mean`` (tokens),
+        ``eval/num_prompts``.
+    """
+    with (agent.counted_apart() if agent is not None else contextlib.nullcontext()):
+        result = rollout(generator, list(dataset), 1, params, scorer, tokenizer, EVAL_FIRST_GROUP_ID, agent=agent)
+    trajs = result.trajectories
+    n = max(1, len(trajs))
+    out = {
+        "eval/accuracy": accuracy_of(trajs),
+        "eval/reward_mean": sum(t.reward for t in trajs) / n,
+        "eval/response_length_mean": sum(len(t.response_ids) for t in trajs) / n,
+        "eval/num_prompts": float(len(trajs)),
+    }
+    if agent is not None:
+        for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors"):
+            out[f"eval/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / n
+    return out
+
+
+def _reference(prompt, dotted: str) -> Any:
+    key = dotted.split(".", 1)[1]
+    if key not in prompt.extra_info or prompt.extra_info[key] is None:
+        raise ValueError(f"warm start: row {prompt.uid} has no '{dotted}' (set trainer.warm_start.response_field)")
+    return prompt.extra_info[key]
+
+
+def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Callable[[str], None],
+               agent=None) -> None:
+    """Supervised warm start: ``cfg.steps`` NLL steps on ``prompt -> reference response + EOS``.
+
+    With an agent (multi-turn tool use) the field holds a demonstration instead: the messages
+    after the prompt (assistant tool calls, tool responses, the final answer) as a list or JSON
+    text; it is tokenised turn by turn as a rollout would be (``agent.demonstration_ids``), and
+    only the assistant turns are trained. Prompts are drawn with their own seeded RNG so the RL
+    data stream is not advanced.
+
+    Args:
+        learner: the ``Learner`` (its ``sft_step``).
+        dataset: the train ``PromptDataset``.
+        cfg: ``WarmStartConfig``.
+        eos_id: appended to single-turn references.
+        seed: the run seed.
+        log: prints a progress line.
+        agent: the ``AgentLoop`` of tool-use runs, or ``None``.
+
+    Raises:
+        ValueError: a row without the field, or a demonstration the chat template cannot render.
+    """
+    rng = random.Random(seed + 17)
+    for step in range(1, cfg.steps + 1):
+        trajs = []
+        for k, p in enumerate(rng.choices(dataset.prompts, k=cfg.batch_size)):
+            value = _reference(p, cfg.response_field)
+            if agent is not None:
+                demo = json.loads(value) if isinstance(value, str) else value
+                ids, mask = demonstration_ids(tokenizer, p.messages, demo, agent.schemas, agent.stop_token_ids)
+            else:
+                ids = tokenizer(str(value), add_special_tokens=False)["input_ids"] + [eos_id]
+                mask = [1] * len(ids)
+            trajs.append(Trajectory(
+                trajectory_id=f"sft/{step}/{k}", group_id=k, prompt_uid=p.uid, prompt_ids=p.prompt_ids,
+                response_ids=ids, behavior_logprobs=[0.0] * len(ids), loss_mask=mask,
+                finish_reason="stop", policy_version=[0] * len(ids)))
+        metrics = learner.sft_step(collate(trajs, tokenizer.pad_token_id), cfg.lr)
+        if step % max(1, cfg.steps // 5) == 0 or step == cfg.steps:
+            log(f"warm start {step}/{cfg.steps}: loss {float(metrics['sft/loss']):.4f}")

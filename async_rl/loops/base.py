@@ -1,0 +1,161 @@
+"""What a training loop is: its config section (``trainer``), the parts a run shares, and the
+``Loop`` protocol both modes implement.
+
+Policy versions: the learner's version counts optimizer *training steps*, not optimizer updates:
+each ``Loop.step`` trains once (however many mini-batches and epochs that takes) and ends with
+policy version v -> v + 1, which is then published to every generator. A sample's staleness is
+the learner's version minus the version of the weights that generated it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from async_rl.checkpoint import CheckpointConfig
+
+TRAINER_MODES = ("sync", "async")
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm start on the rows' reference responses, before RL."""
+
+    steps: int = 0
+    """Optimizer steps of supervised training (>= 0); 0 skips the warm start."""
+    batch_size: int = 64
+    """Prompts per warm-start step (>= 1)."""
+    lr: float = 1e-3
+    """Constant learning rate of the warm start (> 0)."""
+    response_field: str = "extra_info.answer"
+    """Dotted path in each row holding the reference response text (``extra_info.<key>``)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError("trainer.warm_start needs steps >= 0, batch_size >= 1 and lr > 0, got "
+                             f"steps={self.steps}, batch_size={self.batch_size}, lr={self.lr}")
+        if not self.response_field.startswith("extra_info."):
+            raise ValueError(f"trainer.warm_start.response_field must look like 'extra_info.<key>', got {self.response_field!r}")
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop: mode, length, batch shape, evaluation, outputs."""
+
+    mode: str = "sync"
+    """``sync``: generate, train and update the colocated engine in turn (hybrid engine).
+    ``async``: a pool of generator actors streams trajectories while the learner trains
+    (``async_rl.loops.async_loop``); data is at most ``max_staleness`` policy versions old."""
+    total_steps: int = 100
+    """Training steps (>= 1); each consumes ``prompts_per_step`` prompts."""
+    prompts_per_step: int = 16
+    """Prompts (groups) per training step (>= 1)."""
+    samples_per_prompt: int = 8
+    """Responses sampled per prompt, the group size n (>= 1)."""
+    max_staleness: int | None = None
+    """Most policy versions (training steps) a sample may lag the learner at train time (>= 0);
+    ``None`` = 0 in sync mode, 1 in async mode. Async with 0 reproduces sync mode."""
+    max_reuse: int = 1
+    """Async: times one group may be trained on (>= 1); 1 = never reused."""
+    zmq_address: str | None = None
+    """Async: ZeroMQ address the trajectory receiver binds; ``None`` = a free loopback TCP port."""
+    zmq_hwm: int = 1024
+    """Async: ZeroMQ high-water mark in messages (back-pressure on generators); >= 1."""
+    seed: int = 0
+    """Seed of the data order, sampler and learner."""
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    run_name: str | None = None
+    """Run directory name under ``output_dir``; ``None`` = a timestamp."""
+    eval_every_steps: int = 10
+    """Evaluate on the held-out split every K steps (>= 0); 0 = only before step 1 and at the end."""
+    eval_greedy: bool = True
+    """Evaluate with greedy decoding; ``False`` = one sample per prompt at the training temperature."""
+    export_model: bool = True
+    """Write the final policy as a Hugging Face directory to ``<run_dir>/final_model``."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When to save checkpoints (``async_rl.checkpoint``)."""
+    resume: str | None = None
+    """``auto``: continue from ``<output_dir>/<run_name>``'s latest checkpoint if there is one;
+    a checkpoint or run directory: continue from it; ``None``: start fresh."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in TRAINER_MODES:
+            raise ValueError(f"trainer.mode must be one of {TRAINER_MODES}, got {self.mode!r}")
+        for key in ("total_steps", "prompts_per_step", "samples_per_prompt"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
+        # max_staleness=None is resolved by mode in config._cross_validate, not here: omegaconf
+        # instantiates this class for its schema, and a value filled in then would outlive mode=async.
+        if (self.max_staleness is not None and self.max_staleness < 0) or self.eval_every_steps < 0:
+            raise ValueError("trainer.max_staleness and trainer.eval_every_steps must be >= 0")
+        if self.max_reuse < 1 or self.zmq_hwm < 1:
+            raise ValueError(f"trainer.max_reuse and trainer.zmq_hwm must be >= 1, got {self.max_reuse} and {self.zmq_hwm}")
+        if self.mode == "sync" and self.max_staleness not in (None, 0):
+            raise ValueError(f"trainer.mode=sync trains on-policy: trainer.max_staleness must be 0, got {self.max_staleness}")
+
+
+@dataclass
+class RunContext:
+    """Everything one run's loops share (built by ``async_rl.trainer``).
+
+    Attributes:
+        cfg: the resolved ``Config``.
+        tokenizer: the policy's tokenizer.
+        model_path: Hugging Face directory of the starting weights.
+        train_ds, val_ds: the train ``PromptDataset`` and the held-out one (or ``None``).
+        scorer: the training ``RewardScorer``; eval_scorer: its own counters for evaluation.
+        params, eval_params: ``SamplingParams`` of rollouts and of evaluation.
+        learner: the ``Learner``.
+        generator: the colocated engine: sync-mode rollouts, and evaluation in both modes (async
+            mode with ``backend: vllm`` evaluates on a colocated HF engine, leaving the pool's
+            engines to rollouts).
+        publisher: the ``WeightPublisher`` into ``generator`` (every push to it goes through it).
+        run_dir: the run directory.
+        log: the ``MetricsLogger``.
+        agent: the ``AgentLoop`` of multi-turn tool rollouts (``agent.tools`` set), else ``None``.
+    """
+
+    cfg: Any
+    tokenizer: Any
+    model_path: str
+    train_ds: Any
+    val_ds: Any
+    scorer: Any
+    eval_scorer: Any
+    params: Any
+    eval_params: Any
+    learner: Any
+    generator: Any
+    publisher: Any
+    run_dir: Path
+    log: Any
+    agent: Any = None
+
+
+class Loop(Protocol):
+    """One mode's training loop, as ``async_rl.trainer.train`` drives it.
+
+    Implementations take ``(ctx: RunContext, resume_state: dict | None)``: ``resume_state`` is a
+    checkpoint's ``state_dict()`` output, restored before the first step.
+    """
+
+    def step(self, step: int) -> dict[str, float]:
+        """One training step (policy version v -> v + 1, published); returns its metrics.
+
+        Raises:
+            RuntimeError: nothing to train on (every sample rejected), a sample staler than
+                ``trainer.max_staleness``, or (async) a dead generator actor or stalled pipeline.
+            ValueError: dynamic sampling could not fill the step.
+        """
+
+    def sync_eval_engine(self) -> None:
+        """Make the colocated engine hold the learner's current weights before an evaluation."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this loop (taken between two steps)."""
+
+    def close(self) -> dict[str, Any]:
+        """Stop what the loop started; returns summary entries (idempotent)."""

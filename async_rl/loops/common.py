@@ -1,0 +1,112 @@
+"""What both loops share: DAPO dynamic sampling over complete groups, and the learner step with
+the step's rollout, staleness and loss metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from async_rl.algorithms.dapo import fill_groups_with_spread
+from async_rl.batch import make_batch
+from async_rl.buffers.replay import staleness as staleness_of
+from async_rl.buffers.trajectory import Trajectory
+from async_rl.evaluation import accuracy_of
+from async_rl.loops.base import RunContext
+from async_rl.rollout import RolloutResult
+
+
+def dynamic_sampling(take_round: Callable[[int], Sequence[list[Trajectory]]], algo, target_groups: int,
+                     budget: str = "rounds") -> tuple[list[list[Trajectory]], dict[str, float]]:
+    """Complete groups for one step, with DAPO dynamic sampling when ``algo.dynamic_sampling``.
+
+    Each round asks ``take_round`` for the number of groups still missing (sync mode generates
+    them, oversampling by the acceptance rate; async mode takes them from the replay buffer); a
+    group whose rewards are all equal is dropped and counted (it carries no group-relative
+    signal). The budget (DAPO, arXiv 2503.14476, Sec. 3.2, bounds it by generation rounds) is
+    ``budget="rounds"``: at most ``algo.max_generation_rounds`` rounds (sync mode, whose rounds
+    oversample); ``"groups"``: at most ``algo.max_generation_rounds * target_groups`` groups
+    examined (async mode, whose rounds take exactly the missing groups as they complete).
+    Accepted groups beyond the target are returned too (trained on, never dropped). Without
+    dynamic sampling one round is taken and every group kept.
+
+    Returns:
+        ``(groups, metrics)``: accepted groups (target first, then surplus) and
+        ``rollout/dynamic_sampling_{rounds,surplus_groups,rejected_groups}`` (dynamic sampling only).
+
+    Raises:
+        ValueError: fewer groups with spread than ``target_groups`` after the last round.
+    """
+    if not algo.dynamic_sampling:
+        return list(take_round(target_groups)), {}
+    try:
+        limit = {"max_rounds": algo.max_generation_rounds} if budget == "rounds" else \
+            {"max_groups": algo.max_generation_rounds * target_groups}
+        result = fill_groups_with_spread(take_round, target_groups=target_groups, **limit,
+                                         rewards_of=lambda group: [t.reward for t in group])
+    except ValueError as e:
+        raise ValueError(f"{e} (algorithm.max_generation_rounds={algo.max_generation_rounds}, "
+                         f"trainer.prompts_per_step={target_groups})") from None
+    metrics = {"rollout/dynamic_sampling_rounds": float(result.num_rounds),
+               "rollout/dynamic_sampling_surplus_groups": float(len(result.surplus)),
+               "rollout/dynamic_sampling_rejected_groups": float(result.num_rejected)}
+    return result.groups + result.surplus, metrics
+
+
+def learn_on(ctx: RunContext, step: int, ro: RolloutResult) -> dict[str, float]:
+    """Train on one step's trajectories (both modes): check staleness, build the batch with
+    advantages, take the learner's step; returns rollout, loss and staleness metrics.
+
+    Raises:
+        RuntimeError: no trajectory to train on, or a sample older than ``trainer.max_staleness``
+            (the buffer and admission control should make that impossible).
+    """
+    cfg, learner = ctx.cfg, ctx.learner
+    trajs = ro.trajectories
+    if not trajs:
+        raise RuntimeError(f"step {step}: every sample was rejected by the reward function (see the warnings above)")
+    staleness = [staleness_of(t, learner.version) for t in trajs]
+    if max(staleness) > cfg.trainer.max_staleness:
+        raise RuntimeError(f"step {step}: a sample is {max(staleness)} policy versions old, more than "
+                           f"trainer.max_staleness={cfg.trainer.max_staleness}")
+    t1 = time.perf_counter()
+    batch, metrics = make_batch(trajs, cfg.algorithm, ctx.tokenizer.pad_token_id,
+                                cfg.generator.max_response_tokens, learner)
+    train_metrics = learner.train_step(batch)
+    t_train = time.perf_counter() - t1
+    for k, v in train_metrics.items():
+        # The loss returns its mismatch metrics under loss/; they belong to their own namespace.
+        metrics[k.replace("loss/mismatch_", "mismatch/")] = v
+    metrics.update(rollout_metrics(trajs, ro))
+    metrics.update({
+        "staleness/mean": sum(staleness) / len(staleness),
+        "staleness/max": float(max(staleness)),
+        "data/epoch": float(ctx.train_ds.epoch),
+        "policy/version": float(learner.version),
+        "perf/train_tokens_per_s": float(batch.attention_mask.sum()) / max(t_train, 1e-9),
+        "timing/train_s": t_train,
+    })
+    return metrics
+
+
+def rollout_metrics(trajs: list[Trajectory], ro: RolloutResult) -> dict[str, float]:
+    """``rollout/*`` of the trajectories a step trains on: reward mean/std, accuracy, response
+    length (tokens), truncated fraction, counts, and per-conversation tool use (agent runs)."""
+    rewards = torch.tensor([t.reward for t in trajs])
+    lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
+    metrics: dict[str, Any] = {}
+    for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors", "agent/max_turns"):
+        if key in trajs[0].reward_extras:
+            metrics[f"rollout/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / len(trajs)
+    metrics.update({
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "rollout/accuracy": accuracy_of(trajs),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+        "rollout/num_trajectories": float(len(trajs)),
+        "rollout/rejected_samples": float(ro.num_rejected_samples),
+        "rollout/rejected_groups": float(ro.num_rejected_groups),
+    })
+    return metrics

@@ -1,0 +1,120 @@
+"""Sync (colocated, "hybrid engine") mode: one process generates, trains and updates in turn.
+
+One training step::
+
+    dataset ──prompts──> generator (policy version v) ──samples──> reward scorer
+                                                                       │ trajectories
+    generator <──weights v+1── learner.train_step <──batch── advantages (per group)
+
+1. take ``trainer.prompts_per_step`` prompts; sample ``trainer.samples_per_prompt`` responses
+   each (one group per prompt) with the behavior log-probs of the sampled tokens
+   (``async_rl.rollout``); with dynamic sampling, more rounds until enough groups have spread;
+2. score each response; failures become reward 0 or a counted rejection (``reward.on_error``);
+3. compute advantages within each group; collate; the learner recomputes proximal log-probs and
+   trains (``async_rl.loops.common.learn_on``): policy version v -> v + 1;
+4. push the new weights into the generator in place through the weight publisher.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from async_rl.algorithms.dapo import rewards_have_spread
+from async_rl.loops.base import RunContext
+from async_rl.loops.common import dynamic_sampling, learn_on
+from async_rl.rollout import RolloutResult, rollout
+
+MAX_OVERSAMPLING = 16
+"""Dynamic sampling asks for at most this many times the missing groups in one round."""
+
+
+def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, first_group: int, agent=None,
+                          ) -> tuple[RolloutResult, dict[str, float], int]:
+    """One step's trajectories: a single rollout round, or DAPO dynamic sampling.
+
+    With ``algorithm.dynamic_sampling`` each round takes the missing number of groups divided by
+    the acceptance rate so far (at most ``MAX_OVERSAMPLING`` times as many); see
+    ``loops.common.dynamic_sampling`` for which groups are kept.
+
+    Returns:
+        ``(rollout, metrics, groups_used)``: the kept trajectories with rejection counts summed
+        over rounds, ``rollout/dynamic_sampling_*`` metrics, and how many group ids were used.
+
+    Raises:
+        ValueError: fewer groups with spread than needed after the last round (counts in the message).
+    """
+    t_cfg, algo = cfg.trainer, cfg.algorithm
+    totals = {"samples": 0, "groups": 0, "tokens": 0, "used": 0, "accepted": 0}
+
+    def take_round(missing: int) -> list[list]:
+        # Oversample by the acceptance rate seen so far in this step (at most 16x): asking for the
+        # missing count, or a small multiple of it, converges geometrically slowly once most
+        # prompts are solved (a run at 10% acceptance failed that way). Surplus groups are trained
+        # on too, so no accepted sample is lost.
+        count = missing
+        if algo.dynamic_sampling:
+            rate = totals["accepted"] / totals["used"] if totals["used"] else 1.0
+            count = min(MAX_OVERSAMPLING * missing, math.ceil(missing / max(rate, 1 / MAX_OVERSAMPLING)))
+        prompts = train_ds.next_batch(count)
+        ro = rollout(generator, prompts, t_cfg.samples_per_prompt, params, scorer, tokenizer,
+                     first_group + totals["used"], t_cfg.seed, agent)
+        totals["used"] += len(prompts)
+        totals["samples"] += ro.num_rejected_samples
+        totals["groups"] += ro.num_rejected_groups
+        totals["tokens"] += ro.num_generated_tokens
+        by_group: dict[int, list] = {}
+        for t in ro.trajectories:
+            by_group.setdefault(t.group_id, []).append(t)
+        totals["accepted"] += sum(rewards_have_spread([t.reward for t in g]) for g in by_group.values())
+        return list(by_group.values())
+
+    groups, metrics = dynamic_sampling(take_round, algo, t_cfg.prompts_per_step)
+    trajectories = [t for group in groups for t in group]
+    return RolloutResult(trajectories, totals["samples"], totals["groups"], totals["tokens"]), metrics, totals["used"]
+
+
+class SyncLoop:
+    """Sync (hybrid engine) mode: each step generates with the colocated engine, trains, and
+    copies the new weights into the engine in place (a ``Loop``).
+
+    Args:
+        ctx: the run's shared parts.
+        resume_state: ``state_dict()`` of a checkpoint, or ``None``.
+    """
+
+    def __init__(self, ctx: RunContext, resume_state: dict[str, Any] | None = None) -> None:
+        self.ctx = ctx
+        self.next_group = 0
+        if resume_state is not None:
+            self.next_group = int(resume_state["next_group"])
+            ctx.train_ds.load_state_dict(resume_state["dataset"])
+
+    def step(self, step: int) -> dict[str, float]:
+        """One training step; returns its metrics."""
+        c = self.ctx
+        t0 = time.perf_counter()
+        ro, metrics, groups_used = collect_step_rollouts(c.cfg, c.train_ds, c.generator, c.scorer, c.tokenizer,
+                                                         c.params, self.next_group, c.agent)
+        self.next_group += groups_used
+        metrics.update(c.scorer.pop_metrics())
+        if c.agent is not None:
+            metrics.update(c.agent.pop_metrics())
+        metrics.update({"perf/tokens_per_s": ro.num_generated_tokens / max(time.perf_counter() - t0, 1e-9),
+                        "timing/generate_s": time.perf_counter() - t0})
+        metrics.update(learn_on(c, step, ro))
+        metrics.update(c.publisher.push(c.learner.version))
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def sync_eval_engine(self) -> None:
+        """The colocated engine already holds the latest weights."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this loop: the next group id and the dataset position."""
+        return {"next_group": self.next_group, "dataset": self.ctx.train_ds.state_dict()}
+
+    def close(self) -> dict[str, Any]:
+        """Nothing to stop (the engine belongs to the trainer); returns no summary entries."""
+        return {}

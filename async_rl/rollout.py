@@ -1,0 +1,277 @@
+"""Rollout: prompts -> sampled groups -> scored trajectories, the same road in both modes.
+
+::
+
+    GroupRequest x k ──> engine.generate / AgentLoop.run ──on_sample(i, j, sample)──> GroupScorer
+                                                                                       │ decode, score
+                      on_trajectory(Trajectory)  <──── kept sample ───────────────────┤
+                      on_group_closed(request, kept) <── all n samples of a group ─────┘
+
+``sample_groups`` is the one function that turns finished samples into trajectories: sync mode
+(``rollout``) collects them in a list; each generator actor of async mode
+(``async_rl.loops.pool``) streams them over ZeroMQ the moment a sample finishes. A sample whose
+reward is rejected leaves its group in both modes (counted by the scorer, never a reward 0).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from transformers import GenerationConfig
+
+from async_rl.agent import Conversation
+from async_rl.buffers.trajectory import Trajectory
+from async_rl.generators.base import mix_seed
+from async_rl.rewards import default_reward_for, get_reward_fn
+
+logger = logging.getLogger(__name__)
+
+
+def stop_token_ids(tokenizer, model_path: str, extra: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """The tokenizer's EOS, every EOS id of the model's generation config and ``extra`` (deduplicated).
+
+    Raises:
+        ValueError: no stop id at all.
+    """
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids += list(extra)
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    except OSError:
+        pass  # no generation_config.json: the tokenizer's EOS is all there is
+    if not ids:
+        raise ValueError(f"{model_path}: neither the tokenizer nor generation_config.json names an EOS token")
+    return sorted(set(ids))
+
+
+def group_seed(run_seed: int, group_id: int) -> int:
+    """Sampling seed of group ``group_id``: the same in sync and async mode, whichever generator
+    samples it, so both modes draw the same responses from the same weights."""
+    return mix_seed(run_seed, group_id)
+
+
+def dispatch_by_source(data_source: str, response_text: str, ground_truth, extra_info) -> Any:
+    """The reward of ``data_source``'s built-in reward function (``reward.fn`` unset)."""
+    return default_reward_for(data_source)(data_source, response_text, ground_truth, extra_info)
+
+
+def reward_function(spec: str | None) -> Callable[..., Any]:
+    """The reward function of ``reward.fn``: a spec (``get_reward_fn``), or ``None`` for one per
+    ``data_source`` (``dispatch_by_source``).
+
+    Raises:
+        ValueError: the spec names no reward function.
+    """
+    return get_reward_fn(spec) if spec else dispatch_by_source
+
+
+@dataclass
+class GroupRequest:
+    """One prompt to sample ``n`` responses for, as group ``group_id``.
+
+    Attributes:
+        group_id: the group's id (unique per run); trajectory ids are ``"<group_id>/<j>"``.
+        prompt_ids: rendered prompt token ids.
+        prompt_uid: the dataset identity of the prompt.
+        data_source, ground_truth, extra_info: what the reward function needs.
+        n: samples in the group (>= 1).
+        seed: sampling seed of the group (``group_seed``); ``None`` = the engine's own
+            call-counter seeds (evaluation).
+        messages: the prompt's chat messages (multi-turn tool use continues the conversation).
+    """
+
+    group_id: int
+    prompt_ids: list[int]
+    prompt_uid: str
+    data_source: str
+    ground_truth: str | None
+    extra_info: dict[str, Any]
+    n: int
+    seed: int | None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, prompt, group_id: int, n: int, seed: int | None) -> "GroupRequest":
+        """The request for a dataset ``Prompt``."""
+        return cls(group_id=group_id, prompt_ids=prompt.prompt_ids, prompt_uid=prompt.uid,
+                   data_source=prompt.data_source, ground_truth=prompt.ground_truth, extra_info=prompt.extra_info,
+                   n=n, seed=seed, messages=prompt.messages)
+
+
+@dataclass
+class RolloutResult:
+    """Trajectories of one step's groups and what was rejected on the way.
+
+    Attributes:
+        trajectories: kept trajectories, by group then sample index.
+        num_rejected_samples: samples whose reward was rejected (they left their group).
+        num_rejected_groups: groups left with no sample.
+        num_generated_tokens: tokens sampled by the engine (tool output excluded), in tokens.
+    """
+
+    trajectories: list[Trajectory]
+    num_rejected_samples: int
+    num_rejected_groups: int
+    num_generated_tokens: int
+
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "max_turns": "length"}
+"""A sample's finish reason as the trajectory records it: ``max_turns`` is an unfinished answer, like
+a length cut, for DAPO's overlong filter. Engines never return an aborted sample (they re-issue it),
+so any other reason is a bug, not something to score as truncated."""
+
+
+def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str, prompt_ids: list[int]) -> Trajectory:
+    """An unscored ``Trajectory`` of a generator ``Sample`` or an agent ``Conversation``.
+
+    A conversation keeps its loss mask (0 on tool tokens), its per-token versions, its turn and
+    tool counts (in ``reward_extras``: ``agent/turns``, ``agent/tool_calls``,
+    ``agent/tool_errors``, ``agent/max_turns``) and its final answer as ``response_text`` (what
+    the reward scores); a single-turn sample is masked 1 everywhere and its decoded text is the
+    answer.
+
+    Raises:
+        ValueError: a finish reason other than ``stop``, ``length`` or ``max_turns``.
+    """
+    if sample.finish_reason not in _FINISH_REASONS:
+        raise ValueError(f"trajectory {group_id}/{index}: finish reason {sample.finish_reason!r} is not one of "
+                         f"{sorted(_FINISH_REASONS)}; an unfinished sample must not be scored as truncated")
+    conversation = isinstance(sample, Conversation)
+    text = sample.final_text if conversation else tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    traj = Trajectory(
+        trajectory_id=f"{group_id}/{index}", group_id=group_id, prompt_uid=prompt_uid, prompt_ids=prompt_ids,
+        response_ids=list(sample.response_ids), behavior_logprobs=list(sample.logprobs),
+        loss_mask=list(sample.loss_mask) if conversation else [1] * len(sample.response_ids),
+        finish_reason=_FINISH_REASONS[sample.finish_reason],
+        policy_version=list(sample.policy_version), reward=0.0, response_text=text)
+    if conversation:
+        traj.reward_extras = {"agent/turns": float(sample.num_turns), "agent/tool_calls": float(sample.num_tool_calls),
+                              "agent/tool_errors": float(sample.num_tool_errors),
+                              "agent/max_turns": float(sample.finish_reason == "max_turns")}
+    return traj
+
+
+def scored_trajectory(sample, tokenizer, scorer, request: GroupRequest, index: int) -> Trajectory | None:
+    """The ``Trajectory`` of sample ``index`` of ``request``'s group with its reward, or ``None``
+    when it is rejected.
+
+    A rejected sample (its reward function failed under ``reward.on_error=reject``, or returned no
+    reward) is counted by ``scorer`` with its reason and must leave its group: it is neither
+    trained nor part of the group's baseline, never a reward 0.
+
+    Args:
+        sample: a generator ``Sample`` or an agent ``Conversation``.
+        tokenizer: decodes a single-turn response for the reward (special tokens skipped).
+        scorer: the ``RewardScorer``.
+        request: the sample's group.
+        index: the sample's index in its group.
+    """
+    traj = trajectory_of(sample, tokenizer, request.group_id, index, request.prompt_uid, request.prompt_ids)
+    result = scorer.score(request.data_source, traj.response_text, request.ground_truth, request.extra_info)
+    if result.rejected:
+        return None
+    traj.reward, traj.reward_extras = result.score, {**traj.reward_extras, **result.extras}
+    return traj
+
+
+@dataclass
+class SampleCounts:
+    """What one ``sample_groups`` call produced (samples, tokens and groups are counts)."""
+
+    samples: int = 0
+    rejected_samples: int = 0
+    generated_tokens: int = 0
+    """Tokens the engine sampled; a conversation's tool tokens are not generated."""
+    groups: int = 0
+    rejected_groups: int = 0
+    """Groups whose every sample was rejected."""
+
+
+def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, scorer, agent,
+                  on_trajectory: Callable[[Trajectory], None],
+                  on_group_closed: Callable[[GroupRequest, int], None] | None = None,
+                  counts: SampleCounts | None = None) -> SampleCounts:
+    """Sample every request's group and score each sample the moment it finishes (both modes).
+
+    Args:
+        engine: a ``Generator``.
+        requests: groups of one size ``n``; seeded by their ``seed`` (all ``None``: unseeded).
+        params: ``SamplingParams`` (of one assistant turn with an agent).
+        tokenizer: decodes single-turn responses for the reward.
+        scorer: the ``RewardScorer``.
+        agent: an ``AgentLoop`` (each sample is a multi-turn conversation) or ``None``.
+        on_trajectory: receives each kept trajectory, in finishing order.
+        on_group_closed: called as ``(request, num_kept)`` once all ``n`` samples of a group are
+            scored, rejected ones included.
+        counts: counters to add to as each sample is scored (a generator actor's running totals,
+            read while it samples); ``None``: fresh ones.
+
+    Returns:
+        ``counts``, with this call's samples added.
+
+    Raises:
+        ValueError: requests of different group sizes, or of mixed seeded and unseeded groups.
+    """
+    n = requests[0].n
+    if any(r.n != n for r in requests):
+        raise ValueError("sample_groups: the requests mix group sizes")
+    seeded = [r.seed is not None for r in requests]
+    if any(seeded) and not all(seeded):
+        raise ValueError("sample_groups: the requests mix seeded and unseeded groups")
+    seeds = [r.seed for r in requests] if all(seeded) else None
+    counts = SampleCounts() if counts is None else counts
+    kept, finished = [0] * len(requests), [0] * len(requests)
+
+    def on_sample(i: int, j: int, sample) -> None:
+        counts.samples += 1
+        counts.generated_tokens += sum(sample.loss_mask) if isinstance(sample, Conversation) else len(sample.response_ids)
+        traj = scored_trajectory(sample, tokenizer, scorer, requests[i], j)
+        if traj is None:
+            counts.rejected_samples += 1
+        else:
+            kept[i] += 1
+            on_trajectory(traj)
+        finished[i] += 1
+        if finished[i] == n:
+            counts.groups += 1
+            counts.rejected_groups += kept[i] == 0
+            if on_group_closed is not None:
+                on_group_closed(requests[i], kept[i])
+
+    if agent is not None:
+        agent.run(engine, [(r.prompt_ids, r.messages) for r in requests], n, params, seeds, on_sample=on_sample)
+    else:
+        engine.generate([r.prompt_ids for r in requests], n, params, seeds=seeds, on_sample=on_sample)
+    return counts
+
+
+def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_id: int,
+            seed: int | None = None, agent=None) -> RolloutResult:
+    """Sample ``n`` responses per prompt, score them and build trajectories (sync mode, evaluation).
+
+    Args:
+        generator: a ``Generator``.
+        prompts: ``Prompt``s; prompt i becomes group ``first_group_id + i``.
+        n: samples per prompt.
+        params: ``SamplingParams``.
+        scorer: ``RewardScorer``; a rejected sample leaves its group (a group left empty is
+            counted as a rejected group).
+        tokenizer: decodes responses for the reward (special tokens skipped).
+        first_group_id: id of the first group.
+        seed: run seed; group g is sampled with ``group_seed(seed, g)``. ``None``: the
+            generator's own call-counter seeds (evaluation).
+        agent: an ``async_rl.agent.AgentLoop`` for multi-turn tool use, or ``None``.
+
+    Returns:
+        The kept trajectories, ordered by group and then sample index, with the counts.
+    """
+    requests = [GroupRequest.of(p, first_group_id + i, n, None if seed is None else group_seed(seed, first_group_id + i))
+                for i, p in enumerate(prompts)]
+    trajectories: list[Trajectory] = []
+    counts = sample_groups(generator, requests, params, tokenizer, scorer, agent, trajectories.append)
+    # Engines finish samples in any order; the batch must not depend on it.
+    trajectories.sort(key=lambda t: (t.group_id, int(t.trajectory_id.rsplit("/", 1)[1])))
+    return RolloutResult(trajectories, counts.rejected_samples, counts.rejected_groups, counts.generated_tokens)

@@ -1,0 +1,336 @@
+"""The trainer: one run from config to summary, in either mode.
+
+``train`` reads as the run does: build the parts (``build``), start fresh or from a checkpoint
+(``start``), run the loop of ``trainer.mode`` for the remaining steps (``run_steps``), and
+finish (``finish``: the summary, the exported model). The loops themselves live in
+``async_rl.loops`` (``SyncLoop``, ``AsyncLoop``); every weight push into the colocated engine
+goes through ``RunContext.publisher``.
+
+Run with ``async-rl train --config configs/default.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AutoTokenizer
+
+from async_rl.checkpoint import (StopRequest, load_trainer_state, resolve_resume, rng_state, save_checkpoint,
+                                 set_rng_state)
+from async_rl.agent import AgentLoop
+from async_rl.config import to_dict, to_yaml
+from async_rl.data.builtin import resolve
+from async_rl.data.dataset import PromptDataset
+from async_rl.evaluation import evaluate, warm_start
+from async_rl.generators import make_generator
+from async_rl.generators.base import SamplingParams
+from async_rl.learners.launch import launch_learner
+from async_rl.loops.base import Loop, RunContext
+from async_rl.loops.sync import SyncLoop
+from async_rl.metrics import MetricsLogger
+from async_rl.rewards import RewardScorer, default_reward_for
+from async_rl.rollout import reward_function, stop_token_ids
+from async_rl.weight_sync import LocalTarget, WeightPublisher, resolve_transport
+
+if TYPE_CHECKING:
+    from async_rl.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+def train(cfg: "Config") -> dict[str, Any]:
+    """Run a whole training job; returns the summary also written to ``<run_dir>/summary.json``.
+
+    Raises:
+        ValueError: bad inputs (dataset rows, reward names, a checkpoint of another mode or
+            already at ``total_steps``, dynamic sampling that cannot fill a step).
+        RuntimeError: a step whose every sample was rejected, or a generator actor that died.
+    """
+    resume_from, resumed = resume_point(cfg.trainer)
+    ctx, learner_handle = build(cfg)
+    progress = Progress(summary={"run_dir": str(ctx.run_dir), "mode": cfg.trainer.mode,
+                                 "data/rejected_prompts_too_long": ctx.train_ds.num_rejected_too_long})
+    loop: Loop | None = None
+    try:
+        start(ctx, progress, resume_from, resumed)
+        loop = make_loop(ctx, resumed)
+        run_steps(ctx, loop, progress)
+        progress.summary.update(loop.close())
+        loop = None
+        finish(ctx, progress)
+    finally:
+        if loop is not None:
+            loop.close()
+        ctx.publisher.close()
+        ctx.generator.close()
+        learner_handle.close()
+        ctx.log.close()
+    (ctx.run_dir / "summary.json").write_text(json.dumps(progress.summary, indent=2))
+    return progress.summary
+
+
+@dataclass
+class Progress:
+    """What a run has done so far, as checkpoints carry it.
+
+    Attributes:
+        summary: the run's summary (``eval_*`` entries travel in checkpoints).
+        tail_evals: held-out accuracies of the last quarter of the run.
+        start_step: the first step still to train (1 for a fresh run).
+        last_step: the last step trained.
+    """
+
+    summary: dict[str, Any]
+    tail_evals: list[float] = field(default_factory=list)
+    start_step: int = 1
+    last_step: int = 0
+
+
+# ------------------------------------------------------------------------------------------ build
+def resume_point(t_cfg) -> tuple[Path | None, dict[str, Any] | None]:
+    """``(checkpoint path, its trainer state)`` to continue from, or ``(None, None)``.
+
+    Raises:
+        ValueError: the checkpoint is already at ``trainer.total_steps``, or was written in the
+            other mode (the loop states differ: sync keeps the next group id; async the replay
+            buffer and the groups in flight).
+    """
+    resume_from = resolve_resume(t_cfg.resume, t_cfg.output_dir, t_cfg.run_name)
+    resumed = load_trainer_state(resume_from) if resume_from is not None else None
+    if t_cfg.resume == "auto" and resumed is None:
+        logger.warning("trainer.resume=auto: no checkpoint under %s; starting fresh",
+                       Path(t_cfg.output_dir) / str(t_cfg.run_name) / "checkpoints")
+    if resumed is not None and resumed["step"] >= t_cfg.total_steps:
+        raise ValueError(f"trainer.resume: {resume_from} is at step {resumed['step']}, not before "
+                         f"trainer.total_steps={t_cfg.total_steps}: nothing to train (raise trainer.total_steps)")
+    if resumed is not None and resumed.get("mode", t_cfg.mode) != t_cfg.mode:
+        raise ValueError(f"trainer.resume: {resume_from} was written in trainer.mode={resumed['mode']}; "
+                         f"resume it with the same mode (got trainer.mode={t_cfg.mode})")
+    return resume_from, resumed
+
+
+def build(cfg: "Config") -> tuple[RunContext, Any]:
+    """Seed, load the tokenizer, data and reward, make the run directory, launch the learner and
+    build the colocated engine with its weight publisher.
+
+    Returns:
+        ``(ctx, learner_handle)``; ``learner_handle.close()`` stops a multi-rank learner.
+
+    Raises:
+        ValueError: a bad dataset row, a data source without a reward function, a bad reward spec.
+    """
+    t_cfg, d, seed = cfg.trainer, cfg.data, cfg.trainer.seed
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if cfg.learner.num_threads:
+        torch.set_num_threads(cfg.learner.num_threads)
+    model_path = resolve(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model.tokenizer_path or cfg.model.path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    stops = stop_token_ids(tokenizer, model_path, cfg.generator.extra_stop_token_ids)
+    agent = AgentLoop(cfg.agent, tokenizer, stops) if cfg.agent.enabled else None
+    # With tools, prompts are rendered with their schemas (the model sees what it may call).
+    tools = agent.schemas if agent is not None else None
+    train_ds = PromptDataset([resolve(f) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle,
+                             tools=tools)
+    val_ds = (PromptDataset([resolve(f) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
+                            limit=d.val_max_prompts, tools=tools) if d.val_files else None)
+    fn = reward_function(cfg.reward.fn)
+    if not cfg.reward.fn:
+        # Fail before training, not as a reward error on every sample: each data_source needs a reward.
+        for source in {p.data_source for ds in (train_ds, val_ds) if ds is not None for p in ds.prompts}:
+            default_reward_for(source)
+    # The run directory is made only once the inputs have loaded, so a bad dataset leaves none behind.
+    run_dir = make_run_dir(cfg)
+    if len(train_ds) < t_cfg.prompts_per_step:
+        logger.warning("the train set has %d prompts, fewer than trainer.prompts_per_step=%d: each step repeats "
+                       "prompts (every step still draws its full batch, crossing epochs)", len(train_ds),
+                       t_cfg.prompts_per_step)
+    learner, learner_handle = launch_learner(*learner_args(cfg, model_path))
+    generator, transport = colocated_engine(cfg, model_path, tokenizer.pad_token_id)
+    ctx = RunContext(
+        cfg=cfg, tokenizer=tokenizer, model_path=model_path, train_ds=train_ds, val_ds=val_ds,
+        scorer=RewardScorer(fn, on_error=cfg.reward.on_error),
+        # Separate counters: eval must not leak into train metrics.
+        eval_scorer=RewardScorer(fn, on_error="zero"),
+        params=SamplingParams.from_config(cfg.generator, stops),
+        eval_params=SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy),
+        learner=learner, generator=generator,
+        publisher=WeightPublisher(cfg.weight_sync, transport, learner, [LocalTarget(generator)]),
+        run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
+        agent=agent)
+    ctx.log.print(f"run directory: {run_dir}")
+    if train_ds.num_rejected_too_long:
+        ctx.log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")
+    return ctx, learner_handle
+
+
+def make_run_dir(cfg: "Config") -> Path:
+    """Create ``<output_dir>/<run_name>`` and write the resolved ``config.yaml`` into it."""
+    name = cfg.trainer.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.trainer.output_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir
+
+
+def learner_args(cfg: "Config", model_path: str) -> tuple:
+    """``FSDPLearner``'s constructor arguments for a run (the same on every learner rank)."""
+    steps_per_train_step = cfg.learner.num_mini_batches * cfg.learner.num_epochs
+    return (cfg.learner, cfg.algorithm, model_path, cfg.generator.temperature,
+            cfg.trainer.total_steps * steps_per_train_step)
+
+
+def colocated_engine(cfg: "Config", model_path: str, pad_token_id: int) -> tuple[Any, str]:
+    """The engine of the trainer process and the weight transport into it.
+
+    Sync mode: the rollout engine (hybrid engine), reached by ``weight_sync.transport`` (``auto``:
+    ``colocated`` for HF, ``shm`` for vLLM's engine processes). Async mode: only evaluation runs
+    here, on HF with the ``colocated`` transport (one more vLLM engine would take cores and memory
+    from the pool, for no difference in greedy accuracy).
+    """
+    if cfg.trainer.mode == "async":
+        hf = dataclasses.replace(cfg.generator, backend="hf")
+        return make_generator(hf, model_path, pad_token_id, lora=cfg.learner.lora), "colocated"
+    engine = make_generator(cfg.generator, model_path, pad_token_id, num_threads=os.cpu_count() or 1,
+                            lora=cfg.learner.lora)
+    return engine, resolve_transport(cfg.weight_sync, cfg.generator.backend, "sync")
+
+
+# ------------------------------------------------------------------------------------------ start
+def start(ctx: RunContext, progress: Progress, resume_from: Path | None, resumed: dict[str, Any] | None) -> None:
+    """A fresh start (optional warm start, ``begin_rl``, the step-0 evaluation) or a resume
+    (weights, optimizer, schedules and the reference policy from the checkpoint; RNG state
+    restored by ``make_loop``); either way the colocated engine then holds the learner's weights."""
+    if resumed is None:
+        start_fresh(ctx, progress.summary)
+        return
+    ctx.learner.load_checkpoint(str(resume_from / "learner"))
+    ctx.publisher.push(ctx.learner.version)
+    progress.summary.update(resumed["summary"])
+    progress.tail_evals = list(resumed["tail_evals"])
+    progress.start_step, progress.last_step = resumed["step"] + 1, resumed["step"]
+    ctx.log.advance(resumed["step"])
+    ctx.log.print(f"resumed from {resume_from}: step {resumed['step']} done, policy version {ctx.learner.version}")
+
+
+def start_fresh(ctx: RunContext, summary: dict[str, Any]) -> None:
+    """A run's start without a checkpoint: optional warm start (evaluated before, pushed after),
+    ``begin_rl``, and the step-0 evaluation (``summary["eval_step_0"]``)."""
+    t_cfg, learner, val_ds = ctx.cfg.trainer, ctx.learner, ctx.val_ds
+    if val_ds is not None and t_cfg.warm_start.steps:
+        summary["eval_before_warm_start"] = evaluate(ctx.generator, val_ds, ctx.eval_params, ctx.eval_scorer,
+                                                     ctx.tokenizer, ctx.agent)["eval/accuracy"]
+        ctx.log.print(f"eval before warm start: accuracy {summary['eval_before_warm_start']:.4f}")
+    if t_cfg.warm_start.steps:
+        warm_start(learner, ctx.train_ds, ctx.tokenizer, t_cfg.warm_start, ctx.tokenizer.eos_token_id, t_cfg.seed,
+                   ctx.log.print, ctx.agent)
+        ctx.publisher.push(learner.version)
+    learner.begin_rl()
+    if val_ds is not None:
+        ev = evaluate(ctx.generator, val_ds, ctx.eval_params, ctx.eval_scorer, ctx.tokenizer, ctx.agent)
+        summary["eval_step_0"] = ev["eval/accuracy"]
+        ctx.log.log(ev, step=0)
+        ctx.log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}")
+
+
+def make_loop(ctx: RunContext, resumed: dict[str, Any] | None) -> Loop:
+    """The ``Loop`` of ``trainer.mode``, continued from a checkpoint's loop state if any; a
+    checkpoint's RNG state is restored once the loop is built, as the run left it."""
+    state = resumed["loop"] if resumed is not None else None
+    if ctx.cfg.trainer.mode == "async":
+        # Ray and the pool load only for async runs.
+        from async_rl.loops.async_loop import AsyncLoop
+
+        loop: Loop = AsyncLoop(ctx, resume_state=state)
+    else:
+        loop = SyncLoop(ctx, resume_state=state)
+    if resumed is not None:
+        set_rng_state(resumed["rng"])
+    return loop
+
+
+# -------------------------------------------------------------------------------------------- run
+def run_steps(ctx: RunContext, loop: Loop, progress: Progress) -> None:
+    """Train from ``progress.start_step`` to ``trainer.total_steps``, evaluating every
+    ``trainer.eval_every_steps`` and at the end, checkpointing every ``checkpoint.every_steps``;
+    a SIGINT/SIGTERM stops after the current step (checkpointed with ``save_at_exit``)."""
+    t_cfg = ctx.cfg.trainer
+    t_rl = time.perf_counter()
+    saved_step = progress.last_step
+    with StopRequest() as stop:
+        for step in range(progress.start_step, t_cfg.total_steps + 1):
+            metrics = loop.step(step)
+            due = t_cfg.eval_every_steps and step % t_cfg.eval_every_steps == 0
+            if ctx.val_ds is not None and (due or step == t_cfg.total_steps):
+                metrics.update(evaluate_now(ctx, loop, progress, step))
+            ctx.log.log(metrics, step=step)
+            ctx.log.advance(step)
+            progress.last_step = step
+            if stop.requested:
+                progress.summary["interrupted"] = stop.signal_name
+                ctx.log.print(f"{stop.signal_name}: stopping after step {step} of {t_cfg.total_steps}")
+                break
+            every = t_cfg.checkpoint.every_steps
+            if every and step % every == 0:
+                checkpoint(ctx, loop, progress, step)
+                saved_step = step
+        if t_cfg.checkpoint.save_at_exit and progress.last_step != saved_step:
+            checkpoint(ctx, loop, progress, progress.last_step)
+    progress.summary["last_step"] = progress.last_step
+    progress.summary["rl_wall_s"] = time.perf_counter() - t_rl
+
+
+def evaluate_now(ctx: RunContext, loop: Loop, progress: Progress, step: int) -> dict[str, float]:
+    """Held-out evaluation after ``step`` on the colocated engine (brought up to date first)."""
+    t0 = time.perf_counter()
+    loop.sync_eval_engine()
+    metrics = evaluate(ctx.generator, ctx.val_ds, ctx.eval_params, ctx.eval_scorer, ctx.tokenizer, ctx.agent)
+    metrics["timing/eval_s"] = time.perf_counter() - t0
+    progress.summary["eval_final"] = metrics["eval/accuracy"]
+    if step > 0.75 * ctx.cfg.trainer.total_steps:
+        progress.tail_evals.append(metrics["eval/accuracy"])
+    return metrics
+
+
+def checkpoint(ctx: RunContext, loop: Loop, progress: Progress, step: int) -> None:
+    """Save the learner and the trainer state after ``step`` (``async_rl.checkpoint``)."""
+    t0 = time.perf_counter()
+    state = {"mode": ctx.cfg.trainer.mode, "rng": rng_state(), "loop": loop.state_dict(),
+             "tail_evals": progress.tail_evals,
+             "summary": {k: v for k, v in progress.summary.items() if k.startswith("eval_")}}
+    path = save_checkpoint(ctx.run_dir, step, ctx.learner, state, ctx.cfg.trainer.checkpoint.keep_last)
+    ctx.log.print(f"checkpoint written to {path} ({time.perf_counter() - t0:.1f} s)")
+
+
+# ----------------------------------------------------------------------------------------- finish
+def finish(ctx: RunContext, progress: Progress) -> None:
+    """The summary's gains (final and last-quarter mean accuracy against step 0) and the
+    exported final policy; an interrupted run gets neither."""
+    summary, t_cfg = progress.summary, ctx.cfg.trainer
+    if "eval_step_0" in summary and "eval_final" in summary and "interrupted" not in summary:
+        summary["eval_gain_points"] = 100.0 * (summary["eval_final"] - summary["eval_step_0"])
+        ctx.log.print(f"eval accuracy: step 0 {summary['eval_step_0']:.4f} -> step {t_cfg.total_steps} "
+                      f"{summary['eval_final']:.4f} ({summary['eval_gain_points']:+.1f} points)")
+        # One eval of a small held-out set is noisy; the mean over the last quarter of the run
+        # is the steadier figure for comparing runs (modes, algorithms, seeds).
+        tail = progress.tail_evals
+        summary["eval_tail_mean"] = sum(tail) / len(tail)
+        summary["eval_tail_gain_points"] = 100.0 * (summary["eval_tail_mean"] - summary["eval_step_0"])
+        ctx.log.print(f"eval accuracy, mean of the {len(tail)} evals in the last quarter: "
+                      f"{summary['eval_tail_mean']:.4f} ({summary['eval_tail_gain_points']:+.1f} points)")
+    if t_cfg.export_model and "interrupted" not in summary:
+        ctx.learner.export_hf(str(ctx.run_dir / "final_model"), ctx.tokenizer)
+        summary["final_model"] = str(ctx.run_dir / "final_model")
+        ctx.log.print(f"final policy written to {ctx.run_dir / 'final_model'}")

@@ -1,0 +1,57 @@
+"""Weight-sync settings (``weight_sync.*``) and the transport ``auto`` resolves to."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+TRANSPORTS = ("auto", "colocated", "shm", "broadcast")
+WIRE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How new weights travel from the learner to the generators."""
+
+    transport: str = "auto"
+    """``colocated`` (engine in the learner's process), ``shm`` (same-host shared memory),
+    ``broadcast`` (a torch.distributed group: gloo on CPU, NCCL on GPU), or ``auto``: colocated for
+    the HF engine in sync mode, else shm."""
+    bucket_size_mb: float = 256.0
+    """Bucket size in MiB (> 0). A tensor larger than a bucket gets a bucket of its own size."""
+    num_slots: int = 2
+    """``shm``: reusable slots (>= 1); with 2 the learner packs bucket i+1 while engines load bucket i."""
+    wire_dtype: str = "auto"
+    """dtype on the wire: ``auto`` keeps the learner's; ``bfloat16``/``float16`` halve the bytes
+    (the engine converts to its own dtype when loading)."""
+    timeout_s: float = 300.0
+    """A sync (all buckets to every generator, loaded) that takes longer fails with a diagnostic."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"weight_sync.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not self.bucket_size_mb > 0:
+            raise ValueError(f"weight_sync.bucket_size_mb must be > 0, got {self.bucket_size_mb}")
+        if self.num_slots < 1:
+            raise ValueError(f"weight_sync.num_slots must be >= 1, got {self.num_slots}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"weight_sync.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"weight_sync.timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_size_mb`` in bytes."""
+        return int(self.bucket_size_mb * 2**20)
+
+
+def resolve_transport(cfg: WeightSyncConfig, backend: str, mode: str) -> str:
+    """The transport ``auto`` means for an engine backend (``hf``/``vllm``) in a trainer mode."""
+    if cfg.transport != "auto":
+        return cfg.transport
+    return "colocated" if (backend == "hf" and mode == "sync") else "shm"
+
+
+def replace_transport(cfg: WeightSyncConfig, transport: str) -> WeightSyncConfig:
+    """``cfg`` with ``transport`` resolved (``auto`` replaced)."""
+    return dataclasses.replace(cfg, transport=transport)

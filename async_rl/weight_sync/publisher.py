@@ -1,0 +1,347 @@
+"""The learner's driver of every push: engine targets, the transport objects (``colocated``,
+``shm``/``broadcast``) and ``WeightPublisher``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Protocol
+
+import torch
+
+from async_rl.weight_sync.config import WeightSyncConfig, replace_transport
+from async_rl.weight_sync.plan import UpdatePlan
+from async_rl.weight_sync.sources import WeightSource
+from async_rl.weight_sync.wire import WeightSender
+
+
+class WeightTarget(Protocol):
+    """The engine side of a push, as the publisher reaches it: an engine object in this process
+    (``LocalTarget``) or a generator actor (``RayTarget``). The calls return handles at once;
+    ``wait`` collects them.
+
+    The engine behind it implements ``async_rl.generators.base.Generator``'s weight methods
+    (``connect_weight_sync``, ``receive_weights``; for ``load``, ``update_weights``).
+    """
+
+    in_process: bool
+    """Whether the engine object lives in the learner's process (only then can it take the
+    learner's tensors by reference: the ``colocated`` transport)."""
+
+    def connect(self, init_info: dict[str, Any], rank: int) -> Any:
+        """Start connecting the engine's receiver (``WeightSender.init_info()``, receiver ``rank``);
+        returns a handle for ``wait``."""
+        ...
+
+    def receive(self, plan: dict[str, Any], version: int) -> Any:
+        """Start loading one update (``UpdatePlan.to_dict()``) from the connected sender; returns a
+        handle for ``wait`` whose result is the engine's seconds until the weights were in use."""
+        ...
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """``colocated``: hand the full tensors by name to the engine (``update_weights``), all or
+        nothing, blocking until they are in use.
+
+        Raises:
+            TypeError: the engine is not in this process (``in_process`` is false).
+            KeyError, ValueError, RuntimeError: the engine's refusal or failure (``update_weights``).
+        """
+        ...
+
+    @staticmethod
+    def wait(handles: list, timeout_s: float) -> list:
+        """Results of ``handles`` (from targets of this kind), in order.
+
+        Raises:
+            TimeoutError: not all finished within ``timeout_s`` seconds.
+            Exception: the first handle's own error (the engine's refusal or failure).
+        """
+        ...
+
+
+class LocalTarget:
+    """A generator engine object in this process (sync mode, or the evaluation engine of async
+    mode), driven from a helper thread so the learner's thread can stream the buckets meanwhile.
+
+    Args:
+        engine: an ``async_rl.generators.base.Generator``.
+    """
+
+    in_process = True
+
+    def __init__(self, engine) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.engine = engine
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-recv")
+
+    def connect(self, init_info: dict[str, Any], rank: int):
+        """``engine.connect_weight_sync`` on the helper thread; returns its future."""
+        return self._pool.submit(self.engine.connect_weight_sync, init_info, rank)
+
+    def receive(self, plan: dict[str, Any], version: int):
+        """``engine.receive_weights`` on the helper thread; returns its future."""
+        return self._pool.submit(self.engine.receive_weights, plan, version)
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """``engine.update_weights`` in the caller's thread (the tensors are the learner's own)."""
+        self.engine.update_weights(named_tensors, version)
+
+    @staticmethod
+    def wait(handles: list, timeout_s: float) -> list:
+        """Results of the futures ``handles``; ``TimeoutError`` if any is still running after ``timeout_s``."""
+        from concurrent.futures import wait
+
+        done, pending = wait(handles, timeout=timeout_s)
+        if pending:
+            raise TimeoutError
+        return [h.result() for h in handles]
+
+
+class RayTarget:
+    """A generator actor (``async_rl.generators.pool.GeneratorWorker``) reached through Ray calls.
+
+    Args:
+        actor: the actor handle.
+    """
+
+    in_process = False
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def connect(self, init_info: dict[str, Any], rank: int):
+        """``actor.connect_weight_sync.remote``; returns its object ref."""
+        return self.actor.connect_weight_sync.remote(init_info, rank)
+
+    def receive(self, plan: dict[str, Any], version: int):
+        """``actor.receive_weights.remote``; returns its object ref."""
+        return self.actor.receive_weights.remote(plan, version)
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Not possible: the engine lives in another process (use ``shm`` or ``broadcast``).
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError("a generator actor is not in the learner's process: weights reach it through shm or "
+                        "broadcast, not colocated")
+
+    @staticmethod
+    def wait(handles: list, timeout_s: float) -> list:
+        """``ray.get`` of ``handles``; ``TimeoutError`` if any is still running after ``timeout_s``."""
+        import ray
+
+        ready, pending = ray.wait(handles, num_returns=len(handles), timeout=timeout_s)
+        if pending:
+            raise TimeoutError
+        return ray.get(handles)
+
+
+def _wait(targets: list, handles: list, timeout_s: float, on_timeout: str) -> list:
+    try:
+        return type(targets[0]).wait(handles, timeout_s)
+    except TimeoutError:
+        raise TimeoutError(on_timeout) from None
+
+
+class Transport(Protocol):
+    """How one push travels (``make_transport``): the single call ``WeightPublisher.push`` makes,
+    whatever the transport."""
+
+    name: str
+    """``colocated``, ``shm`` or ``broadcast``."""
+    sender: WeightSender | None
+    """The bucket sender (``shm``/``broadcast``), or ``None``."""
+
+    def push(self, source: WeightSource, version: int) -> dict[str, float]:
+        """Move ``source``'s current weights into every target as ``version``, returning once all
+        of them have loaded it (all or nothing per engine); returns transfer metrics."""
+        ...
+
+    def close(self) -> None:
+        """Release what the transport holds (shm slots)."""
+        ...
+
+
+class ColocatedTransport:
+    """``colocated``: each engine lives in the learner's process and takes the learner's full
+    tensors by name (``WeightTarget.load``: the engine's ``update_weights``), nothing copied in
+    between. All or nothing per engine (``check_update`` before any write).
+
+    Args:
+        cfg: weight-sync settings.
+        targets: ``WeightTarget``s, every one ``in_process``.
+
+    Raises:
+        ValueError: a target whose engine is not in this process.
+    """
+
+    name = "colocated"
+
+    def __init__(self, cfg: WeightSyncConfig, targets: list) -> None:
+        if not all(t.in_process for t in targets):
+            raise ValueError("weight_sync.transport=colocated needs the engine in the learner's process "
+                             "(sync mode, generator.backend=hf); use shm or broadcast")
+        self.cfg, self.targets = cfg, targets
+        self.sender: WeightSender | None = None
+
+    def push(self, source: WeightSource, version: int) -> dict[str, float]:
+        """Load ``source``'s weights into every engine as ``version``; returns ``{}`` (nothing is
+        packed or sent).
+
+        Raises:
+            KeyError, ValueError: an engine's refusal (``check_update``; that engine is untouched).
+            RuntimeError: an engine's write failed midway (it refuses to sample until a complete update).
+        """
+        for t in self.targets:
+            t.load(source.named_weights(), version)
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class BucketTransport:
+    """``shm`` and ``broadcast``: one ``WeightSender`` streams planned buckets to the engines'
+    ``WeightReceiver``s (the protocol of the module docstring). Connects every target on creation.
+
+    Args:
+        cfg: weight-sync settings (``cfg.transport`` is ignored; ``transport`` rules).
+        transport: ``shm`` or ``broadcast``.
+        targets: ``WeightTarget``s (all of one kind).
+        device: where the learner's tensors live: ``cuda`` makes ``broadcast`` use NCCL.
+
+    Raises:
+        TimeoutError: a receiver did not connect within ``cfg.timeout_s``.
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, transport: str, targets: list, device: str = "cpu") -> None:
+        self.cfg, self.name, self.targets = cfg, transport, targets
+        self.sender = WeightSender(replace_transport(cfg, transport), len(targets), device=device)
+        handles = [t.connect(self.sender.init_info(), r) for r, t in enumerate(targets)]
+        self.sender.connect()  # broadcast: the group forms here, with every receiver joining
+        _wait(targets, handles, cfg.timeout_s, f"weight sync ({transport}) timed out after {cfg.timeout_s:.0f} s "
+                                               f"connecting")
+        self.sender.unlink_slots()
+
+    def _wait(self, handles: list, plan: UpdatePlan, what: str, timeout_s: float) -> list:
+        try:
+            return type(self.targets[0]).wait(handles, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(self.sender.diagnose(plan, what)) from None
+
+    def push(self, source: WeightSource, version: int) -> dict[str, float]:
+        """Plan ``source``'s weights as ``version`` (from ``weight_metadata``, nothing gathered),
+        stream them, and wait until every engine has loaded them.
+
+        Returns:
+            ``weight_sync/bytes``, ``weight_sync/pack_s``, ``weight_sync/send_s``.
+
+        Raises:
+            RuntimeError: an engine refused the update (the message names the weights) or failed
+                loading it.
+            Exception: whatever ``source.named_weights`` raised mid-stream (re-raised once the
+                engines have settled).
+            TimeoutError: not done within ``weight_sync.timeout_s`` (who, where).
+        """
+        deadline = time.monotonic() + self.cfg.timeout_s
+        # Shapes without gathering: send() then gathers one tensor at a time.
+        plan = self.sender.plan_shapes(source.weight_metadata(), version, source.weight_aliases())
+        handles = [t.receive(plan.to_dict(), version) for t in self.targets]
+        try:
+            metrics = self.sender.send(plan, source.named_weights(), deadline)
+        except Exception as sent:
+            # Let every engine settle first (a staged copy dropped, or the engine marked
+            # unusable), so that none is still loading when the caller sees the error; a
+            # receiver's own exception names the weight, so surface it too.
+            try:
+                self._wait(handles, plan, "collecting the receivers' errors", timeout_s=30)
+            except Exception as cause:
+                if isinstance(sent, RuntimeError) and str(cause) not in str(sent):
+                    raise RuntimeError(f"{sent} ({type(cause).__name__}: {cause})") from cause
+                raise sent from cause
+            raise
+        self._wait(handles, plan, "waiting for the engines to load", max(1.0, deadline - time.monotonic()))
+        return metrics
+
+    def close(self) -> None:
+        """Release the sender's slots."""
+        self.sender.close()
+
+
+def make_transport(cfg: WeightSyncConfig, transport: str, targets: list, device: str = "cpu") -> Transport:
+    """The transport object of a resolved ``transport`` name over ``targets``: a
+    ``ColocatedTransport`` or a (connected) ``BucketTransport``.
+
+    Raises:
+        ValueError: ``auto`` or an unknown name; ``colocated`` with targets not in this process.
+    """
+    if transport == "colocated":
+        return ColocatedTransport(cfg, targets)
+    if transport in ("shm", "broadcast"):
+        return BucketTransport(cfg, transport, targets, device)
+    raise ValueError(f"not a resolved weight_sync transport: {transport!r} (resolve_transport first)")
+
+
+class WeightPublisher:
+    """The learner's driver: one call of ``push`` moves one policy version into every generator.
+
+    Every push goes through here (sync rollouts, async pool, the evaluation engine, a resume):
+    the transport object (``make_transport``) decides how the tensors travel.
+
+    Args:
+        cfg: weight-sync settings.
+        transport: the resolved transport (``resolve_transport``): ``colocated``, ``shm`` or ``broadcast``.
+        learner: the ``WeightSource`` (a learner, ``ModuleWeights``, ``NamedTensors``).
+        targets: ``WeightTarget``s (``LocalTarget``s or ``RayTarget``s, all of one kind).
+        device: where the learner's tensors live: ``cuda`` makes ``broadcast`` use NCCL.
+
+    Raises:
+        ValueError: ``colocated`` with targets that are not in this process, or an unresolved
+            transport name.
+        TimeoutError: ``shm``/``broadcast``: a target did not connect within ``cfg.timeout_s``.
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, transport: str, learner: WeightSource, targets: list,
+                 device: str = "cpu") -> None:
+        self.cfg, self.transport, self.learner, self.targets = cfg, transport, learner, targets
+        self.published_version: int | None = None
+        self._transport = make_transport(cfg, transport, targets, device)
+
+    @property
+    def sender(self) -> WeightSender | None:
+        """The bucket sender (``shm``/``broadcast``), or ``None`` (``colocated``)."""
+        return self._transport.sender
+
+    def push(self, version: int) -> dict[str, float]:
+        """Send the learner's current weights as ``version``; returns once every generator has
+        loaded them (then, and only then, ``published_version = version``).
+
+        A failed push publishes nothing: each engine either refused the update before any write
+        (unchanged), dropped its staged copy (HF: old weights and version), or is marked unusable
+        until a complete update (vLLM, after a failure past its first loaded bucket). See the
+        module docstring, *All or nothing*.
+
+        Returns:
+            ``timing/weight_sync_s`` and, for shm/broadcast, bytes moved, pack/send seconds and
+            ``weight_sync/gb_per_s``.
+
+        Raises:
+            RuntimeError: a generator rejected the update (the message names the weights and what
+                was wrong) or failed loading it.
+            KeyError, ValueError: ``colocated``: the engine's own refusal (``check_update``).
+            Exception: whatever the learner's ``named_weights`` raised mid-stream (re-raised once
+                the engines have settled).
+            TimeoutError: the sync did not finish in ``weight_sync.timeout_s`` (who, where).
+        """
+        t0 = time.perf_counter()
+        metrics = self._transport.push(self.learner, version)
+        self.published_version = version
+        metrics["timing/weight_sync_s"] = time.perf_counter() - t0
+        if metrics.get("weight_sync/bytes"):
+            metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / metrics["timing/weight_sync_s"]
+        return metrics
+
+    def close(self) -> None:
+        """Release the transport (shm slots)."""
+        self._transport.close()

@@ -1,0 +1,330 @@
+"""The two ends of a bucket transfer (``shm`` slots or a ``broadcast`` group): ``WeightSender`` on
+the learner, ``WeightReceiver`` in each engine process (protocol: ``async_rl.weight_sync``)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import uuid
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from async_rl.weight_sync.config import WeightSyncConfig
+from async_rl.weight_sync.plan import DTYPES, UpdatePlan, pack_bucket, plan_update, unpack_bucket
+
+
+def _store_timeout(timeout_s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=timeout_s)
+
+
+def _slot_path(prefix: str, k: int) -> str:
+    return f"/dev/shm/{prefix}-slot{k}" if os.path.isdir("/dev/shm") else os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), f"{prefix}-slot{k}")
+
+
+class WeightSender:
+    """The learner's end of the weight sync layer (see the module docstring for the protocol).
+
+    Args:
+        cfg: weight-sync settings; ``cfg.transport`` must be ``shm`` or ``broadcast``.
+        num_receivers: generator engines that receive every update (>= 1).
+        host: address receivers reach the store at (``127.0.0.1`` for one host).
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL) for ``broadcast``.
+
+    Raises:
+        ValueError: a transport this class does not carry (``colocated`` needs no sender).
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, num_receivers: int, host: str = "127.0.0.1", device: str = "cpu") -> None:
+        import torch.distributed as dist
+
+        if cfg.transport not in ("shm", "broadcast"):
+            raise ValueError(f"WeightSender carries shm or broadcast, not {cfg.transport!r}")
+        self.cfg, self.num_receivers, self.device = cfg, num_receivers, device
+        self.store = dist.TCPStore(host, 0, num_receivers + 1, True, timeout=_store_timeout(cfg.timeout_s),
+                                   wait_for_workers=False)
+        self.host, self.port = host, self.store.port
+        self.prefix = f"async-rl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.slots: list[torch.Tensor] = []
+        self._slot_paths: list[str] = []
+        self._slot_bytes = 0
+        self.group = None
+        self.num_updates = 0
+        if cfg.transport == "shm":
+            self._alloc_slots(cfg.bucket_bytes)
+        import atexit
+
+        atexit.register(self._free_slots)
+
+    def _alloc_slots(self, nbytes: int) -> None:
+        self._free_slots()
+        self._slot_bytes = nbytes
+        self._slot_paths = [_slot_path(f"{self.prefix}-{nbytes}", k) for k in range(self.cfg.num_slots)]
+        # torch.from_file(shared=True) maps the file MAP_SHARED: every process that maps it sees
+        # one copy of the bytes, and the mapping is made once per slot, not once per update.
+        self.slots = [torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8) for p in self._slot_paths]
+
+    def _free_slots(self) -> None:
+        for p in self._slot_paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        self.slots, self._slot_paths = [], []
+
+    def init_info(self) -> dict[str, Any]:
+        """What a receiver needs to connect (JSON-able)."""
+        return {"transport": self.cfg.transport, "host": self.host, "port": self.port,
+                "world_size": self.num_receivers + 1, "timeout_s": self.cfg.timeout_s,
+                "device": self.device, "prefix": self.prefix,
+                "slots": [[p, self._slot_bytes] for p in self._slot_paths]}
+
+    def unlink_slots(self) -> None:
+        """Remove the slot files once every receiver has mapped them (``connect``): the memory
+        stays shared through the mappings and is freed when the last process unmaps it, so a
+        killed run leaves nothing behind in ``/dev/shm``."""
+        for p in self._slot_paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    def connect(self) -> None:
+        """Join the broadcast group (blocks until every receiver connects); no-op for ``shm``."""
+        if self.cfg.transport == "broadcast" and self.group is None:
+            self.group = _new_group(self.store, 0, self.num_receivers + 1, self.device, self.cfg.timeout_s, self.prefix)
+
+    def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: int,
+             aliases: dict[str, str] | None = None) -> UpdatePlan:
+        """The bucket layout of ``named_tensors`` (full tensors, or DTensors: only shapes are read)."""
+        return self.plan_shapes([(n, t.dtype, tuple(t.shape)) for n, t in named_tensors], version, aliases)
+
+    def plan_shapes(self, meta: Sequence[tuple[str, torch.dtype, Sequence[int]]], version: int,
+                    aliases: dict[str, str] | None = None) -> UpdatePlan:
+        """The bucket layout of ``(name, dtype, full shape)`` entries (``plan_update``); grows the
+        shm slots if one layer is larger than a bucket."""
+        wire = None if self.cfg.wire_dtype == "auto" else DTYPES[self.cfg.wire_dtype]
+        plan = plan_update(meta, version, self.cfg.bucket_bytes, aliases, wire)
+        if self.cfg.transport == "shm" and max(plan.bucket_nbytes) > self._slot_bytes:
+            self._alloc_slots(max(plan.bucket_nbytes))  # one oversized tensor: grow the slots once
+        return plan
+
+    def send(self, plan: UpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]], deadline: float | None = None) -> dict[str, float]:
+        """Stream ``tensors`` (in plan order; DTensors are gathered one at a time) to every receiver.
+
+        Call while every receiver runs ``WeightReceiver.receive(plan)`` (concurrently).
+
+        Returns:
+            ``{"weight_sync/bytes", "weight_sync/pack_s", "weight_sync/send_s"}``.
+
+        Raises:
+            RuntimeError: a receiver reported an error (its message, e.g. an unknown weight name).
+            TimeoutError: receivers did not get ready or acknowledge in time (which and where).
+        """
+        deadline = deadline or time.monotonic() + self.cfg.timeout_s
+        self._forget_previous(plan)
+        self._wait_count(plan, "ready", self.num_receivers, deadline)
+        try:
+            return self._send(plan, tensors, deadline)
+        except BaseException as e:
+            # Tell the receivers at once (shm receivers watch this key; broadcast receivers wait
+            # out the group's timeout), rather than leaving them blocked on the next bucket.
+            if not self.store.check([f"{plan.update_id}/error"]):
+                self.store.set(f"{plan.update_id}/error", f"sender: {type(e).__name__}: {e}")
+            raise
+
+    def _send(self, plan: UpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]], deadline: float) -> dict[str, float]:
+        it = iter(tensors)
+        pack_s = send_s = 0.0
+        nslots = len(self.slots)
+        bcast_buf = None
+        for i, metas in enumerate(plan.buckets):
+            if i and self.store.check([f"{plan.update_id}/error"]):
+                # A receiver gave up (its loader failed): broadcast receivers would leave the next
+                # collective unmatched, shm ones would never acknowledge.
+                raise RuntimeError(f"weight sync v{plan.version}: a generator failed: "
+                                   f"{self.store.get(f'{plan.update_id}/error').decode()}")
+            want = {m.name for m in metas if m.alias_of is None}
+            got: dict[str, torch.Tensor] = {}
+            while len(got) < len(want):
+                name, t = next(it)
+                if name not in want:
+                    raise ValueError(f"weight {name!r} arrived out of plan order (bucket {i} expects {sorted(want)[:4]})")
+                # A sharded learner's parameter is gathered here, one at a time.
+                got[name] = t.full_tensor() if isinstance(t, DTensor) else t
+            t0 = time.perf_counter()
+            if self.cfg.transport == "shm":
+                if i >= nslots:  # slot reuse: every receiver must be done with bucket i - nslots
+                    self._wait_count(plan, f"ack{i - nslots}", self.num_receivers, deadline)
+                buf = self.slots[i % nslots][: plan.bucket_nbytes[i]]
+                pack_bucket(buf, metas, got)
+                t1 = time.perf_counter()
+                self.store.set(f"{plan.update_id}/bucket{i}", f"{self._slot_paths[i % nslots]}:{self._slot_bytes}")
+            else:
+                if bcast_buf is None or bcast_buf.numel() < plan.bucket_nbytes[i]:
+                    bcast_buf = torch.empty(max(plan.bucket_nbytes), dtype=torch.uint8, device=self.device)
+                buf = bcast_buf[: plan.bucket_nbytes[i]]
+                pack_bucket(buf, metas, got)
+                t1 = time.perf_counter()
+                self.group.broadcast(buf, 0).wait()
+            pack_s += t1 - t0
+            send_s += time.perf_counter() - t1
+            del got
+        self.num_updates += 1
+        return {"weight_sync/bytes": float(plan.total_bytes), "weight_sync/pack_s": pack_s, "weight_sync/send_s": send_s}
+
+    def _forget_previous(self, plan: UpdatePlan) -> None:
+        # The previous update is complete (its caller waited for every engine): drop its keys so
+        # a long run does not grow the store by a few keys per version.
+        prev, self._last_plan = getattr(self, "_last_plan", None), plan
+        if prev is None:
+            return
+        for key in ["ready", "error"] + [f"bucket{i}" for i in range(len(prev.buckets))] + \
+                [f"ack{i}" for i in range(len(prev.buckets))]:
+            self.store.delete_key(f"{prev.update_id}/{key}")
+
+    def _wait_count(self, plan: UpdatePlan, key: str, n: int, deadline: float) -> None:
+        full = f"{plan.update_id}/{key}"
+        err = f"{plan.update_id}/error"
+        while True:
+            if self.store.check([err]):
+                raise RuntimeError(f"weight sync v{plan.version}: a generator failed: {self.store.get(err).decode()}")
+            if self.store.add(full, 0) >= n:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(self.diagnose(plan, f"waiting for {n} receivers' {key!r}"))
+            time.sleep(0.0005)
+
+    def diagnose(self, plan: UpdatePlan, what: str) -> str:
+        """Where each receiver stands in ``plan`` (for a timeout message)."""
+        ready = self.store.add(f"{plan.update_id}/ready", 0)
+        acks = [self.store.add(f"{plan.update_id}/ack{i}", 0) for i in range(len(plan.buckets))]
+        return (f"weight sync v{plan.version} ({self.cfg.transport}) timed out after {self.cfg.timeout_s:.0f} s "
+                f"{what}: {ready}/{self.num_receivers} receivers ready; acknowledgements per bucket {acks}")
+
+    def close(self) -> None:
+        """Release the slots (the files are unlinked; receivers' mappings stay valid until closed)."""
+        self._free_slots()
+
+
+def _new_group(store, rank: int, world: int, device: str, timeout_s: float, prefix: str):
+    import torch.distributed as dist
+
+    pstore = dist.PrefixStore(f"{prefix}/pg", store)
+    if device.startswith("cuda"):
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _store_timeout(timeout_s)
+        return dist.ProcessGroupNCCL(pstore, rank, world, opts)
+    return dist.ProcessGroupGloo(pstore, rank, world, _store_timeout(timeout_s))
+
+
+class WeightReceiver:
+    """A generator's end of the weight sync layer (see the module docstring for the protocol).
+
+    Args:
+        init_info: ``WeightSender.init_info()``.
+        rank: this receiver's index among the sender's receivers (0-based).
+    """
+
+    def __init__(self, init_info: dict[str, Any], rank: int) -> None:
+        import torch.distributed as dist
+
+        self.info, self.rank = dict(init_info), rank
+        self.transport = init_info["transport"]
+        self.store = dist.TCPStore(init_info["host"], int(init_info["port"]), int(init_info["world_size"]), False,
+                                   timeout=_store_timeout(float(init_info["timeout_s"])))
+        self.group = None
+        self._maps: dict[str, torch.Tensor] = {}
+        self._buf: torch.Tensor | None = None
+
+    def connect(self) -> None:
+        """Map the shm slots, or join the broadcast group (blocks until the sender and all
+        receivers connect)."""
+        for path, nbytes in self.info.get("slots", []):
+            self._slot(path, int(nbytes))
+        if self.transport == "broadcast" and self.group is None:
+            self.group = _new_group(self.store, self.rank + 1, int(self.info["world_size"]), self.info["device"],
+                                    float(self.info["timeout_s"]), self.info["prefix"])
+
+    def fail(self, plan: UpdatePlan, message: str) -> None:
+        """Tell the sender this update cannot be loaded (it raises ``RuntimeError`` with ``message``).
+
+        The first error posted for an update stands (it is the cause; later ones are its echoes)."""
+        key = f"{plan.update_id}/error"
+        if not self.store.check([key]):
+            self.store.set(key, f"receiver {self.rank}: {message}")
+
+    def receive(self, plan: UpdatePlan, check=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield each bucket's ``(name, tensor)`` views in plan order.
+
+        Args:
+            plan: the update's layout.
+            check: optional callable on ``plan.names`` run before any byte moves (the engine's
+                check of the whole plan, ``check_update``); if it raises, the sender is told and
+                the error propagates.
+
+        A yielded bucket's views are valid only until the next one is requested: the loader must
+        consume (or copy) them before asking for the next. If the loader stops early (it raised,
+        or closed this iterator) the sender is told, so it stops instead of waiting for
+        acknowledgements; a loader that ``fail``s with its own message inside the loop, before
+        leaving it, has that message reach the sender instead.
+
+        Raises:
+            RuntimeError: the sender (or another receiver) reported an error mid-update.
+            TimeoutError: a bucket did not arrive within ``timeout_s`` (``shm``).
+        """
+        if check is not None:
+            try:
+                check(plan.names)
+            except Exception as e:
+                self.fail(plan, f"{type(e).__name__}: {e}")
+                raise
+        self.connect()
+        self.store.add(f"{plan.update_id}/ready", 1)
+        i, complete = 0, False
+        try:
+            for i, metas in enumerate(plan.buckets):
+                if self.transport == "shm":
+                    key = f"{plan.update_id}/bucket{i}"
+                    self._wait_key(plan, key)
+                    path, nbytes = self.store.get(key).decode().rsplit(":", 1)
+                    buf = self._slot(path, int(nbytes))[: plan.bucket_nbytes[i]]
+                else:
+                    if self._buf is None or self._buf.numel() < plan.bucket_nbytes[i]:
+                        self._buf = torch.empty(max(plan.bucket_nbytes), dtype=torch.uint8, device=self.info["device"])
+                    buf = self._buf[: plan.bucket_nbytes[i]]
+                    self.group.broadcast(buf, 0).wait()
+                yield unpack_bucket(buf, metas)
+                self.store.add(f"{plan.update_id}/ack{i}", 1)
+            complete = True
+        finally:
+            if not complete:
+                try:
+                    self.fail(plan, f"stopped at bucket {i} of {len(plan.buckets)}")
+                except Exception:  # noqa: BLE001 - the store may be gone with the sender; the cause propagates
+                    pass
+
+    def _wait_key(self, plan: UpdatePlan, key: str) -> None:
+        err = f"{plan.update_id}/error"
+        deadline = time.monotonic() + float(self.info["timeout_s"])
+        while not self.store.check([key]):
+            if self.store.check([err]):
+                raise RuntimeError(f"weight sync v{plan.version} aborted: {self.store.get(err).decode()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight sync v{plan.version}: receiver {self.rank} waited "
+                                   f"{self.info['timeout_s']} s for {key!r}")
+            time.sleep(0.0002)
+
+    def _slot(self, path: str, nbytes: int) -> torch.Tensor:
+        # Mapped once per slot file; the sender allocates new files only if a bucket outgrows them.
+        if path not in self._maps:
+            self._maps[path] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        return self._maps[path]
+
+    def close(self) -> None:
+        """Drop the slot mappings and the receive buffer."""
+        self._maps.clear()
+        self._buf = None
