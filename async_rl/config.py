@@ -27,6 +27,7 @@ from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.loops.base import TrainerConfig
 from async_rl.data.dataset import DataConfig
 from async_rl.metrics import LoggingConfig
+from async_rl.rewards import get_reward_fn
 from async_rl.rewards.config import RewardConfig
 from async_rl.weight_sync import WeightSyncConfig
 from async_rl.generators.base import GeneratorConfig
@@ -157,10 +158,8 @@ def _cross_validate(cfg: Config) -> None:
         # Dr.GRPO's constant horizon: the longest response the generator may produce.
         cfg.algorithm.loss_horizon_tokens = cfg.generator.max_response_tokens
     n = cfg.trainer.samples_per_prompt
-    try:
-        needs_groups = cfg.algorithm.needs_groups  # resolves the estimator spec
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    _check_specs(cfg)
+    needs_groups = cfg.algorithm.needs_groups
     if n < 2 and needs_groups:
         raise ConfigError(
             f"trainer.samples_per_prompt={n}: the {cfg.algorithm.advantage_estimator} "
@@ -263,6 +262,20 @@ def _check_token_budgets(cfg: Config) -> None:
     if cfg.generator.backend == "vllm" and 0 < context < longest:
         raise ConfigError(f"generator.vllm.max_model_len={context} is less than the {longest} tokens of the "
                           f"longest possible sequence ({how}): vLLM would end responses before the limit")
+
+
+def _check_specs(cfg: Config) -> None:
+    """Resolve every part the config names by spec (loss, estimator, reward), so a bad one stops
+    at load with its key, before a model loads or a run directory is made."""
+    checks = [("algorithm.policy_loss", lambda: cfg.algorithm.policy_loss_fn),
+              ("algorithm.advantage_estimator", lambda: cfg.algorithm.estimator)]
+    if cfg.reward.fn:
+        checks.append(("reward.fn", lambda: get_reward_fn(cfg.reward.fn)))
+    for key, resolve_spec in checks:
+        try:
+            resolve_spec()
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
 
 
 def _check_lora(cfg: Config) -> None:

@@ -433,7 +433,8 @@ class ZmqTrajectorySender:
         send_timeout_s: seconds one ``send`` may block before ``SendTimeoutError``; ``None``
             blocks until the receiver catches up.
         linger_s: seconds ``close`` keeps trying to deliver queued messages; what is still
-            queued afterwards is lost (the controller's re-issue of in-flight prompts covers it).
+            queued afterwards is lost (a sender closes only when its actor stops: at the end of a run,
+            whose ledger counts such groups, or with a dead actor, which stops the run).
 
     Raises:
         ValueError: ``hwm`` < 1 or a negative timeout.

@@ -4,7 +4,7 @@ Each decoder layer (the classes in the model's ``_no_split_modules``) is sharded
 over a 1-D device mesh on the default process group (gloo on CPU). With world size 1 the group
 is created in-process from a ``HashStore``, so a laptop run needs no launcher or free port.
 
-Before a training step the controller calls ``prepare`` (no grad): proximal log-probs with the
+Before a training step the trainer's loop calls ``prepare`` (``async_rl.batch.make_batch``) (no grad): proximal log-probs with the
 current weights (unless the algorithm runs in bypass mode, proximal := behavior), reference
 log-probs when a KL term is on, and critic values when the estimator needs them. Advantages are
 computed from these (KL-in-reward and GAE need them), then ``train_step``:

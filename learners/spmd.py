@@ -1,6 +1,6 @@
 """Rank 0 drives the other learner ranks: each collective learner call runs on every rank.
 
-The trainer (controller, generators, weight publisher) lives in one process, learner rank 0. The
+The trainer (its loop, the colocated engine, the weight publisher) lives in one process, learner rank 0. The
 FSDP2 learner's passes are collectives (parameter all-gathers, gradient reduce-scatters,
 normaliser all-reduces, DCP saves), so every rank must make the same calls in the same order.
 Instead of running the whole trainer on every rank (torchrun style, with data fanned out from

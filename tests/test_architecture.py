@@ -127,6 +127,35 @@ def test_no_import_cycle():
         "\n".join(" <-> ".join(c) for c in cycles)
 
 
+LAYERS = [  # top to bottom, as docs/architecture.md draws them; an import may only point down or sideways
+    ["async_rl.cli"],
+    ["async_rl.trainer"],
+    ["async_rl.config"],
+    ["async_rl.loops"],
+    ["async_rl.rollout", "async_rl.batch", "async_rl.evaluation"],
+    ["async_rl.learners", "async_rl.generators", "async_rl.buffers", "async_rl.weight_sync", "async_rl.agent",
+     "async_rl.checkpoint", "async_rl.metrics", "async_rl.data"],
+    ["async_rl.algorithms", "async_rl.rewards", "async_rl.tools", "async_rl.lora", "async_rl.registry"],
+]
+
+
+def _layer(module: str) -> int | None:
+    for depth, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return depth
+    return None
+
+
+def test_every_module_has_a_layer_and_every_import_points_down():
+    graph = _graph()
+    unplaced = sorted(m for m in graph if m != "async_rl" and _layer(m) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS and docs/architecture.md): {unplaced}"
+    up = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
+          if _layer(m) is not None and _layer(d) is not None and _layer(d) < _layer(m)]
+    assert not up, "imports that point up a layer:\n" + "\n".join(sorted(up))
+    assert _layer("async_rl.loops.pool") == 3 and _layer("async_rl.lora") == 6
+
+
 def test_no_private_name_imported_from_another_module():
     bad = [f"{m}:{line} imports {name} from {owner}" for m, p in MODULES.items()
            for owner, name, line in _imports(m, p)

@@ -251,3 +251,19 @@ def test_vllm_context_fits_prompt_and_response(max_model_len, ok):
             _load(*args)
     # The HF engine does not use the vLLM section.
     assert _load("generator.vllm.max_model_len=39")
+
+
+@pytest.mark.parametrize("spec", ["ppo_clip", "builtin:ppo_clip", "async_rl.algorithms.losses:ppo_clip_loss"])
+def test_every_spec_of_ppo_clip_gets_the_configured_clip_bounds(spec):
+    # The spec string is not the loss: builtin:ppo_clip once lost clip_ratio_high=0.28 silently.
+    cfg = load_config(ROOT / "configs/default.yaml", [f"algorithm.policy_loss={spec}", "algorithm.clip_ratio_high=0.28"])
+    assert cfg.algorithm.loss_params() == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": None}
+
+
+@pytest.mark.parametrize("override,key", [("algorithm.policy_loss=nosuch", "algorithm.policy_loss"),
+                                          ("algorithm.advantage_estimator=nosuch", "algorithm.advantage_estimator"),
+                                          ("reward.fn=no/such/file.py:fn", "reward.fn")])
+def test_a_bad_spec_stops_at_load_with_its_key(override, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(ROOT / "configs/default.yaml", [override])
+    assert str(info.value).startswith(f"{key}: ") and "\n" not in str(info.value)

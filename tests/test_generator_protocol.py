@@ -1,6 +1,7 @@
 """The protocols list what the code calls, and every implementation has all of it: the engines
 (``Generator``: HF and vLLM, the latter inspected without starting vLLM), the learner
-(``Learner``), the publisher's targets (``WeightTarget``) and weight sources (``WeightSource``).
+(``Learner``), the publisher's targets (``WeightTarget``), weight sources (``WeightSource``) and
+transports (``Transport``), and the two training loops (``Loop``).
 So callers never probe with ``hasattr``. Plus the one weight path: ``colocated`` is a transport
 object like the others, usable for an in-process evaluation engine whatever the trainer mode."""
 
@@ -124,3 +125,14 @@ def test_an_async_runs_evaluation_engine_takes_colocated_pushes(tiny_model_path,
     assert engine.policy_version == 3 and pub.published_version == 3 and metrics["timing/weight_sync_s"] >= 0
     for (n, a), (_, b) in zip(engine.model.named_parameters(), src.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_both_loops_implement_the_loop_protocol():
+    from async_rl.loops.async_loop import AsyncLoop
+    from async_rl.loops.base import Loop
+    from async_rl.loops.sync import SyncLoop
+
+    assert set(_members(Loop)) == {"step", "sync_eval_engine", "state_dict", "close"}
+    for cls in (SyncLoop, AsyncLoop):
+        _check(cls, Loop)
+        assert list(inspect.signature(cls.__init__).parameters)[1:3] == ["ctx", "resume_state"]

@@ -33,7 +33,7 @@ from typing import Any
 from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorSpec
 from async_rl.algorithms.aggregation import LOSS_AGG_MODES
 from async_rl.algorithms.kl import K3_CLAMP, KL_KINDS
-from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, OffPolicyCorrection
+from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, POLICY_LOSSES, OffPolicyCorrection, ppo_clip_loss
 
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {"advantage_estimator": "grpo", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean"},
@@ -197,6 +197,17 @@ class AlgorithmConfig:
         return ADVANTAGE_ESTIMATORS.get(self.require_resolved().advantage_estimator)
 
     @property
+    def policy_loss_fn(self):
+        """The policy loss function of this config (``policy_loss`` resolved: a built-in name,
+        ``builtin:<name>``, an import path or a file).
+
+        Raises:
+            ValueError: the spec cannot be resolved (see ``async_rl.registry``), or the preset has
+                not been applied.
+        """
+        return POLICY_LOSSES.get(self.require_resolved().policy_loss)
+
+    @property
     def needs_critic(self) -> bool:
         """Whether the advantage estimator needs critic values (the learner then trains a critic)."""
         return self.estimator.needs_critic
@@ -214,11 +225,15 @@ class AlgorithmConfig:
     def loss_params(self) -> dict[str, Any]:
         """Keyword arguments for the chosen policy loss.
 
-        ``ppo_clip`` gets the clip bounds of this config; GSPO and CISPO keep their papers'
-        defaults (their ratios live on other scales) unless ``loss_kwargs`` sets them.
+        ``ppo_clip`` gets the clip bounds of this config, whichever spec names it (``ppo_clip``,
+        ``builtin:ppo_clip``, its import path); GSPO and CISPO keep their papers' defaults (their
+        ratios live on other scales) unless ``loss_kwargs`` sets them.
+
+        Raises:
+            ValueError: the loss spec cannot be resolved.
         """
         params: dict[str, Any] = {}
-        if self.policy_loss == "ppo_clip":
+        if self.policy_loss_fn is ppo_clip_loss:
             params = {"clip_ratio_low": self.clip_ratio_low, "clip_ratio_high": self.clip_ratio_high,
                       "clip_ratio_c": self.clip_ratio_c}
         return {**params, **self.loss_kwargs}

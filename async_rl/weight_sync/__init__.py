@@ -8,7 +8,8 @@ Transports (``weight_sync.transport``):
 * ``shm``: same host. The learner owns ``num_slots`` reusable shared-memory slots of
   ``bucket_size_mb`` (files under ``/dev/shm``, mapped once by every receiver); it copies bucket
   i into slot ``i % num_slots`` and announces it; receivers load straight from the slot and
-  acknowledge. Measured 3-4x faster than any socket on these machines (``../shared/MEASURED.md``).
+  acknowledge. Measured 3-4x faster than any socket on these machines (``bench/bench_weight_sync.py``
+  puts it beside the gloo broadcast).
 * ``broadcast``: a ``torch.distributed`` process group of its own (gloo on CPU, NCCL on GPU) with
   the learner's sender as rank 0 and generator k as rank k + 1; each bucket is one broadcast. It
   never touches the default group, which the learner's FSDP ranks and vLLM's workers own.

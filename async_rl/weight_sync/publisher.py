@@ -98,7 +98,7 @@ class LocalTarget:
 
 
 class RayTarget:
-    """A generator actor (``async_rl.generators.pool.GeneratorWorker``) reached through Ray calls.
+    """A generator actor (``async_rl.loops.pool.GeneratorWorker``) reached through Ray calls.
 
     Args:
         actor: the actor handle.
