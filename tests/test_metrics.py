@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -234,7 +235,13 @@ def test_wandb_offline_run_read_back(tmp_path, monkeypatch):
         logger.log({"eval/accuracy": np.float64(0.625)}, step=3)
 
     (log_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    # wandb's service process (shared by the whole pytest process once an earlier test started
+    # it) may still be writing the file when finish() returns: read until the run record is in.
+    deadline = time.monotonic() + 30
     records = read_wandb_records(log_file)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = read_wandb_records(log_file)
 
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.project == "tests" and run.display_name == "grpo-tiny" and list(run.tags) == ["ci"]
