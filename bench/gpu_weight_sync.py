@@ -66,7 +66,6 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 import torch
@@ -243,12 +242,14 @@ class ProcTarget:
     def receive(self, plan: dict, version: int):
         return self.call("receive_weights", plan, version)
 
+    in_process = False  # the engine lives in its own process: bucket transports only
+
     @staticmethod
     def wait(handles: list, timeout_s: float) -> list:
-        done, pending = futures_wait(handles, timeout=timeout_s)
-        if pending:
-            raise TimeoutError
-        return [h.result() for h in handles]
+        """Futures, as ``LocalTarget``'s (``ThreadPoolExecutor`` calls)."""
+        from async_rl.weight_sync import LocalTarget
+
+        return LocalTarget.wait(handles, timeout_s)
 
     def close(self) -> None:
         try:
