@@ -190,15 +190,16 @@ def _check_splits(cfg: Config) -> None:
     - the step's ``prompts_per_step x samples_per_prompt`` sequences into
       ``learner.num_mini_batches`` mini-batches (an empty one would still take an optimizer and
       an LR-scheduler step; the critic shares this split);
-    - each mini-batch over ``learner.world_size`` ranks: the batch is cut by ``tensor_split``, so
+    - each mini-batch over the learner's data-parallel ranks (``learner.world_size``, divided by
+      the tensor and pipeline parallel sizes for ``learner.backend=megatron``): the batch is cut by ``tensor_split``, so
       the smallest mini-batch has ``floor(S / num_mini_batches)`` sequences;
     - async mode: ``generator.num_workers`` against the ``(max_staleness + 1) x prompts_per_step``
       groups admission control lets be in flight (``async_rl.buffers.replay.AdmissionController``);
-    - the warm start's ``batch_size`` sequences over ``learner.world_size`` ranks.
+    - the warm start's ``batch_size`` sequences over the data-parallel ranks.
 
     Micro-batches need no rule: they are cut from a rank's non-empty share and are never empty
     (``async_rl.learners.batching``). Dynamic sampling only adds groups; reward rejections may shrink a
-    batch at run time, which the learner handles (``FSDPLearner.train_step`` skips mini-batches
+    batch at run time, which the learner handles (``LearnerCore.train_step`` skips mini-batches
     without a loss token).
     """
     t, lrn = cfg.trainer, cfg.learner
@@ -210,8 +211,9 @@ def _check_splits(cfg: Config) -> None:
                           f"{_plural(seqs, 'sequence')} per step ({per_step}): a mini-batch would be empty "
                           "and its optimizer step would train on nothing")
     smallest = seqs // lrn.num_mini_batches
-    if lrn.world_size > smallest:
-        raise ConfigError(f"learner.world_size={lrn.world_size} exceeds the {_plural(smallest, 'sequence')} of "
+    dp, dp_keys = lrn.data_parallel_size, _data_parallel_keys(lrn)
+    if dp > smallest:
+        raise ConfigError(f"{dp_keys} exceeds the {_plural(smallest, 'sequence')} of "
                           f"the smallest mini-batch ({per_step} = {seqs} sequences per step in "
                           f"learner.num_mini_batches={lrn.num_mini_batches}): a rank would get no sequence")
     if t.mode == "async":
@@ -222,9 +224,19 @@ def _check_splits(cfg: Config) -> None:
                 f"admission control lets be in flight in trainer.mode=async ((trainer.max_staleness="
                 f"{t.max_staleness} + 1) x trainer.prompts_per_step={prompts}): a worker would never get a group")
     ws = t.warm_start
-    if ws.steps > 0 and ws.batch_size < lrn.world_size:
-        raise ConfigError(f"trainer.warm_start.batch_size={ws.batch_size} is less than learner.world_size="
-                          f"{lrn.world_size}: a rank would get no warm-start sequence")
+    if ws.steps > 0 and ws.batch_size < dp:
+        raise ConfigError(f"trainer.warm_start.batch_size={ws.batch_size} is less than {dp_keys}: a rank would "
+                          "get no warm-start sequence")
+
+
+def _data_parallel_keys(lrn) -> str:
+    """How a message names the data-parallel size: ``learner.world_size=4`` for FSDP2, or
+    ``the 2 data-parallel rank(s) of learner.world_size=4 (...)`` for Megatron."""
+    if lrn.backend != "megatron":
+        return f"learner.world_size={lrn.world_size}"
+    m = lrn.megatron
+    return (f"the {lrn.data_parallel_size} data-parallel rank(s) of learner.world_size={lrn.world_size} "
+            f"(tensor_parallel_size={m.tensor_parallel_size}, pipeline_parallel_size={m.pipeline_parallel_size})")
 
 
 def _longest_sequence(cfg: Config) -> tuple[int, str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -21,6 +22,31 @@ from async_rl.lora import LoRAConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 MIXED_PRECISION = ("auto", "fp32", "bf16")
+BACKENDS = ("fsdp2", "megatron")
+
+
+@dataclass
+class MegatronConfig:
+    """Model parallelism of the Megatron learner (``learner.backend=megatron``): megatron-core's
+    ``GPTModel`` split ``tensor_parallel_size`` ways inside each layer (Megatron-LM, Shoeybi et
+    al. 2019, arXiv 1909.08053) and ``pipeline_parallel_size`` ways across layers (Narayanan et
+    al. 2021, arXiv 2104.04473); the rest of ``learner.world_size`` is data parallel."""
+
+    tensor_parallel_size: int = 1
+    """Ranks one layer's weights are split over (>= 1); must divide the attention heads, the KV
+    heads and the MLP width (checked when the model is built)."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (>= 1): consecutive groups of decoder layers on successive ranks; must
+    divide the number of layers."""
+    sequence_parallel: bool = True
+    """With ``tensor_parallel_size > 1`` on CUDA, also split the layer norms' and dropouts'
+    activations along the sequence (Korthikanti et al. 2022, arXiv 2205.05198). Ignored on CPU,
+    where megatron-core's sequence-parallel kernels do not run."""
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"learner.megatron.{key} must be >= 1, got {getattr(self, key)}")
 
 
 @dataclass
@@ -51,9 +77,14 @@ class CriticConfig:
 
 @dataclass
 class LearnerConfig:
-    """Trainer-side settings: sharding, optimizer, schedule and batching of the one learner
-    backend, torch FSDP2 (``fully_shard``) over a gloo (CPU) or NCCL (GPU) process group."""
+    """Trainer-side settings: backend, sharding, optimizer, schedule and batching of the learner,
+    over a gloo (CPU) or NCCL (GPU) process group."""
 
+    backend: str = "fsdp2"
+    """``fsdp2``: the Hugging Face model sharded with torch FSDP2 (``fully_shard``), every rank
+    data parallel. ``megatron``: megatron-core's ``GPTModel`` with tensor and pipeline
+    parallelism (``learner.megatron``; Qwen2 and Llama architectures), the same losses, weight
+    sync, checkpoints and metrics."""
     world_size: int = 1
     """Learner ranks (>= 1) on one process group (gloo on CPU). Rank 0 is the trainer process;
     ranks 1.. are Ray actors it places (``async_rl.learners.launch``), or the other ranks of a
@@ -126,11 +157,26 @@ class LearnerConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, used only by estimators that need values (``gae``)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """Low-rank adapters (``rank > 0``): only they train and only they sync to the generators."""
+    """Low-rank adapters (``rank > 0``): only they train and only they sync to the generators
+    (``fsdp2`` only)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Tensor and pipeline parallel sizes of ``backend=megatron``."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that take separate shares of a batch: ``world_size`` for ``fsdp2``, ``world_size
+        / (tensor_parallel_size * pipeline_parallel_size)`` for ``megatron``."""
+        if self.backend != "megatron":
+            return self.world_size
+        return self.world_size // (self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"learner.world_size must be >= 1, got {self.world_size}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"learner.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "megatron":
+            self._check_megatron()
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"learner.device must be auto, cpu or cuda, got {self.device!r}")
         if self.mixed_precision not in MIXED_PRECISION:
@@ -158,6 +204,44 @@ class LearnerConfig:
         for key in ("micro_batch_size", "num_mini_batches", "num_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"learner.{key} must be >= 1, got {getattr(self, key)}")
+
+    def _check_megatron(self) -> None:
+        """What ``backend=megatron`` cannot do, refused at load with one line each."""
+        m = self.megatron
+        if self.world_size % (m.tensor_parallel_size * m.pipeline_parallel_size):
+            raise ValueError(f"learner.world_size={self.world_size} is not a multiple of learner.megatron."
+                             f"tensor_parallel_size * pipeline_parallel_size = {m.tensor_parallel_size} * "
+                             f"{m.pipeline_parallel_size}")
+        if self.lora.rank > 0:
+            raise ValueError("learner.lora.rank > 0 needs learner.backend=fsdp2: the Megatron learner trains "
+                             "full weights only")
+        if self.cpu_offload:
+            raise ValueError("learner.cpu_offload=true is an FSDP2 option; with learner.backend=megatron use "
+                             "learner.megatron.tensor_parallel_size / pipeline_parallel_size to fit the model")
+        if self.attn_implementation not in ("auto", "sdpa"):
+            raise ValueError(f"learner.attn_implementation={self.attn_implementation} is a Hugging Face backend; "
+                             "the Megatron learner runs megatron-core's own attention (leave it at auto)")
+
+
+def learner_device(cfg: LearnerConfig) -> torch.device:
+    """The learner's device type: ``learner.device``, with ``auto`` = CUDA when available."""
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("learner.device=cuda but torch sees no CUDA device")
+    return torch.device(cfg.device)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo for the CPU ones (normalisers,
+    micro-batch counts, the rank-0 command channel)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def init_single_process_group(backend: str = "gloo") -> None:
+    """Create a world-size-1 default group in-process (no rendezvous) if none exists."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def clip_and_step(params, optimizer, scheduler, grad_clip: float) -> torch.Tensor:

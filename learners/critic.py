@@ -52,7 +52,28 @@ class ValueModel(nn.Module):
         return hidden[:, :-1].float() @ self.value_head.weight[0].float() + self.value_head.bias[0].float()
 
 
-class FSDPCritic:
+class CriticCore:
+    """The value loss both critics (``FSDPCritic``, ``async_rl.learners.megatron_critic.MegatronCritic``)
+    train with; a subclass provides ``cfg`` (``CriticConfig``) and ``values(mb)``."""
+
+    def backward(self, mb: TrainBatch, agg_mode: str, num_tokens, num_seqs, horizon,
+                 grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """Clipped value loss of one micro-batch against ``extras["returns"]``; accumulates grads.
+
+        The loss is divided by the mini-batch's global normalisers, like the policy loss, so
+        micro-batch splits do not change the update; ``grad_scale`` is the learner's
+        (``LearnerCore._grad_scale``: the data-parallel size where the backend averages
+        gradients, 1 where it sums them).
+        """
+        values = self.values(mb)
+        loss, metrics = value_loss(values, mb.extras["values"], mb.extras["returns"], mb.loss_mask,
+                                   clip_range_value=self.cfg.clip_range_value, agg_mode=agg_mode,
+                                   num_global_tokens=num_tokens, num_global_seqs=num_seqs, horizon=horizon)
+        (self.cfg.loss_coef * grad_scale * loss).backward()
+        return {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in metrics.items()}}
+
+
+class FSDPCritic(CriticCore):
     """The critic's model, optimizer and update, driven by ``FSDPLearner``.
 
     Args:
@@ -92,24 +113,9 @@ class FSDPCritic:
             return unpack_labels(self.model(ids, None, positions), mb.attention_mask)
         return self.model(mb.input_ids, mb.attention_mask, mb.position_ids)
 
-    def backward(self, mb: TrainBatch, agg_mode: str, num_tokens, num_seqs, horizon,
-                 grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
-        """Clipped value loss of one micro-batch against ``extras["returns"]``; accumulates grads.
-
-        The loss is divided by the mini-batch's global normalisers, like the policy loss, so
-        micro-batch splits do not change the update; ``grad_scale`` is the world size (FSDP
-        averages gradients over ranks, the global normaliser already divides).
-        """
-        values = self.values(mb)
-        loss, metrics = value_loss(values, mb.extras["values"], mb.extras["returns"], mb.loss_mask,
-                                   clip_range_value=self.cfg.clip_range_value, agg_mode=agg_mode,
-                                   num_global_tokens=num_tokens, num_global_seqs=num_seqs, horizon=horizon)
-        (self.cfg.loss_coef * grad_scale * loss).backward()
-        return {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in metrics.items()}}
-
     def optimizer_step(self, grad_clip: float) -> torch.Tensor:
         """Clip, step and zero the critic's gradients; returns the pre-clip grad norm."""
         return clip_and_step(self.model.parameters(), self.optimizer, self.scheduler, grad_clip)
 
 
-__all__ = ["ValueModel", "FSDPCritic"]
+__all__ = ["ValueModel", "CriticCore", "FSDPCritic"]

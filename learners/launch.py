@@ -3,7 +3,8 @@
 * ``world_size == 1``: an in-process gloo group of one (no rendezvous, no free port needed).
 * Ray placement (default for ``world_size > 1``): ranks 1..N-1 are Ray actors. Rank 0 picks a
   free TCP port, the actors and rank 0 join one gloo group through a ``tcp://`` rendezvous, each
-  builds the same ``FSDPLearner`` (same weights, same seed), and the actors then serve rank 0's
+  builds the same learner (``FSDPLearner`` or ``MegatronLearner`` by ``learner.backend``; same
+  weights, same seed), and the actors then serve rank 0's
   collective calls (``async_rl.learners.spmd``). Ray kills the actors when the driver exits, so a crashed
   trainer leaves no rank behind.
 * torchrun: ``torchrun --nproc-per-node N -m async_rl.cli train --config ...`` starts N copies;
@@ -24,7 +25,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from async_rl.learners.base import LearnerConfig
+from async_rl.learners.base import LearnerConfig, learner_device, process_group_backend
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,18 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
+def learner_class(cfg: LearnerConfig):
+    """The learner class of ``learner.backend``: ``FSDPLearner`` (``fsdp2``) or ``MegatronLearner``
+    (``megatron``, imported only then: megatron-core is an optional dependency)."""
+    if cfg.backend == "megatron":
+        from async_rl.learners.megatron import MegatronLearner
+
+        return MegatronLearner
+    from async_rl.learners.fsdp import FSDPLearner
+
+    return FSDPLearner
+
+
 def _follower_threads(cfg: LearnerConfig) -> int:
     return cfg.num_threads or max(1, (os.cpu_count() or 1) // cfg.world_size)
 
@@ -53,8 +66,8 @@ class LearnerRank:
     Args:
         rank, world_size: this rank and the group size.
         init_method: ``tcp://host:port`` rendezvous of the group.
-        learner_args: ``(cfg, algo, model_path, temperature, total_optimizer_steps)`` for
-            ``FSDPLearner``.
+        learner_args: ``(cfg, algo, model_path, temperature, total_optimizer_steps)`` for the
+            learner class (``learner_class``).
     """
 
     def __init__(self, rank: int, world_size: int, init_method: str, learner_args: tuple) -> None:
@@ -62,17 +75,14 @@ class LearnerRank:
 
     def run(self) -> int:
         """Join, build, serve until rank 0 stops us; returns the number of calls served."""
-        from async_rl.learners.fsdp import FSDPLearner
         from async_rl.learners.spmd import serve_commands
-
-        from async_rl.learners.fsdp import learner_device, process_group_backend
 
         torch.set_num_threads(_follower_threads(self.learner_args[0]))
         backend = process_group_backend(learner_device(self.learner_args[0]))
         dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
                                 world_size=self.world_size, timeout=PG_TIMEOUT)
         try:
-            return serve_commands(FSDPLearner(*self.learner_args))
+            return serve_commands(learner_class(self.learner_args[0])(*self.learner_args))
         finally:
             dist.destroy_process_group()
 
@@ -122,7 +132,6 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
         ValueError: under torchrun, ``learner.world_size`` differs from ``WORLD_SIZE``.
         RuntimeError: a follower rank failed to start (its error is chained).
     """
-    from async_rl.learners.fsdp import FSDPLearner, learner_device, process_group_backend
     from async_rl.learners.spmd import drive_followers
 
     args = (cfg, algo, model_path, temperature, total_optimizer_steps)
@@ -134,11 +143,11 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
             raise ValueError(f"torchrun started {world} processes but learner.world_size={cfg.world_size}")
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method="env://", timeout=PG_TIMEOUT)
-        learner = FSDPLearner(*args)
+        learner = learner_class(cfg)(*args)
         drive_followers(learner)
         return learner, LearnerHandle(learner, [], [], False)
     if cfg.world_size == 1:
-        learner = FSDPLearner(*args)
+        learner = learner_class(cfg)(*args)
         return learner, LearnerHandle(learner, [], [], False)
     import ray
 
@@ -159,7 +168,7 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
     try:
         dist.init_process_group(backend, init_method=init_method, rank=0, world_size=cfg.world_size,
                                 timeout=PG_TIMEOUT)
-        learner = FSDPLearner(*args)
+        learner = learner_class(cfg)(*args)
     except Exception as e:
         done, _ = ray.wait(refs, timeout=0)
         for ref in done:
@@ -179,14 +188,11 @@ def follow_from_env(cfg: LearnerConfig, algo, model_path: str, temperature: floa
     Returns:
         The number of calls served.
     """
-    from async_rl.learners.fsdp import FSDPLearner
     from async_rl.learners.spmd import serve_commands
-
-    from async_rl.learners.fsdp import learner_device, process_group_backend
 
     torch.set_num_threads(_follower_threads(cfg))
     dist.init_process_group(process_group_backend(learner_device(cfg)), init_method="env://", timeout=PG_TIMEOUT)
     try:
-        return serve_commands(FSDPLearner(cfg, algo, model_path, temperature, total_optimizer_steps))
+        return serve_commands(learner_class(cfg)(cfg, algo, model_path, temperature, total_optimizer_steps))
     finally:
         dist.destroy_process_group()

@@ -27,14 +27,18 @@ def make_batch(seed: int = 0):
 
 
 def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, out: str,
-        max_tokens: int = 0, critic: bool = False, packing: bool = False, sft: bool = False) -> None:
-    """Train one step on ``make_batch()`` and write loss and full weights to ``out`` (rank 0)."""
+        max_tokens: int = 0, critic: bool = False, packing: bool = False, sft: bool = False,
+        backend: str = "fsdp2", tp: int = 1, pp: int = 1, temperature: float = 1.0, reload: bool = False) -> None:
+    """Train one step on ``make_batch()`` and write loss and full weights to ``out`` (rank 0);
+    ``backend="megatron"`` with tensor- and pipeline-parallel sizes ``tp``, ``pp`` runs the Megatron
+    learner instead; ``reload``: the weights written are those of a fresh learner that loaded the
+    checkpoint saved after the step."""
     import torch
     import torch.distributed as dist
 
     from async_rl.algorithms.config import AlgorithmConfig
-    from async_rl.learners.base import LearnerConfig
-    from async_rl.learners.fsdp import FSDPLearner
+    from async_rl.learners.base import LearnerConfig, MegatronConfig
+    from async_rl.learners.launch import learner_class
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -44,8 +48,9 @@ def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, o
     # first Adam step is ~lr * sign(g), so float-noise-sized gradients (summed in another order
     # on 2 ranks) could flip sign and move a weight by 2 * lr.
     cfg = LearnerConfig(lr=1e-2, eps=1e-3, warmup_steps=1, micro_batch_size=2, num_mini_batches=2,
-                        max_tokens_per_micro_batch=max_tokens, packing=packing)
-    learner = FSDPLearner(cfg, algo, model_path, temperature=1.0, total_optimizer_steps=4)
+                        max_tokens_per_micro_batch=max_tokens, packing=packing, backend=backend,
+                        megatron=MegatronConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp), world_size=world)
+    learner = learner_class(cfg)(cfg, algo, model_path, temperature=temperature, total_optimizer_steps=4)
     batch = make_batch()
     if critic:
         batch.extras["values"] = torch.zeros_like(batch.loss_mask)
@@ -60,6 +65,16 @@ def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, o
     else:
         learner.prepare(batch)
         metrics = learner.train_step(batch)
+    if reload:
+        ckpt = f"{out}.ckpt"
+        learner.save_checkpoint(ckpt)
+        version, scored = learner.version, learner.compute_logprobs(batch)
+        learner = learner_class(cfg)(cfg, algo, model_path, temperature=temperature, total_optimizer_steps=4)
+        learner.load_checkpoint(ckpt)
+        assert learner.version == version
+        # Every weight that scores came back (a tied head's last-stage copy too, which
+        # named_weights does not show).
+        torch.testing.assert_close(learner.compute_logprobs(batch), scored, rtol=0, atol=0)
     weights = {n: t.clone() for n, t in learner.named_weights()}  # collective: every rank
     if rank == 0:
         torch.save({"loss": float(metrics["loss/pg"]), "vf": float(metrics.get("critic/vf_loss", 0.0)),

@@ -79,6 +79,13 @@ def test_learner_protocol_is_implemented_by_the_fsdp_learner():
     _check(FSDPLearner, Learner)
 
 
+def test_learner_protocol_is_implemented_by_the_megatron_learner():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    from async_rl.learners.megatron import MegatronLearner
+
+    _check(MegatronLearner, Learner)
+
+
 @pytest.mark.parametrize("cls", [LocalTarget, RayTarget])
 def test_weight_targets_implement_the_protocol(cls):
     _check(cls, WeightTarget)

@@ -1,5 +1,7 @@
 """The learner on a CUDA device (skipped without one): the same update as on CPU in float32, and
-a bf16 mixed-precision step with float32 master weights, and packed flash-attention varlen passes."""
+a bf16 mixed-precision step with float32 master weights, and packed flash-attention varlen passes;
+the Megatron learner on CUDA (Transformer Engine layer spec when it is installed) against its CPU
+step."""
 
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ pytestmark = pytest.mark.gpu
 def _step(model_path: str, **kw):
     from multirank_worker import make_batch
 
-    from async_rl.learners.fsdp import FSDPLearner
+    from async_rl.learners.launch import learner_class
 
     algo = AlgorithmConfig(name="ppo", kl_coef=0.01, loss_horizon_tokens=16).apply_preset()
-    learner = FSDPLearner(LearnerConfig(lr=1e-2, eps=1e-3, micro_batch_size=4, **kw), algo, model_path,
-                          temperature=1.0, total_optimizer_steps=2)
+    cfg = LearnerConfig(lr=1e-2, eps=1e-3, micro_batch_size=4, **kw)
+    learner = learner_class(cfg)(cfg, algo, model_path, temperature=1.0, total_optimizer_steps=2)
     learner.begin_rl()
     batch = make_batch()
     learner.prepare(batch)
@@ -59,3 +61,19 @@ def test_cuda_packing_with_flash_attention_varlen(tiny_model_path):
     valid = batch.attention_mask[:, 1:].bool()
     lp, lp_packed = padded.compute_logprobs(batch), packed.compute_logprobs(batch)
     torch.testing.assert_close(lp_packed[valid], lp[valid], rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_megatron_cuda_step_equals_cpu(tiny_model_path, precision):
+    """``learner.backend=megatron`` on one GPU (Transformer Engine's layer spec when it imports,
+    else the local one; bf16 autocast over float32 master weights) against the CPU step."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    cpu_metrics, cpu_weights, _ = _step(tiny_model_path, device="cpu", backend="megatron")
+    gpu_metrics, gpu_weights, learner = _step(tiny_model_path, device="cuda", backend="megatron",
+                                              mixed_precision=precision)
+    assert learner.device.type == "cuda"
+    tol = dict(rel=1e-3, abs=1e-5) if precision == "fp32" else dict(rel=5e-2, abs=1e-3)
+    assert float(gpu_metrics["loss/pg"]) == pytest.approx(float(cpu_metrics["loss/pg"]), **tol)
+    for name, w in cpu_weights.items():
+        assert gpu_weights[name].dtype == torch.float32
+        torch.testing.assert_close(gpu_weights[name], w, rtol=tol["rel"], atol=tol["abs"] * 10)

@@ -126,9 +126,14 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path, monkeypatch):
         assert b[step]["loss/pg"] == pytest.approx(a[step]["loss/pg"], rel=1e-3, abs=1e-5), step
 
 
-def test_torchrun_launch(tmp_path):
+@pytest.mark.parametrize("backend", [(), ("learner.backend=megatron", "learner.megatron.tensor_parallel_size=2")],
+                         ids=["fsdp2", "megatron-tp2"])
+def test_torchrun_launch(tmp_path, backend):
     """``torchrun --nproc-per-node 2 -m async_rl.cli train ... learner.world_size=2``: rank 0 runs
-    the trainer, rank 1 only its learner rank; the run finishes and saves a checkpoint."""
+    the trainer, rank 1 only its learner rank; the run finishes and saves a checkpoint (both
+    learner backends)."""
+    if backend:
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
     import os
     import shutil
     import subprocess
@@ -142,7 +147,7 @@ def test_torchrun_launch(tmp_path):
         [torchrun, "--nproc-per-node", "2", "-m", "async_rl.cli", "train", "--config", str(root / "configs/default.yaml"),
          f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "trainer.total_steps=2",
          "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.warm_start.steps=0",
-         "data.val_max_prompts=4", "learner.world_size=2", "logging.progress=false"],
+         "data.val_max_prompts=4", "learner.world_size=2", "logging.progress=false", *backend],
         cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
