@@ -61,6 +61,7 @@ def train(cfg: "Config") -> dict[str, Any]:
     progress = Progress(summary={"run_dir": str(ctx.run_dir), "mode": cfg.trainer.mode,
                                  "data/rejected_prompts_too_long": ctx.train_ds.num_rejected_too_long})
     loop: Loop | None = None
+    failed = True
     try:
         start(ctx, progress, resume_from, resumed)
         loop = make_loop(ctx, resumed)
@@ -68,12 +69,13 @@ def train(cfg: "Config") -> dict[str, Any]:
         progress.summary.update(loop.close())
         loop = None
         finish(ctx, progress)
+        failed = False
     finally:
         if loop is not None:
             loop.close()
         ctx.publisher.close()
         ctx.generator.close()
-        learner_handle.close()
+        learner_handle.close(failed=failed)
         ctx.log.close()
     (ctx.run_dir / "summary.json").write_text(json.dumps(progress.summary, indent=2))
     return progress.summary

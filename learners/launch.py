@@ -94,14 +94,21 @@ class LearnerHandle:
     def __init__(self, learner, actors: list, refs: list, started_ray: bool) -> None:
         self.learner, self.actors, self.refs, self.started_ray = learner, actors, refs, started_ray
 
-    def close(self) -> None:
-        """Release the followers, wait for them (60 s), destroy the group; safe to call twice."""
+    def close(self, failed: bool = False) -> None:
+        """Release the followers, wait for them (60 s), destroy the group; safe to call twice.
+
+        Args:
+            failed: the run is ending on an exception. A collective call may then have failed on
+                rank 0 alone, leaving the followers inside one of its collectives, where they
+                would never read the stop command: they are killed instead (Ray-placed ranks;
+                torchrun tears its ranks down when rank 0 exits with the error).
+        """
         from async_rl.learners.spmd import stop_followers
 
         if self.learner is None:
             return
         learner, self.learner = self.learner, None
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1 and not failed:
             try:
                 stop_followers(learner)
             except Exception as e:  # a broken group: the followers are killed below
@@ -109,10 +116,11 @@ class LearnerHandle:
         if self.refs:
             import ray
 
-            try:
-                ray.get(self.refs, timeout=60)
-            except Exception as e:
-                logger.warning("learner rank shutdown: %s", e)
+            if not failed:
+                try:
+                    ray.get(self.refs, timeout=60)
+                except Exception as e:
+                    logger.warning("learner rank shutdown: %s", e)
             for actor in self.actors:
                 ray.kill(actor)
             if self.started_ray:

@@ -58,7 +58,8 @@ class MegatronCritic(CriticCore):
                  sequence_multiple: int = 1) -> None:
         self.cfg, self.packing, self.sequence_multiple = cfg, packing, sequence_multiple
         self.model = build(model_path)
-        self.model.output_layer = ValueHead(self.model.config.hidden_size, self.model.config.sequence_parallel)
+        if self.model.post_process:  # only the last pipeline stage has an output layer to replace
+            self.model.output_layer = ValueHead(self.model.config.hidden_size, self.model.config.sequence_parallel)
         self.model.to(next(self.model.parameters()).device).eval()
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.lr)
 

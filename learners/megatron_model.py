@@ -361,9 +361,16 @@ def hf_weight_metadata(hf_config, dtype: torch.dtype = torch.float32) -> list[tu
     from transformers import AutoModelForCausalLM
 
     _architecture(hf_config)
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(hf_config)
-    return [(name, dtype, tuple(p.shape)) for name, p in hf_model.named_parameters()]
+    # Every weight sync asks: build the (meta) model once per config, not once per update.
+    key = hf_config.to_json_string()
+    if key not in _METADATA_CACHE:
+        with torch.device("meta"):
+            hf_model = AutoModelForCausalLM.from_config(hf_config)
+        _METADATA_CACHE[key] = [(name, tuple(p.shape)) for name, p in hf_model.named_parameters()]
+    return [(name, dtype, shape) for name, shape in _METADATA_CACHE[key]]
+
+
+_METADATA_CACHE: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
 
 
 def _stage_layers(model) -> list[list[int]]:

@@ -62,12 +62,14 @@ def test_megatron_data_parallel_with_critic_and_temperature_equals_fsdp2(tmp_pat
     assert mg["vf"] == pytest.approx(fsdp["vf"], rel=1e-5, abs=1e-7)
 
 
-def test_megatron_pipeline_checkpoint_with_tied_embeddings_reloads(tmp_path, tiny_model_path, start_weights):
-    # Two pipeline stages of the tied built-in model: the stepped weights survive a save and a
-    # load into a fresh learner (the last stage's copy of the embedding included).
-    fsdp = _train(1, tmp_path, tiny_model_path, "token-mean", "fsdp")
-    mg = _train(2, tmp_path, tiny_model_path, "token-mean", "mg", backend="megatron", pp=2, reload=True)
+def test_megatron_pipeline_with_critic_steps_and_reloads(tmp_path, tiny_model_path, start_weights):
+    # Two pipeline stages of the tied built-in model with the critic (its value head on the last
+    # stage only): the step equals FSDP2's, and the stepped policy, critic and AdamW state survive a
+    # save and a load into a fresh learner (the last stage's copy of the tied embedding included).
+    fsdp = _train(1, tmp_path, tiny_model_path, "token-mean", "fsdp", critic=True)
+    mg = _train(2, tmp_path, tiny_model_path, "token-mean", "mg", backend="megatron", pp=2, critic=True, reload=True)
     _assert_same_step(mg, fsdp, start_weights)
+    assert mg["vf"] == pytest.approx(fsdp["vf"], rel=1e-5, abs=1e-7)
 
 
 def test_megatron_sft_step_equals_fsdp2(tmp_path, tiny_model_path, start_weights):
@@ -160,6 +162,14 @@ def test_trainer_megatron_resumes_and_reshards_like_fsdp2(tmp_path, monkeypatch)
     for step in range(1, 5):
         for key in ("loss/pg", "critic/vf_loss", "loss/kl", "actor/grad_norm", "critic/grad_norm", "actor/entropy"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-3, abs=1e-5), (step, key)
+    # The exported Hugging Face model is the FSDP2 run's.
+    from transformers import AutoModelForCausalLM
+
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "final_model").state_dict()
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "mg" / "final_model").state_dict()
+    assert list(got) == list(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-3, atol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -186,3 +196,24 @@ def test_rows_padded_for_sequence_parallelism_score_the_same(tiny_model_path, mo
     assert float(plain_values.abs().max()) > 0.1
     torch.testing.assert_close(learner._score_rows(batch, learner.critic.values, learner.critic.model), plain_values,
                                rtol=0, atol=1e-5)
+
+
+def test_a_collective_failing_on_rank_0_alone_ends_the_run_with_its_error(tmp_path, monkeypatch):
+    """Rank 0's checkpoint save fails before its first collective while the Ray-placed second
+    rank is already inside the save's collectives: the run must end with rank 0's error (the
+    follower killed, not waited for forever) and leave no complete checkpoint behind."""
+    from test_checkpoint import _cfg
+
+    import async_rl.learners.megatron_checkpoint as mc
+    from async_rl.checkpoint import resolve_resume
+    from async_rl.trainer import train
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(mc, "_checkpoint_state", disk_full)  # the trainer process (rank 0) only
+    cfg = _cfg(tmp_path, "run", "trainer.total_steps=1", "trainer.warm_start.steps=0", "learner.backend=megatron",
+               "learner.world_size=2", "learner.megatron.tensor_parallel_size=2")
+    with pytest.raises(OSError, match="No space left on device"):
+        train(cfg)
+    assert resolve_resume("auto", str(tmp_path), "run") is None
