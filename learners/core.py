@@ -118,13 +118,15 @@ class LearnerCore:
     """The training step, the no-grad scoring passes and the supervised step of a learner, over
     data-parallel ranks; the model side comes from the subclass (see the module docstring).
 
-    A subclass sets, before calling ``reset_optimizer``: ``cfg`` (``LearnerConfig``), ``algo``
-    (resolved ``AlgorithmConfig``), ``temperature``, ``total_optimizer_steps``, ``device``,
-    ``model``, ``ref_model`` (or ``None``), ``critic`` (an object with ``model``, ``values``,
-    ``backward``, ``optimizer_step``; or ``None``), ``policy_loss``, ``correction``,
-    ``loss_params``, ``version``, ``_warned_skip`` and the ``@collective`` attributes
-    ``_drives_followers``, ``_command_depth``.
+    A subclass's constructor calls ``_setup`` (settings, device, process group, ``version``),
+    then sets ``model``, ``ref_model`` (or ``None``), ``critic`` (an object with ``model``,
+    ``values``, ``backward``, ``optimizer_step``; or ``None``), ``policy_loss``, ``correction`` and
+    ``loss_params``, and calls ``reset_optimizer``.
     """
+
+    version: int = 0
+    """Policy version: training steps taken (``Learner.version``); ``_setup`` starts it at 0 and
+    ``train_step`` and ``load_checkpoint`` move it."""
 
     def _setup(self, cfg: LearnerConfig, algo, model_path: str, temperature: float, total_optimizer_steps: int) -> None:
         """What every backend's constructor starts with: the settings (``algo`` resolved: the
