@@ -152,6 +152,13 @@ class LearnerCore:
         self.version = 0
         self._warned_skip = False  # train_step warns once about mini-batches without a valid token
 
+    def _precision(self) -> str:
+        """``learner.mixed_precision`` resolved: ``auto`` = ``bf16`` on CUDA, ``fp32`` on CPU (where
+        bf16 matmuls are emulated on most cores and only change the numerics)."""
+        if self.cfg.mixed_precision != "auto":
+            return self.cfg.mixed_precision
+        return "bf16" if self.device.type == "cuda" else "fp32"
+
     # ------------------------------------------------------------------ backend hooks
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
                  temperature: float | None = None, packed: bool | None = None,

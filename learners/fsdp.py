@@ -134,11 +134,6 @@ class FSDPLearner(LearnerCore):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, offload_policy=offload)
         fully_shard(module, mesh=self.mesh, mp_policy=root_policy, offload_policy=offload)
 
-    def _precision(self) -> str:
-        if self.cfg.mixed_precision != "auto":
-            return self.cfg.mixed_precision
-        return "bf16" if self.mesh.device_type == "cuda" else "fp32"
-
     def _step_optimizer(self, with_schedule: bool = True) -> torch.Tensor:
         """FSDP2 has reduced (averaged) the gradients in backward: clip and step."""
         return clip_and_step(self.model.parameters(), self.optimizer, self.scheduler if with_schedule else None,

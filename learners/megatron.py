@@ -60,6 +60,7 @@ from async_rl.learners.spmd import collective
 
 logger = logging.getLogger(__name__)
 
+
 class MegatronLearner(LearnerCore):
     """Policy learner on megatron-core (``learner.backend=megatron``).
 
@@ -133,11 +134,6 @@ class MegatronLearner(LearnerCore):
         """Rows must be a multiple of this many tokens: the tensor-parallel size under sequence
         parallelism (each rank holds a slice of the sequence), else 1."""
         return self.cfg.megatron.tensor_parallel_size if self._sequence_parallel() else 1
-
-    def _precision(self) -> str:
-        if self.cfg.mixed_precision != "auto":
-            return self.cfg.mixed_precision
-        return "bf16" if self.device.type == "cuda" else "fp32"
 
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: nn.Module | None = None,
                  temperature: float | None = None, packed: bool | None = None,

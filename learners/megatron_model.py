@@ -202,7 +202,7 @@ def _layer_spec(tcfg):
 
 
 def build_model(hf_config, tcfg):
-    """This rank's pipeline stage of the ``GPTModel`` for ``hf_config``, in ``eval()`` mode.
+    """This rank's pipeline stage of the ``GPTModel`` for ``hf_config``, in inference mode (dropout off).
 
     ``pre_process`` (embedding) on the first pipeline stage, ``post_process`` (final norm and
     output layer) on the last, as ``parallel_state`` says. Weights are randomly initialised;
