@@ -25,19 +25,24 @@ VOCAB, SEQ = 50, 8
 
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory):
-    """megatron's TP=1/PP=1 groups on a world-size-1 gloo group in this process."""
+    """megatron's TP=1/PP=1 groups on a world-size-1 gloo group in this process: the one an earlier
+    test left (the learners' in-process group; the full suite runs those first), else a new one."""
     from megatron.core import parallel_state
 
     torch.set_num_threads(1)
-    if dist.is_initialized():
-        pytest.skip("a default process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'init'}",
-                            rank=0, world_size=1)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'init'}",
+                                rank=0, world_size=1)
+    assert dist.get_world_size() == 1, "these checks run in a world-size-1 process group"
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1)
     yield
     megatron_cpu.undo_cpu_adjustments()
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    if created:
+        dist.destroy_process_group()
 
 
 def _forward(*, current_device: bool = True, rng_tracker: bool = True, mask: str = "padded"):

@@ -184,17 +184,23 @@ def reference(paths) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def world_of_one(tmp_path_factory):
-    """A world-size-1 gloo default group in this process (torn down with megatron's groups)."""
+    """A world-size-1 gloo default group in this process: the one an earlier test left (the
+    learners' in-process group; the full suite runs those first), else a new one, torn down with
+    megatron's groups."""
     from megatron.core import parallel_state
 
     torch.set_num_threads(1)
-    if dist.is_initialized():
-        pytest.skip("a default process group is already initialised in this process")
-    init = tmp_path_factory.mktemp("pg") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    created = not dist.is_initialized()
+    if created:
+        init = tmp_path_factory.mktemp("pg") / "init"
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    assert dist.get_world_size() == 1, "these checks run in a world-size-1 process group"
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()  # groups of an earlier test's learner
     yield
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    if created:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
