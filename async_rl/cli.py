@@ -51,8 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(to_yaml(cfg), end="")
         return 0
-    from async_rl.trainer import train
+    from async_rl.learners.launch import exit_rank_process, launched_by_torchrun
+
+    if launched_by_torchrun():
+        # A torchrun rank ends without interpreter finalization, where gloo's threads can abort
+        # a finished run (exit_rank_process says why); torchrun reads the status.
+        exit_rank_process(_train(cfg))
+    return _train(cfg)
+
+
+def _train(cfg) -> int:
     from async_rl.learners.launch import launched_by_torchrun
+    from async_rl.trainer import train
 
     if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         # torchrun ranks 1..N-1 run only their learner rank; rank 0 runs the trainer.

@@ -34,6 +34,7 @@ def _rank(rank: int, world: int, init: str, model: str, n: int, reps: int, threa
     from bench_learner import make_batch
     from async_rl.learners.base import LearnerConfig
     from async_rl.learners.fsdp import FSDPLearner
+    from async_rl.learners.launch import exit_rank_process
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -61,6 +62,7 @@ def _rank(rank: int, world: int, init: str, model: str, n: int, reps: int, threa
         torch.save({"step_s": min(times), "param_bytes": local_bytes(params), "adam_bytes": local_bytes(state),
                     "real_tokens": int(batch.attention_mask.sum())}, out)
     dist.destroy_process_group()
+    exit_rank_process(0)
 
 
 def run(world: int, model: str, n: int, reps: int, cores: int, tmp: str) -> dict:

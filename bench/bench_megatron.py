@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, init: str, model: str, layout: tuple, n: int, s
 
     from async_rl.algorithms.config import AlgorithmConfig
     from async_rl.learners.base import LearnerConfig, MegatronConfig
-    from async_rl.learners.launch import learner_class
+    from async_rl.learners.launch import exit_rank_process, learner_class
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -71,6 +71,7 @@ def _rank(rank: int, world: int, init: str, model: str, layout: tuple, n: int, s
     if rank == 0:
         torch.save({"seconds": min(times), "tokens": int(batch.attention_mask.sum())}, out)
     dist.destroy_process_group()
+    exit_rank_process(0)
 
 
 def run_layout(model: str, layout: tuple, n: int, steps: int, scratch: str) -> dict:

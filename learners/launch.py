@@ -21,6 +21,8 @@ import datetime
 import logging
 import os
 import socket
+import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,37 @@ def _free_port() -> int:
 def launched_by_torchrun() -> bool:
     """Whether this process is one of several started by torchrun (``WORLD_SIZE`` > 1 in the env)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def exit_rank_process(status: int = 0) -> NoReturn:
+    """End a process that ran a learner rank on a gloo group: run the atexit handlers, flush, then
+    exit without Python's interpreter finalization (``os._exit``).
+
+    Why: gloo's worker threads release a finished collective's tensors after the caller's ``wait``
+    has returned. Releasing a tensor that Python still owns takes the GIL; if the main thread has
+    meanwhile reached interpreter finalization, Python ends the worker thread (``pthread_exit``),
+    the unwind crosses a ``noexcept`` C++ frame, and the process dies with "terminate called without
+    an active exception" (SIGABRT, exit -6) after a run that succeeded. ``destroy_process_group``
+    does not prevent it: FSDP2's ``DeviceMesh`` keeps the group (and its threads) alive until
+    finalization. Seen in the multi-rank tests on a loaded machine (gdb: the abort is in
+    ``ProcessGroupGloo::runLoop`` destroying an ``AsyncAllgatherCoalescedWork``), about 1 run in 40.
+
+    The atexit handlers (W&B, shared-memory slot cleanup) still run, while the interpreter is
+    whole, so a worker thread that needs the GIL then simply waits for it. Call it only once
+    everything the process owes is written (checkpoints, exports, metrics).
+
+    Args:
+        status: the process exit status.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()  # what a normal exit runs first (logging.shutdown is one of them)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
+            pass
+    os._exit(status)
 
 
 def learner_class(cfg: LearnerConfig):

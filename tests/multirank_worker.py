@@ -38,7 +38,7 @@ def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, o
 
     from async_rl.algorithms.config import AlgorithmConfig
     from async_rl.learners.base import LearnerConfig, MegatronConfig
-    from async_rl.learners.launch import learner_class
+    from async_rl.learners.launch import exit_rank_process, learner_class
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -80,3 +80,4 @@ def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, o
         torch.save({"loss": float(metrics["loss/pg"]), "vf": float(metrics.get("critic/vf_loss", 0.0)),
                     "weights": weights}, out)
     dist.destroy_process_group()
+    exit_rank_process(0)

@@ -23,6 +23,7 @@ from async_rl.algorithms import (
     kl_loss,
     logprobs_from_logits,
 )
+from async_rl.learners.launch import exit_rank_process
 
 B, T, H, V = 8, 6, 5, 11
 ATOL = 1e-6
@@ -135,6 +136,7 @@ def _rank_worker(rank, world_size, port, out_path):
             torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
+    exit_rank_process(0)
 
 
 def test_data_parallel_gloo_invariance(tmp_path):

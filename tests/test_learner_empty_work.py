@@ -10,6 +10,7 @@ import torch
 
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.learners.base import LearnerConfig
+from async_rl.learners.launch import exit_rank_process
 
 
 def _learner(model_path: str, **kw):
@@ -124,6 +125,7 @@ def _rank(rank: int, world: int, init_file: str, model_path: str, out: str, n: i
         torch.save({"loss": float(metrics["loss/pg"]), "steps": steps, "sched": learner.scheduler.last_epoch,
                     "weights": weights}, out)
     dist.destroy_process_group()
+    exit_rank_process(0)
 
 
 @pytest.mark.slow

@@ -152,3 +152,25 @@ def test_torchrun_launch(tmp_path, backend):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
     assert (tmp_path / "run" / "final_model" / "config.json").exists()
+
+
+def test_exit_rank_process_keeps_status_output_and_atexit_handlers(tmp_path):
+    """Ranks end through ``exit_rank_process`` (no interpreter finalization, where gloo's worker
+    threads could abort a finished run): the status reaches the parent, buffered output is not
+    lost, and atexit handlers (W&B, shared-memory cleanup) still run."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "atexit.txt"
+    code = ("import atexit, sys\n"
+            "from async_rl.learners.launch import exit_rank_process\n"
+            f"atexit.register(lambda: open({str(marker)!r}, 'w').write('ran'))\n"
+            "print('buffered on stdout', end='')\n"
+            "sys.stderr.write('and on stderr')\n"
+            "exit_rank_process(3)\n"
+            "print('not reached')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "buffered on stdout"
+    assert proc.stderr.endswith("and on stderr")
+    assert marker.read_text() == "ran"

@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from async_rl.learners.launch import exit_rank_process
+
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 pytestmark = pytest.mark.slow
@@ -344,6 +346,7 @@ def _worker(rank: int, world: int, init_file: str, work: str, chain: str) -> Non
         with open(f"{work}/error-{chain}-{rank}.txt", "w") as f:
             f.write(traceback.format_exc())
         raise
+    exit_rank_process(0)
 
 
 def _spawn(world: int, work, chain: str, timeout_s: float = 300) -> dict:

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from async_rl.learners.launch import exit_rank_process
+
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 LENGTHS = [9, 6, 3]  # right padding to 9
@@ -146,6 +148,7 @@ def rank_main(rank: int, world: int, init_file: str, jobs: list, out_dir: str) -
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    exit_rank_process(0)
 
 
 @pytest.fixture(scope="module")

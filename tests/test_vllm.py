@@ -164,14 +164,27 @@ def test_weights_arriving_mid_generation(engine, tiny_model_path, tiny_tokenizer
     params = SamplingParams(temperature=1.0, max_tokens=64, stop_token_ids=(tiny_tokenizer.eos_token_id,))
     prompts = [[5 + i % 200, 6, 7, 8] for i in range(96)]
     out: list = []
+    # The update must land after the first tokens came back and before the last: a fixed sleep
+    # after submitting raced a busy machine's prefill (every sample then started after the update).
+    first_tokens = threading.Event()
+    generate = engine.engine.generate
+
+    async def watched(*args, **kwargs):
+        async for o in generate(*args, **kwargs):
+            if o.outputs[0].token_ids:
+                first_tokens.set()
+            yield o
+
+    engine.engine.generate = watched
     th = threading.Thread(target=lambda: out.append(engine.generate(prompts, 2, params, seeds=list(range(96)))))
     reissued = engine.num_reissued
     th.start()
-    while engine._active == 0:
-        time.sleep(0.01)
-    time.sleep(0.5)
-    engine.update_weights(list(ModuleWeights(model).named_weights()), new)
-    th.join(timeout=300)
+    try:
+        assert first_tokens.wait(timeout=300), "no tokens came back"
+        engine.update_weights(list(ModuleWeights(model).named_weights()), new)
+        th.join(timeout=300)
+    finally:
+        del engine.engine.generate
     samples = [s for g in out[0] for s in g]
     assert len(samples) == 192
     for s in samples:
