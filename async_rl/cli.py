@@ -29,8 +29,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``async-rl`` console script; returns the exit status."""
+def main(argv: list[str] | None = None, end_process: bool = False) -> int:
+    """Entry point of the ``async-rl`` console script; returns the exit status.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+        end_process: a ``train`` run that used a learner group of several ranks (torchrun or
+            Ray-placed) ends the process itself through ``exit_rank_process``, skipping the
+            interpreter finalization in which gloo's threads can abort a finished run. The
+            console script and ``python -m async_rl.cli`` set it; in-process callers get the status.
+    """
     args = _parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("ASYNC_RL_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -53,11 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from async_rl.learners.launch import exit_rank_process, launched_by_torchrun
 
-    if launched_by_torchrun():
-        # A torchrun rank ends without interpreter finalization, where gloo's threads can abort
-        # a finished run (exit_rank_process says why); torchrun reads the status.
-        exit_rank_process(_train(cfg))
-    return _train(cfg)
+    status = _train(cfg)
+    if end_process and (launched_by_torchrun() or cfg.learner.world_size > 1):
+        exit_rank_process(status)
+    return status
 
 
 def _train(cfg) -> int:
@@ -89,5 +96,10 @@ def _train(cfg) -> int:
     return 0
 
 
+def entry() -> None:
+    """The ``async-rl`` console script."""
+    sys.exit(main(end_process=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
