@@ -333,15 +333,20 @@ def reduce_metrics(
     per_micro_batch: Sequence[Mapping[str, torch.Tensor]],
     weights: Sequence[float | torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Averages each metric over the micro-batches of one optimizer step, without a host sync.
+    """Reduces each metric over the micro-batches of one optimizer step, without a host sync.
 
-    Each key is averaged over the entries that contain it; entries lacking it neither contribute
-    nor dilute. With ``weights`` (e.g. valid-token counts per micro-batch) the mean is
-    ``sum_i w_i * v_i / sum_i w_i`` over those entries, so a token-level metric equals the one
-    computed on the whole batch at once.
+    Each key is reduced over the entries that contain it; entries lacking it neither contribute
+    nor dilute. An extreme (a key ending in ``_max`` / ``/max`` or ``_min`` / ``/min``, see
+    :func:`metric_reduction`) is the max / min of its entries, so ``loss/ratio_max`` is the
+    largest ratio of any token in the step, not a mean of per-micro-batch maxima (which would
+    depend on how the batch was cut). Every other key is averaged; with ``weights`` (e.g.
+    valid-token counts per micro-batch) the mean is ``sum_i w_i * v_i / sum_i w_i`` over those
+    entries, so a token-level metric equals the one computed on the whole batch at once. An
+    extreme ignores the weights' sizes but skips entries of weight zero (a micro-batch without a
+    valid token reports a placeholder, not an extreme).
 
-    Example: ``[{"loss/pg": 1.0, "loss/kl": 4.0}, {"loss/pg": 3.0}]`` with weights ``[1, 3]``
-    gives ``{"loss/pg": 2.5, "loss/kl": 4.0}``.
+    Example: ``[{"loss/pg": 1.0, "loss/ratio_max": 4.0}, {"loss/pg": 3.0, "loss/ratio_max": 2.0}]``
+    with weights ``[1, 3]`` gives ``{"loss/pg": 2.5, "loss/ratio_max": 4.0}``.
 
     Args:
         per_micro_batch: one mapping per micro-batch, key to tensor; tensors of one key share
@@ -352,7 +357,7 @@ def reduce_metrics(
 
     Returns:
         key -> float32 tensor of the shared shape, in first-seen key order. A key whose weights
-        sum to zero (no valid tokens anywhere) is NaN.
+        sum to zero (no valid tokens anywhere) is NaN, an extreme's too.
 
     Raises:
         ValueError: an empty ``per_micro_batch``, a weights length that does not match it, or a
@@ -374,15 +379,44 @@ def reduce_metrics(
     for key in keys:
         idx = [i for i, entry in enumerate(per_micro_batch) if key in entry]
         values = torch.stack([per_micro_batch[i][key].detach().float() for i in idx])
+        how = metric_reduction(key)
         if weights is None:
-            reduced[key] = values.mean(dim=0)
+            reduced[key] = values.mean(dim=0) if how == "mean" else _extreme(values, how, None)
             continue
         w = torch.stack(
             [torch.as_tensor(weights[i], dtype=torch.float32, device=values.device) for i in idx]
         )
         w = w.reshape(-1, *([1] * (values.dim() - 1)))
-        reduced[key] = (values * w).sum(dim=0) / w.sum()
+        if how == "mean":
+            reduced[key] = (values * w).sum(dim=0) / w.sum()
+        else:
+            reduced[key] = _extreme(values, how, (w > 0).expand_as(values))
     return reduced
+
+
+def metric_reduction(key: str) -> str:
+    """How a metric combines over micro-batches and ranks: ``"max"``, ``"min"`` or ``"mean"``.
+
+    Keys whose last name ends in ``_max`` / ``_min`` (``loss/ratio_max``), or whose last name is
+    ``max`` / ``min`` (``staleness/max``), are extremes; every other metric is a mean.
+    """
+    name = key.rsplit("/", 1)[-1]
+    if name == "max" or name.endswith("_max"):
+        return "max"
+    if name == "min" or name.endswith("_min"):
+        return "min"
+    return "mean"
+
+
+def _extreme(values: torch.Tensor, how: str, keep: torch.Tensor | None) -> torch.Tensor:
+    """Max or min over dim 0 of ``values`` ``[N, ...]`` among the entries ``keep`` ``[N, ...]`` bool
+    marks (None: all); NaN where it marks none."""
+    if keep is None:
+        return values.amax(dim=0) if how == "max" else values.amin(dim=0)
+    fill = -math.inf if how == "max" else math.inf
+    masked = torch.where(keep, values, torch.full_like(values, fill))
+    out = masked.amax(dim=0) if how == "max" else masked.amin(dim=0)
+    return torch.where(keep.any(dim=0), out, torch.full_like(out, math.nan))
 
 
 def _to_python(metrics: Mapping[str, Any]) -> dict[str, float | int]:

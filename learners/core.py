@@ -17,8 +17,9 @@ estimator needs them. Advantages are computed from these (KL-in-reward and GAE n
    LR-scheduler step. That happens when a batch has fewer sequences than ``num_mini_batches``
    (reward rejections at run time; the config check refuses it for full batches) or when every
    token of it is masked (DAPO's overlong filter);
-3. return metrics reduced once per training step (token-weighted means over micro-batches); the
-   step is one policy version whatever its number of optimizer steps.
+3. return metrics reduced once per training step (token-weighted means over micro-batches and
+   ranks; extremes such as ``loss/ratio_max`` by max / min); the step is one policy version
+   whatever its number of optimizer steps.
 
 Every rank holds the whole batch. Data-parallel ranks take contiguous, token-balanced shares of
 it (``async_rl.learners.batching.split_by_tokens``); the ranks of one model replica (its tensor-
@@ -46,37 +47,46 @@ from async_rl.buffers.trajectory import TrainBatch
 from async_rl.learners.base import LearnerConfig, init_single_process_group, learner_device, process_group_backend
 from async_rl.learners.batching import micro_batches_by_tokens, split_by_tokens
 from async_rl.learners.spmd import collective
-from async_rl.metrics import reduce_metrics
+from async_rl.metrics import metric_reduction, reduce_metrics
 
 logger = logging.getLogger(__name__)
 
 
 def _token_weighted_across_ranks(local: dict[str, torch.Tensor], per_mb: list[dict], weights: list[float],
                                  skip: tuple[str, ...], report: bool = True) -> dict[str, torch.Tensor]:
-    """Token-weighted means of per-micro-batch metrics over every rank's micro-batches.
+    """Per-micro-batch metrics over every rank's micro-batches: token-weighted means, and the
+    max / min of extremes (``async_rl.metrics.metric_reduction``: ``loss/ratio_max`` is the
+    largest ratio on any rank).
 
-    ``local`` holds this rank's means (``reduce_metrics``); each key's weight is the tokens of
-    the micro-batches that report it. Ranks may report different keys (a rank without a real
-    micro-batch reports none), so the ``(sum, weight)`` pairs travel with ``all_gather_object``
-    (a few dozen floats per step). Keys in ``skip`` (already global, like gradient norms) are
-    left out; a rank with ``report=False`` (a tensor-parallel peer repeating its replica's
-    numbers) contributes nothing.
+    ``local`` holds this rank's reductions (``reduce_metrics``); each key's weight is the tokens
+    of the micro-batches that report it. Ranks may report different keys (a rank without a real
+    micro-batch reports none), so the ``(sum, weight)`` pairs (``(value, weight)`` for an extreme)
+    travel with ``all_gather_object`` (a few dozen floats per step). Keys in ``skip`` (already
+    global, like gradient norms) are left out; a rank with ``report=False`` (a tensor-parallel
+    peer repeating its replica's numbers) contributes nothing. A key no rank weighs is NaN.
     """
     pairs = {}
-    for key, mean in local.items() if report else ():
-        if key in skip or mean.dim():
+    for key, value in local.items() if report else ():
+        if key in skip or value.dim():
             continue
         w = sum(float(wt) for entry, wt in zip(per_mb, weights) if key in entry)
-        pairs[key] = (float(mean) * w if w else 0.0, w)
+        if metric_reduction(key) == "mean":
+            pairs[key] = (float(value) * w if w else 0.0, w)
+        else:
+            pairs[key] = (float(value), w)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, pairs)
-    total: dict[str, list[float]] = {}
-    for rank_pairs in gathered:
-        for key, (s, w) in rank_pairs.items():
-            acc = total.setdefault(key, [0.0, 0.0])
-            acc[0] += s
-            acc[1] += w
-    return {k: torch.tensor(s / w if w else float("nan")) for k, (s, w) in total.items()}
+    out: dict[str, torch.Tensor] = {}
+    for key in dict.fromkeys(k for rank_pairs in gathered for k in rank_pairs):
+        entries = [rank_pairs[key] for rank_pairs in gathered if key in rank_pairs]
+        how = metric_reduction(key)
+        if how == "mean":
+            s, w = sum(e[0] for e in entries), sum(e[1] for e in entries)
+            out[key] = torch.tensor(s / w if w else float("nan"))
+        else:
+            kept = [v for v, w in entries if w]
+            out[key] = torch.tensor((max if how == "max" else min)(kept) if kept else float("nan"))
+    return out
 
 
 @dataclass
@@ -417,8 +427,9 @@ class LearnerCore:
                            self.cfg.num_mini_batches)
 
     def _step_metrics(self, acc: "_StepAccumulator") -> dict[str, torch.Tensor]:
-        """The training step's metrics: token-weighted means over micro-batches (and ranks), the
-        optimizer-step counts, and ``loss/pg`` / ``critic/vf_loss`` averaged over optimizer steps."""
+        """The training step's metrics: token-weighted means over micro-batches (and ranks), or
+        their max / min for extremes (``metric_reduction``); the optimizer-step counts; and
+        ``loss/pg`` / ``critic/vf_loss`` averaged over optimizer steps."""
         world, report = dist.get_world_size(), self._reports_outputs()
         # Every rank takes the same optimizer steps, so per_mb is empty on all ranks or on none.
         out = reduce_metrics(acc.per_mb, acc.weights) if acc.per_mb else {}

@@ -78,6 +78,6 @@ def run(rank: int, world: int, init_file: str, model_path: str, agg_mode: str, o
     weights = {n: t.clone() for n, t in learner.named_weights()}  # collective: every rank
     if rank == 0:
         torch.save({"loss": float(metrics["loss/pg"]), "vf": float(metrics.get("critic/vf_loss", 0.0)),
-                    "weights": weights}, out)
+                    "ratio_max": float(metrics.get("loss/ratio_max", float("nan"))), "weights": weights}, out)
     dist.destroy_process_group()
     exit_rank_process(0)

@@ -49,6 +49,11 @@ def test_two_ranks_with_token_budget_and_critic_equal_one_rank(tmp_path, tiny_mo
     two = _train(2, tmp_path, tiny_model_path, "token-mean", max_tokens=24, critic=True)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     assert two["vf"] == pytest.approx(one["vf"], rel=1e-5, abs=1e-7)
+    # The largest ratio of any token, whatever the rank split and micro-batch cut (it was a
+    # token-weighted mean of per-micro-batch maxima, which depends on both); the second
+    # mini-batch moved it off 1.
+    assert one["ratio_max"] > 1.0 + 1e-3
+    assert two["ratio_max"] == pytest.approx(one["ratio_max"], rel=1e-5)
     for name, w in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -99,7 +104,7 @@ def test_trainer_two_ranks_ppo_equals_one_rank(tmp_path):
     a, b = _steps(tmp_path / "one"), _steps(tmp_path / "two")
     # Per-micro-batch metrics are token-weighted over both ranks' micro-batches, not rank 0's share.
     for key in ("loss/pg", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "actor/entropy", "loss/kl",
-                "loss/clip_frac", "critic/vf_clip_frac"):
+                "loss/clip_frac", "critic/vf_clip_frac", "loss/ratio_max"):
         assert b[1][key] == pytest.approx(a[1][key], rel=1e-4, abs=1e-6), key
     assert b[1]["rollout/reward_mean"] == a[1]["rollout/reward_mean"]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.metrics import LoggingConfig, MetricsLogger, WandbConfig, reduce_metrics
+from async_rl.metrics import LoggingConfig, MetricsLogger, WandbConfig, metric_reduction, reduce_metrics
 
 QUIET = dict(progress=False, console_every_steps=0)
 
@@ -309,6 +309,31 @@ def test_reduce_metrics_unweighted_tensor_weights_and_zero_weight():
     assert whole.item() == pytest.approx(tokens.mean().item())
     grad = torch.tensor(1.0, requires_grad=True)
     assert not reduce_metrics([{"loss/pg": grad * 2}])["loss/pg"].requires_grad
+
+
+def test_reduce_metrics_extremes_are_max_and_min_of_the_tokens_not_a_mean():
+    # A max over micro-batches is the max over the whole batch whatever the cut; a weighted mean
+    # of per-micro-batch maxima (what loss/ratio_max was) gives (1*10 + 50*1 + 2*10) / 21 = 3.81.
+    ratios = [torch.tensor([1.0, 0.9]), torch.tensor([50.0]), torch.tensor([2.0, 1.1])]
+    micro = [{"loss/ratio_max": r.max(), "loss/ratio_min": r.min(), "loss/pg": r.mean()} for r in ratios]
+    out = reduce_metrics(micro, weights=[10, 1, 10])
+    assert out["loss/ratio_max"].item() == 50.0
+    assert out["loss/ratio_min"].item() == pytest.approx(0.9)
+    assert out["loss/pg"].item() == pytest.approx((0.95 * 10 + 50 * 1 + 1.55 * 10) / 21)
+    assert reduce_metrics(micro)["loss/ratio_max"].item() == 50.0
+    # A zero-weight entry (no valid token: its max is a placeholder 0) is skipped, not a minimum.
+    micro.append({"loss/ratio_min": torch.tensor(0.0)})
+    assert reduce_metrics(micro, weights=[10, 1, 10, 0])["loss/ratio_min"].item() == pytest.approx(0.9)
+    assert math.isnan(reduce_metrics(micro[-1:], weights=[0])["loss/ratio_min"].item())
+    # Genuine infinities survive (only "nothing weighed" is NaN).
+    assert reduce_metrics([{"a/x_max": torch.tensor(math.inf)}], weights=[1])["a/x_max"].item() == math.inf
+
+
+@pytest.mark.parametrize("key, how", [("loss/ratio_max", "max"), ("staleness/max", "max"), ("x_min", "min"),
+                                      ("staleness/min", "min"), ("loss/ratio_mean", "mean"),
+                                      ("agent/max_turns", "mean"), ("loss/pg", "mean")])
+def test_metric_reduction_by_key(key, how):
+    assert metric_reduction(key) == how
 
 
 @pytest.mark.parametrize(
