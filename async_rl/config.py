@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from async_rl.agent import AgentConfig
-from async_rl.algorithms.config import AlgorithmConfig
+from async_rl.algorithms.config import ASYNC_CLIP_RATIO_C, AlgorithmConfig
 from async_rl.loops.base import TrainerConfig
 from async_rl.data.dataset import DataConfig
 from async_rl.metrics import LoggingConfig
@@ -150,6 +150,12 @@ def _cross_validate(cfg: Config) -> None:
         # decoupled PPO objective of AReaL, arXiv 2505.24298). In sync mode pi_prox == mu up to
         # float noise, so no weight is needed.
         cfg.algorithm.behavior_correction = "tis" if cfg.trainer.mode == "async" else "none"
+    if cfg.algorithm.clip_ratio_c is None and cfg.trainer.mode == "async":
+        # Tokens an older policy sampled can be unlikely under pi_prox; one optimizer step later
+        # their ratio pi_theta / pi_prox runs to the hundreds (true max > 3 in 199 of 300 async
+        # default-job steps, 20 of 300 in sync), and with A < 0 PPO's clip leaves that term
+        # unbounded. Dual clip bounds it (Ye et al. 2020, arXiv 1912.09729; verl's default 3.0).
+        cfg.algorithm.clip_ratio_c = ASYNC_CLIP_RATIO_C
     cfg.algorithm.apply_preset()
     if cfg.trainer.max_staleness is None:
         # Async without staleness would idle the generators while the learner trains.

@@ -76,6 +76,18 @@ def test_dual_clip_counts_as_low_fault_case_7():
                     torch.ones(1, 1), num_global_tokens=1, num_global_seqs=1, clip_ratio_c=0.5, **AGG)
 
 
+@pytest.mark.parametrize("c", [None, math.inf])
+def test_dual_clip_off_leaves_the_pessimistic_term_unbounded(c):
+    # c = inf is how a config turns off async mode's default dual clip: the same loss as None.
+    logprobs = torch.full((1, 2), math.log(5.0), requires_grad=True)
+    loss, m = policy_loss("ppo_clip", logprobs, torch.zeros(1, 2), torch.zeros(1, 2), _t([[-1.0, 0.0]]),
+                          torch.ones(1, 2), num_global_tokens=2, num_global_seqs=1, clip_ratio_c=c, **AGG)
+    assert loss.item() == pytest.approx(5.0 / 2)  # -A r = 5 on the negative token, 0 on the other
+    assert m["clip_frac_low"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[2.5, 0.0]]))  # d(r/2)/dlogp = r/2
+
+
 def test_clip_higher_is_asymmetric():
     logprobs = _t([[math.log(1.25), math.log(0.75)]])
     _, m = policy_loss("ppo_clip", logprobs, torch.zeros(1, 2), torch.zeros(1, 2), _t([[1.0, -1.0]]),

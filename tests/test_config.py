@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,29 @@ def test_vllm_context_fits_prompt_and_response(max_model_len, ok):
             _load(*args)
     # The HF engine does not use the vLLM section.
     assert _load("generator.vllm.max_model_len=39")
+
+
+@pytest.mark.parametrize("overrides, want", [
+    ((), None),                                                         # sync: off
+    (("trainer.mode=async",), 3.0),                                      # async: verl's c
+    (("trainer.mode=async", "algorithm.clip_ratio_c=inf"), math.inf),    # async, turned off
+    (("trainer.mode=async", "algorithm.clip_ratio_c=5"), 5.0),
+    (("algorithm.clip_ratio_c=2.5",), 2.5),
+])
+def test_dual_clip_defaults_on_in_async_mode_only(tmp_path, overrides, want):
+    cfg = _load(*overrides)
+    assert cfg.algorithm.clip_ratio_c == want
+    assert cfg.algorithm.loss_params()["clip_ratio_c"] == want
+    # The resolved config.yaml a run writes loads back to the same bound (inf included).
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path, []).algorithm.clip_ratio_c == want
+
+
+def test_dual_clip_bound_at_or_below_one_is_refused():
+    for bad in ("1", "0.5", "nan"):
+        with pytest.raises(ConfigError, match="algorithm.clip_ratio_c must be > 1"):
+            _load("trainer.mode=async", f"algorithm.clip_ratio_c={bad}")
 
 
 @pytest.mark.parametrize("spec", ["ppo_clip", "builtin:ppo_clip", "async_rl.algorithms.losses:ppo_clip_loss"])

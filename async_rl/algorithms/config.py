@@ -45,6 +45,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ppo": {"advantage_estimator": "gae", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean"},
 }
 KL_ESTIMATORS = KL_KINDS
+# Dual-clip bound async mode takes when algorithm.clip_ratio_c is unset (load_config resolves it,
+# as it does behavior_correction): verl's default c (Ye et al. 2020, arXiv 1912.09729).
+ASYNC_CLIP_RATIO_C = 3.0
 # Fields a preset may leave at None for apply_preset to fill; a resolved config has none of them None.
 PRESET_FIELDS = ("advantage_estimator", "policy_loss", "loss_agg_mode", "clip_ratio_high", "dynamic_sampling",
                  "overlong_buffer_frac", "behavior_correction")
@@ -71,7 +74,8 @@ class AlgorithmConfig:
     clip_ratio_high: float | None = None
     """PPO clip epsilon above 1 (clip-higher); ``None`` = ``clip_ratio_low`` or the preset's."""
     clip_ratio_c: float | None = None
-    """Dual-clip bound for negative advantages (> 1); ``None`` disables it."""
+    """Dual-clip bound c > 1 for negative advantages; ``.inf`` turns it off. ``None`` =
+    ``ASYNC_CLIP_RATIO_C`` (3.0, verl's value) in async mode, off in sync mode."""
     behavior_correction: str | None = None
     """Off-policy weight pi_prox/mu: none | tis | icepop | seq_tis | seq_icepop; ``None`` = ``tis``
     in async mode (samples from older policies), ``none`` in sync mode."""

@@ -41,6 +41,7 @@ mismatch_logprob_abs_diff, mismatch_kl.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -269,7 +270,7 @@ def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _N
         correction: the behaviour weight (see `OffPolicyCorrection`); default none.
         clip_ratio_low, clip_ratio_high: eps_low in (0, 1], eps_high > 0 (checked by
             `AlgorithmConfig`).
-        clip_ratio_c: dual-clip bound c > 1, or None for no dual clip.
+        clip_ratio_c: dual-clip bound c > 1; None or ``inf`` for no dual clip.
 
     Returns:
         `(loss, metrics)`: 0-dim loss; metrics as in the module docstring. A token counts as
@@ -288,7 +289,7 @@ def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _N
     prep = _prepare(inputs, correction)
     ratio, adv = torch.exp(prep.log_ratio), prep.advantages
     per_token, high, low = _clipped_surrogate(ratio, adv, clip_ratio_low, clip_ratio_high)
-    if clip_ratio_c is not None:
+    if clip_ratio_c is not None and math.isfinite(clip_ratio_c):
         negative = adv < 0
         per_token = torch.where(negative, torch.minimum(per_token, -adv * clip_ratio_c), per_token)
         low = low | (negative & (ratio > clip_ratio_c))
