@@ -46,6 +46,13 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def cpu_adjustments_needed() -> bool:
+    """Whether megatron-core runs here without CUDA, so adjustments 1 and 4 apply (the one test
+    of it: ``apply_cpu_adjustments``, ``cpu_model_construction`` and the ``cpu_only`` test marker
+    all go by it)."""
+    return not torch.cuda.is_available()
+
+
 def apply_cpu_adjustments() -> None:
     """Point ``torch.cuda.current_device`` at the CPU when CUDA is not available (idempotent).
 
@@ -54,7 +61,7 @@ def apply_cpu_adjustments() -> None:
     available this does nothing. ``undo_cpu_adjustments`` restores the original function.
     """
     global _original_current_device
-    if torch.cuda.is_available() or _original_current_device is not None:
+    if not cpu_adjustments_needed() or _original_current_device is not None:
         return
     _original_current_device = torch.cuda.current_device
     torch.cuda.current_device = _cpu_current_device
@@ -77,7 +84,7 @@ def cpu_model_construction() -> Iterator[None]:
     embedding copy before its all-reduce over the embedding group (gloo handles CPU tensors).
     Not thread-safe: it swaps a method of ``torch.Tensor`` for the duration of the block.
     """
-    if torch.cuda.is_available():
+    if not cpu_adjustments_needed():
         yield
         return
     original = torch.Tensor.cuda

@@ -1,4 +1,5 @@
-"""Shared fixtures. GPU-marked tests are skipped on machines without CUDA."""
+"""Shared fixtures. ``gpu`` tests are skipped on machines without CUDA, ``cpu_only`` tests (what
+megatron-core does without CUDA) on machines with it."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    has_cuda = torch.cuda.is_available()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_cpu_only = pytest.mark.skip(reason="pins megatron-core's behaviour on a machine without CUDA")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+        if "cpu_only" in item.keywords and has_cuda:
+            item.add_marker(skip_cpu_only)
 
 
 @pytest.fixture(scope="session")

@@ -329,8 +329,9 @@ def _worker(rank: int, world: int, init_file: str, work: str, chain: str) -> Non
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: torch.device("cpu")  # RoPE, megatron's memory buffer
+    from async_rl.learners.megatron_cpu import apply_cpu_adjustments
+
+    apply_cpu_adjustments()  # RoPE and megatron's memory buffer ask torch.cuda.current_device()
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         res: dict = {"timings": {}}

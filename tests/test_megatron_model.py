@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from async_rl.learners.launch import exit_rank_process
+from async_rl.learners.megatron_cpu import cpu_adjustments_needed
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
@@ -144,7 +145,8 @@ def rank_main(rank: int, world: int, init_file: str, jobs: list, out_dir: str) -
     """One spawned gloo rank: run every ``(key, model_path, tp, pp)`` job, save this rank's results."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    results = {key: run_case(path, tp, pp, schedule=(key == "qwen-pp2")) for key, path, tp, pp in jobs}
+    probe = cpu_adjustments_needed()
+    results = {key: run_case(path, tp, pp, schedule=probe and key == "qwen-pp2") for key, path, tp, pp in jobs}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -265,11 +267,11 @@ def test_two_rank_logits_and_round_trip(two_ranks, reference, model, kind):
 
 
 # These two pin what megatron-core does on a machine *without* CUDA (where the adjustments apply);
-# with a GPU the same calls succeed, so they are skipped there rather than marked `gpu`.
-_CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="pins megatron-core's behaviour without CUDA")
+# with a GPU the same calls succeed, so they are `cpu_only` (skipped there), and the two ranks
+# only probe the schedule and the unadjusted build where the adjustments are needed.
 
 
-@_CPU_ONLY
+@pytest.mark.cpu_only
 def test_megatron_pipeline_schedule_needs_cuda(two_ranks):
     # See the module docstring: the schedule allocates a CUDA tensor before anything else.
     for results in two_ranks:
@@ -278,7 +280,7 @@ def test_megatron_pipeline_schedule_needs_cuda(two_ranks):
             f"megatron's pipeline schedule fails differently or runs on CPU now ({err!r}); revisit the PP path"
 
 
-@_CPU_ONLY
+@pytest.mark.cpu_only
 def test_tied_embeddings_with_pp_need_cpu_model_construction(two_ranks):
     # megatron_cpu adjustment 4: without it the tied PP build calls weight.data.cuda().
     for results in two_ranks:
