@@ -52,8 +52,8 @@ from async_rl.metrics import metric_reduction, reduce_metrics
 logger = logging.getLogger(__name__)
 
 
-def _token_weighted_across_ranks(local: dict[str, torch.Tensor], per_mb: list[dict], weights: list[float],
-                                 skip: tuple[str, ...], report: bool = True) -> dict[str, torch.Tensor]:
+def _reduce_across_ranks(local: dict[str, torch.Tensor], per_mb: list[dict], weights: list[float],
+                         skip: tuple[str, ...], report: bool = True) -> dict[str, torch.Tensor]:
     """Per-micro-batch metrics over every rank's micro-batches: token-weighted means, and the
     max / min of extremes (``async_rl.metrics.metric_reduction``: ``loss/ratio_max`` is the
     largest ratio on any rank).
@@ -434,8 +434,8 @@ class LearnerCore:
         # Every rank takes the same optimizer steps, so per_mb is empty on all ranks or on none.
         out = reduce_metrics(acc.per_mb, acc.weights) if acc.per_mb else {}
         if world > 1:
-            out.update(_token_weighted_across_ranks(out, acc.per_mb, acc.weights,
-                                                    skip=("actor/grad_norm", "critic/grad_norm"), report=report))
+            out.update(_reduce_across_ranks(out, acc.per_mb, acc.weights,
+                                            skip=("actor/grad_norm", "critic/grad_norm"), report=report))
         out["actor/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
         out["actor/optimizer_steps"] = torch.tensor(float(acc.num_steps))
         out["actor/skipped_mini_batches"] = torch.tensor(float(acc.skipped))
