@@ -302,6 +302,9 @@ def _check_lora(cfg: Config) -> None:
     if lora.rank == 0 and lora != LoRAConfig():
         logging.getLogger(__name__).warning("learner.lora.* is set but learner.lora.rank=0: LoRA is off and "
                                             "those settings have no effect")
+    if lora.rank > 0 and cfg.generator.backend == "sglang":
+        raise ConfigError("generator.backend=sglang serves full weights only: learner.lora.rank > 0 needs "
+                          "generator.backend=hf or vllm")
     if lora.rank > 0 and cfg.generator.backend == "vllm":
         try:
             vllm_max_lora_rank(lora.rank)

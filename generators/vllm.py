@@ -23,8 +23,9 @@ decodes.
   a large model does not fit beside its KV cache), so the engine then aborts the requests the
   update froze and refuses to sample until a complete update succeeds
   (``async_rl.weight_sync``'s *All or nothing*).
-* **Prefix cache**: each request carries ``cache_salt = "v<version>"``, so no request ever hits a
-  block computed under older weights (in ``keep`` mode a frozen request keeps its own KV: that is
+* **Prefix cache**: each request carries ``cache_salt = "v<version>.<loads>"`` (``loads``: complete
+  updates so far, since a version can be pushed twice with different weights: the warm start's
+  weights go out as version 0 again), so no request ever hits a block computed under older weights (in ``keep`` mode a frozen request keeps its own KV: that is
   what keep means).
 * **LoRA** (``lora`` with ``rank > 0``): the engine starts with ``enable_lora`` and a zero adapter;
   every request names it (``vllm_worker.lora_request``), and an update carries only the adapter
@@ -81,6 +82,8 @@ class VLLMGenerator:
         self._calls = itertools.count()
         self._resumed: asyncio.Event | None = None  # created on the engine's loop (_start)
         self.num_weight_updates_in_flight = 0
+        self.num_loads = 0
+        """Complete weight updates loaded so far (part of the prefix-cache salt)."""
         self.num_reissued = 0
         """Samples aborted by a weight update and issued again (``partial_rollout: abort``)."""
         self.num_cached_prompt_tokens = 0
@@ -200,7 +203,7 @@ class VLLMGenerator:
                      max_tokens=params.max_tokens - len(tokens), seed=mix_seed(seed, len(tokens)) if tokens else seed,
                      stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
                      skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
-            request = {"prompt_token_ids": prompt + tokens, "cache_salt": f"v{self.policy_version}"}
+            request = {"prompt_token_ids": prompt + tokens, "cache_salt": self._cache_salt()}
             finish = None
             request_id = uuid.uuid4().hex
             self._active += 1
@@ -264,6 +267,9 @@ class VLLMGenerator:
         self._call(self._receive(plan, version))
         return time.perf_counter() - t0
 
+    def _cache_salt(self) -> str:
+        return f"v{self.policy_version}.{self.num_loads}"
+
     def _check_usable(self) -> None:
         if self._unusable is not None:
             raise RuntimeError(self._unusable)
@@ -297,6 +303,7 @@ class VLLMGenerator:
                 self._unusable = f"vLLM engine: weight update v{version} was cancelled midway; it refuses to sample"
                 raise
             self.policy_version = version
+            self.num_loads += 1
             self._unusable = None
             self.num_weight_updates_in_flight += int(in_flight and keep)
         finally:

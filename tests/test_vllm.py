@@ -104,6 +104,30 @@ def test_synced_engine_equals_a_fresh_engine_and_reuses_no_old_cache(engine, tin
     pub.close()
 
 
+def test_same_version_pushed_again_reuses_no_cached_block(engine, tiny_model_path, tiny_tokenizer, tmp_path):
+    # The warm start's weights go out as version 0 again after the engine served version 0: the
+    # prefix-cache salt must change with every load, not only with the version number.
+    from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
+
+    tok = tiny_tokenizer
+    prompts = _prompts(tok)
+    greedy = SamplingParams(greedy=True, max_tokens=4, stop_token_ids=(tok.eos_token_id,))
+    engine.generate(prompts, 1, greedy)
+    cached = engine.num_cached_prompt_tokens
+    engine.generate(prompts, 1, greedy)
+    assert engine.num_cached_prompt_tokens - cached >= 4 * 16  # served from the cache: it is on
+    model, _ = _perturbed(tiny_model_path, tmp_path / "again", scale=0.03)
+    pub = WeightPublisher(WeightSyncConfig(transport="shm", bucket_size_mb=0.25), "shm", ModuleWeights(model),
+                          [LocalTarget(engine)])
+    try:
+        pub.push(engine.policy_version)
+    finally:
+        pub.close()
+    cached = engine.num_cached_prompt_tokens
+    engine.generate(prompts, 1, greedy)
+    assert engine.num_cached_prompt_tokens == cached
+
+
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_name_map_is_one_to_one_onto_the_engine(engine, tiny_model_path, tmp_path, tie):
     model, path = _perturbed(tiny_model_path, tmp_path / "m", tie=tie)

@@ -49,7 +49,7 @@ from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.loops.pool import GeneratorWorker
 from async_rl.rollout import GroupRequest, RolloutResult, group_seed
-from async_rl.weight_sync import RayTarget, WeightPublisher, resolve_transport
+from async_rl.weight_sync import RayTarget, WeightPublisher, engine_protocol, resolve_transport
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ class AsyncLoop:
                         for i in range(g_cfg.num_workers)]
         self.transport = resolve_transport(cfg.weight_sync, g_cfg.backend, "async")
         self.publisher = WeightPublisher(cfg.weight_sync, self.transport, ctx.learner,
-                                         [RayTarget(w) for w in self.workers])
+                                         [RayTarget(w) for w in self.workers],
+                                         protocol=engine_protocol(g_cfg.backend))
         self.published_version = -1
         self._publish()  # the warm-started (or resumed) weights
         self.run_refs = [w.run.remote(self.requests) for w in self.workers]

@@ -93,8 +93,8 @@ whole update against an engine), ``sources`` (what a push reads), ``wire``
 """
 
 from async_rl.weight_sync.check import UnknownWeightError, WeightUpdateError, check_update, map_to_engine
-from async_rl.weight_sync.config import (TRANSPORTS, WIRE_DTYPES, WeightSyncConfig, replace_transport,
-                                         resolve_transport)
+from async_rl.weight_sync.config import (TRANSPORTS, WIRE_DTYPES, WeightSyncConfig, engine_protocol,
+                                         replace_transport, resolve_transport)
 from async_rl.weight_sync.plan import (DTYPES, TensorMeta, UpdatePlan, converts_to, dtype_name, layer_key,
                                        pack_bucket, plan_update, unpack_bucket)
 from async_rl.weight_sync.publisher import (BucketTransport, ColocatedTransport, LocalTarget, RayTarget, Transport,
@@ -105,6 +105,7 @@ from async_rl.weight_sync.wire import WeightReceiver, WeightSender
 __all__ = ["BucketTransport", "ColocatedTransport", "DTYPES", "LocalTarget", "ModuleWeights", "NamedTensors",
            "RayTarget", "TRANSPORTS", "TensorMeta", "Transport", "UnknownWeightError", "UpdatePlan", "WIRE_DTYPES",
            "WeightPublisher", "WeightReceiver", "WeightSender", "WeightSource", "WeightSyncConfig", "WeightTarget",
-           "WeightUpdateError", "check_update", "converts_to", "dtype_name", "layer_key", "make_transport",
+           "WeightUpdateError", "check_update", "converts_to", "dtype_name", "engine_protocol", "layer_key",
+           "make_transport",
            "map_to_engine", "pack_bucket", "plan_update", "replace_transport", "resolve_transport", "tied_aliases",
            "unpack_bucket"]

@@ -16,7 +16,7 @@ class WeightSyncConfig:
     transport: str = "auto"
     """``colocated`` (engine in the learner's process), ``shm`` (same-host shared memory),
     ``broadcast`` (a torch.distributed group: gloo on CPU, NCCL on GPU), or ``auto``: colocated for
-    the HF engine in sync mode, else shm."""
+    the HF and SGLang engines in sync mode (SGLang: ``update_weights_from_tensor``), else shm."""
     bucket_size_mb: float = 256.0
     """Bucket size in MiB (> 0). A tensor larger than a bucket gets a bucket of its own size."""
     num_slots: int = 2
@@ -46,10 +46,17 @@ class WeightSyncConfig:
 
 
 def resolve_transport(cfg: WeightSyncConfig, backend: str, mode: str) -> str:
-    """The transport ``auto`` means for an engine backend (``hf``/``vllm``) in a trainer mode."""
+    """The transport ``auto`` means for an engine backend (``hf``/``vllm``/``sglang``) in a trainer mode."""
     if cfg.transport != "auto":
         return cfg.transport
-    return "colocated" if (backend == "hf" and mode == "sync") else "shm"
+    return "colocated" if (backend in ("hf", "sglang") and mode == "sync") else "shm"
+
+
+def engine_protocol(backend: str) -> str:
+    """The bucket protocol a sender must speak to engines of ``backend``: ``sglang`` (a broadcast
+    group SGLang's ``init_weights_update_group`` joins, contiguous ``flattened_bucket`` layout)
+    or ``async_rl`` (our own receivers: HF, vLLM)."""
+    return "sglang" if backend == "sglang" else "async_rl"
 
 
 def replace_transport(cfg: WeightSyncConfig, transport: str) -> WeightSyncConfig:

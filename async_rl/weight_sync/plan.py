@@ -105,7 +105,8 @@ def layer_key(name: str) -> str:
 
 
 def plan_update(named_shapes: Sequence[tuple[str, torch.dtype, Sequence[int]]], version: int, bucket_bytes: int,
-                aliases: dict[str, str] | None = None, wire_dtype: torch.dtype | None = None) -> UpdatePlan:
+                aliases: dict[str, str] | None = None, wire_dtype: torch.dtype | None = None,
+                align: int = _ALIGN) -> UpdatePlan:
     """Lay out tensors in buckets of about ``bucket_bytes``, never splitting a decoder layer.
 
     A loader may hold on to the tensors of a layer until the whole layer has arrived (vLLM's
@@ -120,10 +121,15 @@ def plan_update(named_shapes: Sequence[tuple[str, torch.dtype, Sequence[int]]], 
         bucket_bytes: target bucket size in bytes (> 0).
         aliases: ``{alias: target}``: names loaded from the target's bytes (tied weights).
         wire_dtype: cast floating tensors to this dtype on the wire (None keeps each dtype).
+        align: byte alignment of each tensor's offset (64: vectorised copies). 1 packs tensors
+            back to back, SGLang's ``flattened_bucket`` layout (``FlattenedTensorBucket``), which
+            still needs each offset to be a multiple of its dtype's size.
 
     Raises:
-        ValueError: a name listed twice, an alias whose target is not sent, or a dtype the wire
-            does not carry (``bool``, ``int8``, complex, float8...).
+        ValueError: a name listed twice, an alias whose target is not sent, a dtype the wire
+            does not carry (``bool``, ``int8``, complex, float8...), or (``align=1``) a tensor
+            whose packed offset is not a multiple of its dtype's size (mixed dtypes: set
+            ``weight_sync.wire_dtype``).
     """
     seen: set[str] = set()
     items = []
@@ -145,7 +151,7 @@ def plan_update(named_shapes: Sequence[tuple[str, torch.dtype, Sequence[int]]], 
             runs[-1].append(it)
         else:
             runs.append([it])
-    aligned = lambda n: -(-n // _ALIGN) * _ALIGN  # noqa: E731
+    aligned = lambda n: -(-n // align) * align  # noqa: E731
     buckets: list[list[TensorMeta]] = [[]]
     sizes = [0]
     where: dict[str, int] = {}
@@ -156,6 +162,10 @@ def plan_update(named_shapes: Sequence[tuple[str, torch.dtype, Sequence[int]]], 
             sizes.append(0)
         for name, dtype, shape, nbytes in run:
             start = aligned(sizes[-1])
+            if start % torch.empty((), dtype=dtype).element_size():
+                raise ValueError(f"weight {name!r} ({dtype_name(dtype)}) would start at byte {start} of a packed "
+                                 f"bucket, not a multiple of its size: set weight_sync.wire_dtype so all weights "
+                                 f"travel in one dtype")
             buckets[-1].append(TensorMeta(name, dtype_name(dtype), shape, start, nbytes))
             sizes[-1] = start + nbytes
             where[name] = len(buckets) - 1

@@ -181,7 +181,7 @@ class ColocatedTransport:
     def __init__(self, cfg: WeightSyncConfig, targets: list) -> None:
         if not all(t.in_process for t in targets):
             raise ValueError("weight_sync.transport=colocated needs the engine in the learner's process "
-                             "(sync mode, generator.backend=hf); use shm or broadcast")
+                             "(sync mode, generator.backend=hf or sglang); use shm or broadcast")
         self.cfg, self.targets = cfg, targets
         self.sender: WeightSender | None = None
 
@@ -210,14 +210,16 @@ class BucketTransport:
         transport: ``shm`` or ``broadcast``.
         targets: ``WeightTarget``s (all of one kind).
         device: where the learner's tensors live: ``cuda`` makes ``broadcast`` use NCCL.
+        protocol: the engines' bucket protocol (``config.engine_protocol``): ``async_rl`` or ``sglang``.
 
     Raises:
         TimeoutError: a receiver did not connect within ``cfg.timeout_s``.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, transport: str, targets: list, device: str = "cpu") -> None:
+    def __init__(self, cfg: WeightSyncConfig, transport: str, targets: list, device: str = "cpu",
+                 protocol: str = "async_rl") -> None:
         self.cfg, self.name, self.targets = cfg, transport, targets
-        self.sender = WeightSender(replace_transport(cfg, transport), len(targets), device=device)
+        self.sender = WeightSender(replace_transport(cfg, transport), len(targets), device=device, protocol=protocol)
         handles = [t.connect(self.sender.init_info(), r) for r, t in enumerate(targets)]
         self.sender.connect()  # broadcast: the group forms here, with every receiver joining
         _wait(targets, handles, cfg.timeout_s, f"weight sync ({transport}) timed out after {cfg.timeout_s:.0f} s "
@@ -269,9 +271,10 @@ class BucketTransport:
         self.sender.close()
 
 
-def make_transport(cfg: WeightSyncConfig, transport: str, targets: list, device: str = "cpu") -> Transport:
+def make_transport(cfg: WeightSyncConfig, transport: str, targets: list, device: str = "cpu",
+                   protocol: str = "async_rl") -> Transport:
     """The transport object of a resolved ``transport`` name over ``targets``: a
-    ``ColocatedTransport`` or a (connected) ``BucketTransport``.
+    ``ColocatedTransport`` or a (connected) ``BucketTransport`` speaking ``protocol``.
 
     Raises:
         ValueError: ``auto`` or an unknown name; ``colocated`` with targets not in this process.
@@ -279,7 +282,7 @@ def make_transport(cfg: WeightSyncConfig, transport: str, targets: list, device:
     if transport == "colocated":
         return ColocatedTransport(cfg, targets)
     if transport in ("shm", "broadcast"):
-        return BucketTransport(cfg, transport, targets, device)
+        return BucketTransport(cfg, transport, targets, device, protocol)
     raise ValueError(f"not a resolved weight_sync transport: {transport!r} (resolve_transport first)")
 
 
@@ -295,6 +298,7 @@ class WeightPublisher:
         learner: the ``WeightSource`` (a learner, ``ModuleWeights``, ``NamedTensors``).
         targets: ``WeightTarget``s (``LocalTarget``s or ``RayTarget``s, all of one kind).
         device: where the learner's tensors live: ``cuda`` makes ``broadcast`` use NCCL.
+        protocol: the engines' bucket protocol (``config.engine_protocol(generator.backend)``).
 
     Raises:
         ValueError: ``colocated`` with targets that are not in this process, or an unresolved
@@ -303,10 +307,10 @@ class WeightPublisher:
     """
 
     def __init__(self, cfg: WeightSyncConfig, transport: str, learner: WeightSource, targets: list,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", protocol: str = "async_rl") -> None:
         self.cfg, self.transport, self.learner, self.targets = cfg, transport, learner, targets
         self.published_version: int | None = None
-        self._transport = make_transport(cfg, transport, targets, device)
+        self._transport = make_transport(cfg, transport, targets, device, protocol)
 
     @property
     def sender(self) -> WeightSender | None:

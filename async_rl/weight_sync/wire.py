@@ -33,17 +33,27 @@ class WeightSender:
         num_receivers: generator engines that receive every update (>= 1).
         host: address receivers reach the store at (``127.0.0.1`` for one host).
         device: ``cpu`` (gloo) or ``cuda`` (NCCL) for ``broadcast``.
+        protocol: ``async_rl`` (our ``WeightReceiver``s) or ``sglang`` (SGLang engines,
+            ``config.engine_protocol``): the broadcast group is then formed the way SGLang's
+            ``init_weights_update_group`` joins one (``init_custom_process_group`` over this
+            sender's store, group name ``prefix``), and buckets are packed back to back
+            (``plan_update(align=1)``), the layout of its ``update_weights_from_distributed(
+            load_format="flattened_bucket")``.
 
     Raises:
-        ValueError: a transport this class does not carry (``colocated`` needs no sender).
+        ValueError: a transport this class does not carry (``colocated`` needs no sender), or an
+            unknown protocol.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, num_receivers: int, host: str = "127.0.0.1", device: str = "cpu") -> None:
+    def __init__(self, cfg: WeightSyncConfig, num_receivers: int, host: str = "127.0.0.1", device: str = "cpu",
+                 protocol: str = "async_rl") -> None:
         import torch.distributed as dist
 
         if cfg.transport not in ("shm", "broadcast"):
             raise ValueError(f"WeightSender carries shm or broadcast, not {cfg.transport!r}")
-        self.cfg, self.num_receivers, self.device = cfg, num_receivers, device
+        if protocol not in ("async_rl", "sglang"):
+            raise ValueError(f"unknown weight sync protocol {protocol!r} (async_rl or sglang)")
+        self.cfg, self.num_receivers, self.device, self.protocol = cfg, num_receivers, device, protocol
         self.store = dist.TCPStore(host, 0, num_receivers + 1, True, timeout=_store_timeout(cfg.timeout_s),
                                    wait_for_workers=False)
         self.host, self.port = host, self.store.port
@@ -79,7 +89,8 @@ class WeightSender:
         """What a receiver needs to connect (JSON-able)."""
         return {"transport": self.cfg.transport, "host": self.host, "port": self.port,
                 "world_size": self.num_receivers + 1, "timeout_s": self.cfg.timeout_s,
-                "device": self.device, "prefix": self.prefix,
+                "device": self.device, "prefix": self.prefix, "protocol": self.protocol,
+                "group_name": self.prefix,
                 "slots": [[p, self._slot_bytes] for p in self._slot_paths]}
 
     def unlink_slots(self) -> None:
@@ -95,7 +106,8 @@ class WeightSender:
     def connect(self) -> None:
         """Join the broadcast group (blocks until every receiver connects); no-op for ``shm``."""
         if self.cfg.transport == "broadcast" and self.group is None:
-            self.group = _new_group(self.store, 0, self.num_receivers + 1, self.device, self.cfg.timeout_s, self.prefix)
+            new = _sglang_group if self.protocol == "sglang" else _new_group
+            self.group = new(self.store, 0, self.num_receivers + 1, self.device, self.cfg.timeout_s, self.prefix)
 
     def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: int,
              aliases: dict[str, str] | None = None) -> UpdatePlan:
@@ -107,7 +119,8 @@ class WeightSender:
         """The bucket layout of ``(name, dtype, full shape)`` entries (``plan_update``); grows the
         shm slots if one layer is larger than a bucket."""
         wire = None if self.cfg.wire_dtype == "auto" else DTYPES[self.cfg.wire_dtype]
-        plan = plan_update(meta, version, self.cfg.bucket_bytes, aliases, wire)
+        plan = plan_update(meta, version, self.cfg.bucket_bytes, aliases, wire,
+                           **({"align": 1} if self.protocol == "sglang" else {}))
         if self.cfg.transport == "shm" and max(plan.bucket_nbytes) > self._slot_bytes:
             self._alloc_slots(max(plan.bucket_nbytes))  # one oversized tensor: grow the slots once
         return plan
@@ -219,6 +232,21 @@ def _new_group(store, rank: int, world: int, device: str, timeout_s: float, pref
         opts._timeout = _store_timeout(timeout_s)
         return dist.ProcessGroupNCCL(pstore, rank, world, opts)
     return dist.ProcessGroupGloo(pstore, rank, world, _store_timeout(timeout_s))
+
+
+def _sglang_group(store, rank: int, world: int, device: str, timeout_s: float, group_name: str):
+    # The group SGLang's scheduler forms in ``init_weights_update_group``
+    # (sglang.srt.utils.init_custom_process_group: a PrefixStore named after the group over the
+    # rendezvous store, then torch's own group helper, which prefixes it again per group and
+    # device). Forming it the same way over this sender's TCPStore (the scheduler's
+    # ``tcp://host:port`` rendezvous connects to it) is what lets the two sides meet.
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _new_process_group_helper
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    pg, _ = _new_process_group_helper(world, rank, [], dist.Backend(backend), dist.PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=_store_timeout(timeout_s))
+    return pg
 
 
 class WeightReceiver:

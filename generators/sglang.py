@@ -1,0 +1,544 @@
+"""SGLang generator: an offline ``sglang.Engine`` per generator, driven through SGLang's RL interfaces.
+
+The engine is SGLang's offline ``Engine`` created inside the owning process (a generator actor,
+or the trainer process in sync mode), not its HTTP server beside it: the generator already lives
+in its own process, so a server would add an HTTP hop and JSON (de)serialisation per request and
+a port per actor for nothing; the offline engine speaks the same ``TokenizerManager`` interfaces
+(``update_weights_from_tensor``, ``init_weights_update_group``, ``update_weights_from_distributed``,
+``pause_generation``/``continue_generation``, ``flush_cache``) and keeps its scheduler and
+detokenizer in subprocesses. Those coroutines run on an asyncio loop in a background thread of
+the owning process, so ``generate`` and ``receive_weights`` may come from different threads
+(weights arrive while a batch decodes), as with the vLLM engine.
+
+* **Sampling**: every sample is its own request seeded with ``sampling_seed = mix_seed(seed, j)``.
+  On GPU the engine runs SGLang's deterministic inference, whose sampler draws each position from
+  the seed and the position only, so sample j of a prompt does not depend on its batch. SGLang
+  refuses deterministic inference with its CPU attention backend (``torch_native``), so on CPU
+  samples come from the engine's seeded global generator: a run is reproducible only as a whole,
+  and a sample depends on what else the engine was sampling. Behavior log-probs are those of the distribution the
+  token was drawn from: with temperature only SGLang's ``return_logprob`` values
+  (``log_softmax(logits / T)``); with top-k or top-p SGLang's ``return_sampling_mask`` in
+  ``selected`` mode, the sampled token's log-prob after truncation and renormalisation (what the
+  HF engine and vLLM's ``processed_logprobs`` report; Fu et al., AReaL, arXiv 2505.24298, sec. 4).
+* **Weights** (the engine's ``model.load_weights`` takes Hugging Face names): ``colocated``
+  (``update_weights``) and ``shm`` hand named tensors to ``update_weights_from_tensor``;
+  ``broadcast`` joins the learner's group with ``init_weights_update_group`` and loads each
+  bucket with ``update_weights_from_distributed(load_format="flattened_bucket")`` while the
+  learner broadcasts it (``async_rl.weight_sync.wire``, protocol ``sglang``). Every update is
+  checked whole against the checkpoint's names, shapes and dtypes before a byte moves. ``shm``
+  buckets are staged in this process and loaded in one call, so a sender failure mid-stream
+  leaves the engine on its old weights; ``broadcast`` buckets load as they arrive, so a failure
+  after the first leaves the engine unusable (``generate`` raises) until a complete update.
+* **In-flight requests** (``partial_rollout``): ``keep`` pauses with
+  ``pause_generation(mode="in_place")`` (requests and their KV stay), loads, and continues; SGLang
+  tags each output token with the ``weight_version`` it was sampled under. ``abort`` pauses with
+  ``mode="abort"``, flushes the cache, and re-issues each unfinished sample with its partial
+  tokens appended to the prompt (PipelineRL arXiv 2509.19128; AReaL 2505.24298).
+* **Prefix cache**: each request carries ``cache_salt = "v<version>.<loads>"`` (``loads``: complete
+  updates so far, since a version can be pushed twice with different weights: the warm start's
+  weights go out as version 0 again), so no request reuses KV computed under older weights (``keep``'s frozen requests keep their own KV: that is what keep
+  means); ``abort`` updates also ``flush_cache``.
+* **CPU**: SGLang has no supported CPU wheel; ``envs/sglang-cpu/build.sh`` builds the test venv
+  (``../shared/MEASURED.md``). On CPU the engine runs fp32 with ``attention_backend=torch_native``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds
+from async_rl.lora import lora_enabled
+
+
+def checkpoint_specs(model_path: str, dtype: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
+    """``({HF name: (engine dtype name, shape)}, tied aliases)`` of a Hugging Face checkpoint, read
+    from its safetensors headers (no tensor is loaded): what an SGLang engine started from it loads.
+
+    Args:
+        model_path: model directory (``*.safetensors`` and ``config.json``).
+        dtype: the engine's dtype name (``float32``, ``bfloat16``...); ``auto`` keeps each tensor's.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file in ``model_path``.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_path}: the SGLang engine's weights cannot be checked")
+    specs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                sl = h.get_slice(name)
+                kept = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(sl.get_dtype(), sl.get_dtype())
+                specs[name] = (kept if dtype == "auto" else dtype, tuple(int(s) for s in sl.get_shape()))
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    tied = {}
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in specs and "model.embed_tokens.weight" in specs:
+        tied = {"lm_head.weight": "model.embed_tokens.weight"}
+        specs["lm_head.weight"] = specs["model.embed_tokens.weight"]
+    return specs, tied
+
+
+class SGLangGenerator:
+    """An SGLang offline ``Engine`` used as a rollout engine (see the module docstring).
+
+    Args:
+        model_path: Hugging Face model directory of the starting weights.
+        cfg: generator settings (``cfg.sglang`` for the engine; ``max_batch_size`` caps the
+            engine's running requests).
+        pad_token_id: unused (SGLang does not pad); kept for the common constructor signature.
+        device: ``cpu`` or ``cuda``.
+        num_threads: CPU: OpenMP threads of the engine's scheduler process (0 = torch's default).
+        lora: must be ``None`` or rank 0.
+
+    Raises:
+        ImportError: SGLang is not installed (on CPU: ``envs/sglang-cpu/build.sh``).
+        ValueError: LoRA requested (the SGLang engine serves full weights only, so far).
+        RuntimeError: the engine failed to start (its error).
+    """
+
+    def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
+                 device: str = "cpu", num_threads: int = 0, lora=None) -> None:
+        import sglang  # noqa: F401  (fail early with the real ImportError)
+
+        if lora_enabled(lora):
+            raise ValueError("generator.backend=sglang serves full weights only: LoRA (learner.lora.rank > 0) is "
+                             "supported on the hf and vllm engines")
+        self.cfg, self.scfg = cfg, cfg.sglang
+        self.model_path, self.device = model_path, device
+        self.policy_version = 0
+        self.num_weight_updates_in_flight = 0
+        self.num_loads = 0
+        """Complete weight updates loaded so far (part of the prefix-cache salt)."""
+        self.num_reissued = 0
+        """Samples aborted by a weight update and issued again (``partial_rollout: abort``)."""
+        self._calls = itertools.count()
+        self._active = 0
+        self._updating = False
+        self._unusable: str | None = None
+        self._specs, self._tied = checkpoint_specs(model_path, self.scfg.dtype)
+        self._receiver = None
+        self._group: str | None = None
+        self._own_publisher = None
+        self._connected_to: str | None = None
+        self.engine = None
+        self._child_pids: list[int] = []
+        if device == "cpu":
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+            if num_threads:
+                # The scheduler subprocess inherits these; SGLang binds cores itself only on AMX CPUs.
+                os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
+        self._thread.start()
+        self._resumed: asyncio.Event | None = None
+        try:
+            self.engine = self._call(self._start(), timeout=900)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self):
+        import psutil
+        import sglang as sgl
+
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        s = self.scfg
+        kwargs = dict(model_path=self.model_path, dtype=s.dtype, random_seed=self.cfg.seed, skip_tokenizer_init=True,
+                      mem_fraction_static=s.mem_fraction_static, max_running_requests=self.cfg.max_batch_size,
+                      disable_radix_cache=not s.enable_prefix_caching, log_level=s.log_level, weight_version="0",
+                      # Per-request sampling seeds are honoured only in deterministic mode (each
+                      # position drawn from hash(seed, position), independent of the batch), which
+                      # SGLang allows only with GPU attention backends: on CPU the sampler draws
+                      # from the engine's seeded global generator instead.
+                      enable_deterministic_inference=self.device != "cpu")
+        if s.context_length:
+            kwargs["context_length"] = s.context_length
+        if s.max_total_tokens:
+            kwargs["max_total_tokens"] = s.max_total_tokens
+        if self.device == "cpu":
+            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                          disable_overlap_schedule=True)
+        # Built on this loop's thread: the engine adopts the running loop, and SGLang then
+        # installs no signal handlers (a SIGQUIT handler that kills this whole process tree).
+        engine = sgl.Engine(**kwargs)
+        self._child_pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        return engine
+
+    def close(self) -> None:
+        """Stop the engine's subprocesses (only its own: ``Engine.shutdown`` would kill every child
+        of this process, Ray's and the learner's included) and the loop thread. Idempotent."""
+        import psutil
+
+        if self._own_publisher is not None:
+            self._own_publisher.close()
+            self._own_publisher = None
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+        if self.engine is not None:
+            watchdog = getattr(self.engine.tokenizer_manager, "_subprocess_watchdog", None)
+            if watchdog is not None:
+                watchdog.stop()
+            self.engine = None
+        procs = []
+        for pid in self._child_pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            p.kill()
+        self._child_pids = []
+        if self.loop.is_running():
+            async def cancel_pending() -> None:
+                # SGLang's result-handling tasks live on this loop; cancelled and awaited here,
+                # they do not die pending (with a warning per task) when the loop stops.
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            try:
+                self._call(cancel_pending(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort: the processes are gone already
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    def _cache_salt(self) -> str:
+        return f"v{self.policy_version}.{self.num_loads}"
+
+    def _check_usable(self) -> None:
+        if self._unusable is not None:
+            raise RuntimeError(self._unusable)
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 seeds: Sequence[int] | None = None,
+                 on_sample: Callable[[int, int, Sample], None] | None = None) -> list[list[Sample]]:
+        """Sample ``n`` responses per prompt (same contract as ``HFGenerator.generate``).
+
+        ``on_sample`` is called from the engine's loop thread as each sample finishes.
+
+        Raises:
+            ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
+            RuntimeError: the engine is unusable (a weight update failed after its first loaded
+                bucket) until a complete update succeeds, or SGLang ended a request with an error.
+        """
+        check_request(n, params)
+        self._check_usable()
+        seeds_of_rows = row_seeds(self.cfg.seed, self._calls, n, len(prompts), seeds)
+
+        async def all_rows() -> list[Sample]:
+            async def one(k: int) -> Sample:
+                s = await self._sample(list(prompts[k // n]), params, seeds_of_rows[k])
+                if on_sample is not None:
+                    on_sample(k // n, k % n, s)
+                return s
+
+            return list(await asyncio.gather(*(one(k) for k in range(len(seeds_of_rows)))))
+
+        flat = self._call(all_rows())
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    async def _sample(self, prompt: list[int], params: SamplingParams, seed: int) -> Sample:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        processed = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            await self._resumed.wait()
+            self._check_usable()
+            sp = {"max_new_tokens": params.max_tokens - len(tokens),
+                  "temperature": 0.0 if params.greedy else params.temperature,
+                  "top_p": 1.0 if params.greedy else params.top_p,
+                  "top_k": -1 if params.greedy or params.top_k == 0 else params.top_k,
+                  # A re-issued (aborted) sample cannot continue its old RNG stream: derive a new one.
+                  "sampling_seed": mix_seed(seed, len(tokens)) if tokens else seed,
+                  "stop_token_ids": list(params.stop_token_ids), "no_stop_trim": True,
+                  "skip_special_tokens": False}
+            obj = GenerateReqInput(input_ids=prompt + tokens, sampling_params=sp, return_logprob=True,
+                                   return_sampling_mask=processed or None,
+                                   sampling_logprobs_mode="selected" if processed else None,
+                                   cache_salt=self._cache_salt(), rid=uuid.uuid4().hex)
+            version_at_start = self.policy_version
+            self._active += 1
+            try:
+                out = await self.engine.tokenizer_manager.generate_request(obj, None).__anext__()
+            finally:
+                self._active -= 1
+            meta = out["meta_info"]
+            ids = [int(t) for t in out["output_ids"]]
+            if processed:
+                lps = [float(x) for x in meta.get("output_token_sampling_logprobs", [])]
+            else:
+                lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
+            if len(lps) != len(ids):
+                raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} log-probs")
+            tokens += ids
+            logprobs += lps
+            versions += _token_versions(meta, len(ids), version_at_start)
+            finish = (meta.get("finish_reason") or {}).get("type")
+            if finish == "abort":
+                self._check_usable()  # aborted because an update failed half-loaded
+                if self._updating and len(tokens) < params.max_tokens:
+                    self.num_reissued += 1
+                    continue
+            if finish not in ("stop", "length"):
+                raise RuntimeError(f"SGLang request ended with finish reason {meta.get('finish_reason')!r}")
+            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions)
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-prob of each token of each sequence given the tokens before it (temperature 1),
+        from the engine's prefill: ``len(seq) - 1`` floats per sequence. What the fresh-engine
+        checks compare between an updated engine and one started from the same weights.
+
+        Raises:
+            ValueError: a sequence shorter than 2 tokens.
+            RuntimeError: the engine is unusable.
+        """
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        if any(len(s) < 2 for s in sequences):
+            raise ValueError("prompt_logprobs needs sequences of at least 2 tokens")
+        self._check_usable()
+
+        async def one(seq: list[int]) -> list[float]:
+            obj = GenerateReqInput(input_ids=list(seq), sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                                   return_logprob=True, logprob_start_len=0,
+                                   cache_salt=f"score-{uuid.uuid4().hex}", rid=uuid.uuid4().hex)
+            out = await self.engine.tokenizer_manager.generate_request(obj, None).__anext__()
+            return [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][1:]]
+
+        async def all_rows():
+            return list(await asyncio.gather(*(one(s) for s in sequences)))
+
+        return self._call(all_rows())
+
+    # ------------------------------------------------------------------ weights
+    def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+        """``(HF parameter names, {}, tied aliases)`` of the served checkpoint: SGLang's
+        ``load_weights`` takes HF names and fuses q/k/v and gate/up itself."""
+        return [n for n in self._specs if n not in self._tied], {}, dict(self._tied)
+
+    def weight_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``{HF name: (engine dtype name, shape)}`` of every name an update may carry."""
+        return dict(self._specs)
+
+    def _check(self, sent: list[tuple[str, Any, Sequence[int], str | None]]) -> None:
+        from async_rl.weight_sync import check_update
+
+        names, packed, tied = self.weight_names()
+        check_update(sent, names, packed, tied, self._specs)
+
+    async def _pause(self) -> bool:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        keep = self.cfg.partial_rollout == "keep"
+        in_flight = self._active > 0
+        self._updating = True
+        self._resumed.clear()
+        await self.engine.tokenizer_manager.pause_generation(
+            PauseGenerationReqInput(mode="in_place" if keep else "abort"))
+        return in_flight and keep
+
+    async def _continue(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        self._updating = False
+        self._resumed.set()
+        await self.engine.tokenizer_manager.continue_generation(ContinueGenerationReqInput())
+
+    async def _load_tensors(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        obj = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(named)],
+            # keep: frozen requests hold KV in the cache, which SGLang refuses to flush; the
+            # per-version cache salt keeps new requests off older entries instead.
+            flush_cache=self.cfg.partial_rollout == "abort", weight_version=str(version))
+        ok, message = await self.engine.tokenizer_manager.update_weights_from_tensor(obj, None)
+        if not ok:
+            raise RuntimeError(message)
+
+    async def _apply(self, version: int, load) -> None:
+        # Pause per partial_rollout, load, adopt the version, continue. ``load`` is the coroutine
+        # that writes into the model; a failure inside it leaves the engine unusable.
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
+        counted = await self._pause()
+        try:
+            try:
+                # SGLang's weight-update session: restores loader state before, post-processes
+                # the weights into kernel layout after.
+                ok, message = await self.engine.tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput())
+                if not ok:
+                    raise RuntimeError(message)
+                try:
+                    await load()
+                finally:
+                    ok, message = await self.engine.tokenizer_manager.end_weight_update(EndWeightUpdateReqInput())
+                if not ok:
+                    raise RuntimeError(message)
+            except Exception as e:
+                self._unusable = (f"SGLang engine: weight update v{version} failed while loading ({type(e).__name__}: "
+                                  f"{e}); its weights may mix two versions, so it refuses to sample until a complete "
+                                  f"update succeeds")
+                raise RuntimeError(self._unusable) from e
+            self.policy_version = version
+            self.num_loads += 1
+            self._unusable = None
+            self.num_weight_updates_in_flight += int(counted)
+        finally:
+            await self._continue()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load full tensors by Hugging Face name and adopt ``version``: SGLang's
+        ``update_weights_from_tensor`` (the ``colocated`` transport's call), checked whole first.
+
+        A tied model's head may be sent only if it equals the embedding (it is then dropped:
+        SGLang's model shares it).
+
+        Raises:
+            KeyError, ValueError: refused before any byte moved (``check_update``; the message
+                names the weights); the engine is untouched.
+            RuntimeError: SGLang failed while loading (the engine is unusable until a complete update).
+        """
+        named = [(n, t.detach()) for n, t in named_tensors]
+        by_name = dict(named)
+        head, embed = by_name.get("lm_head.weight"), by_name.get("model.embed_tokens.weight")
+        sent = [(n, t.dtype, tuple(t.shape), None) for n, t in named]
+        if self._tied and head is not None and embed is not None and head.shape == embed.shape and torch.equal(head, embed):
+            sent = [(n, d, s, "model.embed_tokens.weight" if n == "lm_head.weight" else None) for n, d, s, _ in sent]
+        self._check(sent)
+        named = [(n, t) for n, t in named if not (self._tied and n in self._tied)]
+        self._call(self._apply(version, lambda: self._load_tensors(named, version)))
+
+    def connect_weight_sync(self, init_info: dict[str, Any], rank: int) -> None:
+        """Connect to a ``WeightSender`` (receiver ``rank``). ``broadcast`` (the sender's
+        ``protocol`` must be ``sglang``): the engine's scheduler joins the learner's group through
+        ``init_weights_update_group`` (rank ``rank + 1``), blocking until every member joined."""
+        from async_rl.weight_sync import WeightReceiver
+
+        if self._receiver is not None:
+            self._receiver.close()
+        self._receiver = WeightReceiver(init_info, rank)
+        self._connected_to = init_info.get("prefix")
+        if init_info["transport"] == "broadcast":
+            if init_info.get("protocol") != "sglang":
+                raise ValueError("an SGLang engine joins a broadcast sender of protocol 'sglang' only")
+            from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+            self._group = init_info["group_name"]
+            obj = InitWeightsUpdateGroupReqInput(
+                master_address=init_info["host"], master_port=int(init_info["port"]), rank_offset=rank + 1,
+                world_size=int(init_info["world_size"]), group_name=self._group,
+                backend="nccl" if str(init_info["device"]).startswith("cuda") else "gloo")
+            ok, message = self._call(self.engine.tokenizer_manager.init_weights_update_group(obj, None))
+            if not ok:
+                raise RuntimeError(f"SGLang engine could not join the weight broadcast group: {message}")
+        else:
+            self._receiver.connect()
+
+    def receive_weights(self, plan: dict[str, Any], version: int) -> float:
+        """Load one update (``UpdatePlan.to_dict()``) from the connected sender; returns seconds.
+
+        The plan is checked whole first (a refused plan leaves the engine untouched and tells the
+        sender). ``shm``: every bucket is copied out of the slots, then loaded in one
+        ``update_weights_from_tensor`` call (a sender failure midway leaves the engine on its old
+        weights). ``broadcast``: each bucket is received by the engine's scheduler with
+        ``update_weights_from_distributed`` while the sender broadcasts it; a failure after the
+        first leaves the engine unusable until a complete update.
+
+        Raises:
+            RuntimeError: refused (untouched) or failed midway (the message says which).
+            TimeoutError: a bucket did not arrive within ``weight_sync.timeout_s``.
+        """
+        from async_rl.weight_sync import UpdatePlan
+
+        t0 = time.perf_counter()
+        p = UpdatePlan.from_dict(plan)
+        receiver = self._receiver
+        if receiver is None:
+            raise RuntimeError("receive_weights before connect_weight_sync")
+        check = lambda names: self._check([(m.name, m.dtype, m.shape, m.alias_of) for b in p.buckets for m in b])  # noqa: E731
+        try:
+            if receiver.transport == "shm":
+                staged: list[tuple[str, torch.Tensor]] = []
+                for bucket in receiver.receive(p, check=check):
+                    staged += [(n, t.clone()) for n, t in bucket if not (self._tied and n in self._tied)]
+                self._call(self._apply(version, lambda: self._load_tensors(staged, version)))
+            else:
+                try:
+                    check(None)
+                except Exception as e:
+                    receiver.fail(p, f"{type(e).__name__}: {e}")
+                    raise
+                self._call(self._apply(version, lambda: self._load_broadcast(receiver, p, version)))
+        except RuntimeError:
+            raise
+        except Exception as e:
+            raise RuntimeError(f"SGLang engine: weight update v{version} refused or failed ({type(e).__name__}: "
+                               f"{e}); serving v{self.policy_version}" + (" (now unusable)" if self._unusable else "")) from e
+        return time.perf_counter() - t0
+
+    async def _load_broadcast(self, receiver, plan, version: int) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        # The store protocol of ``WeightReceiver.receive`` (ready, acks, errors) without its
+        # collective: the engine's scheduler joins each broadcast itself.
+        receiver.store.add(f"{plan.update_id}/ready", 1)
+        for i, metas in enumerate(plan.buckets):
+            own = [m for m in metas if m.alias_of is None]
+            obj = UpdateWeightsFromDistributedReqInput(
+                names=[m.name for m in own], dtypes=[m.dtype for m in own], shapes=[list(m.shape) for m in own],
+                group_name=self._group, load_format="flattened_bucket",
+                flush_cache=self.cfg.partial_rollout == "abort" and i == len(plan.buckets) - 1,
+                weight_version=str(version) if i == len(plan.buckets) - 1 else None)
+            ok, message = await self.engine.tokenizer_manager.update_weights_from_distributed(obj, None)
+            if not ok:
+                receiver.fail(plan, f"bucket {i}: {message}")
+                raise RuntimeError(message)
+            receiver.store.add(f"{plan.update_id}/ack{i}", 1)
+
+
+def _token_versions(meta: dict, n: int, default: int) -> list[int]:
+    # SGLang tags output-token spans with the weight_version they were sampled under.
+    spans = meta.get("weight_versions") or []
+    out = [default] * n
+    for span in spans:
+        try:
+            v = int(span["version"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        for k in range(max(0, int(span["start"])), min(n, int(span["end"]))):
+            out[k] = v
+    return out
