@@ -171,10 +171,11 @@ def _cross_validate(cfg: Config) -> None:
         raise ConfigError(
             f"trainer.samples_per_prompt={n}: the {cfg.algorithm.advantage_estimator} "
             "estimator compares samples within a group and needs at least 2 per prompt")
-    if cfg.weight_sync.transport == "colocated" and (cfg.trainer.mode == "async" or cfg.generator.backend != "hf"):
+    if cfg.weight_sync.transport == "colocated" and (cfg.trainer.mode == "async" or
+                                                     cfg.generator.backend not in ("hf", "sglang")):
         raise ConfigError(
             f"weight_sync.transport=colocated: the engine must live in the learner's process, which holds "
-            f"only for trainer.mode=sync with generator.backend=hf (got {cfg.trainer.mode}, "
+            f"only for trainer.mode=sync with generator.backend=hf or sglang (got {cfg.trainer.mode}, "
             f"{cfg.generator.backend}); use shm (same host) or broadcast")
     if n < 2 and cfg.algorithm.dynamic_sampling:
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
@@ -281,6 +282,10 @@ def _check_token_budgets(cfg: Config) -> None:
     if cfg.generator.backend == "vllm" and 0 < context < longest:
         raise ConfigError(f"generator.vllm.max_model_len={context} is less than the {longest} tokens of the "
                           f"longest possible sequence ({how}): vLLM would end responses before the limit")
+    context = cfg.generator.sglang.context_length
+    if cfg.generator.backend == "sglang" and 0 < context < longest:
+        raise ConfigError(f"generator.sglang.context_length={context} is less than the {longest} tokens of the "
+                          f"longest possible sequence ({how}): SGLang would end responses before the limit")
 
 
 def _check_specs(cfg: Config) -> None:
@@ -303,8 +308,9 @@ def _check_lora(cfg: Config) -> None:
         logging.getLogger(__name__).warning("learner.lora.* is set but learner.lora.rank=0: LoRA is off and "
                                             "those settings have no effect")
     if lora.rank > 0 and cfg.generator.backend == "sglang":
-        raise ConfigError("generator.backend=sglang serves full weights only: learner.lora.rank > 0 needs "
-                          "generator.backend=hf or vllm")
+        raise ConfigError("generator.backend=sglang serves full weights only so far: learner.lora.rank > 0 needs "
+                          "generator.backend=hf or vllm (SGLang 0.5.23's LoRA layers pin host memory, which fails "
+                          "without CUDA)")
     if lora.rank > 0 and cfg.generator.backend == "vllm":
         try:
             vllm_max_lora_rank(lora.rank)

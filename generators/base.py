@@ -9,8 +9,10 @@ the policy version of the weights that produced it. It receives new weights by n
 
 from __future__ import annotations
 
+import asyncio
+
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -289,6 +291,32 @@ def row_seeds(base_seed: int, calls, n: int, num_prompts: int, seeds: Sequence[i
     if len(seeds) != num_prompts:
         raise ValueError(f"got {len(seeds)} seeds for {num_prompts} prompts")
     return [mix_seed(seed, j) for seed in seeds for j in range(n)]
+
+
+async def sample_rows(sample_one: Callable[[list[int], int], Awaitable["Sample"]], prompts: list[list[int]], n: int,
+                      seeds_of_rows: Sequence[int],
+                      on_sample: Callable[[int, int, "Sample"], None] | None = None) -> list[list["Sample"]]:
+    """Every sample of one ``generate`` call as its own concurrent request (the engines that run
+    on an asyncio loop: vLLM, SGLang), grouped per prompt.
+
+    Args:
+        sample_one: coroutine function ``(prompt ids, seed) -> Sample`` (one request).
+        prompts: prompt token id lists.
+        n: samples per prompt; row ``k`` is sample ``k % n`` of prompt ``k // n``.
+        seeds_of_rows: ``len(prompts) * n`` seeds (``row_seeds``).
+        on_sample: ``(prompt index, sample index, sample)``, called as each sample finishes.
+
+    Returns:
+        one list of ``n`` samples per prompt, in order.
+    """
+    async def one(k: int) -> "Sample":
+        s = await sample_one(list(prompts[k // n]), seeds_of_rows[k])
+        if on_sample is not None:
+            on_sample(k // n, k % n, s)
+        return s
+
+    flat = list(await asyncio.gather(*(one(k) for k in range(len(seeds_of_rows)))))
+    return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
 def cut_at_stop(token_ids: list[int], stop_token_ids: Iterable[int]) -> tuple[int, str]:

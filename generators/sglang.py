@@ -56,7 +56,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds
+from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds,
+                                      sample_rows)
 from async_rl.lora import lora_enabled
 
 
@@ -111,11 +112,22 @@ class SGLangGenerator:
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
+        import warnings
+
+        # SGLang's import warns once per CUDA-only quantization and kernel module on a CPU host
+        # (six lines per process, forwarded from every actor); nothing they name is used here.
+        for message in ("Only CUDA", "Triton is not supported on current platform"):
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        # The same for the engine's subprocesses, which import SGLang again (spawn).
+        quiet = "ignore:Only CUDA:UserWarning,ignore:Triton is not supported:UserWarning"
+        if quiet not in os.environ.get("PYTHONWARNINGS", ""):
+            os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
         import sglang  # noqa: F401  (fail early with the real ImportError)
 
         if lora_enabled(lora):
-            raise ValueError("generator.backend=sglang serves full weights only: LoRA (learner.lora.rank > 0) is "
-                             "supported on the hf and vllm engines")
+            raise ValueError("generator.backend=sglang serves full weights only so far: LoRA (learner.lora.rank > 0) "
+                             "is supported on the hf and vllm engines (SGLang 0.5.23's LoRA layers pin host memory, "
+                             "which fails without CUDA, so its adapter path could not be tested here)")
         self.cfg, self.scfg = cfg, cfg.sglang
         self.model_path, self.device = model_path, device
         self.policy_version = 0
@@ -253,18 +265,8 @@ class SGLangGenerator:
         check_request(n, params)
         self._check_usable()
         seeds_of_rows = row_seeds(self.cfg.seed, self._calls, n, len(prompts), seeds)
-
-        async def all_rows() -> list[Sample]:
-            async def one(k: int) -> Sample:
-                s = await self._sample(list(prompts[k // n]), params, seeds_of_rows[k])
-                if on_sample is not None:
-                    on_sample(k // n, k % n, s)
-                return s
-
-            return list(await asyncio.gather(*(one(k) for k in range(len(seeds_of_rows)))))
-
-        flat = self._call(all_rows())
-        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+        return self._call(sample_rows(lambda prompt, seed: self._sample(prompt, params, seed), prompts, n,
+                                      seeds_of_rows, on_sample))
 
     async def _sample(self, prompt: list[int], params: SamplingParams, seed: int) -> Sample:
         from sglang.srt.managers.io_struct import GenerateReqInput

@@ -45,7 +45,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds
+from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds,
+                                      sample_rows)
 from async_rl.lora import lora_enabled, spec, vllm_max_lora_rank
 
 WORKER_EXTENSION = "async_rl.generators.vllm_worker.AsyncRLWorkerExtension"
@@ -174,17 +175,8 @@ class VLLMGenerator:
         check_request(n, params)
         self._check_usable()
         seeds_of_rows = row_seeds(self.cfg.seed, self._calls, n, len(prompts), seeds)
-        flat = self._call(self._generate_all(prompts, n, params, seeds_of_rows, on_sample))
-        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-    async def _generate_all(self, prompts, n, params, seeds_of_rows, on_sample) -> list[Sample]:
-        async def one(k: int) -> Sample:
-            s = await self._sample(list(prompts[k // n]), params, seeds_of_rows[k])
-            if on_sample is not None:
-                on_sample(k // n, k % n, s)
-            return s
-
-        return list(await asyncio.gather(*(one(k) for k in range(len(seeds_of_rows)))))
+        return self._call(sample_rows(lambda prompt, seed: self._sample(prompt, params, seed), prompts, n,
+                                      seeds_of_rows, on_sample))
 
     async def _sample(self, prompt: list[int], params: SamplingParams, seed: int) -> Sample:
         from vllm import SamplingParams as VSP

@@ -291,3 +291,12 @@ def test_a_bad_spec_stops_at_load_with_its_key(override, key):
     with pytest.raises(ConfigError) as info:
         load_config(ROOT / "configs/default.yaml", [override])
     assert str(info.value).startswith(f"{key}: ") and "\n" not in str(info.value)
+
+
+def test_sglang_refuses_lora_and_a_short_context_by_key():
+    with pytest.raises(ConfigError, match="generator.backend=sglang.*learner.lora.rank"):
+        load_config(ROOT / "configs/default.yaml", ["generator.backend=sglang", "learner.lora.rank=8"])
+    with pytest.raises(ConfigError, match="generator.sglang.context_length=16"):
+        load_config(ROOT / "configs/default.yaml", ["generator.backend=sglang", "generator.sglang.context_length=16"])
+    cfg = load_config(ROOT / "configs/default.yaml", ["generator.backend=sglang"])
+    assert cfg.generator.sglang.dtype == "float32"

@@ -378,3 +378,36 @@ def test_a_receiver_failing_mid_update_stops_the_sender_with_its_error(loader):
         sender.send(plan, named)
     th.join(timeout=30)
     sender.close()
+
+
+def test_sglang_protocol_packs_buckets_back_to_back_as_flattened_buckets():
+    # SGLang's update_weights_from_distributed(load_format="flattened_bucket") allocates one
+    # tensor of the summed sizes and slices it in order: the plan must have no padding.
+    meta = [("model.embed_tokens.weight", torch.float32, (7, 3)), ("model.layers.0.mlp.up_proj.weight", torch.float32, (5, 3)),
+            ("model.layers.0.mlp.up_proj.bias", torch.float32, (5,)), ("model.norm.weight", torch.float32, (3,))]
+    packed = plan_update(meta, 1, 1 << 20, align=1)
+    offsets = [m.offset for b in packed.buckets for m in b]
+    assert offsets == [0, 84, 144, 164] and packed.bucket_nbytes == [176]
+    padded = plan_update(meta, 1, 1 << 20)
+    assert [m.offset for b in padded.buckets for m in b] == [0, 128, 192, 256]
+    # Mixed dtypes can leave a float32 tensor at an odd offset: refused, naming the fix.
+    with pytest.raises(ValueError, match="wire_dtype"):
+        plan_update([("a", torch.float16, (3,)), ("b", torch.float32, (2,))], 1, 1 << 20, align=1)
+    cfg = WeightSyncConfig(transport="shm")
+    sender = WeightSender(cfg, 1, protocol="sglang")
+    try:
+        assert sender.init_info()["protocol"] == "sglang"
+        assert [m.offset for b in sender.plan_shapes(meta, 1).buckets for m in b] == offsets
+    finally:
+        sender.close()
+    with pytest.raises(ValueError, match="protocol"):
+        WeightSender(cfg, 1, protocol="grpc")
+
+
+def test_sglang_transport_resolution():
+    from async_rl.weight_sync import engine_protocol
+
+    auto = WeightSyncConfig()
+    assert resolve_transport(auto, "sglang", "sync") == "colocated"
+    assert resolve_transport(auto, "sglang", "async") == "shm"
+    assert [engine_protocol(b) for b in ("hf", "vllm", "sglang")] == ["async_rl", "async_rl", "sglang"]
