@@ -206,10 +206,12 @@ class SGLangGenerator:
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
+        leftovers: list[str] = []
         if self.engine is not None:
             watchdog = getattr(self.engine.tokenizer_manager, "_subprocess_watchdog", None)
             if watchdog is not None:
                 watchdog.stop()
+            leftovers = _engine_files(self.engine)
             self.engine = None
         procs = []
         for pid in self._child_pids:
@@ -226,6 +228,13 @@ class SGLangGenerator:
         for p in alive:
             p.kill()
         self._child_pids = []
+        # Stopped processes skip SGLang's own cleanup: its IPC socket files (under the temp dir)
+        # and its load-snapshot segment (/dev/shm) would be left behind by every engine.
+        for path in leftovers:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         if self.loop.is_running():
             async def cancel_pending() -> None:
                 # SGLang's result-handling tasks live on this loop; cancelled and awaited here,
@@ -530,6 +539,21 @@ class SGLangGenerator:
                 receiver.fail(plan, f"bucket {i}: {message}")
                 raise RuntimeError(message)
             receiver.store.add(f"{plan.update_id}/ack{i}", 1)
+
+
+def _engine_files(engine) -> list[str]:
+    # The files an engine's processes made under names derived from its port args.
+    port_args = getattr(engine, "port_args", None)
+    if port_args is None:
+        return []
+    paths = [v[len("ipc://"):] for v in vars(port_args).values() if isinstance(v, str) and v.startswith("ipc://")]
+    try:
+        from sglang.srt.managers.load_snapshot import shm_path_for
+
+        paths.append(shm_path_for(port_args.instance_id))
+    except (ImportError, AttributeError):
+        pass
+    return paths
 
 
 def _token_versions(meta: dict, n: int, default: int) -> list[int]:

@@ -278,3 +278,19 @@ def test_async_mode_with_two_sglang_actors(tmp_path, transport):
     assert [s["policy/version"] for s in steps] == [1, 2, 3]
     assert all(s["weight_sync/bytes"] > 0 and s["staleness/max"] <= 1 for s in steps)
     assert summary["pipeline/trained"] == 12
+
+
+def test_close_leaves_no_engine_files_and_no_processes(weights):
+    import os
+
+    import psutil
+
+    from async_rl.generators.sglang import _engine_files
+
+    e = _engine(weights[0])
+    files, pids = _engine_files(e.engine), list(e._child_pids)
+    assert files and pids and any(os.path.exists(f) for f in files)
+    e.close()
+    e.close()  # idempotent
+    assert [f for f in files if os.path.exists(f)] == []
+    assert [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE] == []
