@@ -307,10 +307,9 @@ def _check_lora(cfg: Config) -> None:
     if lora.rank == 0 and lora != LoRAConfig():
         logging.getLogger(__name__).warning("learner.lora.* is set but learner.lora.rank=0: LoRA is off and "
                                             "those settings have no effect")
-    if lora.rank > 0 and cfg.generator.backend == "sglang":
-        raise ConfigError("generator.backend=sglang serves full weights only so far: learner.lora.rank > 0 needs "
-                          "generator.backend=hf or vllm (SGLang 0.5.23's LoRA layers pin host memory, which fails "
-                          "without CUDA)")
+    if lora.rank > 0 and cfg.generator.backend == "sglang" and cfg.weight_sync.transport == "broadcast":
+        raise ConfigError("generator.backend=sglang with learner.lora.rank > 0: adapters reach SGLang from tensors "
+                          "(weight_sync.transport=shm or colocated), not over weight_sync.transport=broadcast")
     if lora.rank > 0 and cfg.generator.backend == "vllm":
         try:
             vllm_max_lora_rank(lora.rank)

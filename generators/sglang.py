@@ -34,6 +34,12 @@ the owning process, so ``generate`` and ``receive_weights`` may come from differ
   tags each output token with the ``weight_version`` it was sampled under. ``abort`` pauses with
   ``mode="abort"``, flushes the cache, and re-issues each unfinished sample with its partial
   tokens appended to the prompt (PipelineRL arXiv 2509.19128; AReaL 2505.24298).
+* **LoRA** (``lora`` with ``rank > 0``): the engine starts with SGLang's LoRA enabled; each update
+  carries only the adapter matrices (peft's saved names, ``async_rl.lora``), checked whole, and is
+  loaded as a new adapter (``load_lora_adapter_from_tensors``) that new requests use. A running
+  request keeps the adapter it started with (SGLang cannot swap it underneath), so in ``keep``
+  mode its tokens keep the old version; ``abort`` re-issues it on the new adapter. An adapter is
+  unloaded once no request uses it. Over ``colocated`` and ``shm`` only.
 * **Prefix cache**: each request carries ``cache_salt = "v<version>.<loads>"`` (``loads``: complete
   updates so far, since a version can be pushed twice with different weights: the warm start's
   weights go out as version 0 again), so no request reuses KV computed under older weights (``keep``'s frozen requests keep their own KV: that is what keep
@@ -58,7 +64,7 @@ import torch
 
 from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds,
                                       sample_rows)
-from async_rl.lora import lora_enabled
+from async_rl.lora import PEFT_PREFIX, lora_enabled, spec, targets
 
 
 def checkpoint_specs(model_path: str, dtype: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
@@ -102,11 +108,12 @@ class SGLangGenerator:
         pad_token_id: unused (SGLang does not pad); kept for the common constructor signature.
         device: ``cpu`` or ``cuda``.
         num_threads: CPU: OpenMP threads of the engine's scheduler process (0 = torch's default).
-        lora: must be ``None`` or rank 0.
+        lora: the learner's ``LoRAConfig``; with ``rank > 0`` the engine serves the base model plus
+            that adapter (SGLang's LoRA, loaded from tensors by peft name) and updates carry only
+            the adapter matrices, over ``colocated`` or ``shm``. ``None`` = no LoRA.
 
     Raises:
         ImportError: SGLang is not installed (on CPU: ``envs/sglang-cpu/build.sh``).
-        ValueError: LoRA requested (the SGLang engine serves full weights only, so far).
         RuntimeError: the engine failed to start (its error).
     """
 
@@ -124,10 +131,7 @@ class SGLangGenerator:
             os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
         import sglang  # noqa: F401  (fail early with the real ImportError)
 
-        if lora_enabled(lora):
-            raise ValueError("generator.backend=sglang serves full weights only so far: LoRA (learner.lora.rank > 0) "
-                             "is supported on the hf and vllm engines (SGLang 0.5.23's LoRA layers pin host memory, "
-                             "which fails without CUDA, so its adapter path could not be tested here)")
+        self.lora = spec(lora) if lora_enabled(lora) else None
         self.cfg, self.scfg = cfg, cfg.sglang
         self.model_path, self.device = model_path, device
         self.policy_version = 0
@@ -139,8 +143,15 @@ class SGLangGenerator:
         self._calls = itertools.count()
         self._active = 0
         self._updating = False
+        self._update_pauses = 0
+        """Pauses for a weight update so far: a request aborted by one (``partial_rollout: abort``)
+        sees the count move past the value it started with, however late its abort is noticed."""
         self._unusable: str | None = None
         self._specs, self._tied = checkpoint_specs(model_path, self.scfg.dtype)
+        self._adapter: str | None = None
+        """The LoRA adapter new requests use (``None``: none loaded yet, i.e. the zero adapter)."""
+        self._adapter_version: dict[str, int] = {}
+        self._adapter_users: dict[str, int] = {}
         self._receiver = None
         self._group: str | None = None
         self._own_publisher = None
@@ -186,6 +197,12 @@ class SGLangGenerator:
             kwargs["context_length"] = s.context_length
         if s.max_total_tokens:
             kwargs["max_total_tokens"] = s.max_total_tokens
+        if self.lora is not None:
+            # Two slots: requests started on the previous adapter may still be running (keep).
+            kwargs.update(enable_lora=True, max_lora_rank=self.lora["rank"], max_loras_per_batch=2,
+                          lora_target_modules=list(self.lora["target_modules"]))
+            if self.device == "cpu":
+                kwargs["lora_backend"] = "torch_native"
         if self.device == "cpu":
             kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                           disable_overlap_schedule=True)
@@ -295,16 +312,22 @@ class SGLangGenerator:
                   "sampling_seed": mix_seed(seed, len(tokens)) if tokens else seed,
                   "stop_token_ids": list(params.stop_token_ids), "no_stop_trim": True,
                   "skip_special_tokens": False}
+            adapter = self._adapter
             obj = GenerateReqInput(input_ids=prompt + tokens, sampling_params=sp, return_logprob=True,
                                    return_sampling_mask=processed or None,
                                    sampling_logprobs_mode="selected" if processed else None,
-                                   cache_salt=self._cache_salt(), rid=uuid.uuid4().hex)
-            version_at_start = self.policy_version
+                                   cache_salt=self._cache_salt(), rid=uuid.uuid4().hex, lora_path=adapter)
+            version_at_start, pauses_at_start = self.policy_version, self._update_pauses
             self._active += 1
+            if adapter is not None:
+                self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
             try:
                 out = await self.engine.tokenizer_manager.generate_request(obj, None).__anext__()
             finally:
                 self._active -= 1
+                if adapter is not None:
+                    self._adapter_users[adapter] -= 1
+                    await self._unload_unused()
             meta = out["meta_info"]
             ids = [int(t) for t in out["output_ids"]]
             if processed:
@@ -315,11 +338,15 @@ class SGLangGenerator:
                 raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} log-probs")
             tokens += ids
             logprobs += lps
-            versions += _token_versions(meta, len(ids), version_at_start)
+            if self.lora is None:
+                versions += _token_versions(meta, len(ids), version_at_start)
+            else:
+                # A running request keeps the adapter it started with: its tokens are that version's.
+                versions += [self._adapter_version.get(adapter, 0) if adapter else 0] * len(ids)
             finish = (meta.get("finish_reason") or {}).get("type")
             if finish == "abort":
                 self._check_usable()  # aborted because an update failed half-loaded
-                if self._updating and len(tokens) < params.max_tokens:
+                if self._update_pauses > pauses_at_start and len(tokens) < params.max_tokens:
                     self.num_reissued += 1
                     continue
             if finish not in ("stop", "length"):
@@ -343,7 +370,7 @@ class SGLangGenerator:
 
         async def one(seq: list[int]) -> list[float]:
             obj = GenerateReqInput(input_ids=list(seq), sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                                   return_logprob=True, logprob_start_len=0,
+                                   return_logprob=True, logprob_start_len=0, lora_path=self._adapter,
                                    cache_salt=f"score-{uuid.uuid4().hex}", rid=uuid.uuid4().hex)
             out = await self.engine.tokenizer_manager.generate_request(obj, None).__anext__()
             return [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][1:]]
@@ -356,18 +383,75 @@ class SGLangGenerator:
     # ------------------------------------------------------------------ weights
     def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
         """``(HF parameter names, {}, tied aliases)`` of the served checkpoint: SGLang's
-        ``load_weights`` takes HF names and fuses q/k/v and gate/up itself."""
+        ``load_weights`` takes HF names and fuses q/k/v and gate/up itself. With LoRA ``(adapter
+        names, {}, {})``: peft's saved-adapter names (``async_rl.lora``), what SGLang's adapter
+        loader parses."""
+        if self.lora is not None:
+            return list(self._adapter_specs()), {}, {}
         return [n for n in self._specs if n not in self._tied], {}, dict(self._tied)
 
     def weight_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """``{HF name: (engine dtype name, shape)}`` of every name an update may carry."""
-        return dict(self._specs)
+        """``{name: (engine dtype name, shape)}`` of every name an update may carry (with LoRA the
+        adapter matrices: ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``)."""
+        return self._adapter_specs() if self.lora is not None else dict(self._specs)
+
+    def _adapter_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        r, out = self.lora["rank"], {}
+        for name, (dtype, shape) in self._specs.items():
+            module = name.removesuffix(".weight")
+            if name.endswith(".weight") and len(shape) == 2 and name not in self._tied and \
+                    targets(module, self.lora["target_modules"]):
+                out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = (dtype, (r, shape[1]))
+                out[f"{PEFT_PREFIX}{module}.lora_B.weight"] = (dtype, (shape[0], r))
+        return out
 
     def _check(self, sent: list[tuple[str, Any, Sequence[int], str | None]]) -> None:
         from async_rl.weight_sync import check_update
 
         names, packed, tied = self.weight_names()
-        check_update(sent, names, packed, tied, self._specs)
+        check_update(sent, names, packed, tied, self.weight_specs())
+
+    async def _load_adapter(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        # A new adapter under a new name: requests started on the previous one finish on it (an
+        # adapter cannot change under a running request); it is unloaded once none uses it.
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        name = f"v{version}.{self.num_loads + 1}"
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.lora["rank"],
+                  "lora_alpha": self.lora["alpha"], "lora_dropout": 0.0, "bias": "none",
+                  "target_modules": list(self.lora["target_modules"])}
+        obj = LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=name, config_dict=config,
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(dict(named))])
+        result = await self.engine.tokenizer_manager.load_lora_adapter_from_tensors(obj, None)
+        if not result.success:
+            raise RuntimeError(f"SGLang refused LoRA adapter v{version}: {result.error_message}")
+        self._adapter_version[name] = version
+        self._adapter = name
+
+    async def _unload_unused(self) -> None:
+        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        for name in [n for n in self._adapter_version if n != self._adapter and not self._adapter_users.get(n)]:
+            del self._adapter_version[name]
+            self._adapter_users.pop(name, None)
+            await self.engine.tokenizer_manager.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
+
+    async def _apply_adapter(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        # The base weights are untouched: no weight-update session. ``abort`` aborts the running
+        # requests so they are re-issued on the new adapter; ``keep`` lets them finish on theirs.
+        try:
+            await self._load_adapter(named, version)
+        except Exception as e:
+            raise RuntimeError(f"SGLang engine: LoRA update v{version} failed ({type(e).__name__}: {e}); still "
+                               f"serving v{self.policy_version}") from e
+        if self.cfg.partial_rollout == "abort" and self._active:
+            await self._pause()
+            await self._continue()
+        self.policy_version = version
+        self.num_loads += 1
+        await self._unload_unused()
 
     async def _pause(self) -> bool:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
@@ -375,6 +459,7 @@ class SGLangGenerator:
         keep = self.cfg.partial_rollout == "keep"
         in_flight = self._active > 0
         self._updating = True
+        self._update_pauses += 1
         self._resumed.clear()
         await self.engine.tokenizer_manager.pause_generation(
             PauseGenerationReqInput(mode="in_place" if keep else "abort"))
@@ -444,6 +529,10 @@ class SGLangGenerator:
             RuntimeError: SGLang failed while loading (the engine is unusable until a complete update).
         """
         named = [(n, t.detach()) for n, t in named_tensors]
+        if self.lora is not None:
+            self._check([(n, t.dtype, tuple(t.shape), None) for n, t in named])
+            self._call(self._apply_adapter([(n, t.contiguous()) for n, t in named], version))
+            return
         by_name = dict(named)
         head, embed = by_name.get("lm_head.weight"), by_name.get("model.embed_tokens.weight")
         sent = [(n, t.dtype, tuple(t.shape), None) for n, t in named]
@@ -464,6 +553,9 @@ class SGLangGenerator:
         self._receiver = WeightReceiver(init_info, rank)
         self._connected_to = init_info.get("prefix")
         if init_info["transport"] == "broadcast":
+            if self.lora is not None:
+                raise ValueError("an SGLang engine receives LoRA adapters over shm or colocated, not broadcast "
+                                 "(SGLang loads adapters from tensors, not from a process group)")
             if init_info.get("protocol") != "sglang":
                 raise ValueError("an SGLang engine joins a broadcast sender of protocol 'sglang' only")
             from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
@@ -506,7 +598,10 @@ class SGLangGenerator:
                 staged: list[tuple[str, torch.Tensor]] = []
                 for bucket in receiver.receive(p, check=check):
                     staged += [(n, t.clone()) for n, t in bucket if not (self._tied and n in self._tied)]
-                self._call(self._apply(version, lambda: self._load_tensors(staged, version)))
+                if self.lora is not None:
+                    self._call(self._apply_adapter(staged, version))
+                else:
+                    self._call(self._apply(version, lambda: self._load_tensors(staged, version)))
             else:
                 try:
                     check(None)

@@ -91,6 +91,9 @@ class VLLMGenerator:
         """Prompt tokens served from the prefix cache so far (summed over samples): what the
         per-version cache salt keeps at 0 right after an update."""
         self._updating = False
+        self._update_pauses = 0
+        """Pauses for a weight update so far: a request aborted by one (``partial_rollout: abort``)
+        sees the count move past the value it started with, however late its abort is noticed."""
         self._active = 0
         self._requests: set[str] = set()
         self._unusable: str | None = None
@@ -196,6 +199,7 @@ class VLLMGenerator:
                      stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
                      skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
             request = {"prompt_token_ids": prompt + tokens, "cache_salt": self._cache_salt()}
+            pauses_at_start = self._update_pauses
             finish = None
             request_id = uuid.uuid4().hex
             self._active += 1
@@ -217,7 +221,7 @@ class VLLMGenerator:
                 self._requests.discard(request_id)
             if finish == "abort":
                 self._check_usable()  # aborted because the update failed half-loaded
-            if finish == "abort" and self._updating and len(tokens) < params.max_tokens:
+            if finish == "abort" and self._update_pauses > pauses_at_start and len(tokens) < params.max_tokens:
                 self.num_reissued += 1
                 continue
             if finish not in ("stop", "length"):
@@ -278,6 +282,7 @@ class VLLMGenerator:
         keep = self.cfg.partial_rollout == "keep"
         in_flight = self._active > 0
         self._updating = True
+        self._update_pauses += 1
         self._resumed.clear()
         await self.engine.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
         try:

@@ -293,9 +293,11 @@ def test_a_bad_spec_stops_at_load_with_its_key(override, key):
     assert str(info.value).startswith(f"{key}: ") and "\n" not in str(info.value)
 
 
-def test_sglang_refuses_lora_and_a_short_context_by_key():
-    with pytest.raises(ConfigError, match="generator.backend=sglang.*learner.lora.rank"):
-        load_config(ROOT / "configs/default.yaml", ["generator.backend=sglang", "learner.lora.rank=8"])
+def test_sglang_refuses_lora_over_broadcast_and_a_short_context_by_key():
+    with pytest.raises(ConfigError, match="generator.backend=sglang.*learner.lora.rank.*broadcast"):
+        load_config(ROOT / "configs/default.yaml", ["generator.backend=sglang", "learner.lora.rank=8",
+                                                    "weight_sync.transport=broadcast"])
+    assert load_config(ROOT / "configs/default.yaml", ["generator.backend=sglang", "learner.lora.rank=8"])
     with pytest.raises(ConfigError, match="generator.sglang.context_length=16"):
         load_config(ROOT / "configs/default.yaml", ["generator.backend=sglang", "generator.sglang.context_length=16"])
     cfg = load_config(ROOT / "configs/default.yaml", ["generator.backend=sglang"])

@@ -8,6 +8,9 @@ inside the venv; idempotent).
    not load beside a +cpu torch, yet two of its fake-op registrations (``nms``, ``qnms``) run
    unconditionally and fail the import. They are made to register only when the ops loaded, as
    every other registration in that file already does; the ops themselves still raise if used.
+3. SGLang's LoRA layers and torch LoRA backend allocate pinned host memory unconditionally
+   (``pin_memory=True``, ``.pin_memory()``), which raises without CUDA. Pinned memory only
+   speeds host-to-GPU copies, and this venv has no GPU: those allocations become plain ones.
 
 Raises:
     SystemExit: the torchvision file no longer has the expected lines (a different version).
@@ -35,4 +38,11 @@ if pattern.search(text):
     meta.write_text(text)
 elif "torchvision.extension._has_ops() else (lambda fn: fn)" not in text:
     raise SystemExit(f"{meta}: the nms/qnms fake registrations were not found; torchvision version changed?")
-print(f"sgl_kernel stand-in -> {dest}; torchvision meta registrations adjusted")
+lora_files = [site / "sglang" / "srt" / "lora" / "layers.py", site / "sglang" / "srt" / "lora" / "backend" / "torch_backend.py"]
+for f in lora_files:
+    text = f.read_text()
+    if "pin_memory=True" in text or ".pin_memory()" in text:
+        f.write_text(text.replace("pin_memory=True", "pin_memory=False").replace(".pin_memory()", ""))
+    elif "pin_memory=False" not in text:
+        raise SystemExit(f"{f}: no pinned allocation found to adjust; sglang version changed?")
+print(f"sgl_kernel stand-in -> {dest}; torchvision meta registrations and SGLang's LoRA pinned memory adjusted")
