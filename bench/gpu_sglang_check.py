@@ -15,6 +15,7 @@ engine's own difference is printed too, so a check that cannot fail shows up). R
   sender and the engine share the device, which NCCL refuses (``Duplicate GPU detected``): the row
   then records the error, and is expected to fail there; it runs last.
 * ``keep`` / ``abort``: an update landing mid-generation, then the same comparison.
+* ``lora``: a LoRA engine loading a second adapter against a fresh one loading it first.
 
 Also printed: engine start seconds and SGLang's tokens/s on one batch.
 
@@ -143,6 +144,35 @@ def main() -> int:
     row("keep", mid_generation("keep"))
     row("abort", mid_generation("abort"))
     row("broadcast", bucket("broadcast"))
+
+    # LoRA: an adapter loaded into a running engine against one loaded into a fresh engine.
+    from async_rl.lora import LoRAConfig
+
+    def lora_engine():
+        return SGLangGenerator(str(base), GeneratorConfig(backend="sglang"), device=args.device, num_threads=2,
+                               lora=LoRAConfig(rank=8))
+
+    try:
+        ref = lora_engine()
+        g2 = torch.Generator().manual_seed(2)
+        adapter = [(n, (0.1 * torch.randn(shape, generator=g2)).to(dev)) for n, (_, shape) in ref.weight_specs().items()]
+        ref.update_weights(adapter, 1)
+        want_lora = ref.prompt_logprobs(SEQS)
+        ref.close()
+        e = lora_engine()
+        g1 = torch.Generator().manual_seed(1)
+        e.update_weights([(n, (0.1 * torch.randn(t.shape, generator=g1)).to(dev)) for n, t in adapter], 1)
+        t0 = time.perf_counter()
+        e.update_weights(adapter, 2)
+        secs = time.perf_counter() - t0
+        got = e.prompt_logprobs(SEQS)
+        e.close()
+        d = max(abs(a - b) for g_, w_ in zip(got, want_lora) for a, b in zip(g_, w_))
+        results.append(d < args.tol)
+        print(f"{'PASS' if d < args.tol else 'FAIL'} {'lora':10s} max |dlogp| {d:.2e} against a fresh engine, {secs:.2f} s")
+    except Exception as err:  # noqa: BLE001 - the row's failure is its result
+        results.append(False)
+        print(f"FAIL lora       {type(err).__name__}: {err}")
 
     e, _ = engine(base)
     try:

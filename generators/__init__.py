@@ -4,7 +4,7 @@ with its weight-transfer backend in ``vllm_worker``) and SGLang (``sglang``). Th
 come from ``async_rl.lora``)."""
 
 
-def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0, device: str = "cpu",
+def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0, device: str | None = None,
                    lora=None):
     """The engine ``cfg.backend`` names (``hf``, ``vllm`` or ``sglang``), loaded from ``model_path``.
 
@@ -13,7 +13,9 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
         model_path: Hugging Face model directory of the starting weights.
         pad_token_id: left-padding id (HF engine).
         num_threads: CPU threads of a vLLM or SGLang engine process (0 = the engine's default).
-        device: ``cpu`` or ``cuda``.
+        device: ``cpu`` or ``cuda``; ``None`` (the trainer's and the pool's call): ``cpu`` for the HF
+            and vLLM engines (vLLM's own build picks its platform), and for SGLang, which is told
+            its device, ``cuda`` where torch sees a GPU, else ``cpu``.
         lora: the run's ``async_rl.lora.LoRAConfig`` (``cfg.learner.lora``): with ``rank > 0`` the engine
             serves the base model plus the same adapters and its weight updates carry only them.
             ``None`` (the default) = no LoRA: full-weight updates.
@@ -28,7 +30,12 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
         except ImportError as e:
             raise ImportError(f"generator.backend=sglang needs SGLang: on CPU build its venv with "
                               f"envs/sglang-cpu/build.sh and run from it ({e})") from e
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         return SGLangGenerator(model_path, cfg, pad_token_id, device=device, num_threads=num_threads, lora=lora)
+    device = device or "cpu"
     if cfg.backend == "vllm":
         try:
             from async_rl.generators.vllm import VLLMGenerator

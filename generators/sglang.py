@@ -142,7 +142,6 @@ class SGLangGenerator:
         """Samples aborted by a weight update and issued again (``partial_rollout: abort``)."""
         self._calls = itertools.count()
         self._active = 0
-        self._updating = False
         self._update_pauses = 0
         """Pauses for a weight update so far: a request aborted by one (``partial_rollout: abort``)
         sees the count move past the value it started with, however late its abort is noticed."""
@@ -458,7 +457,6 @@ class SGLangGenerator:
 
         keep = self.cfg.partial_rollout == "keep"
         in_flight = self._active > 0
-        self._updating = True
         self._update_pauses += 1
         self._resumed.clear()
         await self.engine.tokenizer_manager.pause_generation(
@@ -468,7 +466,6 @@ class SGLangGenerator:
     async def _continue(self) -> None:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
-        self._updating = False
         self._resumed.set()
         await self.engine.tokenizer_manager.continue_generation(ContinueGenerationReqInput())
 

@@ -90,7 +90,6 @@ class VLLMGenerator:
         self.num_cached_prompt_tokens = 0
         """Prompt tokens served from the prefix cache so far (summed over samples): what the
         per-version cache salt keeps at 0 right after an update."""
-        self._updating = False
         self._update_pauses = 0
         """Pauses for a weight update so far: a request aborted by one (``partial_rollout: abort``)
         sees the count move past the value it started with, however late its abort is noticed."""
@@ -281,7 +280,6 @@ class VLLMGenerator:
                                f"v{self.policy_version}): {e}") from e
         keep = self.cfg.partial_rollout == "keep"
         in_flight = self._active > 0
-        self._updating = True
         self._update_pauses += 1
         self._resumed.clear()
         await self.engine.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
@@ -304,7 +302,6 @@ class VLLMGenerator:
             self._unusable = None
             self.num_weight_updates_in_flight += int(in_flight and keep)
         finally:
-            self._updating = False
             self._resumed.set()
             await self.engine.resume_generation()
 
