@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-sglang = pytest.importorskip("sglang", reason="SGLang is not installed here: build its venv with "
-                                              "envs/sglang-cpu/build.sh and run the tests from it")
+sglang = pytest.importorskip("sglang", reason="SGLang is not in this venv: these tests run inside .venv-sglang "
+                                              "(envs/sglang-cpu/build.sh), where tests/test_sglang_venv.py runs them")
 
 from async_rl.generators.base import GeneratorConfig, SamplingParams  # noqa: E402
 from async_rl.generators.sglang import SGLangGenerator, checkpoint_specs  # noqa: E402
