@@ -153,8 +153,6 @@ class SGLangGenerator:
         self._adapter_users: dict[str, int] = {}
         self._receiver = None
         self._group: str | None = None
-        self._own_publisher = None
-        self._connected_to: str | None = None
         self.engine = None
         self._child_pids: list[int] = []
         if device == "cpu":
@@ -216,9 +214,6 @@ class SGLangGenerator:
         of this process, Ray's and the learner's included) and the loop thread. Idempotent."""
         import psutil
 
-        if self._own_publisher is not None:
-            self._own_publisher.close()
-            self._own_publisher = None
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
@@ -548,7 +543,6 @@ class SGLangGenerator:
         if self._receiver is not None:
             self._receiver.close()
         self._receiver = WeightReceiver(init_info, rank)
-        self._connected_to = init_info.get("prefix")
         if init_info["transport"] == "broadcast":
             if self.lora is not None:
                 raise ValueError("an SGLang engine receives LoRA adapters over shm or colocated, not broadcast "

@@ -132,7 +132,7 @@ def test_same_version_new_weights_reuse_no_cached_prefix(engine, weights, fresh)
 @pytest.mark.parametrize("transport", ["shm", "broadcast"])
 def test_bucket_update_equals_fresh_engine(engine, weights, fresh, transport):
     _, w0, _, w1 = weights
-    tied = engine.tied_embeddings if hasattr(engine, "tied_embeddings") else bool(engine.weight_names()[2])
+    tied = bool(engine.weight_names()[2])
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
     # Small buckets: the update spans several of them.
     cfg = WeightSyncConfig(transport=transport, bucket_size_mb=0.25, timeout_s=120)
