@@ -280,8 +280,10 @@ def test_async_mode_with_two_sglang_actors(tmp_path, transport):
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
              log_to_driver=False)
     try:
+        # Each actor starts its own engine before it can connect: on 2 shared, loaded cores that
+        # took longer than the default 300 s once; this test is about correctness, not start-up time.
         summary = train(_cfg(tmp_path, transport, "trainer.mode=async", "generator.num_workers=2",
-                             f"weight_sync.transport={transport}"))
+                             f"weight_sync.transport={transport}", "weight_sync.timeout_s=1200"))
     finally:
         ray.shutdown()
     steps = _steps(tmp_path, transport)
