@@ -51,6 +51,7 @@ the owning process, so ``generate`` and ``receive_weights`` may come from differ
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import json
 import os
@@ -125,8 +126,11 @@ class SGLangGenerator:
         # (six lines per process, forwarded from every actor); nothing they name is used here.
         for message in ("Only CUDA", "Triton is not supported on current platform"):
             warnings.filterwarnings("ignore", message=message, category=UserWarning)
-        # The same for the engine's subprocesses, which import SGLang again (spawn).
-        quiet = "ignore:Only CUDA:UserWarning,ignore:Triton is not supported:UserWarning"
+        # The same for the engine's subprocesses, which import SGLang again (spawn), and for
+        # Python's resource tracker, which otherwise reports the semaphores of a stopped scheduler
+        # as "leaked": on Linux each was unlinked when created, so nothing is left to clean.
+        quiet = ("ignore:Only CUDA:UserWarning,ignore:Triton is not supported:UserWarning,"
+                 "ignore:resource_tracker:UserWarning")
         if quiet not in os.environ.get("PYTHONWARNINGS", ""):
             os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
         import sglang  # noqa: F401  (fail early with the real ImportError)
@@ -185,6 +189,10 @@ class SGLangGenerator:
         kwargs = dict(model_path=self.model_path, dtype=s.dtype, random_seed=self.cfg.seed, skip_tokenizer_init=True,
                       mem_fraction_static=s.mem_fraction_static, max_running_requests=self.cfg.max_batch_size,
                       disable_radix_cache=not s.enable_prefix_caching, log_level=s.log_level, weight_version="0",
+                      # Without it an idle scheduler polls its sockets in a busy loop (a whole core
+                      # each): on a few CPU cores that starves the learner. The sleeper blocks in
+                      # zmq poll and wakes on the first message, so requests see no added latency.
+                      sleep_on_idle=True,
                       # Per-request sampling seeds are honoured only in deterministic mode (each
                       # position drawn from hash(seed, position), independent of the batch), which
                       # SGLang allows only with GPU attention backends: on CPU the sampler draws
@@ -206,7 +214,19 @@ class SGLangGenerator:
         # Built on this loop's thread: the engine adopts the running loop, and SGLang then
         # installs no signal handlers (a SIGQUIT handler that kills this whole process tree).
         engine = sgl.Engine(**kwargs)
-        self._child_pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        # Python's resource tracker is shared by the whole process (SGLang's spawn may be what
+        # started it): killed with the engine, it would be restarted at exit and print a traceback
+        # for every segment unregistered there.
+        from multiprocessing import resource_tracker
+
+        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+        self._child_pids = [p.pid for p in psutil.Process().children(recursive=True)
+                            if p.pid not in before and p.pid != tracker]
+        # The engine's exit hook kills every child of this process (Ray's, the learner's, the
+        # resource tracker, whose loss turns each later semaphore cleanup into a traceback):
+        # at exit only this engine's own processes are stopped.
+        atexit.unregister(engine.shutdown)
+        atexit.register(self.close)
         return engine
 
     def close(self) -> None:
@@ -214,6 +234,7 @@ class SGLangGenerator:
         of this process, Ray's and the learner's included) and the loop thread. Idempotent."""
         import psutil
 
+        atexit.unregister(self.close)
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
