@@ -302,10 +302,54 @@ def test_close_leaves_no_engine_files_and_no_processes(weights):
     e = _engine(weights[0])
     files, pids = _engine_files(e.engine), list(e._child_pids)
     assert files and pids and any(os.path.exists(f) for f in files)
+    # Idle, the engine's processes sleep (sleep_on_idle): a polling scheduler would use a whole
+    # core (1.01 measured without it, 0.02 with), starving the learner on a few cores. Load on the
+    # machine can only lower what a busy loop gets, so this bound never fails a sleeping engine.
+    procs = [psutil.Process(p) for p in pids]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(3.0)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
+    assert max(used) < 1.0, f"idle engine processes used {used} s of CPU in 3 s"
     e.close()
     e.close()  # idempotent
     assert [f for f in files if os.path.exists(f)] == []
     assert [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE] == []
+
+
+_EXIT_SCRIPT = """
+import subprocess, sys
+if __name__ == "__main__":
+    from async_rl.generators.base import GeneratorConfig
+    from async_rl.generators.sglang import SGLangGenerator
+    bystander = subprocess.Popen(["sleep", "300"])
+    e = SGLangGenerator(sys.argv[1], GeneratorConfig(backend="sglang"), num_threads=1)
+    print(bystander.pid, *e._child_pids, flush=True)
+    # No close(): the interpreter's exit must stop the engine, and only the engine.
+"""
+
+
+def test_exit_without_close_stops_only_the_engine(weights, tmp_path):
+    # SGLang's own exit hook kills every child of the process (Ray's workers, learner ranks, the
+    # resource tracker); the generator replaces it with its close(), which stops only its engine.
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "exit_script.py"
+    script.write_text(_EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), weights[0]], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bystander, *engine_pids = (int(x) for x in proc.stdout.split())
+    try:
+        assert engine_pids and not any(psutil.pid_exists(p) for p in engine_pids)
+        assert psutil.pid_exists(bystander), "the process's other child was killed at exit"
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    finally:
+        if psutil.pid_exists(bystander):
+            psutil.Process(bystander).kill()
 
 
 # ------------------------------------------------------------------ LoRA
