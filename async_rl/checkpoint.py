@@ -8,10 +8,12 @@ Layout under the run directory::
                                       policy + AdamW, critic + AdamW, reference policy, schedulers, version
             trainer_state.pt          step, RNG states, dataset position, loop state (sync: next group
                                       id; async: replay buffer contents, dispatch counters, prompts in
-                                      flight), summary so far
+                                      flight), summary so far, the run's elapsed seconds
+                                      (``elapsed_s``; absent in older checkpoints, read as 0)
         latest                        text file naming the newest complete checkpoint
 
-A checkpoint is written into ``step_N.tmp`` and renamed to ``step_N`` only once every rank has
+A checkpoint is written into ``step_NNNNNN.tmp`` (the step, zero-padded to six digits:
+``step_000300``) and renamed to ``step_NNNNNN`` only once every rank has
 finished, then ``latest`` is updated: a run killed mid-save leaves the previous checkpoint as
 the latest. ``trainer.checkpoint.keep_last`` bounds how many are kept.
 
@@ -21,10 +23,15 @@ run directory's latest). A resumed run skips the warm start and the step-0 evalu
 everything above and continues at the next step: with the same config, a run of 6 steps and a
 run of 3 steps resumed for 3 more train on the same data with the same weights (sync mode is
 bit-exact on CPU; tests/test_checkpoint.py).
+
+``RunDirectory`` names the run directory when a run starts (refusing one that holds another
+run, unless resumed or ``trainer.overwrite=true``), makes it once the inputs have loaded, and
+removes it again when the run stops before its first training step.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -32,6 +39,7 @@ import shutil
 import signal
 import threading
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +113,109 @@ def resolve_resume(resume: str | None, output_dir: str, run_name: str | None) ->
     return found
 
 
+class RunDirectory:
+    """A run's directory ``<output_dir>/<run_name>``: named when the run starts, made once its
+    inputs have loaded (``create``), removed again (``discard``) if the run ends before it had
+    anything worth keeping.
+
+    A fresh run never writes into a directory that holds another run's files (it would overwrite
+    ``final_model/`` and ``summary.json``, append to ``metrics.jsonl`` and mix checkpoints): such
+    a name is refused at once, before anything loads, unless ``trainer.resume`` continues that run
+    or ``trainer.overwrite`` deletes it first. An empty directory is used as it is. Without
+    ``trainer.run_name`` the name is the start time, with ``-1``, ``-2``, ... added when runs
+    start in the same second.
+
+    Args:
+        t_cfg: ``TrainerConfig`` (``output_dir``, ``run_name``, ``resume``, ``overwrite``).
+
+    Attributes:
+        path: the run directory.
+        created: whether this run made it (``create`` found none there, or ``overwrite`` deleted
+            the old one); only then may ``discard`` remove it.
+
+    Raises:
+        ValueError: ``trainer.run_name`` names a directory holding files, and the run neither
+            resumes nor overwrites; the message names the directory and the three ways on.
+    """
+
+    def __init__(self, t_cfg) -> None:
+        self._named = t_cfg.run_name is not None
+        self._continuing = t_cfg.resume is not None
+        self._overwrite = t_cfg.overwrite
+        self.created = False
+        self._made_from: Path | None = None
+        root = Path(t_cfg.output_dir)
+        if self._named:
+            self.path = root / t_cfg.run_name
+            self._refuse_if_used()
+        else:
+            self._stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            self.path = self._unused_stamp(root)
+
+    def _unused_stamp(self, root: Path) -> Path:
+        names = itertools.chain([self._stamp], (f"{self._stamp}-{k}" for k in itertools.count(1)))
+        return next(root / name for name in names if not (root / name).exists())
+
+    def _used(self) -> bool:
+        return self.path.is_dir() and any(self.path.iterdir())
+
+    def _refuse_if_used(self) -> None:
+        name = self.path.name
+        if self.path.exists() and not self.path.is_dir():
+            raise ValueError(f"trainer.run_name={name}: {self.path} is a file, not a run directory")
+        if self._continuing or self._overwrite or not self._used():
+            return
+        ways = "start it over with trainer.overwrite=true (deletes it)"
+        if latest_checkpoint(self.path) is not None:
+            ways = f"continue it with trainer.resume=auto, {ways}"
+        raise ValueError(f"trainer.run_name={name}: {self.path} already holds a run; {ways}, or choose another "
+                         "trainer.run_name")
+
+    def create(self, config_yaml: str) -> Path:
+        """Make the directory (deleting the old one first with ``trainer.overwrite``) and write
+        ``config.yaml``; returns ``path``.
+
+        Raises:
+            ValueError: another run took the name since this one started (see the class).
+        """
+        if self._overwrite and self.path.exists():
+            shutil.rmtree(self.path)
+            logger.warning("trainer.overwrite=true: deleted the previous run in %s", self.path)
+        while True:
+            missing = [p for p in (self.path, *self.path.parents) if not p.exists()]
+            try:
+                self.path.mkdir(parents=True)
+            except FileExistsError:
+                if not self._named:
+                    # Another unnamed run started in the same second and took this name.
+                    self.path = self._unused_stamp(self.path.parent)
+                    continue
+                self._refuse_if_used()
+                break
+            self.created = True
+            # The outermost directory this run made: ``discard`` removes up to it while empty.
+            self._made_from = missing[-1]
+            break
+        (self.path / "config.yaml").write_text(config_yaml)
+        return self.path
+
+    def discard(self) -> bool:
+        """Remove the directory if this run made it (and the empty parents it made); returns
+        whether it did."""
+        if not self.created:
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        for parent in self.path.parents:
+            if self._made_from is None or not parent.is_relative_to(self._made_from):
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        self.created = False
+        return True
+
+
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch (CPU and CUDA) RNG states of this process."""
 
@@ -135,7 +246,7 @@ def save_checkpoint(run_dir: str | Path, step: int, learner, trainer_state: dict
         keep_last: complete checkpoints to keep, counting this one.
 
     Returns:
-        ``<run_dir>/checkpoints/step_<step>``.
+        ``<run_dir>/checkpoints/step_<step, zero-padded to 6 digits>`` (``step_000300``).
     """
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -175,7 +286,14 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
 class StopRequest:
     """SIGINT/SIGTERM handling for a training loop: the first signal asks the loop to stop after
     the step in progress (and save); a second one restores the previous handlers and re-raises
-    (with the default action where the signal was inherited as ignored, as under ``nohup``).
+    (with the default action where SIGTERM was ignored before).
+
+    A SIGINT the process was started with ignored stays ignored, as Python itself leaves it
+    (no ``KeyboardInterrupt`` then) and as POSIX asks of programs that catch it: a shell without
+    job control starts background commands (``nohup async-rl train ... &`` from a script, a CI
+    runner) that way so that a Ctrl-C meant for the foreground does not reach them. Such a run
+    still stops cleanly, with a checkpoint, on ``kill <pid>`` (SIGTERM), which is always caught:
+    a scheduler's or a user's SIGTERM asks for a clean stop wherever it comes from.
 
     Use as a context manager around the loop; handlers are installed only in the main thread
     (``signal`` allows no other) and restored on exit.
@@ -200,8 +318,8 @@ class StopRequest:
             previous = self._previous.get(signum)
             self._restore()
             if previous in (signal.SIG_IGN, None):
-                # Inherited as ignored (``nohup ... &``): a second signal must still stop at once.
-                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+                # A SIGTERM ignored before must still stop the process at once the second time.
+                signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
         self.signal_name = signal.Signals(signum).name
@@ -215,6 +333,8 @@ class StopRequest:
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
+                if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+                    continue  # started with Ctrl-C ignored: the class docstring says why it stays so
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

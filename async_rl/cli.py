@@ -4,10 +4,17 @@ Examples::
 
     async-rl train --config configs/default.yaml
     async-rl train --config configs/default.yaml trainer.total_steps=20 algorithm.name=dr_grpo
-    async-rl config --config configs/default.yaml      # print the resolved config and exit
+    async-rl config --config configs/default.yaml      # print the resolved config (commented) and exit
+    async-rl config --keys                             # every key: type, default, meaning
+    async-rl eval --config configs/default.yaml --model runs/NAME     # held-out accuracy of a run's model
+    async-rl generate --config configs/default.yaml --model runs/NAME -n 5
+    async-rl plot runs/A runs/B --out curves.png       # curves from metrics.jsonl
     async-rl build-default                             # build the tiny model and data, print paths
+    async-rl --version
 
-A configuration error prints one line naming the key and exits with status 2.
+A configuration error prints one line naming the key and exits with status 2; other bad input
+(a missing file, a run directory without metrics.jsonl) one line and status 1. ``eval``,
+``generate``, ``plot`` and ``config`` live in ``async_rl.commands``.
 """
 
 from __future__ import annotations
@@ -18,13 +25,58 @@ import os
 import sys
 
 
+EPILOG = """\
+Settings come from the YAML file, then dotted key=value overrides on the command line:
+  async-rl train --config configs/default.yaml trainer.total_steps=20 algorithm.name=dr_grpo
+  async-rl train --config configs/default.yaml trainer.mode=async 'data.val_files=[my_val.jsonl]'
+Every key, with its type, default and meaning:  async-rl config --keys
+A resolved config, commented:                   async-rl config --config FILE [overrides]
+After a run:  async-rl eval --config FILE --model runs/NAME   |   async-rl plot runs/NAME [runs/OTHER]
+"""
+
+_OVERRIDES_HELP = "dotted.key=value overrides, e.g. trainer.total_steps=20 (see: async-rl config --keys)"
+_MODEL_HELP = ("policy to load: a Hugging Face model directory (a run's final_model/), a checkpoint "
+               "(RUN/checkpoints/step_NNNNNN) or a run directory (its final_model/, else its latest "
+               "checkpoint); default: the config's model.path")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("async-rl")
+    except PackageNotFoundError:  # a source tree used without `pip install -e .`
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="async-rl", description="Asynchronous RL post-training for LLMs.")
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, help_text in (("train", "run a training job"), ("config", "print the resolved config")):
-        s = sub.add_parser(name, help=help_text)
-        s.add_argument("--config", required=True, help="YAML config file")
-        s.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p = argparse.ArgumentParser(prog="async-rl", description="Asynchronous RL post-training for LLMs.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("train", help="run a training job", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--config", required=True, help="YAML config file")
+    s.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+    s = sub.add_parser("eval", help="held-out accuracy and mean reward of a model or checkpoint (no run directory)")
+    s.add_argument("--config", required=True, help="YAML config file (data.val_files, generator, reward)")
+    s.add_argument("--model", help=_MODEL_HELP)
+    s.add_argument("--out", help="also write the result as JSON to this file")
+    s.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+    s = sub.add_parser("generate", help="print responses and rewards for a few prompts, to eyeball a model")
+    s.add_argument("--config", required=True, help="YAML config file")
+    s.add_argument("--model", help=_MODEL_HELP)
+    s.add_argument("--prompt", action="append", help="a prompt text (repeatable; unscored); default: held-out prompts")
+    s.add_argument("-n", type=int, default=3, help="how many held-out prompts, from the first (default 3)")
+    s.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
+    s = sub.add_parser("plot", help="PNG curves (reward, accuracy, KL, entropy, staleness, tokens/s) of runs")
+    s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories with a metrics.jsonl")
+    s.add_argument("--out", help="PNG file (default: <first RUN_DIR>/curves.png)")
+    s = sub.add_parser("config", help="print the resolved config (commented), or --keys: every key documented")
+    s.add_argument("--config", help="YAML config file (required unless --keys)")
+    s.add_argument("--keys", action="store_true",
+                   help="list every key with its type, default and meaning (with --config: its value there)")
+    s.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
     sub.add_parser("build-default", help="build the built-in tiny model and dataset; print their paths")
     return p
 
@@ -42,29 +94,64 @@ def main(argv: list[str] | None = None, end_process: bool = False) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("ASYNC_RL_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _no_progress_bars_off_a_terminal()
+    _ray_token_auth_chosen()
     if args.command == "build-default":
         from async_rl.data.builtin import resolve
 
         for uri in ("builtin:tiny-qwen2", "builtin:arithmetic/train", "builtin:arithmetic/test"):
             print(f"{uri} -> {resolve(uri)}")
         return 0
+    if args.command in ("eval", "generate", "plot", "config"):
+        from async_rl.commands import run_command
 
-    from async_rl.config import ConfigError, load_config, to_yaml
+        return run_command(args)
+
+    from async_rl.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
         print(f"async-rl: config error: {e}", file=sys.stderr)
         return 2
-    if args.command == "config":
-        print(to_yaml(cfg), end="")
-        return 0
     from async_rl.learners.launch import exit_rank_process, launched_by_torchrun
 
     status = _train(cfg)
     if end_process and (launched_by_torchrun() or cfg.learner.world_size > 1):
         exit_rank_process(status)
     return status
+
+
+def _no_progress_bars_off_a_terminal() -> None:
+    """Turn Hugging Face's progress bars (weight loading, saving, downloads; transformers and
+    huggingface_hub read ``HF_HUB_DISABLE_PROGRESS_BARS``) off when stderr is not a terminal,
+    unless that variable is set: in a log file every redraw is a line of its own, repeated by each
+    process that loads the model. The processes a run starts (learner ranks, generator actors,
+    engine processes) inherit it through the environment."""
+    if sys.stderr.isatty() or "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ:
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    # Both read the variable when first imported: an in-process caller may have imported them.
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
+def _ray_token_auth_chosen() -> None:
+    """Choose Ray's token authentication explicitly (``RAY_AUTH_MODE=token``, Ray's documented
+    setting) for the local Ray cluster an async or multi-rank run starts: Ray >= 2.59 turns it on
+    by default and says so on every start ("Token authentication is enabled for this Ray
+    cluster..."); chosen, it stays on, without the notice. Set at process start because Ray reads
+    it once per process (set after its first use, the driver and the cluster it starts would
+    disagree). Left alone when the user set it, or ``RAY_ADDRESS`` names an existing cluster, whose
+    own setting decides."""
+    if "RAY_AUTH_MODE" not in os.environ and "RAY_ADDRESS" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _train(cfg) -> int:
@@ -79,6 +166,8 @@ def _train(cfg) -> int:
 
         follow_from_env(*learner_args(cfg, resolve(cfg.model.path)))
         return 0
+    import signal
+
     try:
         summary = train(cfg)
     except (ValueError, FileNotFoundError) as e:
@@ -87,11 +176,15 @@ def _train(cfg) -> int:
         logging.getLogger(__name__).debug("training failed", exc_info=True)
         print(f"async-rl: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:
+        # SIGINT before the first training step (trainer.RunInterrupted says where; nothing was
+        # saved), or a second SIGINT that stopped a run at once: one line, 128 + SIGINT.
+        logging.getLogger(__name__).debug("interrupted", exc_info=True)
+        print(f"async-rl: {e or 'interrupted: stopped at once, without saving'}", file=sys.stderr)
+        return 128 + int(signal.SIGINT)
     if "interrupted" in summary:
         # Stopped by a signal after saving: the shell convention 128 + signal number, so a job
         # scheduler sees the run did not finish (resume with trainer.resume=auto).
-        import signal
-
         return 128 + int(signal.Signals[summary["interrupted"]])
     return 0
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Sequence, get_type_hints
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from async_rl.agent import AgentConfig
@@ -101,6 +102,31 @@ def _translate(err: OmegaConfBaseException, origin: str) -> ConfigError:
     return ConfigError(f"{origin}: {msg} (key '{key}')")
 
 
+def _read_yaml(path: Path) -> DictConfig:
+    """The mapping a YAML config file holds.
+
+    Raises:
+        ConfigError: ``path`` is a directory or unreadable, is not valid YAML (the message gives
+            the parser's line and column, 1-based), or its top level is not a mapping.
+    """
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.MarkedYAMLError as e:
+        where = [f"{text} (line {mark.line + 1}, column {mark.column + 1})"
+                 for text, mark in ((e.context, e.context_mark), (e.problem, e.problem_mark)) if text and mark]
+        raise ConfigError(f"{path}: not valid YAML: {': '.join(where) or e}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, trainer:, ...), "
+                          f"got a {type(loaded).__name__.removesuffix('Config').lower()}")
+    return loaded
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """Load a ``Config`` from a YAML file plus dotted overrides.
 
@@ -114,7 +140,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
     Raises:
         ConfigError: unknown key, wrong type, missing required value, malformed override or an
-            out-of-range value; the message names the key.
+            out-of-range value (the message names the key); a ``path`` that is a directory, is not
+            valid YAML or does not hold a mapping (the message names the file).
         FileNotFoundError: ``path`` does not exist.
     """
     schema = OmegaConf.structured(Config)
@@ -124,7 +151,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         if not path.exists():
             raise FileNotFoundError(f"config file not found: {path}")
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, _read_yaml(path))
         except OmegaConfBaseException as e:
             raise _translate(e, str(path)) from None
     for item in overrides:

@@ -50,17 +50,21 @@ def evaluate(generator, dataset, params, scorer, tokenizer, agent=None) -> dict[
     return out
 
 
-def _reference(prompt, dotted: str) -> Any:
-    key = dotted.split(".", 1)[1]
-    if key not in prompt.extra_info or prompt.extra_info[key] is None:
-        raise ValueError(f"warm start: row {prompt.uid} has no '{dotted}' (set trainer.warm_start.response_field)")
-    return prompt.extra_info[key]
+def _reference(prompt) -> Any:
+    # The dataset reads references when it loads (PromptDataset(reference_fields=...)), so a row
+    # without one has already stopped the run; a dataset loaded without them is a caller's bug.
+    if prompt.reference is None:
+        raise ValueError(f"warm start: row {prompt.uid} has no reference response: load the train set with "
+                         "PromptDataset(reference_fields=trainer.warm_start.reference_fields())")
+    return prompt.reference
 
 
 def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Callable[[str], None],
-               agent=None) -> None:
+               agent=None, on_step: Callable[[int, float], None] | None = None) -> None:
     """Supervised warm start: ``cfg.steps`` NLL steps on ``prompt -> reference response + EOS``.
 
+    The reference of each prompt is ``Prompt.reference``, read from its row's
+    ``cfg.response_field`` (``WarmStartConfig.reference_fields``) when the dataset was loaded.
     With an agent (multi-turn tool use) the field holds a demonstration instead: the messages
     after the prompt (assistant tool calls, tool responses, the final answer) as a list or JSON
     text; it is tokenised turn by turn as a rollout would be (``agent.demonstration_ids``), and
@@ -69,21 +73,24 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
 
     Args:
         learner: the ``Learner`` (its ``sft_step``).
-        dataset: the train ``PromptDataset``.
+        dataset: the train ``PromptDataset``, loaded with ``reference_fields=cfg.reference_fields()``.
         cfg: ``WarmStartConfig``.
         eos_id: appended to single-turn references.
         seed: the run seed.
-        log: prints a progress line.
+        log: prints a progress line (five in all, and the last step's).
         agent: the ``AgentLoop`` of tool-use runs, or ``None``.
+        on_step: called after every step with ``(step, loss)``: the 1-based step and its mean NLL
+            per trained token (nats), e.g. to move a progress bar; ``None`` = not called.
 
     Raises:
-        ValueError: a row without the field, or a demonstration the chat template cannot render.
+        ValueError: a prompt without a reference (the dataset was loaded without
+            ``reference_fields``), or a demonstration the chat template cannot render.
     """
     rng = random.Random(seed + 17)
     for step in range(1, cfg.steps + 1):
         trajs = []
         for k, p in enumerate(rng.choices(dataset.prompts, k=cfg.batch_size)):
-            value = _reference(p, cfg.response_field)
+            value = _reference(p)
             if agent is not None:
                 demo = json.loads(value) if isinstance(value, str) else value
                 ids, mask = demonstration_ids(tokenizer, p.messages, demo, agent.schemas, agent.stop_token_ids)
@@ -95,5 +102,7 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
                 response_ids=ids, behavior_logprobs=[0.0] * len(ids), loss_mask=mask,
                 finish_reason="stop", policy_version=[0] * len(ids)))
         metrics = learner.sft_step(collate(trajs, tokenizer.pad_token_id), cfg.lr)
+        if on_step is not None:
+            on_step(step, float(metrics["sft/loss"]))
         if step % max(1, cfg.steps // 5) == 0 or step == cfg.steps:
             log(f"warm start {step}/{cfg.steps}: loss {float(metrics['sft/loss']):.4f}")

@@ -2,7 +2,7 @@
 
 The learner reduces its per-micro-batch metric tensors with :func:`reduce_metrics`, so each
 loss metric is logged once per optimizer step. The driver loop then hands one flat mapping of
-namespaced keys (``rollout/reward_mean``, ``loss/pg``, ``perf/tokens_per_s``, ``timing/step_s``,
+namespaced keys (``rollout/reward_mean``, ``loss/pg``, ``perf/gen_tokens_per_s``, ``timing/step_s``,
 ``eval/accuracy``) to :class:`MetricsLogger`, which converts tensors to Python numbers (the only
 host sync for metrics) and writes them to
 
@@ -12,7 +12,9 @@ host sync for metrics) and writes them to
 * Weights & Biases (``logging.wandb.mode: online | offline``), offline runs land in
   ``run_dir/wandb/offline-run-*`` and can be uploaded later with ``wandb sync``;
 * the console: a rich progress bar with ETA and a one-line summary every
-  ``logging.console_every_steps`` steps.
+  ``logging.console_every_steps`` steps; a pass before the RL steps (the warm start) gets a bar
+  of its own (:meth:`MetricsLogger.phase`), and a resumed run's clock continues from its
+  checkpoint's elapsed time (:meth:`MetricsLogger.resume`).
 
 Usage in the driver loop::
 
@@ -25,19 +27,28 @@ Usage in the driver loop::
                 logger.log(eval_metrics, step)    # same step, separate call
             logger.advance(step)                  # bar + summary line for this step
 
+A fresh run shows its warm start on a bar of its own; a resumed one calls ``logger.resume(step,
+elapsed_s)`` with what its checkpoint saved (``logger.elapsed_s`` at save time)::
+
+    with logger.phase("warm start", total=500) as update:
+        for k in range(1, 501):
+            update(k, f"loss {loss:.4f}")
+
 Read a finished run with ``pandas.read_json("runs/x/metrics.jsonl", lines=True)`` or
 ``tensorboard --logdir runs/x/tensorboard``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +59,27 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
-    TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 logger = logging.getLogger(__name__)
 
 WANDB_MODES = ("online", "offline", "disabled")
 
 # Keys shown in the console summary line, with their short labels; absent keys are skipped.
+# gen_tok/s: tokens the generators sampled per second of wall time (all engines, since the
+# previous step ended); train_tok/s: tokens (prompt + response) the learner trained on per second
+# of its train step. Both mean the same in sync and async mode.
 SUMMARY_KEYS = (
     ("rollout/reward_mean", "reward"),
     ("eval/accuracy", "eval_acc"),
     ("loss/pg", "loss_pg"),
-    ("perf/tokens_per_s", "tok/s"),
+    ("perf/gen_tokens_per_s", "gen_tok/s"),
+    ("perf/train_tokens_per_s", "train_tok/s"),
     ("timing/step_s", "step_s"),
 )
 
@@ -171,6 +188,8 @@ class MetricsLogger:
         self.num_nonfinite = 0
         """Non-finite values seen so far (each one written to JSONL as null)."""
         self._start = time.perf_counter()
+        self._elapsed_offset_s = 0.0
+        """Seconds the run had taken before ``_start`` (a resumed run's time up to its checkpoint)."""
         self._closed = False
         self._warned_unnamespaced: set[str] = set()
         self._warned_nonfinite: set[str] = set()
@@ -203,9 +222,10 @@ class MetricsLogger:
                 TextColumn("{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TimeElapsedColumn(),
+                _ElapsedColumn(),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
                 console=self._console,
                 # Off a terminal the bar is drawn only at stop, so a refresh thread is wasted.
                 auto_refresh=self._console.is_terminal,
@@ -214,8 +234,67 @@ class MetricsLogger:
                 # samples and never show an ETA, so average over the last few hours instead.
                 speed_estimate_period=4 * 3600.0,
             )
-            self._task = self._progress.add_task("train", total=total_steps)
+            self._task = self._progress.add_task("train", total=total_steps, info="", elapsed_offset_s=0.0)
             self._progress.start()
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds the run has taken: since this logger was made, plus, after :meth:`resume`, the
+        time the run had taken up to its checkpoint (so a resumed run's clock continues; the time
+        between the interruption and the resume is not counted). Used by the summary line, the
+        bar and the ``time_s`` of each JSONL record."""
+        return self._elapsed_offset_s + time.perf_counter() - self._start
+
+    def resume(self, step: int, elapsed_s: float) -> None:
+        """Continues a resumed run: ``step`` optimizer steps are already done and took
+        ``elapsed_s`` seconds (what :attr:`elapsed_s` was when the checkpoint was saved).
+
+        The bar moves to ``step`` without counting those steps toward its speed (the ETA comes
+        from the steps this process trains), and :attr:`elapsed_s` continues from ``elapsed_s``.
+
+        Raises:
+            ValueError: a negative ``step`` or a negative or non-finite ``elapsed_s``.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if not (math.isfinite(elapsed_s) and elapsed_s >= 0):
+            raise ValueError(f"elapsed_s must be a finite number of seconds >= 0, got {elapsed_s}")
+        self._start = time.perf_counter()
+        self._elapsed_offset_s = float(elapsed_s)
+        if self._progress is not None:
+            # reset, not update: update would record `step` steps done in no time, and the ETA
+            # would stay far too short until hours of real steps outweighed them.
+            self._progress.reset(self._task, total=self.total_steps, completed=step, info="",
+                                 elapsed_offset_s=self._elapsed_offset_s)
+            self._progress.refresh()
+
+    @contextlib.contextmanager
+    def phase(self, description: str, total: int) -> Iterator[Callable[[int, str], None]]:
+        """A bar of its own for a pass outside the RL steps (the warm start), shown below the
+        training bar, so a long pass is visibly alive beside a train bar still at ``0/N``.
+
+        Yields ``update(done, info="")``: ``done`` units of ``total`` are finished; ``info`` is a
+        short text shown after the bar (e.g. ``"loss 0.4121"``). Without a progress bar
+        (``logging.progress: false``) ``update`` does nothing. The finished bar stays on screen.
+
+        Raises:
+            ValueError: ``total < 0``.
+        """
+        if total < 0:
+            raise ValueError(f"total must be >= 0, got {total}")
+        if self._progress is None:
+            yield lambda done, info="": None
+            return
+        task = self._progress.add_task(description, total=total, info="", elapsed_offset_s=0.0)
+
+        def update(done: int, info: str = "") -> None:
+            self._progress.update(task, completed=done, info=info)
+
+        try:
+            yield update
+        finally:
+            self._progress.stop_task(task)
+            self._progress.refresh()
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Records one set of metrics at optimizer step ``step``.
@@ -255,7 +334,7 @@ class MetricsLogger:
                     )
 
         if self._jsonl is not None:
-            record = {"step": step, "time_s": round(time.perf_counter() - self._start, 3)}
+            record = {"step": step, "time_s": round(self.elapsed_s, 3)}
             record.update(
                 (k, v if not isinstance(v, float) or math.isfinite(v) else None)
                 for k, v in values.items()
@@ -323,10 +402,22 @@ class MetricsLogger:
             logger.warning("%d non-finite metric values were logged as null", self.num_nonfinite)
 
     def _summary_line(self, step: int, metrics: Mapping[str, float | int]) -> str:
-        s = int(time.perf_counter() - self._start)
+        s = int(self.elapsed_s)
         parts = [f"step {step}/{self.total_steps}", f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"]
         parts += [f"{label} {metrics[key]:.4g}" for key, label in SUMMARY_KEYS if key in metrics]
         return " | ".join(parts)
+
+
+class _ElapsedColumn(ProgressColumn):
+    """A task's elapsed time (``H:MM:SS``) plus the seconds in its ``elapsed_offset_s`` field:
+    what a resumed run had taken before its checkpoint."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.finished_time if task.finished else task.elapsed
+        if elapsed is None:
+            return Text("-:--:--", style="progress.elapsed")
+        seconds = max(0, int(elapsed + task.fields.get("elapsed_offset_s", 0.0)))
+        return Text(str(timedelta(seconds=seconds)), style="progress.elapsed")
 
 
 def reduce_metrics(

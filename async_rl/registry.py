@@ -28,6 +28,7 @@ so a bad spec never surfaces as a bare ``ImportError`` deep in a worker.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -164,7 +165,8 @@ class Registry(Generic[T]):
         obj: Any = module
         for attr in attr_path.split("."):
             if not hasattr(obj, attr):
-                raise ValueError(f"{self.kind} {spec!r}: {module_part!r} has no attribute {attr_path!r}")
+                raise ValueError(f"{self.kind} {spec!r}: {module_part!r} has no attribute {attr_path!r}; "
+                                 f"{_defined_here(module, attr)}")
             obj = getattr(obj, attr)
         return obj
 
@@ -187,6 +189,20 @@ class Registry(Generic[T]):
             raise
         except Exception as e:
             raise ValueError(f"{self.kind} {spec!r}: loading {path!r} failed: {type(e).__name__}: {e}") from e
+
+
+def _defined_here(module: ModuleType, wanted: str, limit: int = 12) -> str:
+    """``"did you mean 'score'? it defines: score, score_v2"``: the public callables a module
+    defines itself (not those it imports), in definition order and at most ``limit`` of them,
+    led by the one closest to the misspelt ``wanted``."""
+    names = [name for name, obj in vars(module).items()
+             if not name.startswith("_") and callable(obj) and getattr(obj, "__module__", None) == module.__name__]
+    if not names:
+        return "it defines no public function"
+    close = difflib.get_close_matches(wanted, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return f"{hint}it defines: {', '.join(names[:limit])}{more}"
 
 
 def load_file_module(path: str, namespace: str, what: str) -> ModuleType:

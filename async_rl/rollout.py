@@ -16,6 +16,7 @@ reward is rejected leaves its group in both modes (counted by the scorer, never 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -24,7 +25,7 @@ from transformers import GenerationConfig
 from async_rl.agent import Conversation
 from async_rl.buffers.trajectory import Trajectory
 from async_rl.generators.base import mix_seed
-from async_rl.rewards import default_reward_for, get_reward_fn
+from async_rl.rewards import RewardScorer, default_reward_for, get_reward_fn
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,52 @@ def reward_function(spec: str | None) -> Callable[..., Any]:
         ValueError: the spec names no reward function.
     """
     return get_reward_fn(spec) if spec else dispatch_by_source
+
+
+def reward_model_path(reward_cfg) -> str:
+    """The local directory of ``reward.model`` (a ``builtin:`` URI built on first use), absolute,
+    so actors need not share the driver's working directory.
+
+    Raises:
+        ValueError: an unknown built-in, a missing directory or one without config.json.
+    """
+    from async_rl.data.builtin import resolve
+    from async_rl.rewards.model import validate_model_dir
+
+    path = os.path.abspath(resolve(reward_cfg.model))
+    validate_model_dir(path)
+    return path
+
+
+def load_reward_model(reward_cfg, num_threads: int = 0):
+    """The ``RewardModel`` of a ``RewardConfig`` (``reward.model`` set) in this process.
+
+    Raises:
+        ValueError: as ``reward_model_path`` and ``RewardModel``.
+    """
+    from async_rl.rewards.model import RewardModel, model_kwargs
+
+    return RewardModel(reward_model_path(reward_cfg), **model_kwargs(reward_cfg), num_threads=num_threads)
+
+
+def make_scorer(reward_cfg, on_error: str, score_batch=None) -> RewardScorer:
+    """The ``RewardScorer`` of a ``RewardConfig``: its function (none when only ``reward.model``
+    is set) and, with a reward model, a ``ModelRewardStage`` calling ``score_batch``
+    (``RewardModel.score`` here, or a call into the reward actor).
+
+    Raises:
+        ValueError: the spec names no reward function; a model without ``score_batch``.
+    """
+    from async_rl.rewards.model import ModelRewardStage
+
+    fn = reward_function(reward_cfg.fn) if reward_cfg.fn or not reward_cfg.model else None
+    stage = None
+    if reward_cfg.model:
+        if score_batch is None:
+            raise ValueError("make_scorer: reward.model is set but nothing scores with it")
+        stage = ModelRewardStage(score_batch, reward_cfg.model_batch_size, reward_cfg.model_weight,
+                                 with_fn=fn is not None, on_error=on_error)
+    return RewardScorer(fn, on_error=on_error, model=stage)
 
 
 @dataclass
@@ -170,6 +217,8 @@ def scored_trajectory(sample, tokenizer, scorer, request: GroupRequest, index: i
         index: the sample's index in its group.
     """
     traj = trajectory_of(sample, tokenizer, request.group_id, index, request.prompt_uid, request.prompt_ids)
+    if scorer.fn is None:  # the reward model alone scores (``ModelRewardStage``)
+        return traj
     result = scorer.score(request.data_source, traj.response_text, request.ground_truth, request.extra_info)
     if result.rejected:
         return None
@@ -190,11 +239,26 @@ class SampleCounts:
     """Groups whose every sample was rejected."""
 
 
+def model_input(request: GroupRequest, traj: Trajectory, tokenizer):
+    """What the reward model reads of one sample: the prompt's messages and plain text (its
+    messages' contents, else the decoded prompt) and the response text."""
+    from async_rl.rewards.model import ModelInput
+
+    texts = [m["content"] for m in request.messages if isinstance(m.get("content"), str)]
+    prompt_text = "\n".join(texts) if texts else tokenizer.decode(request.prompt_ids, skip_special_tokens=True)
+    return ModelInput(messages=list(request.messages), prompt_text=prompt_text, response=traj.response_text)
+
+
 def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, scorer, agent,
                   on_trajectory: Callable[[Trajectory], None],
                   on_group_closed: Callable[[GroupRequest, int], None] | None = None,
-                  counts: SampleCounts | None = None) -> SampleCounts:
+                  counts: SampleCounts | None = None, wait_scored: bool = True) -> SampleCounts:
     """Sample every request's group and score each sample the moment it finishes (both modes).
+
+    With a reward model (``scorer.model``, an ``async_rl.rewards.model.ModelRewardStage``) the
+    function reward is computed as the sample finishes and the sample then queued for the model:
+    ``on_trajectory`` and ``on_group_closed`` are then called on the stage's thread (one thread,
+    in finishing order), once the model has scored it.
 
     Args:
         engine: a ``Generator``.
@@ -208,6 +272,9 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
             scored, rejected ones included.
         counts: counters to add to as each sample is scored (a generator actor's running totals,
             read while it samples); ``None``: fresh ones.
+        wait_scored: with a reward model, return only once every sample of this call is scored
+            and handed on; ``False`` (a generator actor) returns when sampling ends, so the next
+            batch samples while the model scores the last one.
 
     Returns:
         ``counts``, with this call's samples added.
@@ -225,10 +292,19 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
     counts = SampleCounts() if counts is None else counts
     kept, finished = [0] * len(requests), [0] * len(requests)
 
+    stage = getattr(scorer, "model", None)
+
     def on_sample(i: int, j: int, sample) -> None:
         counts.samples += 1
         counts.generated_tokens += sum(sample.loss_mask) if isinstance(sample, Conversation) else len(sample.response_ids)
         traj = scored_trajectory(sample, tokenizer, scorer, requests[i], j)
+        if stage is None:
+            hand_on(i, traj)
+        else:
+            item = model_input(requests[i], traj, tokenizer) if traj is not None else None
+            stage.submit(item, traj, lambda t: hand_on(i, t))
+
+    def hand_on(i: int, traj: Trajectory | None) -> None:
         if traj is None:
             counts.rejected_samples += 1
         else:
@@ -245,6 +321,8 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
         agent.run(engine, [(r.prompt_ids, r.messages) for r in requests], n, params, seeds, on_sample=on_sample)
     else:
         engine.generate([r.prompt_ids for r in requests], n, params, seeds=seeds, on_sample=on_sample)
+    if stage is not None and wait_scored:
+        stage.drain()
     return counts
 
 

@@ -11,6 +11,7 @@ Run with ``async-rl train --config configs/default.yaml``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -18,28 +19,28 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from transformers import AutoTokenizer
 
-from async_rl.checkpoint import (StopRequest, load_trainer_state, resolve_resume, rng_state, save_checkpoint,
-                                 set_rng_state)
+from async_rl.checkpoint import (RunDirectory, StopRequest, latest_checkpoint, load_trainer_state, resolve_resume,
+                                 rng_state, save_checkpoint, set_rng_state)
 from async_rl.agent import AgentLoop
 from async_rl.config import to_dict, to_yaml
 from async_rl.data.builtin import resolve
 from async_rl.data.dataset import PromptDataset
 from async_rl.evaluation import evaluate, warm_start
+from async_rl.inputs import check_inputs
 from async_rl.generators import make_generator
 from async_rl.generators.base import SamplingParams
 from async_rl.learners.launch import launch_learner
 from async_rl.loops.base import Loop, RunContext
 from async_rl.loops.sync import SyncLoop
 from async_rl.metrics import MetricsLogger
-from async_rl.rewards import RewardScorer, default_reward_for
-from async_rl.rollout import reward_function, stop_token_ids
+from async_rl.rewards import check_rewards_work, default_reward_for, failure_summary
+from async_rl.rollout import load_reward_model, make_scorer, stop_token_ids
 from async_rl.weight_sync import LocalTarget, WeightPublisher, engine_protocol, resolve_transport
 
 if TYPE_CHECKING:
@@ -51,34 +52,74 @@ logger = logging.getLogger(__name__)
 def train(cfg: "Config") -> dict[str, Any]:
     """Run a whole training job; returns the summary also written to ``<run_dir>/summary.json``.
 
+    The inputs are checked before anything loads (``async_rl.inputs.check_inputs``: data files,
+    model) and the run directory (``RunDirectory``) is made only once they have loaded; a run that
+    fails or is interrupted before its first training step leaves no directory behind.
+
     Raises:
-        ValueError: bad inputs (dataset rows, reward names, a checkpoint of another mode or
-            already at ``total_steps``, dynamic sampling that cannot fill a step).
+        ValueError: bad inputs (a missing data file or model, dataset rows, reward names, a run
+            name already used by another run, a checkpoint of another mode or already at
+            ``total_steps``, dynamic sampling that cannot fill a step).
+        RunInterrupted: SIGINT before the first training step (nothing saved).
         RuntimeError: a step whose every sample was rejected, or a generator actor that died.
     """
     resume_from, resumed = resume_point(cfg.trainer)
-    ctx, learner_handle = build(cfg)
-    progress = Progress(summary={"run_dir": str(ctx.run_dir), "mode": cfg.trainer.mode,
+    run = RunDirectory(cfg.trainer)
+    check_inputs(cfg)
+    progress = Progress(summary={})
+    with _kept_only_if_trained(run, progress):
+        ctx, learner_handle = build(cfg, run)
+        progress.summary.update({"run_dir": str(ctx.run_dir), "mode": cfg.trainer.mode,
                                  "data/rejected_prompts_too_long": ctx.train_ds.num_rejected_too_long})
-    loop: Loop | None = None
-    failed = True
-    try:
-        start(ctx, progress, resume_from, resumed)
-        loop = make_loop(ctx, resumed)
-        run_steps(ctx, loop, progress)
-        progress.summary.update(loop.close())
-        loop = None
-        finish(ctx, progress)
-        failed = False
-    finally:
-        if loop is not None:
-            loop.close()
-        ctx.publisher.close()
-        ctx.generator.close()
-        learner_handle.close(failed=failed)
-        ctx.log.close()
+        loop: Loop | None = None
+        failed = True
+        try:
+            progress.stage = ("the resume" if resumed is not None else
+                              "the warm start" if cfg.trainer.warm_start.steps else "the step-0 evaluation")
+            start(ctx, progress, resume_from, resumed)
+            progress.stage = "the start of the training loop"
+            loop = make_loop(ctx, resumed)
+            run_steps(ctx, loop, progress)
+            progress.summary.update(loop.close())
+            loop = None
+            finish(ctx, progress)
+            failed = False
+        finally:
+            if loop is not None:
+                loop.close()
+            ctx.publisher.close()
+            ctx.generator.close()
+            learner_handle.close(failed=failed)
+            ctx.log.close()
     (ctx.run_dir / "summary.json").write_text(json.dumps(progress.summary, indent=2))
     return progress.summary
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT stopped a run before its first training step: nothing was saved (a resumed run
+    keeps its checkpoint), and the run directory, if this run made it, was removed. ``str()`` is
+    the line to show, naming the stage (``Progress.stage``)."""
+
+
+@contextlib.contextmanager
+def _kept_only_if_trained(run: RunDirectory, progress: "Progress") -> Iterator[None]:
+    """Around a run: when it ends by an exception before it trained a step, remove the run
+    directory if this run made it and it holds no checkpoint (a config and the scores of an
+    untrained model are not worth keeping, and a half-written directory would block the name),
+    and turn a SIGINT there into ``RunInterrupted`` naming ``progress.stage``. A run that trained
+    keeps its directory."""
+    try:
+        yield
+    except BaseException as e:
+        if progress.last_step >= progress.start_step:
+            raise
+        saved = latest_checkpoint(run.path)
+        removed = saved is None and run.discard()
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, RunInterrupted):
+            news = f"nothing saved since {saved}" if saved is not None else "nothing saved yet"
+            where = f" (removed {run.path})" if removed else ""
+            raise RunInterrupted(f"interrupted during {progress.stage}; {news}{where}") from None
+        raise
 
 
 @dataclass
@@ -90,12 +131,14 @@ class Progress:
         tail_evals: held-out accuracies of the last quarter of the run.
         start_step: the first step still to train (1 for a fresh run).
         last_step: the last step trained.
+        stage: what the run does before its first training step (named if a SIGINT stops it there).
     """
 
     summary: dict[str, Any]
     tail_evals: list[float] = field(default_factory=list)
     start_step: int = 1
     last_step: int = 0
+    stage: str = "the loading of the model and data"
 
 
 # ------------------------------------------------------------------------------------------ build
@@ -121,9 +164,15 @@ def resume_point(t_cfg) -> tuple[Path | None, dict[str, Any] | None]:
     return resume_from, resumed
 
 
-def build(cfg: "Config") -> tuple[RunContext, Any]:
-    """Seed, load the tokenizer, data and reward, make the run directory, launch the learner and
-    build the colocated engine with its weight publisher.
+WARM_START_HINT = ("the warm start's reference response: set trainer.warm_start.response_field to the dotted path "
+                   "of the row field that holds it, such as reward_model.ground_truth or extra_info.solution, or "
+                   "trainer.warm_start.steps=0 for no warm start, as for a pretrained model")
+"""Ends the error of a train row without a reference response while a warm start is configured."""
+
+
+def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
+    """Seed, load the tokenizer, data and reward, make the run directory (``run.create``), launch
+    the learner and build the colocated engine with its weight publisher.
 
     Returns:
         ``(ctx, learner_handle)``; ``learner_handle.close()`` stops a multi-rank learner.
@@ -144,28 +193,31 @@ def build(cfg: "Config") -> tuple[RunContext, Any]:
     agent = AgentLoop(cfg.agent, tokenizer, stops) if cfg.agent.enabled else None
     # With tools, prompts are rendered with their schemas (the model sees what it may call).
     tools = agent.schemas if agent is not None else None
+    # The warm start's reference responses are read (and a row without one refused) as the rows load.
     train_ds = PromptDataset([resolve(f) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle,
-                             tools=tools)
+                             tools=tools, reference_fields=t_cfg.warm_start.reference_fields(),
+                             reference_hint=WARM_START_HINT)
     val_ds = (PromptDataset([resolve(f) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
                             limit=d.val_max_prompts, tools=tools) if d.val_files else None)
-    fn = reward_function(cfg.reward.fn)
-    if not cfg.reward.fn:
+    if not cfg.reward.fn and not cfg.reward.model:
         # Fail before training, not as a reward error on every sample: each data_source needs a reward.
         for source in {p.data_source for ds in (train_ds, val_ds) if ds is not None for p in ds.prompts}:
             default_reward_for(source)
     # The run directory is made only once the inputs have loaded, so a bad dataset leaves none behind.
-    run_dir = make_run_dir(cfg)
+    run_dir = run.create(to_yaml(cfg))
     if len(train_ds) < t_cfg.prompts_per_step:
         logger.warning("the train set has %d prompts, fewer than trainer.prompts_per_step=%d: each step repeats "
                        "prompts (every step still draws its full batch, crossing epochs)", len(train_ds),
                        t_cfg.prompts_per_step)
+    # Sync mode scores with it; async mode only evaluates with it (the workers use the reward actor).
+    reward_model = load_reward_model(cfg.reward) if cfg.reward.model else None
     learner, learner_handle = launch_learner(*learner_args(cfg, model_path))
     generator, transport = colocated_engine(cfg, model_path, tokenizer.pad_token_id)
     ctx = RunContext(
         cfg=cfg, tokenizer=tokenizer, model_path=model_path, train_ds=train_ds, val_ds=val_ds,
-        scorer=RewardScorer(fn, on_error=cfg.reward.on_error),
+        scorer=make_scorer(cfg.reward, cfg.reward.on_error, reward_model and reward_model.score),
         # Separate counters: eval must not leak into train metrics.
-        eval_scorer=RewardScorer(fn, on_error="zero"),
+        eval_scorer=make_scorer(cfg.reward, "zero", reward_model and reward_model.score),
         params=SamplingParams.from_config(cfg.generator, stops),
         eval_params=SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy),
         learner=learner, generator=generator,
@@ -177,15 +229,6 @@ def build(cfg: "Config") -> tuple[RunContext, Any]:
     if train_ds.num_rejected_too_long:
         ctx.log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")
     return ctx, learner_handle
-
-
-def make_run_dir(cfg: "Config") -> Path:
-    """Create ``<output_dir>/<run_name>`` and write the resolved ``config.yaml`` into it."""
-    name = cfg.trainer.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.trainer.output_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    return run_dir
 
 
 def learner_args(cfg: "Config", model_path: str) -> tuple:
@@ -224,28 +267,44 @@ def start(ctx: RunContext, progress: Progress, resume_from: Path | None, resumed
     progress.summary.update(resumed["summary"])
     progress.tail_evals = list(resumed["tail_evals"])
     progress.start_step, progress.last_step = resumed["step"] + 1, resumed["step"]
-    ctx.log.advance(resumed["step"])
+    # Checkpoints written before the run's clock was saved continue it from 0.
+    ctx.log.resume(resumed["step"], resumed.get("elapsed_s", 0.0))
     ctx.log.print(f"resumed from {resume_from}: step {resumed['step']} done, policy version {ctx.learner.version}")
 
 
 def start_fresh(ctx: RunContext, summary: dict[str, Any]) -> None:
     """A run's start without a checkpoint: optional warm start (evaluated before, pushed after),
-    ``begin_rl``, and the step-0 evaluation (``summary["eval_step_0"]``)."""
+    ``begin_rl``, and the step-0 evaluation (``summary["eval_step_0"]``).
+
+    Raises:
+        ValueError: the reward function failed on every call of the step-0 evaluation.
+    """
     t_cfg, learner, val_ds = ctx.cfg.trainer, ctx.learner, ctx.val_ds
     if val_ds is not None and t_cfg.warm_start.steps:
+        ctx.eval_scorer.pop_metrics()
         summary["eval_before_warm_start"] = evaluate(ctx.generator, val_ds, ctx.eval_params, ctx.eval_scorer,
                                                      ctx.tokenizer, ctx.agent)["eval/accuracy"]
         ctx.log.print(f"eval before warm start: accuracy {summary['eval_before_warm_start']:.4f}")
+        window = ctx.eval_scorer.pop_metrics()
+        if window["reward/scored"] and window["reward/errors"] >= window["reward/scored"]:
+            # Not fatal yet: a model before its warm start may write what a reward cannot parse.
+            ctx.log.print(f"warning: the reward function failed on every call of this evaluation; first error: "
+                          f"{ctx.eval_scorer.first_error} (the run stops if it still does at step 0)")
     if t_cfg.warm_start.steps:
-        warm_start(learner, ctx.train_ds, ctx.tokenizer, t_cfg.warm_start, ctx.tokenizer.eos_token_id, t_cfg.seed,
-                   ctx.log.print, ctx.agent)
+        sources = ", ".join(f"'{k}' ({n} rows)" for k, n in ctx.train_ds.reference_sources.items())
+        ctx.log.print(f"warm start: {t_cfg.warm_start.steps} steps on the reference responses in {sources}")
+        with ctx.log.phase("warm start", t_cfg.warm_start.steps) as update:
+            warm_start(learner, ctx.train_ds, ctx.tokenizer, t_cfg.warm_start, ctx.tokenizer.eos_token_id, t_cfg.seed,
+                       ctx.log.print, ctx.agent, on_step=lambda k, loss: update(k, f"loss {loss:.4f}"))
         ctx.publisher.push(learner.version)
     learner.begin_rl()
     if val_ds is not None:
+        ctx.eval_scorer.pop_metrics()
         ev = evaluate(ctx.generator, val_ds, ctx.eval_params, ctx.eval_scorer, ctx.tokenizer, ctx.agent)
         summary["eval_step_0"] = ev["eval/accuracy"]
         ctx.log.log(ev, step=0)
         ctx.log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}")
+        check_rewards_work(ctx.eval_scorer.pop_metrics(), ctx.eval_scorer.first_error, "step 0 evaluation")
 
 
 def make_loop(ctx: RunContext, resumed: dict[str, Any] | None) -> Loop:
@@ -311,7 +370,7 @@ def checkpoint(ctx: RunContext, loop: Loop, progress: Progress, step: int) -> No
     """Save the learner and the trainer state after ``step`` (``async_rl.checkpoint``)."""
     t0 = time.perf_counter()
     state = {"mode": ctx.cfg.trainer.mode, "rng": rng_state(), "loop": loop.state_dict(),
-             "tail_evals": progress.tail_evals,
+             "tail_evals": progress.tail_evals, "elapsed_s": ctx.log.elapsed_s,
              "summary": {k: v for k, v in progress.summary.items() if k.startswith("eval_")}}
     path = save_checkpoint(ctx.run_dir, step, ctx.learner, state, ctx.cfg.trainer.checkpoint.keep_last)
     ctx.log.print(f"checkpoint written to {path} ({time.perf_counter() - t0:.1f} s)")
@@ -319,9 +378,17 @@ def checkpoint(ctx: RunContext, loop: Loop, progress: Progress, step: int) -> No
 
 # ----------------------------------------------------------------------------------------- finish
 def finish(ctx: RunContext, progress: Progress) -> None:
-    """The summary's gains (final and last-quarter mean accuracy against step 0) and the
-    exported final policy; an interrupted run gets neither."""
+    """The reward failures' line (if any failed), the summary's gains (final and last-quarter
+    mean accuracy against step 0) and the exported final policy; an interrupted run gets neither
+    of the last two."""
     summary, t_cfg = progress.summary, ctx.cfg.trainer
+    # One line for a reward function that failed sometimes (the loops stop one that always fails).
+    summary["reward/eval_scored"], summary["reward/eval_errors"] = (
+        ctx.eval_scorer.num_scored, ctx.eval_scorer.num_errors)
+    for line in (failure_summary(summary, summary.get("reward/first_error"), "training reward calls"),
+                 failure_summary(ctx.eval_scorer.counts(), ctx.eval_scorer.first_error, "evaluation reward calls")):
+        if line is not None:
+            ctx.log.print(line)
     if "eval_step_0" in summary and "eval_final" in summary and "interrupted" not in summary:
         summary["eval_gain_points"] = 100.0 * (summary["eval_final"] - summary["eval_step_0"])
         ctx.log.print(f"eval accuracy: step 0 {summary['eval_step_0']:.4f} -> step {t_cfg.total_steps} "

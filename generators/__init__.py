@@ -1,7 +1,8 @@
 """Rollout engines: the generator protocol (``base``), HF transformers (``hf``), vLLM (``vllm``,
-with its weight-transfer backend in ``vllm_worker``) and SGLang (``sglang``). The async pool's actors that host them live in
-``async_rl.loops.pool``. Nothing here imports the learner side (LoRA settings and adapter names
-come from ``async_rl.lora``)."""
+with its weight-transfer backend in ``vllm_worker`` and its log filter in ``vllm_logging``) and
+SGLang (``sglang``). The async pool's actors that host them live in ``async_rl.loops.pool``.
+Nothing here imports the learner side (LoRA settings and adapter names come from
+``async_rl.lora``)."""
 
 
 def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0, device: str | None = None,

@@ -31,13 +31,21 @@ decodes.
   every request names it (``vllm_worker.lora_request``), and an update carries only the adapter
   matrices, swapped in under the same id in memory (``vllm_worker``'s module docstring). vLLM's
   CPU build runs LoRA with its torch (punica CPU) kernels.
+* **Process hygiene**: the engine's processes make their ZeroMQ IPC socket files in a directory
+  of its own under the temp dir (``VLLM_RPC_BASE_PATH`` while it starts), which ``close``
+  removes: vLLM leaves about seven there per engine (a process stopped by force cannot unlink
+  its own). Its log goes through ``vllm_logging`` (warnings that do not concern this run dropped,
+  each with its reason).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -50,6 +58,17 @@ from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, c
 from async_rl.lora import lora_enabled, spec, vllm_max_lora_rank
 
 WORKER_EXTENSION = "async_rl.generators.vllm_worker.AsyncRLWorkerExtension"
+
+SHUTDOWN_TIMEOUT_S = 30
+"""How long ``close`` lets the engine's processes stop cleanly before vLLM kills them. On a loaded
+2-core machine the worker takes up to about 8 s to leave and the engine core a few seconds more;
+vLLM's 5 s defaults (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` and ``AsyncLLM.shutdown``'s) kill
+them, with two warnings, before they release their own resources. A hung engine is still killed."""
+
+_FUTURE_WARNING_FILTER = "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"
+"""A ``PYTHONWARNINGS`` entry for the engine's processes: vLLM's worker scans every module's
+attributes (triton_utils/dispatcher.py), touching torch's deprecated ``reduce_op`` alias, which
+warns twice per engine; nothing here uses the alias."""
 
 
 class VLLMGenerator:
@@ -72,6 +91,9 @@ class VLLMGenerator:
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
+        from async_rl.generators.vllm_logging import use_quiet_config
+
+        use_quiet_config()  # before vLLM's first import, whose own warnings it filters too
         import vllm  # noqa: F401  (fail early with the real ImportError)
 
         self.cfg, self.vcfg = cfg, cfg.vllm
@@ -103,7 +125,8 @@ class VLLMGenerator:
         self._connected_to: str | None = None
         """The prefix of the sender the engine's receiver is connected to."""
         self.engine = None
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self._ipc_dir: str | None = None
+        """The directory of the engine's IPC socket files (removed by ``close``)."""
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.vcfg.cpu_kv_cache_gb))
             if num_threads:
@@ -114,7 +137,11 @@ class VLLMGenerator:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
-        self.engine = self._call(self._start(), timeout=600)
+        try:
+            self.engine = self._call(self._start(), timeout=600)
+        except BaseException:
+            self.close()
+            raise
         if self.lora is not None:
             from async_rl.generators.vllm_worker import lora_request
 
@@ -126,11 +153,13 @@ class VLLMGenerator:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self):
+        from huggingface_hub.utils import are_progress_bars_disabled
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._ipc_dir = _socket_dir()
         args = AsyncEngineArgs(
             model=self.model_path, dtype=self.vcfg.dtype, seed=self.cfg.seed,
             max_model_len=self.vcfg.max_model_len or None, max_num_seqs=self.cfg.max_batch_size,
@@ -142,21 +171,32 @@ class VLLMGenerator:
             max_num_batched_tokens=max(8192, self.vcfg.max_model_len or 0),
             worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "async_rl"},
             disable_log_stats=True,
+            # The weight-loading bar follows Hugging Face's setting (off in a log file: the CLI).
+            use_tqdm_on_load=not are_progress_bars_disabled(),
             # One adapter, swapped in place per version: one slot, nothing cached beside it.
             **({"enable_lora": True, "max_lora_rank": self._max_lora_rank, "max_loras": 1, "max_cpu_loras": 1}
                if self.lora is not None else {}),
         )
-        return AsyncLLM.from_engine_args(args)
+        with _engine_environment(self._ipc_dir):
+            return AsyncLLM.from_engine_args(args)
 
     def close(self) -> None:
-        """Shut the engine down and stop the loop thread."""
+        """Shut the engine down, remove its IPC socket files and stop the loop thread. Idempotent."""
         if self._own_publisher is not None:
             self._own_publisher.close()
             self._own_publisher = None
         if self.engine is not None:
-            self.engine.shutdown()
+            if self.loop.is_running():
+                self._call(_stop_output_handler(self.engine), timeout=10)
+            self.engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
             self.engine = None
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
         if self.loop.is_running():
+            # vLLM's shutdown cancels its socket tasks from this thread; awaited here, they do not
+            # die pending ("Task was destroyed but it is pending!") when the loop stops.
+            self._call(_cancel_pending_tasks(), timeout=10)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
 
@@ -197,7 +237,9 @@ class VLLMGenerator:
                      max_tokens=params.max_tokens - len(tokens), seed=mix_seed(seed, len(tokens)) if tokens else seed,
                      stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
                      skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
-            request = {"prompt_token_ids": prompt + tokens, "cache_salt": self._cache_salt()}
+            # Rendered here as vLLM asks (a raw prompt dict is deprecated and logs a warning per engine).
+            (request,) = self.engine.renderer.render_cmpl(
+                [{"prompt_token_ids": prompt + tokens, "cache_salt": self._cache_salt()}])
             pauses_at_start = self._update_pauses
             finish = None
             request_id = uuid.uuid4().hex
@@ -381,3 +423,64 @@ class VLLMGenerator:
         if self.lora is not None:
             return self._call(self.engine.collective_rpc("async_rl_lora_names", args=(self.lora,)))[0], {}, {}
         return self._call(self.engine.collective_rpc("async_rl_weight_names"))[0]
+
+
+SOCKET_PATH_MAX = 107
+"""Bytes of a Unix socket's path (``sizeof(sockaddr_un.sun_path)`` less the NUL on Linux)."""
+
+
+def _socket_dir() -> str:
+    """A new directory for one engine's IPC socket files: every process of the engine names its
+    sockets ``<VLLM_RPC_BASE_PATH>/<uuid4>`` as it starts (the spawned ones inherit the variable),
+    so a directory of its own collects them all for ``close``. Made under ``VLLM_RPC_BASE_PATH``
+    or the temp dir, or under ``/tmp`` where that would make a socket path longer than
+    :data:`SOCKET_PATH_MAX` (a deep ``TMPDIR``), which ZeroMQ refuses to bind."""
+    base = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    prefix = "async-rl-vllm-"
+    longest = len(prefix) + 8 + 1 + 36  # mkdtemp's 8 random characters, "/", a uuid4
+    if len(os.path.abspath(base)) + 1 + longest > SOCKET_PATH_MAX:
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
+async def _stop_output_handler(engine) -> None:
+    # AsyncLLM.shutdown cancels its output handler only after closing the engine's sockets; a
+    # handler woken in between by the closed socket logs "AsyncLLM output_handler failed" with an
+    # EngineDeadError traceback, or not, by timing. Nothing is in flight at close: stop it first.
+    handler = getattr(engine, "output_handler", None)
+    if handler is not None and not handler.done():
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
+
+
+async def _cancel_pending_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@contextlib.contextmanager
+def _engine_environment(ipc_dir: str):
+    """The environment an engine's processes start with (they are spawned and inherit it; this
+    process gets its own back afterwards, so a later engine is set up afresh): its socket
+    directory (``VLLM_RPC_BASE_PATH``: only the start makes socket names), room for a clean
+    shutdown (``SHUTDOWN_TIMEOUT_S``) and ``_FUTURE_WARNING_FILTER``. Values the user set are kept
+    (``PYTHONWARNINGS`` is extended)."""
+    changes = {
+        "VLLM_RPC_BASE_PATH": ipc_dir,
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS",
+                                                               str(SHUTDOWN_TIMEOUT_S // 2)),
+        "PYTHONWARNINGS": ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _FUTURE_WARNING_FILTER])),
+    }
+    saved = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -321,6 +321,26 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def save_hf_model(model: nn.Module, out_dir: str, tokenizer=None, state_dict: dict | None = None) -> None:
+    """Write ``model`` (a ``transformers`` ``PreTrainedModel``) as a Hugging Face directory
+    ``out_dir``: safetensors of ``state_dict`` (default: the model's own), its config, and
+    ``tokenizer`` beside them if given.
+
+    The written config says ``use_cache: true`` whatever the training copy's says: the learner
+    turns the KV cache off (a training forward never reuses keys and values), but the exported
+    model is for inference, where ``generate`` without a cache recomputes the whole prefix for
+    every new token. ``model.config`` itself is left as it was.
+    """
+    previous = model.config.use_cache
+    model.config.use_cache = True
+    try:
+        model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    finally:
+        model.config.use_cache = previous
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
 class Learner(Protocol):
     """What the rest of the system calls on a learner (``FSDPLearner``; on N ranks, rank 0's,
     which forwards each call to the others): the training loops (``prepare`` through

@@ -22,7 +22,7 @@ from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.buffers.trajectory import TrainBatch
-from async_rl.learners.base import (LearnerConfig, clip_and_step, copy_matching_parameters)
+from async_rl.learners.base import (LearnerConfig, clip_and_step, copy_matching_parameters, save_hf_model)
 from async_rl.learners.batching import pack_rows, unpack_labels
 from async_rl.learners.core import LearnerCore
 from async_rl.learners import lora
@@ -276,9 +276,7 @@ class FSDPLearner(LearnerCore):
             return
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist.get_rank() == 0:
-            self.model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out_dir)
+            save_hf_model(self.model, out_dir, tokenizer, state_dict=state)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_state(self) -> dict:

@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from async_rl.learners.base import copy_matching_parameters
+from async_rl.learners.base import copy_matching_parameters, save_hf_model
 from async_rl.lora import (ADAPTER, PEFT_PREFIX, LoRAConfig, adapter_parameters, is_adapter_param, lora_layers,
                            peft_config, plain_name)
 
@@ -172,11 +172,8 @@ def export_merged(model: torch.nn.Module, cfg: LoRAConfig, out_dir: str, tokeniz
     adapter = dict(adapter_named_weights(model))
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    plain = _plain_like(model)
-    plain.save_pretrained(out_dir, state_dict=merged, safe_serialization=True)
+    save_hf_model(_plain_like(model), out_dir, tokenizer, state_dict=merged)
     save_adapter(adapter, cfg, os.path.join(out_dir, "adapter"), base_model_path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
 
 
 def _plain_like(model: torch.nn.Module) -> torch.nn.Module:

@@ -48,7 +48,7 @@ from torch import nn
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.buffers.trajectory import TrainBatch
-from async_rl.learners.base import LearnerConfig
+from async_rl.learners.base import LearnerConfig, save_hf_model
 from async_rl.learners.batching import unpack_labels
 from async_rl.learners.core import LearnerCore
 from async_rl.learners.megatron_critic import MegatronCritic
@@ -228,9 +228,7 @@ class MegatronLearner(LearnerCore):
                              f"unexpected {unexpected[:3]}")
         if self.weight_aliases():
             model.tie_weights()
-        model.save_pretrained(out_dir, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
+        save_hf_model(model, out_dir, tokenizer)
 
     # ------------------------------------------------------------------ checkpoints
     def _sharded_parts(self) -> tuple[dict, dict]:

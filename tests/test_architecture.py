@@ -128,13 +128,13 @@ def test_no_import_cycle():
 
 
 LAYERS = [  # top to bottom, as docs/architecture.md draws them; an import may only point down or sideways
-    ["async_rl.cli"],
+    ["async_rl.cli", "async_rl.commands", "async_rl.plot"],
     ["async_rl.trainer"],
     ["async_rl.config"],
     ["async_rl.loops"],
     ["async_rl.rollout", "async_rl.batch", "async_rl.evaluation"],
     ["async_rl.learners", "async_rl.generators", "async_rl.buffers", "async_rl.weight_sync", "async_rl.agent",
-     "async_rl.checkpoint", "async_rl.metrics", "async_rl.data"],
+     "async_rl.checkpoint", "async_rl.metrics", "async_rl.data", "async_rl.inputs"],
     ["async_rl.algorithms", "async_rl.rewards", "async_rl.tools", "async_rl.lora", "async_rl.registry"],
 ]
 

@@ -37,6 +37,16 @@ def _steps(run: Path) -> dict[int, dict]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_not_ignored():
+    """Every test here starts with Python's usual SIGINT handler, however the suite was started: under
+    `nohup pytest ... &` from a script SIGINT is inherited as ignored, and the trainer then leaves
+    it so (by design), so a test that stops a run with SIGINT would never see it stop."""
+    original = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, original)
+
+
 def _interrupt_after(step_to_stop: int, signum=signal.SIGINT):
     """Patch SyncLoop.step to send this process ``signum`` during step ``step_to_stop``."""
     from async_rl.loops.sync import SyncLoop
@@ -77,12 +87,15 @@ def test_six_steps_equal_three_plus_three_resumed(tmp_path, monkeypatch, signum)
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     # 3 steps of 4 prompts: the dataset position and the next group id are where step 4 starts.
     assert state["loop"]["next_group"] == 12 and state["loop"]["dataset"] == {"epoch": 0, "position": 12}
+    assert state["elapsed_s"] > 0
 
     second = train(_cfg(tmp_path, "split", "trainer.resume=auto"))
     assert second["last_step"] == 6 and "interrupted" not in second
 
     a, b = _steps(tmp_path / "full"), _steps(tmp_path / "split")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    # The resumed run's clock continues from the checkpoint's, not from 0.
+    assert all(b[step]["time_s"] >= state["elapsed_s"] for step in (4, 5, 6))
     for step in range(1, 7):
         for key in ("loss/pg", "actor/grad_norm", "actor/lr", "rollout/reward_mean", "policy/version"):
             assert b[step][key] == a[step][key], (step, key, a[step][key], b[step][key])
@@ -105,6 +118,11 @@ def test_ppo_with_critic_and_kl_resumes_exactly(tmp_path, monkeypatch):
         m.setattr(SyncLoop, "step", _interrupt_after(2, signal.SIGTERM))
         first = train(_cfg(tmp_path, "split", *extra))
     assert first["interrupted"] == "SIGTERM" and first["last_step"] == 2
+    # A checkpoint from before the run's clock was saved still resumes (its clock starts at 0).
+    state_file = latest_checkpoint(tmp_path / "split") / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    del state["elapsed_s"]
+    torch.save(state, state_file)
     train(_cfg(tmp_path, "split", *extra, "trainer.resume=auto"))
     a, b = _steps(tmp_path / "full"), _steps(tmp_path / "split")
     for step in (3, 4):
@@ -200,31 +218,55 @@ def test_checkpoint_config_validation():
     assert cfg.trainer.resume == "auto" and cfg.trainer.checkpoint.every_steps == 10
 
 
-@pytest.mark.parametrize("inherited", [signal.default_int_handler, signal.SIG_IGN])
-def test_stop_request_first_signal_asks_second_raises(inherited):
-    # The disposition the process was started with must not matter: `nohup ... &` (as a CI runner
-    # may start the suite) inherits SIGINT as ignored, and a second Ctrl-C must still stop at once.
-    original = signal.signal(signal.SIGINT, inherited)
+def test_stop_request_first_signal_asks_second_raises():
+    # SIGINT starts at Python's default handler (the autouse fixture), whatever the shell gave us.
+    with StopRequest() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested and stop.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signum)
+
+
+def test_stop_request_leaves_an_ignored_sigint_ignored_and_still_honours_sigterm():
+    """Started with SIGINT ignored (``nohup async-rl train ... &`` from a script), Ctrl-C stays
+    ignored, as the shell meant; SIGTERM still asks for a clean stop, and a second one stops at once
+    (here through a stand-in handler, where the real default would end the test process)."""
+    int_before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    term_before = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         with StopRequest() as stop:
-            assert not stop.requested
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
             os.kill(os.getpid(), signal.SIGINT)
-            assert stop.requested and stop.signal_name == "SIGINT"
-            with pytest.raises(KeyboardInterrupt):
-                os.kill(os.getpid(), signal.SIGINT)
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert not stop.requested
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested and stop.signal_name == "SIGTERM"
+            with pytest.raises(_Stopped):
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is _raise_stopped
     finally:
-        signal.signal(signal.SIGINT, original)
+        signal.signal(signal.SIGINT, int_before)
+        signal.signal(signal.SIGTERM, term_before)
 
 
 def test_stop_request_restores_the_handler_it_found():
-    original = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    original = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         with StopRequest():
-            assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
-        signal.signal(signal.SIGINT, original)
+        signal.signal(signal.SIGTERM, original)
 
 
 @pytest.mark.slow

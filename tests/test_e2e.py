@@ -42,9 +42,12 @@ def test_short_run_end_to_end(tmp_path):
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if l["step"] >= 1]
     assert [l["step"] for l in steps] == [1, 2, 3]
-    for key in ("rollout/reward_mean", "loss/pg", "loss/clip_frac", "perf/tokens_per_s", "timing/generate_s",
+    for key in ("rollout/reward_mean", "loss/pg", "loss/clip_frac", "perf/gen_tokens_per_s",
+                "perf/engine_tokens_per_s", "perf/train_tokens_per_s", "timing/generate_s",
                 "timing/train_s", "mismatch/logprob_abs_diff", "staleness/max", "actor/grad_norm"):
         assert all(key in l for l in steps), key
+    # Wall time since the previous step contains the step's generation time.
+    assert all(0 < l["perf/gen_tokens_per_s"] <= l["perf/engine_tokens_per_s"] for l in steps)
     assert all(l["staleness/max"] == 0 for l in steps)
     # Sampling and learner agree on log-probs (same temperature, same weights).
     assert all(l["mismatch/logprob_abs_diff"] < 1e-4 for l in steps)
@@ -60,6 +63,8 @@ def test_short_run_end_to_end(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(run / "final_model")
     AutoTokenizer.from_pretrained(run / "final_model")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    # Exported for inference: the KV cache the learner turns off is on again.
+    assert json.loads((run / "final_model" / "config.json").read_text())["use_cache"] is True
 
 
 @pytest.mark.slow
@@ -100,8 +105,9 @@ def test_bad_dataset_is_one_line_and_leaves_no_run_dir(tmp_path, capsys):
 def test_unknown_data_source_fails_before_training(tmp_path):
     f = tmp_path / "odd.jsonl"
     f.write_text('{"prompt": [{"role": "user", "content": "1+2="}], "data_source": "my/odd_source"}\n')
+    # No warm start: the row has no reference answer either, which would stop the run first.
     with pytest.raises(ValueError, match="my/odd_source"):
-        train(_cfg(tmp_path, f"data.train_files=[{f}]", "data.val_files=[]"))
+        train(_cfg(tmp_path, f"data.train_files=[{f}]", "data.val_files=[]", "trainer.warm_start.steps=0"))
     assert not (tmp_path / "run").exists()
 
 

@@ -149,7 +149,8 @@ def test_torchrun_launch(tmp_path, backend):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun ships with torch"
     proc = subprocess.run(
-        [torchrun, "--nproc-per-node", "2", "-m", "async_rl.cli", "train", "--config", str(root / "configs/default.yaml"),
+        # --log-dir: torchrun otherwise leaves an empty torchelastic_* directory in the temp dir per launch.
+        [torchrun, "--nproc-per-node", "2", "--log-dir", str(tmp_path / "torchrun"), "-m", "async_rl.cli", "train", "--config", str(root / "configs/default.yaml"),
          f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "trainer.total_steps=2",
          "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.warm_start.steps=0",
          "data.val_max_prompts=4", "learner.world_size=2", "logging.progress=false", *backend],

@@ -142,3 +142,22 @@ def test_optimizer_built_after_a_no_grad_pass_trains_every_parameter(tiny_model_
     weights = dict(learner.named_weights())
     frozen = [n for n, w in weights.items() if torch.equal(w, start[n].detach())]
     assert frozen == []
+
+
+def test_exported_config_enables_the_kv_cache_and_leaves_the_learner_s_off(tiny_model_path, tmp_path):
+    """``save_hf_model`` writes ``use_cache: true`` (the exported model is for inference) while the
+    training copy keeps the ``false`` the learner set."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.learners.base import save_hf_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model.config.use_cache = False
+    save_hf_model(model, str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name

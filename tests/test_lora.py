@@ -223,6 +223,7 @@ def test_export_is_a_plain_model_equal_to_base_plus_adapter(tiny_model_path, tin
     _randomize_adapters(learner, seed=2)
     learner.export_hf(str(tmp_path / "out"), tiny_tokenizer)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert plain.config.use_cache is True  # for inference, though the learner trains without a cache
     assert not any("lora" in n or "base_layer" in n for n, _ in plain.named_parameters())
     assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)

@@ -160,6 +160,66 @@ def test_console_summary_every_k_steps_and_final_bar(tmp_path, capsys):
     assert lines[-1].startswith("train") and "5/5" in lines[-1]
 
 
+def _hms(text: str) -> int:
+    h, m, s = (int(x) for x in text.split(":"))
+    return 3600 * h + 60 * m + s
+
+
+def test_resume_continues_the_clock_from_the_checkpoint(tmp_path, capsys):
+    """After ``resume(step, elapsed_s)`` the JSONL ``time_s``, the summary line's clock and the bar's
+    elapsed time continue from the saved seconds (5 h here), not from 0; the bar starts at the
+    resumed step."""
+    saved = 5 * 3600.0
+    cfg = LoggingConfig(progress=True, console_every_steps=1)
+    with MetricsLogger(cfg, tmp_path, total_steps=5) as logger:
+        t0 = time.perf_counter()
+        logger.resume(3, saved)
+        for step in (4, 5):
+            logger.log({"loss/pg": 0.5}, step)
+            logger.advance(step)
+        since = time.perf_counter() - t0
+    lines = capsys.readouterr().out.splitlines()
+    times = [r["time_s"] for r in read_jsonl(tmp_path)]
+    assert len(times) == 2 and all(saved <= t <= saved + since + 0.01 for t in times), (times, since)
+    summaries = [line for line in lines if line.startswith("step ")]
+    assert [s.split(" | ")[0] for s in summaries] == ["step 4/5", "step 5/5"]
+    for s in summaries:
+        assert saved <= _hms(s.split(" | ")[1]) <= saved + since + 1, s
+    bar = lines[-1].split()
+    assert bar[0] == "train" and "5/5" in bar
+    assert saved <= _hms(bar[bar.index("5/5") + 1]) <= saved + since + 1, lines[-1]
+
+
+@pytest.mark.parametrize("step, elapsed_s", [(-1, 0.0), (1, -1.0), (1, math.nan)])
+def test_resume_rejects_bad_values(tmp_path, step, elapsed_s):
+    with MetricsLogger(LoggingConfig(**QUIET), tmp_path, total_steps=2) as logger:
+        with pytest.raises(ValueError, match="step" if step < 0 else "elapsed_s"):
+            logger.resume(step, elapsed_s)
+
+
+def test_phase_shows_its_own_bar_with_info(tmp_path, capsys):
+    """A warm start's bar: its own description, done/total and the info text, beside the training
+    bar that has not moved; without a progress bar the update callable is a no-op."""
+    cfg = LoggingConfig(jsonl=False, progress=True, console_every_steps=0)
+    with MetricsLogger(cfg, tmp_path, total_steps=300) as logger:
+        with logger.phase("warm start", total=4) as update:
+            for k in range(1, 5):
+                update(k, f"loss {1.0 / k:.4f}")
+    lines = capsys.readouterr().out.splitlines()
+    warm = [line for line in lines if line.startswith("warm start")]
+    assert len(warm) == 1 and "4/4" in warm[0] and warm[0].rstrip().endswith("loss 0.2500"), lines
+    train = [line for line in lines if line.startswith("train")]
+    assert len(train) == 1 and "0/300" in train[0], lines
+
+    with MetricsLogger(LoggingConfig(**QUIET), tmp_path, total_steps=1) as logger:
+        with logger.phase("warm start", total=2) as update:
+            update(1, "x")
+        with pytest.raises(ValueError, match="total"):
+            with logger.phase("warm start", total=-1):
+                pass
+    assert "warm start" not in capsys.readouterr().out
+
+
 # --- TensorBoard ----------------------------------------------------------------------------
 
 

@@ -62,7 +62,14 @@ def engine(tiny_model_path):
     gen.close()
 
 
-def test_synced_engine_equals_a_fresh_engine_and_reuses_no_old_cache(engine, tiny_model_path, tiny_tokenizer, tmp_path):
+def test_synced_engine_equals_a_fresh_engine_and_reuses_no_old_cache(engine, tiny_model_path, tiny_tokenizer, tmp_path,
+                                                                     monkeypatch):
+    """Also: the fresh engine's IPC socket files (made under the temp dir, here a directory of
+    the test's own, short enough for socket paths) are gone once it is closed."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
     from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
 
     tok = tiny_tokenizer
@@ -87,12 +94,21 @@ def test_synced_engine_equals_a_fresh_engine_and_reuses_no_old_cache(engine, tin
     assert engine.num_cached_prompt_tokens == cached
     sampled = engine.generate(prompts, 3, sample, seeds=[5, 6, 7, 8])
 
-    fresh = _vllm(path)
+    temp = Path(tempfile.mkdtemp(prefix="arl-test-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     try:
-        f_after = fresh.generate(prompts, 1, greedy)
-        f_sampled = fresh.generate(prompts, 3, sample, seeds=[5, 6, 7, 8])
+        fresh = _vllm(path)
+        try:
+            # vLLM's processes bound their sockets there (the engine could not run otherwise)...
+            assert len([p for p in temp.rglob("*") if p.is_socket()]) >= 3
+            f_after = fresh.generate(prompts, 1, greedy)
+            f_sampled = fresh.generate(prompts, 3, sample, seeds=[5, 6, 7, 8])
+        finally:
+            fresh.close()
+        # ... and none is left behind, nor the engine's directory.
+        assert not [p for p in temp.rglob("*") if p.is_socket() or p.name.startswith("async-rl-vllm-")]
     finally:
-        fresh.close()
+        shutil.rmtree(temp, ignore_errors=True)
     ids = lambda groups: [[s.response_ids for s in g] for g in groups]  # noqa: E731
     assert ids(after) == ids(f_after) and ids(sampled) == ids(f_sampled)
     for g1, g2 in zip(after + sampled, f_after + f_sampled):

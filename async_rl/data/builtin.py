@@ -11,6 +11,8 @@ loading code that reads a user's model directory or verl parquet reads them too:
   layout (``prompt`` as chat messages, ``data_source``, ``reward_model.ground_truth``,
   ``extra_info``) holding short addition problems such as ``"37+45="`` with answer ``"82"``.
   The held-out split holds operand pairs that never occur in the train split.
+- ``builtin:tiny-qwen2-reward``: the same tiny Qwen2 with a scalar head
+  (``Qwen2ForSequenceClassification``, one label), a reward model for ``reward.model``.
 
 Artefacts are built once into ``<cache_dir>/<name>-<spec hash>`` (written to a temporary
 directory and renamed, so a crashed build never leaves a half-written artefact) and reused by
@@ -217,6 +219,30 @@ def _build_tiny_qwen2(out_dir: Path, spec: dict[str, Any] = TINY_QWEN2_SPEC) -> 
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
+TINY_QWEN2_REWARD_SPEC: dict[str, Any] = {**TINY_QWEN2_SPEC, "seed": 1, "variant": "reward",
+                                                   "head_scale": 10.0}
+"""``builtin:tiny-qwen2-reward``: the tiny Qwen2 with a scalar head (``Qwen2ForSequenceClassification``,
+``num_labels=1``) and the same tokenizer, randomly initialised with its own seed: a reward model
+(``reward.model``) the project owns, for tests and demos; its scores mean nothing."""
+
+
+def _build_tiny_qwen2_reward(out_dir: Path, spec: dict[str, Any] = TINY_QWEN2_REWARD_SPEC) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    spec = {k: v for k, v in spec.items() if k not in ("template_sha", "variant")}
+    seed, head_scale = spec.pop("seed"), spec.pop("head_scale")
+    tokenizer = build_tokenizer(out_dir)
+    config = Qwen2Config(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", num_labels=1, **spec)
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(config)
+    # A random head's scores are ~0.1 apart; a larger head spreads them to about unit scale.
+    with torch.no_grad():
+        model.score.weight.mul_(head_scale)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
 def make_arithmetic_row(a: int, b: int, split: str, index: int) -> dict[str, Any]:
     """One verl-layout row for the problem ``a+b``.
 
@@ -308,6 +334,7 @@ def _build_calc(out_dir: Path) -> None:
 _BUILDERS = {
     "tiny-qwen2": (TINY_QWEN2_SPEC, _build_tiny_qwen2),
     "tiny-qwen2-tools": (TINY_QWEN2_TOOLS_SPEC, lambda out: _build_tiny_qwen2(out, TINY_QWEN2_TOOLS_SPEC)),
+    "tiny-qwen2-reward": (TINY_QWEN2_REWARD_SPEC, _build_tiny_qwen2_reward),
     "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
     "calc": (CALC_SPEC, _build_calc),
 }

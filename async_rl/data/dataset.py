@@ -12,6 +12,11 @@ Rows are validated when the file is read: a malformed row raises ``ValueError`` 
 and the 0-based row index (a jsonl line that is not JSON is named by its 1-based line number). A prompt whose rendered length exceeds ``data.max_prompt_tokens`` is never
 truncated: it is rejected, logged and counted (``PromptDataset.num_rejected_too_long``).
 
+A dataset asked for a reference response (``reference_fields``: the supervised warm start's
+``trainer.warm_start.response_field``) takes it from each row by dotted path when the file is
+read (``field_value``: ``reward_model.ground_truth``, ``extra_info.answer``, a top-level key), so
+a row without it stops the run before anything trains, naming the file, row and field.
+
 Iteration is deterministic: the order is a seeded permutation per epoch, and
 ``state_dict()``/``load_state_dict()`` capture the position so a resumed run continues with the
 same prompts.
@@ -24,7 +29,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,10 @@ class Prompt:
         ground_truth: ``reward_model.ground_truth`` as a string (``None`` when absent).
         extra_info: the row's ``extra_info`` mapping (empty when absent).
         uid: stable identity ``"<file stem>:<row index>"``, used in logs and exactly-once checks.
+        reference: the row's reference response (text, or a list of messages for a tool-use
+            demonstration), read from the first of the dataset's ``reference_fields`` the row has;
+            ``None`` when the dataset was read without any.
+        reference_field: the dotted path ``reference`` came from, or ``None``.
     """
 
     prompt_ids: list[int]
@@ -73,6 +82,28 @@ class Prompt:
     ground_truth: str | None
     extra_info: dict[str, Any]
     uid: str
+    reference: Any = None
+    reference_field: str | None = None
+
+
+def field_value(row: dict[str, Any], dotted: str) -> Any:
+    """The value at the dotted path ``dotted`` of a row, or ``None`` where the row has none.
+
+    Each dot goes one mapping deeper: ``"reward_model.ground_truth"`` is
+    ``row["reward_model"]["ground_truth"]``, ``"answer"`` is ``row["answer"]``. A part that is
+    missing, or a value on the way that is not a mapping, gives ``None`` (as does a stored ``None``).
+
+    Example::
+
+        field_value({"reward_model": {"ground_truth": "82"}}, "reward_model.ground_truth")  # "82"
+        field_value({"extra_info": {}}, "extra_info.answer")                                 # None
+    """
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -135,6 +166,18 @@ def validate_row(row: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: 'extra_info' must be a mapping, got {type(extra).__name__}")
 
 
+def _reference(row: dict[str, Any], fields: Sequence[str], where: str, hint: str) -> tuple[Any, str | None]:
+    """``(value, field)`` of the first of ``fields`` the row has; ``(None, None)`` for no fields."""
+    for dotted in fields:
+        value = field_value(row, dotted)
+        if value is not None:
+            return value, dotted
+    if not fields:
+        return None, None
+    names = " or ".join(repr(f) for f in fields)
+    raise ValueError(f"{where}: no {names} field{' (' + hint + ')' if hint else ''}")
+
+
 def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template with the generation prompt."""
     out = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
@@ -154,15 +197,25 @@ class PromptDataset:
         limit: keep at most this many accepted prompts (0 = all).
         tools: tool schemas rendered into each prompt by the chat template (multi-turn tool
             use); their tokens count towards ``max_prompt_tokens``.
+        reference_fields: dotted paths (``field_value``) of each row's reference response, tried
+            in order; the first one the row has becomes ``Prompt.reference``. Empty: none read.
+        reference_hint: what the reference is for and which config key names its field,
+            appended to the error of a row that has none of ``reference_fields``.
+
+    Attributes:
+        reference_sources: ``{dotted path: accepted rows whose reference came from it}``.
 
     Raises:
-        ValueError: a malformed row (names the file and row), or no prompt left after filtering.
+        ValueError: a malformed row (names the file and row), a row without any of
+            ``reference_fields`` (names the file, row and fields), or no prompt left after filtering.
     """
 
     def __init__(self, files: list[str], tokenizer, max_prompt_tokens: int, seed: int = 0,
-                 shuffle: bool = True, limit: int = 0, tools: list[dict] | None = None) -> None:
+                 shuffle: bool = True, limit: int = 0, tools: list[dict] | None = None,
+                 reference_fields: Sequence[str] = (), reference_hint: str = "") -> None:
         self.prompts: list[Prompt] = []
         self.num_rejected_too_long = 0
+        self.reference_sources: dict[str, int] = {}
         for file in files:
             for i, row in enumerate(read_rows(file)):
                 where = f"{file}: row {i} (0-based)"
@@ -175,6 +228,9 @@ class PromptDataset:
                     continue
                 rm = row.get("reward_model") or {}
                 gt = rm.get("ground_truth")
+                reference, reference_field = _reference(row, reference_fields, where, reference_hint)
+                if reference_field is not None:
+                    self.reference_sources[reference_field] = self.reference_sources.get(reference_field, 0) + 1
                 self.prompts.append(Prompt(
                     prompt_ids=ids,
                     messages=list(row["prompt"]),
@@ -182,6 +238,8 @@ class PromptDataset:
                     ground_truth=None if gt is None else str(gt),
                     extra_info=dict(row.get("extra_info") or {}),
                     uid=f"{Path(file).stem}:{i}",
+                    reference=reference,
+                    reference_field=reference_field,
                 ))
                 if limit and len(self.prompts) >= limit:
                     break

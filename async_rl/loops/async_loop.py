@@ -48,7 +48,9 @@ from async_rl.buffers.transport import GroupClosed, make_transport
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.loops.pool import GeneratorWorker
-from async_rl.rollout import GroupRequest, RolloutResult, group_seed
+from async_rl.rewards import check_rewards_work
+from async_rl.rewards.model import RewardModel, model_kwargs
+from async_rl.rollout import GroupRequest, RolloutResult, group_seed, reward_model_path
 from async_rl.weight_sync import RayTarget, WeightPublisher, engine_protocol, resolve_transport
 
 logger = logging.getLogger(__name__)
@@ -88,7 +90,9 @@ class AsyncLoop:
         cfg, t_cfg, g_cfg = ctx.cfg, ctx.cfg.trainer, ctx.cfg.generator
         self.n = t_cfg.samples_per_prompt
         self.groups_per_step = t_cfg.prompts_per_step
-        per_worker, learner_threads = thread_budget(g_cfg.num_workers, g_cfg.threads_per_worker)
+        # A reward model's actor takes one worker's share of the cores (or reward.model_num_threads).
+        with_rm = cfg.reward.model is not None
+        per_worker, learner_threads = thread_budget(g_cfg.num_workers + with_rm, g_cfg.threads_per_worker)
         learner_threads = cfg.learner.num_threads or learner_threads
         torch.set_num_threads(learner_threads)
         self._started_ray = not ray.is_initialized()
@@ -104,10 +108,14 @@ class AsyncLoop:
         if reward_fn and ".py:" in reward_fn and not os.path.isabs(reward_fn):
             # Actors need not share the driver's working directory.
             reward_fn = os.path.abspath(reward_fn)
+        self.reward_actor = None
+        if with_rm:
+            self.reward_actor = ray.remote(num_cpus=0)(RewardModel).remote(
+                reward_model_path(cfg.reward), **model_kwargs(cfg.reward), num_threads=cfg.reward.model_num_threads or per_worker)
         worker_cls = ray.remote(num_cpus=0, max_concurrency=3)(GeneratorWorker)
         self.workers = [worker_cls.remote(i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn,
                                           cfg.reward.on_error, sender_factory, per_worker, cfg.learner.lora,
-                                          cfg.agent)
+                                          cfg.agent, reward_cfg=cfg.reward, reward_model=self.reward_actor)
                         for i in range(g_cfg.num_workers)]
         self.transport = resolve_transport(cfg.weight_sync, g_cfg.backend, "async")
         self.publisher = WeightPublisher(cfg.weight_sync, self.transport, ctx.learner,
@@ -120,6 +128,7 @@ class AsyncLoop:
         self.num_dynamic_dropped = 0
         self.num_trained_groups = 0
         self._last_rejected_samples = 0
+        self._rewards_checked = False
         # Dispatched groups not yet known complete, by id: what a checkpoint must re-issue.
         self._outstanding: dict[int, Any] = {}
         self._reissue: deque = deque()
@@ -207,8 +216,12 @@ class AsyncLoop:
         def take_round(missing: int) -> list[list[Any]]:
             while True:
                 self._check_health()
+                if not self._rewards_checked:
+                    self._check_rewards(step)
                 groups = self.buffer.get_groups(missing, self.ctx.learner.version, timeout_s=0.5)
                 if groups is not None:
+                    if not self._rewards_checked:
+                        self._check_rewards(step)
                     return groups
                 if time.perf_counter() - t0 > self.stall_timeout_s:
                     raise RuntimeError(f"step {step}: no complete group arrived for {self.stall_timeout_s:.0f} s")
@@ -218,6 +231,24 @@ class AsyncLoop:
         metrics["timing/wait_for_data_s"] = time.perf_counter() - t0
         return kept, metrics
 
+    def _check_rewards(self, step: int) -> None:
+        """The loop's first step: once the actors have scored a step's worth of samples, stop if
+        the reward function failed on every call (``rewards.check_rewards_work``). Checked while
+        waiting, since under ``reward.on_error=reject`` such a run never completes a group."""
+        stats = self._worker_stats()
+        window = {k: stats.get(k, 0.0) - self._last_stats.get(k, 0.0)
+                  for k in ("reward/scored", "reward/errors", "reward/model_scored", "reward/model_errors")}
+        if max(window["reward/scored"], window["reward/model_scored"]) < self.groups_per_step * self.n:
+            return
+        if (window["reward/errors"] >= window["reward/scored"]
+                or window["reward/model_errors"] >= window["reward/model_scored"]):
+            check_rewards_work(window, self._reward_first_error(), f"step {step}")
+        self._rewards_checked = True
+
+    def _reward_first_error(self) -> str | None:
+        errors = [e for e in ray.get([w.reward_first_error.remote() for w in self.workers]) if e is not None]
+        return errors[0] if errors else None
+
     def _worker_stats(self) -> dict[str, float]:
         total: dict[str, float] = {}
         for stats in ray.get([w.get_stats.remote() for w in self.workers]):
@@ -226,7 +257,12 @@ class AsyncLoop:
         return total
 
     def step(self, step: int) -> dict[str, float]:
-        """Wait for B groups, train on them, publish the new weights; returns the step's metrics."""
+        """Wait for B groups, train on them, publish the new weights; returns the step's metrics.
+
+        Raises:
+            ValueError: the reward function failed on every call of the loop's first step.
+            RuntimeError: a generator actor died, or no data arrived for ``stall_timeout_s``.
+        """
         t0 = time.perf_counter()
         groups, metrics = self._take_groups(step)
         groups.sort(key=lambda g: g[0].group_id)
@@ -244,7 +280,10 @@ class AsyncLoop:
         busy, idle = delta.get("busy_s", 0.0), delta.get("idle_s", 0.0)
         metrics.update({f"{k}": float(v) for k, v in self.buffer.metrics().items()})
         metrics.update({
-            "perf/tokens_per_s": delta.get("generated_tokens", 0.0) / max(now - self._last_t, 1e-9),
+            # Pool-wide: per second of wall time since the previous step ended, and per second
+            # the actors' engines spent sampling and scoring (summed over actors).
+            "perf/gen_tokens_per_s": delta.get("generated_tokens", 0.0) / max(now - self._last_t, 1e-9),
+            "perf/engine_tokens_per_s": delta.get("generated_tokens", 0.0) / max(busy, 1e-9),
             "perf/generator_busy_frac": busy / max(busy + idle, 1e-9),
             "rollout/rejected_samples": float(ro.num_rejected_samples),
             "pipeline/dispatched_groups": float(self.num_dispatched),
@@ -314,7 +353,8 @@ class AsyncLoop:
         return out
 
     def close(self) -> dict[str, Any]:
-        """Stop the dispatcher, the workers and the receiver; returns ``pipeline/*`` summary entries."""
+        """Stop the dispatcher, the workers and the receiver; returns ``pipeline/*`` summary entries
+        and the actors' reward call totals (``reward/*``, ``reward/first_error``)."""
         if self._closed:
             return {}
         self._closed = True
@@ -334,6 +374,12 @@ class AsyncLoop:
         summary = {f"pipeline/{k}": v for k, v in self.ledger().items()}
         summary["pipeline/dropped_duplicate_samples"] = self.buffer.dropped["duplicate"]
         summary["pipeline/malformed_messages"] = self.receiver.num_malformed
+        try:
+            stats = self._worker_stats()
+            summary.update({k: v for k, v in stats.items() if k.startswith("reward/")})
+            summary["reward/first_error"] = self._reward_first_error()
+        except Exception as e:  # a dead worker was already reported by step()
+            logger.warning("generator pool reward counts: %s", e)
         self.requests.shutdown()
         self.receiver.close()
         try:
@@ -343,6 +389,8 @@ class AsyncLoop:
         self.publisher.close()
         for w in self.workers:
             ray.kill(w)
+        if self.reward_actor is not None:
+            ray.kill(self.reward_actor)
         if self._started_ray:
             ray.shutdown()
         return summary

@@ -18,9 +18,22 @@ from async_rl.checkpoint import CheckpointConfig
 TRAINER_MODES = ("sync", "async")
 
 
+DEFAULT_RESPONSE_FIELDS = ("extra_info.answer", "reward_model.ground_truth")
+"""Where the warm start looks for a row's reference response when ``response_field`` is unset,
+in order: a worked answer in ``extra_info.answer`` where the row has one (it may differ from the
+ground truth, e.g. a solution ending in the number the reward checks), else the verl layout's
+``reward_model.ground_truth`` (right for tasks whose answer is the ground truth itself)."""
+
+
 @dataclass
 class WarmStartConfig:
-    """Supervised warm start on the rows' reference responses, before RL."""
+    """Supervised warm start on the rows' reference responses, before RL.
+
+    It teaches a model that cannot yet answer (the built-in tiny one, a randomly initialised
+    model) the answer format, so RL starts with some reward signal; a pretrained or instruction
+    tuned model usually needs none (``steps=0``). The reference responses are read from the train
+    rows when they are loaded: a row without one stops the run before anything trains.
+    """
 
     steps: int = 0
     """Optimizer steps of supervised training (>= 0); 0 skips the warm start."""
@@ -28,15 +41,27 @@ class WarmStartConfig:
     """Prompts per warm-start step (>= 1)."""
     lr: float = 1e-3
     """Constant learning rate of the warm start (> 0)."""
-    response_field: str = "extra_info.answer"
-    """Dotted path in each row holding the reference response text (``extra_info.<key>``)."""
+    response_field: str | None = None
+    """Dotted path of the row field holding the reference response: ``reward_model.ground_truth``,
+    ``extra_info.answer``, a top-level key such as ``answer``; its text is trained followed by EOS
+    (with ``agent.tools``: a list of messages, a demonstration). Unset (``null``): ``extra_info.answer``
+    where the row has it, else ``reward_model.ground_truth`` (``DEFAULT_RESPONSE_FIELDS``, per row)."""
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
             raise ValueError("trainer.warm_start needs steps >= 0, batch_size >= 1 and lr > 0, got "
                              f"steps={self.steps}, batch_size={self.batch_size}, lr={self.lr}")
-        if not self.response_field.startswith("extra_info."):
-            raise ValueError(f"trainer.warm_start.response_field must look like 'extra_info.<key>', got {self.response_field!r}")
+        if self.response_field is not None and (
+                not self.response_field or any(not part.strip() for part in self.response_field.split("."))):
+            raise ValueError("trainer.warm_start.response_field must be a dotted path of the row field holding the "
+                             f"reference response (e.g. reward_model.ground_truth), got {self.response_field!r}")
+
+    def reference_fields(self) -> tuple[str, ...]:
+        """The dotted paths to read a row's reference response from, in order; ``()`` without a
+        warm start (``steps=0``), so no row needs one."""
+        if not self.steps:
+            return ()
+        return (self.response_field,) if self.response_field is not None else DEFAULT_RESPONSE_FIELDS
 
 
 @dataclass
@@ -67,7 +92,9 @@ class TrainerConfig:
     output_dir: str = "runs"
     """Parent directory of run directories."""
     run_name: str | None = None
-    """Run directory name under ``output_dir``; ``None`` = a timestamp."""
+    """Run directory name under ``output_dir``; ``None`` = a timestamp (made unique with a
+    ``-1``, ``-2``, ... suffix). A fresh run refuses a name whose directory already holds files,
+    unless ``resume`` continues it or ``overwrite`` replaces it."""
     eval_every_steps: int = 10
     """Evaluate on the held-out split every K steps (>= 0); 0 = only before step 1 and at the end."""
     eval_greedy: bool = True
@@ -80,6 +107,9 @@ class TrainerConfig:
     resume: str | None = None
     """``auto``: continue from ``<output_dir>/<run_name>``'s latest checkpoint if there is one;
     a checkpoint or run directory: continue from it; ``None``: start fresh."""
+    overwrite: bool = False
+    """Delete an existing ``<output_dir>/<run_name>`` (once the run's inputs have loaded) and start
+    afresh in it; ``False`` = a fresh run refuses a run directory that already holds files."""
 
     def __post_init__(self) -> None:
         if self.mode not in TRAINER_MODES:
@@ -95,6 +125,14 @@ class TrainerConfig:
             raise ValueError(f"trainer.max_reuse and trainer.zmq_hwm must be >= 1, got {self.max_reuse} and {self.zmq_hwm}")
         if self.mode == "sync" and self.max_staleness not in (None, 0):
             raise ValueError(f"trainer.mode=sync trains on-policy: trainer.max_staleness must be 0, got {self.max_staleness}")
+        if self.run_name is not None and (not self.run_name.strip() or self.run_name.startswith(("/", "~")) or
+                                          any(part in ("", ".", "..") for part in self.run_name.rstrip("/").split("/"))):
+            # trainer.overwrite deletes <output_dir>/<run_name>: it must lie strictly inside output_dir.
+            raise ValueError(f"trainer.run_name={self.run_name!r} must name a directory inside trainer.output_dir "
+                             "(no leading '/' or '~', no empty, '.' or '..' part)")
+        if self.overwrite and self.resume is not None:
+            raise ValueError(f"trainer.overwrite=true deletes the run directory that trainer.resume={self.resume} "
+                             "continues: set only one of them")
 
 
 @dataclass
@@ -148,7 +186,8 @@ class Loop(Protocol):
         Raises:
             RuntimeError: nothing to train on (every sample rejected), a sample staler than
                 ``trainer.max_staleness``, or (async) a dead generator actor or stalled pipeline.
-            ValueError: dynamic sampling could not fill the step.
+            ValueError: dynamic sampling could not fill the step, or the reward function failed
+                on every call of the loop's first step.
         """
 
     def sync_eval_engine(self) -> None:

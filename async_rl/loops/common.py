@@ -99,6 +99,8 @@ def rollout_metrics(trajs: list[Trajectory], ro: RolloutResult) -> dict[str, flo
     for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors", "agent/max_turns"):
         if key in trajs[0].reward_extras:
             metrics[f"rollout/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / len(trajs)
+    if "model_score" in trajs[0].reward_extras:  # reward.model: its raw score, before reward.model_weight
+        metrics["rollout/model_score_mean"] = sum(t.reward_extras.get("model_score", 0.0) for t in trajs) / len(trajs)
     metrics.update({
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,

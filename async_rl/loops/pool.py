@@ -25,12 +25,14 @@ every worker's call is the barrier after which the new policy version is the onl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from queue import Empty
 
+import ray
 import torch
 from transformers import AutoTokenizer
 
@@ -38,7 +40,7 @@ from async_rl.agent import AgentLoop
 from async_rl.buffers.transport import GroupClosed
 from async_rl.generators import make_generator
 from async_rl.rewards import RewardScorer
-from async_rl.rollout import GroupRequest, SampleCounts, reward_function, sample_groups
+from async_rl.rollout import GroupRequest, SampleCounts, make_scorer, reward_function, sample_groups
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +72,14 @@ class GeneratorWorker:
         lora: the learner's ``LoRAConfig`` (``make_generator``); ``None`` = no LoRA.
         agent_cfg: ``AgentConfig``; with tools configured each sample is a multi-turn
             conversation (``async_rl.agent``) run on this worker's engine.
+        reward_cfg: the ``RewardConfig`` (its ``fn`` as ``reward_fn``) when ``reward.model`` is set.
+        reward_model: the reward actor (``RewardModel`` under ``ray.remote``) scoring this
+            worker's samples in batches; the worker keeps sampling while it scores.
     """
 
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
-                 reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None) -> None:
+                 reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None,
+                 reward_cfg=None, reward_model=None) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.worker_id = worker_id
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -83,7 +89,11 @@ class GeneratorWorker:
         self.agent = None
         if agent_cfg is not None and agent_cfg.enabled:
             self.agent = AgentLoop(agent_cfg, self.tokenizer, params.stop_token_ids)
-        self.scorer = RewardScorer(reward_function(reward_fn), on_error=on_error)
+        if reward_model is not None:
+            self.scorer = make_scorer(dataclasses.replace(reward_cfg, fn=reward_fn), on_error,
+                                      lambda items: ray.get(reward_model.score.remote(items)))
+        else:
+            self.scorer = RewardScorer(reward_function(reward_fn), on_error=on_error)
         self.sender = sender()
         self.stats = WorkerStats()
         self._stop = threading.Event()
@@ -122,6 +132,10 @@ class GeneratorWorker:
             out.update(self.agent.counts())
         return out
 
+    def reward_first_error(self) -> str | None:
+        """This actor's first reward failure and where it happened (``RewardScorer.first_error``)."""
+        return self.scorer.first_error
+
     # ------------------------------------------------------------------ the loop (first thread)
     def run(self, requests) -> dict[str, float]:
         """Serve ``requests`` (a ``ray.util.queue.Queue`` of ``GroupRequest``) until ``stop``.
@@ -147,6 +161,8 @@ class GeneratorWorker:
             t1 = time.perf_counter()
             self._serve(batch)
             self.stats.busy_s += time.perf_counter() - t1
+        if self.scorer.model is not None:
+            self.scorer.model.drain()  # the last batch's samples still go out before the sender closes
         self.sender.close()
         return self.get_stats()
 
@@ -156,4 +172,4 @@ class GeneratorWorker:
         sample_groups(self.engine, batch, self.params, self.tokenizer, self.scorer, self.agent,
                       on_trajectory=self.sender.send,
                       on_group_closed=lambda r, kept: self.sender.send(GroupClosed(r.group_id, kept)),
-                      counts=self.stats)
+                      counts=self.stats, wait_scored=False)

@@ -9,7 +9,8 @@ One training step::
 1. take ``trainer.prompts_per_step`` prompts; sample ``trainer.samples_per_prompt`` responses
    each (one group per prompt) with the behavior log-probs of the sampled tokens
    (``async_rl.rollout``); with dynamic sampling, more rounds until enough groups have spread;
-2. score each response; failures become reward 0 or a counted rejection (``reward.on_error``);
+2. score each response; failures become reward 0 or a counted rejection (``reward.on_error``),
+   and a reward function that failed on every call of the loop's first step stops the run;
 3. compute advantages within each group; collate; the learner recomputes proximal log-probs and
    trains (``async_rl.loops.common.learn_on``): policy version v -> v + 1;
 4. push the new weights into the generator in place through the weight publisher.
@@ -24,6 +25,7 @@ from typing import Any
 from async_rl.algorithms.dapo import rewards_have_spread
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
+from async_rl.rewards import check_rewards_work
 from async_rl.rollout import RolloutResult, rollout
 
 MAX_OVERSAMPLING = 16
@@ -87,25 +89,48 @@ class SyncLoop:
     def __init__(self, ctx: RunContext, resume_state: dict[str, Any] | None = None) -> None:
         self.ctx = ctx
         self.next_group = 0
+        self._rewards_checked = False
+        self._last_t = time.perf_counter()
         if resume_state is not None:
             self.next_group = int(resume_state["next_group"])
             ctx.train_ds.load_state_dict(resume_state["dataset"])
 
     def step(self, step: int) -> dict[str, float]:
-        """One training step; returns its metrics."""
+        """One training step; returns its metrics.
+
+        Raises:
+            ValueError: the reward function failed on every call of this loop's first step
+                (``rewards.check_rewards_work``).
+        """
         c = self.ctx
         t0 = time.perf_counter()
-        ro, metrics, groups_used = collect_step_rollouts(c.cfg, c.train_ds, c.generator, c.scorer, c.tokenizer,
-                                                         c.params, self.next_group, c.agent)
+        try:
+            ro, metrics, groups_used = collect_step_rollouts(c.cfg, c.train_ds, c.generator, c.scorer, c.tokenizer,
+                                                             c.params, self.next_group, c.agent)
+        except ValueError:
+            # Dynamic sampling finds no reward spread when every reward failed: name the cause.
+            if not self._rewards_checked:
+                check_rewards_work(c.scorer.pop_metrics(), c.scorer.first_error, f"step {step}")
+            raise
         self.next_group += groups_used
-        metrics.update(c.scorer.pop_metrics())
+        rewards = c.scorer.pop_metrics()
+        if not self._rewards_checked:
+            check_rewards_work(rewards, c.scorer.first_error, f"step {step}")
+            self._rewards_checked = True
+        metrics.update(rewards)
         if c.agent is not None:
             metrics.update(c.agent.pop_metrics())
-        metrics.update({"perf/tokens_per_s": ro.num_generated_tokens / max(time.perf_counter() - t0, 1e-9),
-                        "timing/generate_s": time.perf_counter() - t0})
+        t_generate = time.perf_counter() - t0
+        metrics.update({"perf/engine_tokens_per_s": ro.num_generated_tokens / max(t_generate, 1e-9),
+                        "timing/generate_s": t_generate})
         metrics.update(learn_on(c, step, ro))
         metrics.update(c.publisher.push(c.learner.version))
-        metrics["timing/step_s"] = time.perf_counter() - t0
+        now = time.perf_counter()
+        metrics["timing/step_s"] = now - t0
+        # Per second of wall time since the previous step ended (evaluation and checkpoints
+        # included), as in async mode, so the two modes' figures compare.
+        metrics["perf/gen_tokens_per_s"] = ro.num_generated_tokens / max(now - self._last_t, 1e-9)
+        self._last_t = now
         return metrics
 
     def sync_eval_engine(self) -> None:
@@ -116,5 +141,6 @@ class SyncLoop:
         return {"next_group": self.next_group, "dataset": self.ctx.train_ds.state_dict()}
 
     def close(self) -> dict[str, Any]:
-        """Nothing to stop (the engine belongs to the trainer); returns no summary entries."""
-        return {}
+        """Nothing to stop (the engine belongs to the trainer); returns the training reward
+        calls' totals (``reward/*``, ``reward/first_error``)."""
+        return {**self.ctx.scorer.counts(), "reward/first_error": self.ctx.scorer.first_error}

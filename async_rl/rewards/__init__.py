@@ -5,7 +5,9 @@
 - ``get_reward_fn(spec)``: a built-in name, "package.module:function" or "path/file.py:function".
 - ``default_reward_for(data_source)``: the built-in for a dataset's ``data_source`` column.
 - ``RewardScorer``: calls a reward function and turns exceptions, NaN/inf and bad return types
-  into counted, logged errors (score 0.0 or a rejected sample) instead of a crashed run.
+  into counted, logged errors (score 0.0 or a rejected sample) instead of a crashed run;
+  ``check_rewards_work`` stops a run whose function failed on every call of its first step,
+  ``failure_summary`` counts the failures of one that failed sometimes.
 
 The reward-function interface, shared with verl::
 
@@ -24,7 +26,7 @@ from async_rl.rewards.registry import (
     get_reward_fn,
     register_reward,
 )
-from async_rl.rewards.scorer import ON_ERROR_MODES, RewardResult, RewardScorer
+from async_rl.rewards.scorer import ON_ERROR_MODES, RewardResult, RewardScorer, check_rewards_work, failure_summary
 
 __all__ = [
     "DATA_SOURCE_REWARDS",
@@ -35,7 +37,9 @@ __all__ = [
     "RewardResult",
     "RewardScorer",
     "arithmetic_reward",
+    "check_rewards_work",
     "default_reward_for",
+    "failure_summary",
     "get_reward_fn",
     "gsm8k_reward",
     "math_reward",

@@ -8,7 +8,12 @@ function raised, or returned NaN/inf or a value of the wrong type) becomes score
 it). A reward of ``None`` (or ``{"score": None}``) says the reward could not be computed: it is
 never trained as 0, whatever ``on_error`` says, but always a rejection with reason ``no_reward``
 (the sample then leaves its group's baseline too). Errors and missing rewards are logged with rate
-limiting and counted for the metrics.
+limiting (a traceback once per reward function and process, not per sample) and counted for the
+metrics; the first error is kept with where it happened (``RewardScorer.first_error``).
+
+A reward function that fails on every call is a bug in it, not bad luck with samples:
+``check_rewards_work`` stops the run with the first error at its first step, and
+``failure_summary`` is the end-of-run line counting the failures of one that failed sometimes.
 
 Example::
 
@@ -24,12 +29,15 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 import threading
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ON_ERROR_MODES", "REJECT_REASONS", "RewardResult", "RewardScorer"]
+__all__ = ["ON_ERROR_MODES", "REJECT_REASONS", "RewardResult", "RewardScorer", "check_rewards_work",
+           "failure_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +49,13 @@ REJECT_REASONS = ("error", "no_reward")
 returned no reward (``None``)."""
 
 _NUM_FULL_LOGS = 5
-"""Errors logged in full (with traceback) per scorer; later ones only at 10, 100, 1000, ..."""
+"""Errors logged one line each per scorer; later ones only at 10, 100, 1000, ..."""
 _MAX_REASON_CHARS = 200
+
+# Reward functions whose traceback this process has logged (a function, file and line each): the
+# training and evaluation scorers, or a scorer per run in one process, share one traceback.
+_traceback_logged: set[tuple[str, str, int]] = set()
+_traceback_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +88,15 @@ class RewardScorer:
 
     Args:
         fn: reward function ``fn(data_source, response_text, ground_truth, extra_info)`` returning
-            a number (bool counts: True -> 1.0) or a dict with a numeric "score".
+            a number (bool counts: True -> 1.0) or a dict with a numeric "score"; ``None`` only
+            with ``model`` (the reward is the model's alone, ``score`` is never called).
         on_error: what a failure becomes: "zero" (score 0.0) or "reject" (``rejected=True``).
+        model: the reward model's ``ModelRewardStage`` (``async_rl.rewards.model``) or ``None``;
+            ``sample_groups`` sends each sample through it after ``fn``, and its counters
+            (``reward/model_*``) join ``counts`` and ``pop_metrics``.
 
     Raises:
-        ValueError: ``on_error`` is not one of ``ON_ERROR_MODES``.
+        ValueError: ``on_error`` is not one of ``ON_ERROR_MODES``; no function and no model.
 
     Attributes:
         num_scored: calls to ``score`` since construction, failures included.
@@ -87,22 +104,30 @@ class RewardScorer:
         num_no_reward: calls that returned no reward (``None``) since construction.
         num_rejected: rejections since construction: failures under ``on_error="reject"`` plus
             every missing reward.
+        first_error: the first failure's reason and where it happened (the reward function and
+            the line of its file that raised, e.g. ``"score (reward.py:7): raised KeyError:
+            'x'"``; else the reward model's first failure), or ``None`` before any failure.
     """
 
-    def __init__(self, fn: Callable[..., Any], on_error: str = "zero") -> None:
+    def __init__(self, fn: Callable[..., Any] | None, on_error: str = "zero", model=None) -> None:
         if on_error not in ON_ERROR_MODES:
             raise ValueError(f"on_error must be one of {ON_ERROR_MODES}, got {on_error!r}")
-        if not callable(fn):
+        if not callable(fn) and not (fn is None and model is not None):
             raise ValueError(f"reward function must be callable, got {fn!r}")
         self.fn = fn
+        self.model = model
         self.on_error = on_error
         self.num_scored = 0
         self.num_errors = 0
         self.num_no_reward = 0
         self.num_rejected = 0
         self._popped = (0, 0, 0, 0)
+        self._first_error: str | None = None
         self._lock = threading.Lock()
         self._name = getattr(fn, "__qualname__", None) or repr(fn)
+        code = getattr(fn, "__code__", None)
+        self._file = code.co_filename if code is not None else None
+        self._key = (self._name, self._file or "", code.co_firstlineno if code is not None else 0)
 
     def score(
         self, data_source: str, response_text: str, ground_truth: str, extra_info: dict | None
@@ -145,7 +170,15 @@ class RewardScorer:
         """
         with self._lock:
             now = (self.num_scored, self.num_errors, self.num_no_reward, self.num_rejected)
-        return dict(zip(_METRIC_KEYS, map(float, now)))
+        out = dict(zip(_METRIC_KEYS, map(float, now)))
+        return out if self.model is None else {**out, **self.model.counts()}
+
+    @property
+    def first_error(self) -> str | None:
+        """The reward function's first failure, else the reward model's, else ``None``."""
+        if self._first_error is None and self.model is not None:
+            return self.model.first_error
+        return self._first_error
 
     def pop_metrics(self) -> dict[str, float]:
         """Return counts since the previous call and start a new window.
@@ -158,7 +191,8 @@ class RewardScorer:
         with self._lock:
             now = (self.num_scored, self.num_errors, self.num_no_reward, self.num_rejected)
             before, self._popped = self._popped, now
-        return {k: float(a - b) for k, a, b in zip(_METRIC_KEYS, now, before)}
+        out = {k: float(a - b) for k, a, b in zip(_METRIC_KEYS, now, before)}
+        return out if self.model is None else {**out, **self.model.pop_metrics()}
 
     def _fail(self, reason: str, data_source: str, exc: Exception | None, no_reward: bool = False) -> RewardResult:
         rejected = no_reward or self.on_error == "reject"
@@ -168,8 +202,15 @@ class RewardScorer:
             self.num_no_reward += no_reward
             self.num_rejected += rejected
             count = self.num_no_reward if no_reward else self.num_errors
+            if not no_reward and self._first_error is None:
+                self._first_error = f"{self._name} ({self._where(exc)}): {reason}"
         what = "returned no reward" if no_reward else "failed"
         if count <= _NUM_FULL_LOGS:
+            if exc is not None:
+                with _traceback_lock:
+                    if self._key in _traceback_logged:
+                        exc = None
+                    _traceback_logged.add(self._key)
             logger.warning(
                 "reward function %s %s (data_source=%r, %s %d, counted as %s): %s",
                 self._name, what, data_source, "missing reward" if no_reward else "error", count,
@@ -183,8 +224,73 @@ class RewardScorer:
         return RewardResult(score=0.0, rejected=rejected, error=reason,
                             reason=("no_reward" if no_reward else "error") if rejected else None)
 
+    def _where(self, exc: Exception | None) -> str:
+        """``file:line`` of the reward function's own frame that raised ``exc`` (its deepest
+        frame in the function's file; else the deepest frame), or of the function itself."""
+        frames = traceback.extract_tb(exc.__traceback__)[1:] if exc is not None else []
+        own = [f for f in frames if f.filename == self._file]
+        frame = (own or frames or [None])[-1]
+        if frame is not None:
+            inner = f" in {frame.name}" if frame.name != getattr(self.fn, "__name__", frame.name) else ""
+            return f"{_short_path(frame.filename)}:{frame.lineno}{inner}"
+        return f"{_short_path(self._file)}:{self._key[2]}" if self._file else "no source file"
+
 
 _METRIC_KEYS = ("reward/scored", "reward/errors", "reward/no_reward", "reward/rejected")
+
+
+def check_rewards_work(window: Mapping[str, float], first_error: str | None, where: str) -> None:
+    """Stop a run whose reward function failed on every call of ``window`` (its first step).
+
+    A function that raises (or returns NaN, or the wrong type) for every response is broken, and
+    training on its rewards (all 0, or all rejected) would only hide that; a function that fails
+    sometimes is counted (``reward/errors``) and summed up at the end (``failure_summary``).
+
+    Args:
+        window: counts of the calls in question, as ``RewardScorer.pop_metrics`` names them
+            (``reward/scored``, ``reward/errors``).
+        first_error: ``RewardScorer.first_error`` (the reason and where it happened).
+        where: what the calls scored, e.g. ``"step 1"``, the start of the message.
+
+    Raises:
+        ValueError: every one of at least one call failed; the message counts them and holds the
+            first error.
+    """
+    model_calls, model_errors = window.get("reward/model_scored", 0.0), window.get("reward/model_errors", 0.0)
+    if model_calls and model_errors >= model_calls:
+        raise ValueError(f"{where}: the reward model failed on every call ({model_errors:.0f} of {model_calls:.0f}); "
+                         f"first error: {first_error}. Check reward.model and reward.model_kind")
+    calls, errors = window.get("reward/scored", 0.0), window.get("reward/errors", 0.0)
+    if calls and errors >= calls:
+        raise ValueError(f"{where}: the reward function failed on every call ({errors:.0f} of {calls:.0f}); "
+                         f"first error: {first_error}. Fix reward.fn: a reward should return 0.0 for a wrong or "
+                         "unreadable answer, not raise")
+
+
+def failure_summary(totals: Mapping[str, float], first_error: str | None, what: str = "reward calls") -> str | None:
+    """One line counting a run's reward failures, or ``None`` when there were none.
+
+    Example: ``"reward function: 12 of 512 reward calls failed; first error: score (reward.py:7):
+    raised KeyError: 'x'"``.
+
+    Args:
+        totals: ``RewardScorer.counts()`` (or their sum over several scorers).
+        first_error: the first failure (``RewardScorer.first_error``).
+        what: names the calls counted, e.g. ``"training reward calls"``.
+    """
+    errors, calls = totals.get("reward/errors", 0.0), totals.get("reward/scored", 0.0)
+    if not errors:
+        return None
+    return f"reward function: {errors:.0f} of {calls:.0f} {what} failed; first error: {first_error}"
+
+
+def _short_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (shorter in messages)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if rel.startswith("..") else rel
 
 
 def _validate(value: Any) -> tuple[float, dict[str, float]] | str:
