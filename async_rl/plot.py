@@ -12,7 +12,6 @@ others have is reported (``plot_runs``' second return value). Drawn on a bare ma
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,8 @@ from pathlib import Path
 import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+
+from async_rl.data.dataset import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -55,18 +56,11 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a run directory, or logging.jsonl=false)")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: line {number} is not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or "step" not in record:
+    records = read_jsonl(path)
+    for number, record in records:
+        if "step" not in record:
             raise ValueError(f"{path}: line {number} is not a metrics record (no 'step')")
-        records.append(record)
-    return records
+    return [record for _, record in records]
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -123,20 +123,30 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
         return pq.read_table(path).to_pylist()
     if suffix in (".jsonl", ".json"):
-        rows = []
-        with path.open() as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {lineno}: not valid JSON ({e})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
-        return rows
+        return [row for _, row in read_jsonl(path)]
     raise ValueError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
+
+
+def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line of a JSON-lines file (1-based numbers,
+    for messages that point into the file).
+
+    Raises:
+        ValueError: a line that is not valid JSON, or not a JSON object (names the file and line).
+    """
+    rows = []
+    with Path(path).open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {lineno}: not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append((lineno, row))
+    return rows
 
 
 def validate_row(row: dict[str, Any], where: str) -> None:
