@@ -303,6 +303,8 @@ class StopRequest:
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    _told_sigint_ignored = False
+    """Whether this process was told that its Ctrl-C is ignored (told once)."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -334,7 +336,14 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
-                    continue  # started with Ctrl-C ignored: the class docstring says why it stays so
+                    # Started with Ctrl-C ignored: the class docstring says why it stays so. Said
+                    # once, or a user's Ctrl-C looks broken.
+                    if not StopRequest._told_sigint_ignored:
+                        StopRequest._told_sigint_ignored = True
+                        logger.warning("Ctrl-C (SIGINT) is ignored in this process (started in the background "
+                                       "without job control): stop it with kill %d (SIGTERM), which saves first",
+                                       os.getpid())
+                    continue
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

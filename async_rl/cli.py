@@ -59,12 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="YAML config file")
     s.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
     s = sub.add_parser("eval", help="held-out accuracy and mean reward of a model or checkpoint (no run directory)")
-    s.add_argument("--config", required=True, help="YAML config file (data.val_files, generator, reward)")
+    s.add_argument("--config", help="YAML config file (data.val_files, generator, reward); default: the run's "
+                                    "own config.yaml when --model names a run or checkpoint")
     s.add_argument("--model", help=_MODEL_HELP)
     s.add_argument("--out", help="also write the result as JSON to this file")
     s.add_argument("overrides", nargs="*", help=_OVERRIDES_HELP)
     s = sub.add_parser("generate", help="print responses and rewards for a few prompts, to eyeball a model")
-    s.add_argument("--config", required=True, help="YAML config file")
+    s.add_argument("--config", help="YAML config file; default: the run's own config.yaml when --model names a "
+                                    "run or checkpoint")
     s.add_argument("--model", help=_MODEL_HELP)
     s.add_argument("--prompt", action="append", help="a prompt text (repeatable; unscored); default: held-out prompts")
     s.add_argument("-n", type=int, default=3, help="how many held-out prompts, from the first (default 3)")

@@ -485,12 +485,37 @@ def config_command(args) -> int:
     return 0
 
 
+def run_config_of(model: str | None) -> Path | None:
+    """The ``config.yaml`` of the run that ``--model`` names: a run directory, one of its
+    checkpoints (``checkpoints/step_NNNNNN``) or its ``final_model/``; ``None`` for anything else."""
+    if model is None or model.startswith("builtin:"):
+        return None
+    path = Path(model)
+    for candidate in (path, path.parent, path.parents[1] if len(path.parents) > 1 else path):
+        if (candidate / "config.yaml").exists() and (candidate / "metrics.jsonl").exists():
+            return candidate / "config.yaml"
+    return None
+
+
 def _load(args) -> Config:
-    """The config of ``--config`` and the overrides; a missing file is a config error, as for ``train``."""
+    """The config of ``--config`` and the overrides; a missing file is a config error, as for
+    ``train``. Without ``--config`` (``eval``, ``generate``), the config of the run ``--model``
+    names, so a run is scored on its own task, data and reward (printed as ``config: ...``).
+
+    Raises:
+        ConfigError: no ``--config`` and ``--model`` names no run; a bad config or override.
+    """
     from async_rl.config import ConfigError
 
+    path = args.config
+    if path is None:
+        path = run_config_of(getattr(args, "model", None))
+        if path is None:
+            raise ConfigError(f"{args.command}: --config is required unless --model names a run directory, "
+                              "one of its checkpoints or its final_model/ (their run's config.yaml is used)")
+        print(f"config: {path} (the run's own; --config to use another)")
     try:
-        return load_config(args.config, args.overrides)
+        return load_config(path, args.overrides)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
 

@@ -96,7 +96,9 @@ def check_model(key: str, spec: str, needs_config: bool = True) -> None:
     path = Path(spec).expanduser()
     if path.is_dir():
         if needs_config and not (path / "config.json").is_file():
-            raise ValueError(f"{key}={spec}: {path} holds no config.json: not a Hugging Face model directory")
+            hint = (f" (a run directory: its trained model is {path / 'final_model'})"
+                    if (path / "final_model" / "config.json").is_file() else "")
+            raise ValueError(f"{key}={spec}: {path} holds no config.json: not a Hugging Face model directory{hint}")
         return
     if path.exists():
         raise ValueError(f"{key}={spec}: {path} is a file, not a model directory")

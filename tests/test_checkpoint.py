@@ -237,13 +237,21 @@ def _raise_stopped(signum, frame):
     raise _Stopped(signum)
 
 
-def test_stop_request_leaves_an_ignored_sigint_ignored_and_still_honours_sigterm():
+def test_stop_request_leaves_an_ignored_sigint_ignored_and_still_honours_sigterm(monkeypatch, caplog):
     """Started with SIGINT ignored (``nohup async-rl train ... &`` from a script), Ctrl-C stays
-    ignored, as the shell meant; SIGTERM still asks for a clean stop, and a second one stops at once
-    (here through a stand-in handler, where the real default would end the test process)."""
+    ignored, as the shell meant, and the run says so once; SIGTERM still asks for a clean stop, and a
+    second one stops at once (here through a stand-in handler, where the real default would end the
+    test process)."""
+    monkeypatch.setattr(StopRequest, "_told_sigint_ignored", False)
     int_before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     term_before = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
+        with caplog.at_level("WARNING", logger="async_rl.checkpoint"):
+            with StopRequest(), StopRequest():
+                pass
+        told = [r.getMessage() for r in caplog.records if "SIGINT" in r.getMessage()]
+        assert told == [f"Ctrl-C (SIGINT) is ignored in this process (started in the background without job "
+                        f"control): stop it with kill {os.getpid()} (SIGTERM), which saves first"]
         with StopRequest() as stop:
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
             os.kill(os.getpid(), signal.SIGINT)

@@ -61,7 +61,7 @@ def _in_process_eval(model_dir: str, cfg) -> dict[str, float]:
     engine = make_generator(cfg.generator, model_dir, tok.pad_token_id)
     try:
         return evaluate(engine, ds, SamplingParams.from_config(cfg.generator, stops, greedy=True),
-                        RewardScorer(reward_function(None), on_error="zero"), tok)
+                        RewardScorer(reward_function(cfg.reward.fn), on_error="zero"), tok)
     finally:
         engine.close()
 
@@ -87,6 +87,24 @@ def test_eval_equals_the_in_process_evaluation_and_makes_no_run_dir(run, tmp_pat
     # Nothing written but --out: no run directory, the evaluated run untouched.
     assert not (tmp_path / "runs").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
     assert _tree(run) == before
+
+
+def test_eval_without_config_scores_a_run_on_its_own_config(run, tmp_path, capsys):
+    # The run's task (its reward, its held-out set) comes with it: the default config would score
+    # it on another task without a word.
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(run), "--out", str(out)]) == 0
+    assert f"config: {run / 'config.yaml'} (the run's own" in capsys.readouterr().out
+    expected = _in_process_eval(str(run / "final_model"), load_config(run / "config.yaml"))
+    result = json.loads(out.read_text())
+    assert {k: v for k, v in result.items() if k.startswith("eval/")} == expected
+    assert result["eval/num_prompts"] == 8  # the run's data.val_max_prompts, not the default's
+    assert main(["generate", "--model", str(run / "final_model"), "-n", "1"]) == 0
+    assert "config: " in capsys.readouterr().out
+    # A model that is not a run's needs --config: one line, a config error.
+    assert main(["eval", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("async-rl: config error: eval: --config is required unless --model") and err.count("\n") == 1
 
 
 @pytest.mark.slow

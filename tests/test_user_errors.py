@@ -99,7 +99,14 @@ def test_a_model_directory_without_config_json_is_refused(tmp_path, capsys):
     rc, err = _train(capsys, tmp_path / "runs", f"model.path={tmp_path / 'weights'}")
     assert rc == 1
     _assert_one_line(err, "model.path=", "config.json")
+    assert "final_model" not in err
     assert not (tmp_path / "runs").exists()
+    # A run directory given as the model: the line names its trained model.
+    (tmp_path / "old_run" / "final_model").mkdir(parents=True)
+    (tmp_path / "old_run" / "final_model" / "config.json").write_text("{}")
+    rc, err = _train(capsys, tmp_path / "runs", f"model.path={tmp_path / 'old_run'}")
+    assert rc == 1
+    _assert_one_line(err, "holds no config.json", f"its trained model is {tmp_path / 'old_run' / 'final_model'}")
 
 
 @pytest.fixture
