@@ -239,11 +239,13 @@ class SGLangGenerator:
             self._receiver.close()
             self._receiver = None
         leftovers: list[str] = []
+        sockets: list = []
         if self.engine is not None:
             watchdog = getattr(self.engine.tokenizer_manager, "_subprocess_watchdog", None)
             if watchdog is not None:
                 watchdog.stop()
             leftovers = _engine_files(self.engine)
+            sockets = _engine_sockets(self.engine)
             self.engine = None
         procs = []
         for pid in self._child_pids:
@@ -275,6 +277,12 @@ class SGLangGenerator:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                # Closed here, on the loop that owns them, without lingering: left to the garbage
+                # collector, a context whose socket still queues a message for the stopped
+                # scheduler blocks forever in zmq_ctx_term, in whatever thread collects it (it
+                # hung the next engine's start in a test run).
+                for sock in sockets:
+                    sock.close(linger=0)
 
             try:
                 self._call(cancel_pending(), timeout=10)
@@ -282,6 +290,9 @@ class SGLangGenerator:
                 pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+        for sock in sockets:
+            if not sock.closed:  # the loop was gone or did not answer: closed from here instead
+                sock.close(linger=0)
 
     def _cache_salt(self) -> str:
         return f"v{self.policy_version}.{self.num_loads}"
@@ -646,6 +657,16 @@ class SGLangGenerator:
                 receiver.fail(plan, f"bucket {i}: {message}")
                 raise RuntimeError(message)
             receiver.store.add(f"{plan.update_id}/ack{i}", 1)
+
+
+def _engine_sockets(engine) -> list:
+    """The ZeroMQ sockets an offline engine holds in this process (its RPC socket and its tokenizer
+    manager's sockets to the scheduler and from the detokenizer): ``Engine.shutdown`` closes them
+    with ``linger=0``, which a generator that stops only its own processes must do itself."""
+    import zmq
+
+    owners = [engine, engine.tokenizer_manager]
+    return [v for owner in owners for v in vars(owner).values() if isinstance(v, zmq.Socket) and not v.closed]
 
 
 def _engine_files(engine) -> list[str]:
