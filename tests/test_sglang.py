@@ -321,7 +321,8 @@ import subprocess, sys
 if __name__ == "__main__":
     from async_rl.generators.base import GeneratorConfig
     from async_rl.generators.sglang import SGLangGenerator
-    bystander = subprocess.Popen(["sleep", "300"])
+    # Its own stdout: one inherited would keep the test's pipe open until it ends.
+    bystander = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     e = SGLangGenerator(sys.argv[1], GeneratorConfig(backend="sglang"), num_threads=1)
     print(bystander.pid, *e._child_pids, flush=True)
     # No close(): the interpreter's exit must stop the engine, and only the engine.
