@@ -146,13 +146,14 @@ def _no_progress_bars_off_a_terminal() -> None:
 
 def _ray_token_auth_chosen() -> None:
     """Choose Ray's token authentication explicitly (``RAY_AUTH_MODE=token``, Ray's documented
-    setting) for the local Ray cluster an async or multi-rank run starts: Ray >= 2.59 turns it on
-    by default and says so on every start ("Token authentication is enabled for this Ray
-    cluster..."); chosen, it stays on, without the notice. Set at process start because Ray reads
-    it once per process (set after its first use, the driver and the cluster it starts would
-    disagree). Left alone when the user set it, or ``RAY_ADDRESS`` names an existing cluster, whose
-    own setting decides."""
-    if "RAY_AUTH_MODE" not in os.environ and "RAY_ADDRESS" not in os.environ:
+    setting): Ray >= 2.59 turns it on by default for the cluster a run starts and says so on every
+    start ("Token authentication is enabled for this Ray cluster..."); chosen, it stays on, without
+    the notice. A cluster joined with ``trainer.ray_address`` / ``RAY_ADDRESS`` and started by
+    ``ray start`` has it on too, and a driver without it cannot connect ("Authentication token is
+    missing"), while a token-mode driver also joins a cluster that runs without (measured with
+    Ray 2.60). Set at process start because Ray reads it once per process. Left alone when the
+    user set it."""
+    if "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 

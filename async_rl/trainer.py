@@ -35,7 +35,8 @@ from async_rl.evaluation import evaluate, warm_start
 from async_rl.inputs import check_inputs
 from async_rl.generators import make_generator
 from async_rl.generators.base import SamplingParams
-from async_rl.learners.launch import launch_learner
+from async_rl.cluster import Cluster
+from async_rl.learners.launch import launch_learner, launched_by_torchrun
 from async_rl.loops.base import Loop, RunContext
 from async_rl.loops.sync import SyncLoop
 from async_rl.metrics import MetricsLogger
@@ -79,6 +80,10 @@ def train(cfg: "Config") -> dict[str, Any]:
             start(ctx, progress, resume_from, resumed)
             progress.stage = "the start of the training loop"
             loop = make_loop(ctx, resumed)
+            if ctx.cluster is not None:  # every actor is placed by now: say where
+                for line in ctx.cluster.describe():
+                    ctx.log.print(line)
+                ctx.cluster.save(ctx.run_dir)
             run_steps(ctx, loop, progress)
             progress.summary.update(loop.close())
             loop = None
@@ -90,6 +95,8 @@ def train(cfg: "Config") -> dict[str, Any]:
             ctx.publisher.close()
             ctx.generator.close()
             learner_handle.close(failed=failed)
+            if ctx.cluster is not None:
+                ctx.cluster.close()
             ctx.log.close()
     (ctx.run_dir / "summary.json").write_text(json.dumps(progress.summary, indent=2))
     return progress.summary
@@ -211,7 +218,13 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
                        t_cfg.prompts_per_step)
     # Sync mode scores with it; async mode only evaluates with it (the workers use the reward actor).
     reward_model = load_reward_model(cfg.reward) if cfg.reward.model else None
-    learner, learner_handle = launch_learner(*learner_args(cfg, model_path))
+    cluster = Cluster.start(cfg) if uses_ray(cfg) else None
+    try:
+        learner, learner_handle = launch_learner(*learner_args(cfg, model_path), cluster=cluster)
+    except BaseException:
+        if cluster is not None:
+            cluster.close()
+        raise
     generator, transport = colocated_engine(cfg, model_path, tokenizer.pad_token_id)
     ctx = RunContext(
         cfg=cfg, tokenizer=tokenizer, model_path=model_path, train_ds=train_ds, val_ds=val_ds,
@@ -224,11 +237,17 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
         publisher=WeightPublisher(cfg.weight_sync, transport, learner, [LocalTarget(generator)],
                                   protocol=engine_protocol(cfg.generator.backend if cfg.trainer.mode == "sync" else "hf")),
         run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
-        agent=agent)
+        agent=agent, cluster=cluster)
     ctx.log.print(f"run directory: {run_dir}")
     if train_ds.num_rejected_too_long:
         ctx.log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")
     return ctx, learner_handle
+
+
+def uses_ray(cfg: "Config") -> bool:
+    """Whether the run places Ray actors: the async generator pool, or learner ranks 1..N-1
+    (unless torchrun started them)."""
+    return cfg.trainer.mode == "async" or (cfg.learner.world_size > 1 and not launched_by_torchrun())
 
 
 def learner_args(cfg: "Config", model_path: str) -> tuple:

@@ -45,6 +45,8 @@ class Trajectory:
         reward_extras: other numeric reward fields, for example ``{"acc": 1.0}``.
         response_text: decoded response (for reward and logs); for a multi-turn conversation its
             final answer (its turn and tool counts are in ``reward_extras`` under ``agent/``).
+        generator_id: the generator actor that sampled it (its index in the async pool; which
+            node that is: ``placement.json``), or -1 for the trainer's own engine (sync mode).
     """
 
     trajectory_id: str
@@ -59,6 +61,7 @@ class Trajectory:
     reward: float = 0.0
     reward_extras: dict[str, float] = field(default_factory=dict)
     response_text: str = ""
+    generator_id: int = -1
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

@@ -14,8 +14,8 @@ While both ends are open nothing is dropped: ZeroMQ PUSH/PULL blocks rather than
 message the receiver cannot decode is counted (``num_malformed``) and logged, never ignored
 silently. Closing loses what is still queued (a sender lingers ``linger_s`` to flush first).
 
-Wire format (schema version 1; msgpack, never pickle). One trajectory is one ZeroMQ message of
-one frame holding a msgpack map of the ``Trajectory`` fields plus ``schema`` (=1),
+Wire format (schema version 2; msgpack, never pickle). One trajectory is one ZeroMQ message of
+one frame holding a msgpack map of the ``Trajectory`` fields plus ``schema`` (=2),
 ``num_prompt_tokens`` (P) and ``num_response_tokens`` (R). Scalars and strings are msgpack
 values (``reward`` and ``reward_extras`` values as float64); per-token lists are msgpack ext
 types whose payload is the raw little-endian array:
@@ -30,7 +30,8 @@ field                    ext code  payload dtype            length
 ``policy_version``       4         int64   (``<i8``)        R
 =======================  ========  =======================  ======
 
-A second message kind closes a group: ``{"schema": 1, "kind": "group_closed", "group_id": g,
+Schema 2 added ``generator_id`` (the actor that sampled it). A second message kind closes a
+group: ``{"schema": 2, "kind": "group_closed", "group_id": g,
 "num_kept": k}``, sent by a generator once all samples of group ``g`` are scored, ``k`` of them
 kept (the others were rejected by the reward). It travels on the same socket as the group's
 trajectories; the buffer's ``close_group`` accepts it in any order relative to them.
@@ -64,7 +65,7 @@ from async_rl.buffers.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the wire format above; bump it on any change to the fields, their encoding or the framing."""
 
 # (field, ext code, payload dtype, its struct code, the header count that gives its length).
@@ -79,7 +80,7 @@ _ARRAY_FIELDS: tuple[tuple[str, int, np.dtype, str, str], ...] = (
 assert all(struct.calcsize("<" + code) == dtype.itemsize for _, _, dtype, code, _ in _ARRAY_FIELDS)
 _NUM_FRAMES = 1
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "schema": int, "trajectory_id": str, "group_id": int, "prompt_uid": str,
+    "schema": int, "trajectory_id": str, "group_id": int, "prompt_uid": str, "generator_id": int,
     "finish_reason": str, "reward": (float, int), "reward_extras": dict, "response_text": str,
     "num_prompt_tokens": int, "num_response_tokens": int,
     **{name: msgpack.ExtType for name, *_ in _ARRAY_FIELDS},
@@ -106,7 +107,7 @@ def _pack_array(traj: Trajectory, name: str, ext_code: int, dtype: np.dtype, cod
 
 
 def encode_trajectory(traj: Trajectory) -> list[bytes]:
-    """Encode one trajectory in the schema-1 wire format (module docstring).
+    """Encode one trajectory in the schema-2 wire format (module docstring).
 
     Args:
         traj: the trajectory. ``reward`` and ``reward_extras`` values are sent as float (their
@@ -127,6 +128,7 @@ def encode_trajectory(traj: Trajectory) -> list[bytes]:
         raise ValueError(f"trajectory {traj.trajectory_id}: reward_extras must map str -> float ({e})") from e
     message = {
         "schema": SCHEMA_VERSION, "trajectory_id": traj.trajectory_id, "group_id": int(traj.group_id),
+        "generator_id": int(traj.generator_id),
         "prompt_uid": traj.prompt_uid, "finish_reason": traj.finish_reason, "reward": float(traj.reward),
         "reward_extras": extras, "response_text": traj.response_text,
         "num_prompt_tokens": len(traj.prompt_ids), "num_response_tokens": len(traj.response_ids),
@@ -203,7 +205,7 @@ def _check_fields(message: Any) -> None:
 
 
 def decode_trajectory(frames: Sequence[Any]) -> Trajectory:
-    """Decode the frames of one schema-1 message back into a ``Trajectory``.
+    """Decode the frames of one schema-2 message back into a ``Trajectory``.
 
     Args:
         frames: the message's frames (one), each a buffer-protocol object (``bytes``,
@@ -252,7 +254,8 @@ def decode_message(frames: Sequence[Any]) -> Message:
     return Trajectory(
         trajectory_id=message["trajectory_id"], group_id=message["group_id"], prompt_uid=message["prompt_uid"],
         finish_reason=message["finish_reason"], reward=float(message["reward"]),
-        reward_extras=message["reward_extras"], response_text=message["response_text"], **arrays)
+        reward_extras=message["reward_extras"], response_text=message["response_text"],
+        generator_id=message["generator_id"], **arrays)
 
 
 # -------------------------------------------------------------------------------------- interface

@@ -16,6 +16,8 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 
 import torch
 
+from async_rl.cluster import check_placement
+
 GENERATOR_BACKENDS = ("hf", "vllm", "sglang")
 PARTIAL_ROLLOUT_MODES = ("keep", "abort")
 
@@ -99,6 +101,19 @@ class GeneratorConfig:
     threads_per_worker: int = 0
     """Async mode: torch CPU threads per generator actor (>= 0); 0 = the cores divided evenly
     between the workers and the learner (oversubscribed cores slow everything down)."""
+    num_cpus_per_worker: float = 1.0
+    """Async mode: CPUs Ray reserves for each generator actor (>= 0; placement only: the torch
+    threads are ``threads_per_worker``). On a cluster, a node takes as many actors as its
+    ``ray start --num-cpus`` admits."""
+    num_gpus_per_worker: float = 0.0
+    """Async mode: GPUs per generator actor (>= 0): 1 for a vLLM/SGLang engine on its own GPU,
+    the tensor-parallel size for an engine spanning several."""
+    node_labels: dict[str, str] = field(default_factory=dict)
+    """Async mode: Ray node labels a generator actor's node must carry (``ray start --labels
+    role=rollout``), e.g. ``{role: rollout}``; empty = any node."""
+    placement_strategy: str = "SPREAD"
+    """Async mode: Ray placement group strategy of the generator actors (``SPREAD``: across nodes
+    where resources allow, ``STRICT_SPREAD``: one per node, ``PACK``, ``STRICT_PACK``)."""
 
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings (``backend: vllm``)."""
@@ -120,6 +135,8 @@ class GeneratorConfig:
             raise ValueError(f"generator.max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.partial_rollout not in PARTIAL_ROLLOUT_MODES:
             raise ValueError(f"generator.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {self.partial_rollout!r}")
+        check_placement("generator", "worker", self.num_cpus_per_worker, self.num_gpus_per_worker,
+                        self.placement_strategy)
         if self.num_workers < 1 or self.threads_per_worker < 0:
             raise ValueError(f"generator.num_workers must be >= 1 and threads_per_worker >= 0, got "
                              f"{self.num_workers} and {self.threads_per_worker}")

@@ -575,7 +575,7 @@ class SGLangGenerator:
         if self._receiver is not None:
             self._receiver.close()
         self._receiver = WeightReceiver(init_info, rank)
-        if init_info["transport"] == "broadcast":
+        if self._receiver.transport == "broadcast":  # this rank's own (a sglang sender never mixes)
             if self.lora is not None:
                 raise ValueError("an SGLang engine receives LoRA adapters over shm or colocated, not broadcast "
                                  "(SGLang loads adapters from tensors, not from a process group)")
@@ -585,7 +585,8 @@ class SGLangGenerator:
 
             self._group = init_info["group_name"]
             obj = InitWeightsUpdateGroupReqInput(
-                master_address=init_info["host"], master_port=int(init_info["port"]), rank_offset=rank + 1,
+                master_address=init_info["host"], master_port=int(init_info["port"]),
+                rank_offset=self._receiver.group_rank,
                 world_size=int(init_info["world_size"]), group_name=self._group,
                 backend="nccl" if str(init_info["device"]).startswith("cuda") else "gloo")
             ok, message = self._call(self.engine.tokenizer_manager.init_weights_update_group(obj, None))

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from async_rl.buffers.trajectory import TrainBatch
+from async_rl.cluster import check_placement
 from async_rl.lora import LoRAConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -154,6 +155,17 @@ class LearnerConfig:
     num_threads: int = 0
     """Torch CPU threads of the learner process (>= 0); 0 = torch's default in sync mode, the
     cores the generator actors leave in async mode."""
+    num_cpus_per_rank: float = 1.0
+    """CPUs Ray reserves for each learner rank it places (ranks 1..N-1; >= 0, placement only:
+    threads are ``num_threads``)."""
+    num_gpus_per_rank: float | None = None
+    """GPUs per Ray-placed learner rank (>= 0); ``None`` = 1 on CUDA, 0 on CPU."""
+    node_labels: dict[str, str] = field(default_factory=dict)
+    """Ray node labels the nodes of learner ranks 1..N-1 must carry (``ray start --labels
+    role=train``); empty = any node. Rank 0 is the trainer process, on the node it was started on."""
+    placement_strategy: str = "PACK"
+    """Ray placement group strategy of learner ranks 1..N-1 (``PACK``: as few nodes as the
+    resources allow, ``STRICT_PACK``: one node, ``SPREAD``, ``STRICT_SPREAD``)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, used only by estimators that need values (``gae``)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -197,6 +209,7 @@ class LearnerConfig:
             raise ValueError(f"learner.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip < 0:
             raise ValueError(f"learner.grad_clip must be >= 0, got {self.grad_clip}")
+        check_placement("learner", "rank", self.num_cpus_per_rank, self.num_gpus_per_rank, self.placement_strategy)
         if self.num_threads < 0:
             raise ValueError(f"learner.num_threads must be >= 0, got {self.num_threads}")
         if self.max_tokens_per_micro_batch < 0:

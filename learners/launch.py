@@ -1,8 +1,11 @@
 """Start the learner on ``learner.world_size`` ranks; rank 0 is the calling (trainer) process.
 
 * ``world_size == 1``: an in-process gloo group of one (no rendezvous, no free port needed).
-* Ray placement (default for ``world_size > 1``): ranks 1..N-1 are Ray actors. Rank 0 picks a
-  free TCP port, the actors and rank 0 join one gloo group through a ``tcp://`` rendezvous, each
+* Ray placement (default for ``world_size > 1``): ranks 1..N-1 are Ray actors in one placement
+  group (``learner.num_cpus_per_rank``, ``num_gpus_per_rank``, ``node_labels``,
+  ``placement_strategy``: PACK by default; ``async_rl.cluster``), on the run's cluster or a local
+  Ray. Rank 0 picks a free TCP port on the cluster's ``bind_host`` (loopback on a local Ray, this
+  node's IP on a cluster), the actors and rank 0 join one gloo group through a ``tcp://`` rendezvous, each
   builds the same learner (``FSDPLearner`` or ``MegatronLearner`` by ``learner.backend``; same
   weights, same seed), and the actors then serve rank 0's
   collective calls (``async_rl.learners.spmd``). Ray kills the actors when the driver exits, so a crashed
@@ -110,7 +113,10 @@ class LearnerRank:
         """Join, build, serve until rank 0 stops us; returns the number of calls served."""
         from async_rl.learners.spmd import serve_commands
 
+        from async_rl.cluster import node_ip, use_node_interface
+
         torch.set_num_threads(_follower_threads(self.learner_args[0]))
+        use_node_interface(node_ip())  # gloo announces this node's address, not the host name's
         backend = process_group_backend(learner_device(self.learner_args[0]))
         dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
                                 world_size=self.world_size, timeout=PG_TIMEOUT)
@@ -121,11 +127,12 @@ class LearnerRank:
 
 
 class LearnerHandle:
-    """What ``launch_learner`` keeps besides the rank-0 learner: the follower actors and their run
-    refs; ``close`` stops the followers and tears the group down."""
+    """What ``launch_learner`` keeps besides the rank-0 learner: the follower actors, their run
+    refs, and the ``Cluster`` it joined itself (``None`` when the run's own was given);
+    ``close`` stops the followers and tears the group down."""
 
-    def __init__(self, learner, actors: list, refs: list, started_ray: bool) -> None:
-        self.learner, self.actors, self.refs, self.started_ray = learner, actors, refs, started_ray
+    def __init__(self, learner, actors: list, refs: list, cluster=None) -> None:
+        self.learner, self.actors, self.refs, self.cluster = learner, actors, refs, cluster
 
     def close(self, failed: bool = False) -> None:
         """Release the followers, wait for them (60 s), destroy the group; safe to call twice.
@@ -156,8 +163,8 @@ class LearnerHandle:
                     logger.warning("learner rank shutdown: %s", e)
             for actor in self.actors:
                 ray.kill(actor)
-            if self.started_ray:
-                ray.shutdown()
+            if self.cluster is not None:  # one launch_learner joined or started itself
+                self.cluster.close()
         if dist.is_initialized() and dist.get_world_size() > 1:
             from async_rl.learners.spmd import forget_command_group
 
@@ -166,12 +173,18 @@ class LearnerHandle:
 
 
 def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float,
-                   total_optimizer_steps: int):
+                   total_optimizer_steps: int, cluster=None):
     """Build the learner on ``cfg.world_size`` ranks; returns ``(rank-0 learner, LearnerHandle)``.
+
+    Args:
+        cluster: the run's ``async_rl.cluster.Cluster`` (whose ``bind_host`` the rendezvous binds);
+            ``None`` = join or start one here for ranks 1..N-1 (``RAY_ADDRESS``, else a local Ray
+            the handle shuts down).
 
     Raises:
         ValueError: under torchrun, ``learner.world_size`` differs from ``WORLD_SIZE``.
-        RuntimeError: a follower rank failed to start (its error is chained).
+        RuntimeError: a follower rank failed to start (its error is chained), or the cluster
+            cannot place the ranks (``Cluster.place``).
     """
     from async_rl.learners.spmd import drive_followers
 
@@ -186,22 +199,29 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
             dist.init_process_group(backend, init_method="env://", timeout=PG_TIMEOUT)
         learner = learner_class(cfg)(*args)
         drive_followers(learner)
-        return learner, LearnerHandle(learner, [], [], False)
+        return learner, LearnerHandle(learner, [], [])
     if cfg.world_size == 1:
         learner = learner_class(cfg)(*args)
-        return learner, LearnerHandle(learner, [], [], False)
+        return learner, LearnerHandle(learner, [], [])
     import ray
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
-                 _node_ip_address="127.0.0.1", configure_logging=False)
-    host = "127.0.0.1" if started_ray else ray.util.get_node_ip_address()
-    init_method = f"tcp://{host}:{_free_port()}"
-    # num_cpus=0: the thread budget above, not Ray's CPU accounting, shares the cores; on CUDA each
-    # follower asks Ray for one GPU (Ray sets its CUDA_VISIBLE_DEVICES).
-    actor_cls = ray.remote(num_cpus=0, num_gpus=1 if device.type == "cuda" else 0)(LearnerRank)
-    actors = [actor_cls.remote(r, cfg.world_size, init_method, args) for r in range(1, cfg.world_size)]
+    from async_rl.cluster import Cluster, PlacementConfig
+
+    own = cluster is None
+    if own:
+        cluster = Cluster.connect(os.environ.get("RAY_ADDRESS") or None)
+    init_method = f"tcp://{cluster.bind_host}:{_free_port()}"
+    # Ray's CPU count only admits the ranks; their threads come from _follower_threads. On CUDA
+    # each rank asks for one GPU by default (Ray sets its CUDA_VISIBLE_DEVICES).
+    placement = PlacementConfig.of_learner(cfg)
+    strategies = cluster.place("learner", cfg.world_size - 1, placement, cuda=device.type == "cuda")
+    bundle = placement.bundle(device.type == "cuda")
+    actor_cls = ray.remote(LearnerRank)
+    actors = [actor_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                                scheduling_strategy=strategies[r - 1]).remote(r, cfg.world_size, init_method, args)
+              for r in range(1, cfg.world_size)]
+    # Before run: an actor serves one call at a time.
+    cluster.check_reachable("learner rank", cluster.record("learner", actors))
     refs = [a.run.remote() for a in actors]
     if dist.is_initialized():
         # A world-size-1 group left by an earlier run in this process (tests, notebooks).
@@ -219,7 +239,7 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
                 raise RuntimeError(f"a learner rank failed to start: {follower_error}") from e
         raise
     drive_followers(learner)
-    return learner, LearnerHandle(learner, actors, refs, started_ray)
+    return learner, LearnerHandle(learner, actors, refs, cluster if own else None)
 
 
 def follow_from_env(cfg: LearnerConfig, algo, model_path: str, temperature: float,

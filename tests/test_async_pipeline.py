@@ -191,6 +191,11 @@ def test_async_hf_pool_over_gloo_broadcast(tmp_path, ray_session):
     assert [s["policy/version"] for s in steps] == [1, 2, 3]
     assert all(s["weight_sync/bytes"] > 0 and s["staleness/max"] <= 1 for s in steps)
     assert summary["pipeline/trained"] == 12 and summary["pipeline/unstarted_or_in_engine_at_exit"] >= 0
+    # One node: every actor on the trainer's, reached as forced; both actors' samples trained.
+    placement = json.loads((tmp_path / "bcast" / "placement.json").read_text())
+    assert placement["bind_host"] == "127.0.0.1" and len(placement["actors"]["generators"]) == 2
+    assert {g["weight_transport"] for g in placement["actors"]["generators"]} == {"broadcast"}
+    assert summary["generator_0/trained_samples"] + summary["generator_1/trained_samples"] == 48
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def roundtrip(traj: Trajectory, as_memoryview: bool = False) -> Trajectory:
 
 # ------------------------------------------------------------------------------------------ codec
 @pytest.mark.parametrize("traj", [
-    make_traj("7/0", group_id=7),
+    make_traj("7/0", group_id=7, generator_id=3),
     make_traj("e/0", num_response=0, response_text=""),  # empty response
     make_traj("u/1", group_id=-(10**9), response_text="x² = 4 → x = ±2 ✓ 数学 🙂", prompt_uid="ünï"),
     make_traj("x/2", reward_extras={}, reward=-3.25),
@@ -76,7 +76,8 @@ def test_codec_layout_is_the_documented_schema():
     frames = encode_trajectory(traj)
     assert len(frames) == 1
     message = msgpack.unpackb(frames[0])
-    assert message["schema"] == SCHEMA_VERSION == 1
+    assert message["schema"] == SCHEMA_VERSION == 2
+    assert message["generator_id"] == traj.generator_id
     assert (message["num_prompt_tokens"], message["num_response_tokens"]) == (3, 4)
     arrays = {k: v for k, v in message.items() if isinstance(v, msgpack.ExtType)}
     assert {k: (v.code, len(v.data)) for k, v in arrays.items()} == {
@@ -123,13 +124,13 @@ _LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"].data
 
 
 @pytest.mark.parametrize("frames, match", [
-    ([], "0 frames, schema 1 has 1"),
+    ([], "0 frames, schema 2 has 1"),
     ([_GOOD, b""], "2 frames"),
     ([_GOOD[:-3]], "not valid msgpack"),
     ([b"\xc1\xc1garbage"], "not valid msgpack"),
     ([_GOOD + b"\x00"], "not valid msgpack: ExtraData"),
     ([msgpack.packb([1, 2])], "msgpack list, expected a map"),
-    ([_message(schema=2)], "schema version 2, this decoder reads version 1"),
+    ([_message(schema=3)], "schema version 3, this decoder reads version 2"),
     ([_message(schema=...)], "schema version None"),
     ([_message(reward=...)], r"missing \['reward'\]"),
     ([_message(behavior_logprobs=...)], r"missing \['behavior_logprobs'\]"),

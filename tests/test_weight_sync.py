@@ -104,15 +104,17 @@ def _named(seed=0):
     return [(f"layer{i}.w", torch.randn(64, 33, generator=g)) for i in range(12)] + [("embed", torch.randn(50, 8, generator=g))]
 
 
-def _run(transport: str, num_receivers: int, named, check=None, **cfg_kw):
+def _run(transport: str, num_receivers: int, named, check=None, receiver_transports=None, receivers=None, **cfg_kw):
     cfg = WeightSyncConfig(transport=transport, bucket_size_mb=0.02, **cfg_kw)
-    sender = WeightSender(cfg, num_receivers)
+    sender = WeightSender(cfg, num_receivers, receiver_transports=receiver_transports)
     received: dict[int, dict[str, torch.Tensor]] = {}
     errors: list[BaseException] = []
 
     def receive(rank: int) -> None:
         try:
             rx = WeightReceiver(sender.init_info(), rank)
+            if receivers is not None:
+                receivers[rank] = rx
             rx.connect()
             out = {}
             for bucket in rx.receive(UpdatePlan.from_dict(plan.to_dict()), check=check):
@@ -411,3 +413,159 @@ def test_sglang_transport_resolution():
     assert resolve_transport(auto, "sglang", "sync") == "colocated"
     assert resolve_transport(auto, "sglang", "async") == "shm"
     assert [engine_protocol(b) for b in ("hf", "vllm", "sglang")] == ["async_rl", "async_rl", "sglang"]
+
+
+# ---------------------------------------------------------------------------------------- shm + broadcast in one update
+def test_a_mixed_update_delivers_every_byte_to_shm_and_broadcast_receivers():
+    # Engines on the learner's host read the slots, the others take the same bytes by broadcast.
+    named, receivers = _named(), {}
+    plan, received, errors, metrics = _run("auto", 3, named, receiver_transports=["shm", "broadcast", "shm"],
+                                           receivers=receivers, timeout_s=30)
+    assert not errors
+    assert len(plan.buckets) > 2  # more buckets than slots: the broadcast receiver's acks gate slot reuse too
+    assert metrics["weight_sync/bytes"] == plan.total_bytes  # packed once, not once per receiver
+    for r in range(3):
+        assert set(received[r]) == {n for n, _ in named} | {"lm_head.weight"}
+        for n, t in named:
+            assert torch.equal(received[r][n], t), (r, n)
+        assert torch.equal(received[r]["lm_head.weight"], dict(named)["embed"])
+    assert [(rx.transport, rx.group_rank) for _, rx in sorted(receivers.items())] == [
+        ("shm", None), ("broadcast", 1), ("shm", None)]
+    assert receivers[0]._maps and not receivers[1]._maps  # a remote engine has no slot files to map
+
+
+def test_mixed_sender_init_info_lists_each_receivers_transport_and_group_rank():
+    cfg = WeightSyncConfig(transport="auto", bucket_size_mb=0.02)
+    mixed = WeightSender(cfg, 4, receiver_transports=["broadcast", "shm", "broadcast", "shm"])
+    uniform = WeightSender(cfg, 2, receiver_transports=["shm", "shm"])
+    remote = WeightSender(cfg, 2, receiver_transports=["broadcast", "broadcast"])
+    try:
+        info = mixed.init_info()
+        assert info["transport"] == "shm+broadcast" and info["transports"] == ["broadcast", "shm", "broadcast", "shm"]
+        assert info["group_ranks"] == [1, None, 2, None] and info["world_size"] == 3 and info["num_receivers"] == 4
+        assert len(info["slots"]) == cfg.num_slots
+        # A list of equal entries is that single transport: no group, or no slots.
+        assert (uniform.init_info()["transport"], uniform.init_info()["world_size"]) == ("shm", 1)
+        assert remote.init_info()["transport"] == "broadcast" and remote.init_info()["slots"] == []
+        assert (remote.init_info()["group_ranks"], remote.init_info()["world_size"]) == ([1, 2], 3)
+    finally:
+        for s in (mixed, uniform, remote):
+            s.close()
+
+
+def test_transports_for_targets_by_host():
+    from async_rl.weight_sync import transports_for_targets
+
+    auto = WeightSyncConfig()
+    here_there_here = [True, False, True]
+    assert transports_for_targets(auto, "vllm", "async", here_there_here) == ["shm", "broadcast", "shm"]
+    assert transports_for_targets(auto, "hf", "async", here_there_here) == ["shm", "broadcast", "shm"]
+    assert transports_for_targets(auto, "hf", "async", [True, True]) == ["shm", "shm"]
+    # SGLang cannot mix: one remote engine makes every engine broadcast.
+    assert transports_for_targets(auto, "sglang", "async", [True, False]) == ["broadcast", "broadcast"]
+    assert transports_for_targets(auto, "sglang", "async", [True, True]) == ["shm", "shm"]
+    # Sync mode: as resolve_transport (the engine lives in the learner's process, or beside it).
+    assert transports_for_targets(auto, "hf", "sync", [True]) == ["colocated"]
+    assert transports_for_targets(auto, "vllm", "sync", [True, True]) == ["shm", "shm"]
+    # A forced transport applies to every target, wherever it runs.
+    for forced in ("shm", "broadcast"):
+        cfg = WeightSyncConfig(transport=forced)
+        assert transports_for_targets(cfg, "vllm", "async", here_there_here) == [forced] * 3
+    assert transports_for_targets(auto, "vllm", "async", []) == []
+
+
+def test_a_sender_failure_mid_mixed_update_stops_both_kinds_of_receiver():
+    # The shm receiver sees the sender's error key at once; the broadcast receiver sits in the
+    # collective for the bucket that never comes, and fails when the group's timeout (timeout_s)
+    # runs out, with gloo's own RuntimeError. Neither yields a bucket past the failure.
+    cfg = WeightSyncConfig(bucket_size_mb=0.02, timeout_s=3)
+    sender = WeightSender(cfg, 2, receiver_transports=["shm", "broadcast"])
+    named = _named()
+    plan = sender.plan(named, 1)
+    bad = named[:6] + [(named[6][0], torch.zeros(3))] + named[7:]  # wrong shape in a later bucket
+    first_bad = next(i for i, b in enumerate(plan.buckets) if any(m.name == named[6][0] for m in b))
+    assert first_bad > 0
+    outcomes: list[tuple[int, int, BaseException]] = []  # in the order the receivers stopped
+
+    def receive(rank):
+        rx = WeightReceiver(sender.init_info(), rank)
+        rx.connect()
+        n = 0
+        try:
+            for _ in rx.receive(plan):
+                n += 1
+        except BaseException as e:
+            outcomes.append((rank, n, e))
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    sender.connect()
+    sender.unlink_slots()
+    with pytest.raises(ValueError, match=named[6][0]):
+        sender.send(plan, bad)
+    for t in threads:
+        t.join(timeout=30)
+    sender.close()
+    assert [r for r, _, _ in outcomes] == [0, 1]  # the shm receiver first, without waiting out the timeout
+    (_, n_shm, e_shm), (_, n_bcast, e_bcast) = outcomes
+    assert isinstance(e_shm, RuntimeError) and "sender: ValueError" in str(e_shm)
+    assert isinstance(e_bcast, RuntimeError) and "Timed out" in str(e_bcast)
+    assert n_shm == n_bcast == first_bad
+
+
+def test_mixed_transport_lists_are_refused_where_they_cannot_work():
+    from async_rl.weight_sync import make_transport
+
+    cfg = WeightSyncConfig(bucket_size_mb=0.02)
+    with pytest.raises(ValueError, match="receiver_transports has 1 entries for 2 receivers"):
+        WeightSender(cfg, 2, receiver_transports=["shm"])
+    with pytest.raises(ValueError, match="shm or broadcast, not 'colocated'"):
+        WeightSender(cfg, 2, receiver_transports=["shm", "colocated"])
+    with pytest.raises(ValueError, match="weight_sync.transport=shm or broadcast") as err:
+        WeightSender(cfg, 2, protocol="sglang", receiver_transports=["shm", "broadcast"])
+    assert "SGLang" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="3 transports for 2 targets"):
+        make_transport(cfg, ["shm", "broadcast", "shm"], [object(), object()])
+    with pytest.raises(ValueError, match="colocated cannot mix"):
+        make_transport(cfg, ["colocated", "shm"], [object(), object()])
+    with pytest.raises(ValueError, match="'auto'"):
+        make_transport(cfg, ["auto", "auto"], [object(), object()])
+
+
+def test_publisher_mixes_shm_and_broadcast_into_two_hf_engines(tiny_model_path, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.generators.base import GeneratorConfig
+    from async_rl.generators.hf import HFGenerator
+
+    engines = [HFGenerator(tiny_model_path, GeneratorConfig(max_batch_size=8), tiny_tokenizer.pad_token_id)
+               for _ in range(2)]
+    src = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    assert not any(torch.equal(a, b) for (_, a), (_, b) in zip(engines[1].model.named_parameters(),
+                                                                src.named_parameters()))
+    pub = WeightPublisher(WeightSyncConfig(bucket_size_mb=0.5, timeout_s=60), ["shm", "broadcast"], ModuleWeights(src),
+                          [LocalTarget(e) for e in engines])
+    try:
+        assert pub.transport_name == "shm+broadcast"
+        assert [e._receiver.transport for e in engines] == ["shm", "broadcast"]
+        pub.push(1)
+        with torch.no_grad():
+            for p in src.parameters():
+                p.mul_(1.5)
+        metrics = pub.push(2)  # the same slots and group carry a second update
+        plan = pub.sender._last_plan
+    finally:
+        pub.close()
+    assert len(plan.buckets) > pub.cfg.num_slots
+    assert metrics["weight_sync/bytes"] == plan.total_bytes  # once per update, not once per engine
+    assert pub.published_version == 2
+    for k, engine in enumerate(engines):
+        assert engine.policy_version == 2, k
+        for (n, a), (_, b) in zip(engine.model.named_parameters(), src.named_parameters()):
+            assert torch.equal(a, b), (k, n)
+        assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()

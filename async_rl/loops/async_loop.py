@@ -32,6 +32,7 @@ many-fold on a small machine.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -45,15 +46,31 @@ from ray.util.queue import Queue
 
 from async_rl.buffers.replay import AdmissionController, ReplayBuffer
 from async_rl.buffers.transport import GroupClosed, make_transport
+from async_rl.cluster import Cluster, PlacementConfig
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.loops.pool import GeneratorWorker
 from async_rl.rewards import check_rewards_work
 from async_rl.rewards.model import RewardModel, model_kwargs
 from async_rl.rollout import GroupRequest, RolloutResult, group_seed, reward_model_path
-from async_rl.weight_sync import RayTarget, WeightPublisher, engine_protocol, resolve_transport
+from async_rl.weight_sync import RayTarget, WeightPublisher, engine_protocol, transports_for_targets
 
 logger = logging.getLogger(__name__)
+
+
+def probe_difference(reference: dict, probe: dict) -> dict[str, Any]:
+    """How far an engine's greedy probe (``GeneratorWorker.probe``) is from ``reference``:
+    ``tokens_equal`` (every row's ids), ``max_abs_logprob_diff`` over the common prefix of
+    each row (nats), and whether the policy versions agree."""
+    diff = 0.0
+    for ids_a, lp_a, ids_b, lp_b in zip(reference["response_ids"], reference["logprobs"],
+                                        probe["response_ids"], probe["logprobs"]):
+        same = 0
+        while same < min(len(ids_a), len(ids_b)) and ids_a[same] == ids_b[same]:
+            same += 1
+        diff = max([diff] + [abs(a - b) for a, b in zip(lp_a[:same], lp_b[:same])])
+    return {"tokens_equal": reference["response_ids"] == probe["response_ids"], "max_abs_logprob_diff": diff,
+            "same_version": reference["policy_version"] == probe["policy_version"]}
 
 
 def thread_budget(num_workers: int, threads_per_worker: int, cores: int | None = None) -> tuple[int, int]:
@@ -95,11 +112,11 @@ class AsyncLoop:
         per_worker, learner_threads = thread_budget(g_cfg.num_workers + with_rm, g_cfg.threads_per_worker)
         learner_threads = cfg.learner.num_threads or learner_threads
         torch.set_num_threads(learner_threads)
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            ray.init(num_cpus=max(2, g_cfg.num_workers + 1), include_dashboard=False, log_to_driver=True,
-                     _node_ip_address="127.0.0.1", configure_logging=False)
-        self.receiver, sender_factory = make_transport("zmq", t_cfg.zmq_address, t_cfg.zmq_hwm)
+        self._own_cluster = ctx.cluster is None
+        self.cluster = Cluster.start(cfg) if self._own_cluster else ctx.cluster
+        # Generator actors on other nodes dial this address: the driver node's, not loopback.
+        self.receiver, sender_factory = make_transport(
+            "zmq", t_cfg.zmq_address or f"tcp://{self.cluster.bind_host}:*", t_cfg.zmq_hwm)
         self.buffer = ReplayBuffer(group_size=self.n, max_staleness=t_cfg.max_staleness, max_reuse=t_cfg.max_reuse)
         self.admission = AdmissionController(self.groups_per_step, t_cfg.max_staleness)
         self.requests = Queue()
@@ -112,21 +129,27 @@ class AsyncLoop:
         if with_rm:
             self.reward_actor = ray.remote(num_cpus=0)(RewardModel).remote(
                 reward_model_path(cfg.reward), **model_kwargs(cfg.reward), num_threads=cfg.reward.model_num_threads or per_worker)
-        worker_cls = ray.remote(num_cpus=0, max_concurrency=3)(GeneratorWorker)
-        self.workers = [worker_cls.remote(i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn,
-                                          cfg.reward.on_error, sender_factory, per_worker, cfg.learner.lora,
-                                          cfg.agent, reward_cfg=cfg.reward, reward_model=self.reward_actor)
-                        for i in range(g_cfg.num_workers)]
-        self.transport = resolve_transport(cfg.weight_sync, g_cfg.backend, "async")
-        self.publisher = WeightPublisher(cfg.weight_sync, self.transport, ctx.learner,
+        self.workers = self._place_workers(ctx, tok_path, reward_fn, sender_factory, per_worker)
+        spots = self.cluster.record("generators", self.workers)
+        self.cluster.check_reachable("generator", spots)
+        if self.reward_actor is not None:
+            self.cluster.record("reward_model", [self.reward_actor])
+        # Per actor: shared memory on the trainer's node, a broadcast group to the others.
+        self.transports = transports_for_targets(cfg.weight_sync, g_cfg.backend, "async",
+                                                 [self.cluster.on_driver_node(e) for e in spots])
+        self.publisher = WeightPublisher(cfg.weight_sync, self.transports, ctx.learner,
                                          [RayTarget(w) for w in self.workers],
-                                         protocol=engine_protocol(g_cfg.backend))
+                                         protocol=engine_protocol(g_cfg.backend), host=self.cluster.bind_host)
+        self.transport = self.publisher.transport_name
+        for entry, transport in zip(spots, self.transports):
+            entry["weight_transport"] = transport  # saved in placement.json
         self.published_version = -1
         self._publish()  # the warm-started (or resumed) weights
         self.run_refs = [w.run.remote(self.requests) for w in self.workers]
         self.num_dispatched = 0
         self.num_dynamic_dropped = 0
         self.num_trained_groups = 0
+        self.trained_by_generator: dict[int, int] = {}  # trained samples per actor index
         self._last_rejected_samples = 0
         self._rewards_checked = False
         # Dispatched groups not yet known complete, by id: what a checkpoint must re-issue.
@@ -148,8 +171,24 @@ class AsyncLoop:
             th.start()
         ctx.log.print(f"async mode: {g_cfg.num_workers} {g_cfg.backend} generator actors x {per_worker} threads, "
                       f"learner {learner_threads} threads, max_staleness {t_cfg.max_staleness}, weights over "
-                      f"{self.transport}, "
-                      f"trajectories on {self.receiver.address}")
+                      f"{self.transport}" + (f" (store {self.publisher.sender.host}:{self.publisher.sender.port})"
+                                             if self.publisher.sender is not None else "") +
+                      f", trajectories on {self.receiver.address}")
+
+    def _place_workers(self, ctx: RunContext, tok_path: str, reward_fn, sender_factory, per_worker: int) -> list:
+        """Start the generator actors in the run's placement group (``generator.num_cpus_per_worker``,
+        ``num_gpus_per_worker``, ``node_labels``, ``placement_strategy``)."""
+        cfg, g_cfg = ctx.cfg, ctx.cfg.generator
+        placement = PlacementConfig.of_generators(g_cfg)
+        bundle = placement.bundle(cuda=False)
+        strategies = self.cluster.place("generators", g_cfg.num_workers, placement)
+        # max_concurrency: run() decodes on one thread while weights and stats arrive on others.
+        worker_cls = ray.remote(max_concurrency=3)(GeneratorWorker)
+        return [worker_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                                   scheduling_strategy=strategies[i]).remote(
+                    i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn, cfg.reward.on_error, sender_factory,
+                    per_worker, cfg.learner.lora, cfg.agent, reward_cfg=cfg.reward, reward_model=self.reward_actor)
+                for i in range(g_cfg.num_workers)]
 
     # ------------------------------------------------------------------ background threads
     def _guard(self, fn):
@@ -273,6 +312,8 @@ class AsyncLoop:
         self._last_rejected_samples = counters["rejected_samples"]
         metrics.update(learn_on(self.ctx, step, ro))
         self.num_trained_groups += len(groups)
+        for t in trajs:
+            self.trained_by_generator[t.generator_id] = self.trained_by_generator.get(t.generator_id, 0) + 1
         metrics.update(self._publish())
         now = time.perf_counter()
         stats = self._worker_stats()
@@ -307,6 +348,7 @@ class AsyncLoop:
                 "num_dispatched": self.num_dispatched,
                 "num_dynamic_dropped": self.num_dynamic_dropped,
                 "num_trained_groups": self.num_trained_groups,
+                "trained_by_generator": dict(self.trained_by_generator),
                 "last_rejected_samples": self._last_rejected_samples,
                 "outstanding": list(self._outstanding.values()) + list(self._reissue),
             }
@@ -317,6 +359,7 @@ class AsyncLoop:
         self.num_dispatched = int(state["num_dispatched"])
         self.num_dynamic_dropped = int(state["num_dynamic_dropped"])
         self.num_trained_groups = int(state["num_trained_groups"])
+        self.trained_by_generator = {int(k): int(v) for k, v in state.get("trained_by_generator", {}).items()}
         self._last_rejected_samples = int(state["last_rejected_samples"])
         for request in state["outstanding"]:
             # Its samples in this run's engines are gone; partial ones in the buffer are dropped
@@ -330,6 +373,31 @@ class AsyncLoop:
     def sync_eval_engine(self) -> None:
         """Push the learner's weights into the colocated engine used for evaluation."""
         self.ctx.publisher.push(self.ctx.learner.version)
+
+    def _probe_engines(self, num_prompts: int = 4, max_tokens: int = 16) -> dict[str, float]:
+        """``weight_sync.probe_at_exit``: every actor's engine and the trainer's own (holding the
+        learner's weights) greedily decode the same prompts; the tokens and log-probs, with where
+        each engine ran, go to ``engine_probe.json`` in the run directory. Returns the largest
+        log-prob difference against the trainer's engine over the tokens both produced, and the
+        number of actors whose tokens differ (``weight_sync/probe_*``)."""
+        ds = self.ctx.val_ds if self.ctx.val_ds is not None and len(self.ctx.val_ds) else self.ctx.train_ds
+        prompts = [list(p.prompt_ids) for p in ds.prompts[:num_prompts]]
+        try:
+            probes = ray.get([w.probe.remote(prompts, max_tokens) for w in self.workers], timeout=300)
+        except Exception as e:  # a dead worker was already reported by step()
+            logger.warning("engine probe: %s", e)
+            return {}
+        self.sync_eval_engine()
+        params = dataclasses.replace(self.ctx.eval_params, greedy=True, max_tokens=max_tokens)
+        rows = self.ctx.generator.generate(prompts, 1, params, seeds=[0] * len(prompts))
+        reference = {"policy_version": int(self.ctx.learner.version),
+                     "response_ids": [r[0].response_ids for r in rows], "logprobs": [r[0].logprobs for r in rows]}
+        diffs = [probe_difference(reference, p) for p in probes]
+        (self.ctx.run_dir / "engine_probe.json").write_text(json.dumps(
+            {"prompts": prompts, "max_tokens": max_tokens, "trainer_engine": reference, "actors": probes,
+             "differences": diffs}, indent=1))
+        return {"weight_sync/probe_max_abs_logprob_diff": max(d["max_abs_logprob_diff"] for d in diffs),
+                "weight_sync/probe_token_mismatches": float(sum(not d["tokens_equal"] for d in diffs))}
 
     def ledger(self) -> dict[str, int]:
         """Where every dispatched group went; ``accounted == dispatched`` once the pool is stopped."""
@@ -372,6 +440,10 @@ class AsyncLoop:
             for msg in msgs:
                 self._route(msg)
         summary = {f"pipeline/{k}": v for k, v in self.ledger().items()}
+        if self.ctx.cfg.weight_sync.probe_at_exit:
+            summary.update(self._probe_engines())
+        for i in range(len(self.workers)):
+            summary[f"generator_{i}/trained_samples"] = self.trained_by_generator.get(i, 0)
         summary["pipeline/dropped_duplicate_samples"] = self.buffer.dropped["duplicate"]
         summary["pipeline/malformed_messages"] = self.receiver.num_malformed
         try:
@@ -391,6 +463,6 @@ class AsyncLoop:
             ray.kill(w)
         if self.reward_actor is not None:
             ray.kill(self.reward_actor)
-        if self._started_ray:
-            ray.shutdown()
+        if self._own_cluster:
+            self.cluster.close()
         return summary

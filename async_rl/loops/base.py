@@ -84,7 +84,18 @@ class TrainerConfig:
     max_reuse: int = 1
     """Async: times one group may be trained on (>= 1); 1 = never reused."""
     zmq_address: str | None = None
-    """Async: ZeroMQ address the trajectory receiver binds; ``None`` = a free loopback TCP port."""
+    """Async: ZeroMQ address the trajectory receiver binds; ``None`` = a free TCP port on
+    ``bind_host``."""
+    ray_address: str | None = None
+    """Ray cluster to join (``auto``, or the head's ``host:port``), as ``RAY_ADDRESS`` does
+    (which is read when this is unset); the trainer process becomes the driver and learner rank 0
+    on the node it runs on. ``None`` and no ``RAY_ADDRESS``: async and multi-rank runs start a
+    single-node Ray of their own, bound to loopback (``async_rl.cluster``)."""
+    bind_host: str | None = None
+    """The address every socket of the run binds and announces (trajectory receiver, weight
+    store, learner rendezvous, broadcast groups): an address of the trainer's node that the other
+    nodes reach. ``None`` = the trainer node's IP as Ray knows it on a cluster of several nodes,
+    else ``127.0.0.1`` (one node, nothing reachable from outside)."""
     zmq_hwm: int = 1024
     """Async: ZeroMQ high-water mark in messages (back-pressure on generators); >= 1."""
     seed: int = 0
@@ -154,6 +165,8 @@ class RunContext:
         run_dir: the run directory.
         log: the ``MetricsLogger``.
         agent: the ``AgentLoop`` of multi-turn tool rollouts (``agent.tools`` set), else ``None``.
+        cluster: the run's Ray ``async_rl.cluster.Cluster`` (async mode, Ray-placed learner
+            ranks), else ``None``.
     """
 
     cfg: Any
@@ -171,6 +184,7 @@ class RunContext:
     run_dir: Path
     log: Any
     agent: Any = None
+    cluster: Any = None
 
 
 class Loop(Protocol):

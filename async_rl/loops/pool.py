@@ -38,6 +38,7 @@ from transformers import AutoTokenizer
 
 from async_rl.agent import AgentLoop
 from async_rl.buffers.transport import GroupClosed
+from async_rl.cluster import node_ip, use_node_interface, where
 from async_rl.generators import make_generator
 from async_rl.rewards import RewardScorer
 from async_rl.rollout import GroupRequest, SampleCounts, make_scorer, reward_function, sample_groups
@@ -81,6 +82,12 @@ class GeneratorWorker:
                  reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None,
                  reward_cfg=None, reward_model=None) -> None:
         torch.set_num_threads(max(1, num_threads))
+        # Before the engine starts: its processes inherit it, and a broadcast group on another
+        # node then announces this node's address (async_rl.cluster).
+        use_node_interface(node_ip())
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # a bar per model load, in every actor's log
         self.worker_id = worker_id
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -132,6 +139,19 @@ class GeneratorWorker:
             out.update(self.agent.counts())
         return out
 
+    def probe(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        """Greedy-decode ``prompts`` with the engine's current weights (call once ``run`` has
+        returned): the check that the weights it holds are the learner's (``weight_sync.probe_at_exit``).
+
+        Returns:
+            ``{"worker", "policy_version", "node_id", "node_ip", "hostname", "pid",
+            "response_ids": [[int]], "logprobs": [[float]]}``, one row per prompt.
+        """
+        params = dataclasses.replace(self.params, greedy=True, max_tokens=max_tokens)
+        rows = self.engine.generate(prompts, 1, params, seeds=[0] * len(prompts))
+        return {"worker": self.worker_id, "policy_version": int(self.engine.policy_version), **where(),
+                "response_ids": [r[0].response_ids for r in rows], "logprobs": [r[0].logprobs for r in rows]}
+
     def reward_first_error(self) -> str | None:
         """This actor's first reward failure and where it happened (``RewardScorer.first_error``)."""
         return self.scorer.first_error
@@ -166,10 +186,14 @@ class GeneratorWorker:
         self.sender.close()
         return self.get_stats()
 
+    def _send(self, traj) -> None:
+        traj.generator_id = self.worker_id  # which actor (and so which node) sampled it
+        self.sender.send(traj)
+
     def _serve(self, batch: list[GroupRequest]) -> None:
         # The one rollout road of both modes (async_rl.rollout): here each kept trajectory is
         # streamed the moment its sample is scored, and each group closed once all n are.
         sample_groups(self.engine, batch, self.params, self.tokenizer, self.scorer, self.agent,
-                      on_trajectory=self.sender.send,
+                      on_trajectory=self._send,
                       on_group_closed=lambda r, kept: self.sender.send(GroupClosed(r.group_id, kept)),
                       counts=self.stats, wait_scored=False)

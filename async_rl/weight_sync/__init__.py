@@ -11,16 +11,23 @@ Transports (``weight_sync.transport``):
   acknowledge. Measured 3-4x faster than any socket on these machines (``bench/bench_weight_sync.py``
   puts it beside the gloo broadcast).
 * ``broadcast``: a ``torch.distributed`` process group of its own (gloo on CPU, NCCL on GPU) with
-  the learner's sender as rank 0 and generator k as rank k + 1; each bucket is one broadcast. It
-  never touches the default group, which the learner's FSDP ranks and vLLM's workers own.
+  the learner's sender as rank 0 and the broadcast generators as ranks 1.. in order (generator k
+  is rank k + 1 when all are broadcast); each bucket is one broadcast. It never touches the
+  default group, which the learner's FSDP ranks and vLLM's workers own.
+* **Both in one update** (multi-node): each generator gets its own transport
+  (``transports_for_targets``: with ``auto`` in async mode, ``shm`` for the engines on the
+  learner's host and ``broadcast`` for the others; a forced ``weight_sync.transport`` applies to
+  all). The sender packs each bucket once into a shm slot and broadcasts that slot's bytes to
+  the group, which holds only the broadcast generators. HF and vLLM engines mix; SGLang engines
+  do not (their schedulers join the group themselves): with a remote one, all of them take broadcast.
 
 Protocol (one ``WeightSender`` on the learner, one ``WeightReceiver`` in each engine process):
 
-1. **Rendezvous** (once). The sender starts a ``TCPStore`` and, for ``shm``, allocates its slots;
-   ``init_info()`` is a plain dict (JSON-able: it travels through Ray or vLLM's
-   ``init_weight_transfer_engine``) from which each receiver connects with its rank. For
-   ``broadcast`` the process group forms when the sender and every receiver have connected (the
-   caller runs both sides concurrently).
+1. **Rendezvous** (once). The sender starts a ``TCPStore`` and, if any receiver is ``shm``, allocates
+   its slots; ``init_info()`` is a plain dict (JSON-able: it travels through Ray or vLLM's
+   ``init_weight_transfer_engine``) from which each receiver connects with its rank (and learns its
+   own transport). For ``broadcast`` the process group forms when the sender and every broadcast
+   receiver have connected (the caller runs both sides concurrently).
 2. **Per-version update**. ``plan_update(named_shapes, version)`` lays the tensors out in buckets
    (names, dtypes, shapes, byte offsets; tied aliases carry no bytes; a decoder layer is never
    split across buckets, because a loader may keep a partial layer's tensors until it is whole). The
@@ -85,7 +92,7 @@ An engine's ``policy_version`` moves only with a complete update, and ``WeightPu
 a version only when every engine loaded all of it.
 
 Modules (every name is importable from ``async_rl.weight_sync``): ``config`` (settings,
-``resolve_transport``), ``plan`` (bucket layout, dtype rule), ``check`` (``check_update``: the
+``resolve_transport``, ``transports_for_targets``), ``plan`` (bucket layout, dtype rule), ``check`` (``check_update``: the
 whole update against an engine), ``sources`` (what a push reads), ``wire``
 (``WeightSender``/``WeightReceiver``), ``publisher`` (engine targets, the transport objects and
 ``WeightPublisher``: the one path every push takes; ``colocated`` is a transport object like
@@ -94,7 +101,7 @@ whole update against an engine), ``sources`` (what a push reads), ``wire``
 
 from async_rl.weight_sync.check import UnknownWeightError, WeightUpdateError, check_update, map_to_engine
 from async_rl.weight_sync.config import (TRANSPORTS, WIRE_DTYPES, WeightSyncConfig, engine_protocol,
-                                         replace_transport, resolve_transport)
+                                         replace_transport, resolve_transport, transports_for_targets)
 from async_rl.weight_sync.plan import (DTYPES, TensorMeta, UpdatePlan, converts_to, dtype_name, layer_key,
                                        pack_bucket, plan_update, unpack_bucket)
 from async_rl.weight_sync.publisher import (BucketTransport, ColocatedTransport, LocalTarget, RayTarget, Transport,
@@ -108,4 +115,4 @@ __all__ = ["BucketTransport", "ColocatedTransport", "DTYPES", "LocalTarget", "Mo
            "WeightUpdateError", "check_update", "converts_to", "dtype_name", "engine_protocol", "layer_key",
            "make_transport",
            "map_to_engine", "pack_bucket", "plan_update", "replace_transport", "resolve_transport", "tied_aliases",
-           "unpack_bucket"]
+           "transports_for_targets", "unpack_bucket"]

@@ -1,9 +1,11 @@
-"""Weight-sync settings (``weight_sync.*``) and the transport ``auto`` resolves to."""
+"""Weight-sync settings (``weight_sync.*``) and the transport ``auto`` resolves to (one for all
+engines: ``resolve_transport``; per engine by host: ``transports_for_targets``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 TRANSPORTS = ("auto", "colocated", "shm", "broadcast")
 WIRE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -16,7 +18,9 @@ class WeightSyncConfig:
     transport: str = "auto"
     """``colocated`` (engine in the learner's process), ``shm`` (same-host shared memory),
     ``broadcast`` (a torch.distributed group: gloo on CPU, NCCL on GPU), or ``auto``: colocated for
-    the HF and SGLang engines in sync mode (SGLang: ``update_weights_from_tensor``), else shm."""
+    the HF and SGLang engines in sync mode (SGLang: ``update_weights_from_tensor``), else shm, and in
+    async mode broadcast for the engines on other hosts than the learner's, in the same update
+    (``transports_for_targets``; SGLang then takes broadcast for all)."""
     bucket_size_mb: float = 256.0
     """Bucket size in MiB (> 0). A tensor larger than a bucket gets a bucket of its own size."""
     num_slots: int = 2
@@ -26,6 +30,12 @@ class WeightSyncConfig:
     (the engine converts to its own dtype when loading)."""
     timeout_s: float = 300.0
     """A sync (all buckets to every generator, loaded) that takes longer fails with a diagnostic."""
+    probe_at_exit: bool = False
+    """Async mode: at the end of the run every generator actor and the trainer's own engine
+    (holding the learner's weights) greedily decode the same few prompts; tokens, log-probs and
+    where each engine ran go to ``engine_probe.json`` in the run directory, the largest log-prob
+    difference to ``weight_sync/probe_max_abs_logprob_diff`` in the summary. A check that every
+    engine, on every node, ends on the learner's weights (costs one short greedy batch per actor)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -50,6 +60,35 @@ def resolve_transport(cfg: WeightSyncConfig, backend: str, mode: str) -> str:
     if cfg.transport != "auto":
         return cfg.transport
     return "colocated" if (backend in ("hf", "sglang") and mode == "sync") else "shm"
+
+
+def transports_for_targets(cfg: WeightSyncConfig, backend: str, mode: str, same_host: Sequence[bool]) -> list[str]:
+    """The transport of each engine target in one update, by where it runs.
+
+    A forced ``cfg.transport`` applies to every target. ``auto``: ``resolve_transport`` for each,
+    except that in ``async`` mode a target off the learner's host gets ``broadcast`` (shared
+    memory does not leave a host), and with ``backend="sglang"`` one remote target makes every
+    target ``broadcast`` (SGLang engines do not mix: their schedulers join the broadcast group
+    themselves, ``WeightSender``).
+
+    Args:
+        cfg: weight-sync settings.
+        backend: the engine backend, ``hf``, ``vllm`` or ``sglang``.
+        mode: the trainer mode, ``sync`` or ``async``.
+        same_host: per target, whether it runs on the learner's host.
+
+    Returns:
+        One transport name per target (``colocated``, ``shm`` or ``broadcast``), e.g.
+        ``["shm", "broadcast", "shm"]`` for ``auto``, ``vllm``, ``async``, ``[True, False, True]``.
+    """
+    if cfg.transport != "auto":
+        return [cfg.transport] * len(same_host)
+    local = resolve_transport(cfg, backend, mode)
+    if mode != "async" or all(same_host):
+        return [local] * len(same_host)
+    if backend == "sglang":
+        return ["broadcast"] * len(same_host)
+    return [local if here else "broadcast" for here in same_host]
 
 
 def engine_protocol(backend: str) -> str:

@@ -1,10 +1,10 @@
 """The learner's driver of every push: engine targets, the transport objects (``colocated``,
-``shm``/``broadcast``) and ``WeightPublisher``."""
+``shm``/``broadcast``, or both in one update: each target by its own) and ``WeightPublisher``."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
@@ -149,7 +149,7 @@ class Transport(Protocol):
     whatever the transport."""
 
     name: str
-    """``colocated``, ``shm`` or ``broadcast``."""
+    """``colocated``, ``shm``, ``broadcast`` or ``shm+broadcast`` (a mixed update), for display and metrics."""
     sender: WeightSender | None
     """The bucket sender (``shm``/``broadcast``), or ``None``."""
 
@@ -207,22 +207,32 @@ class BucketTransport:
 
     Args:
         cfg: weight-sync settings (``cfg.transport`` is ignored; ``transport`` rules).
-        transport: ``shm`` or ``broadcast``.
+        transport: ``shm`` or ``broadcast`` for every target, or one of them per target (e.g.
+            ``["shm", "broadcast"]``: shm for the engines on the learner's host, broadcast for the
+            others, each bucket packed once); a list of equal entries is that single name.
         targets: ``WeightTarget``s (all of one kind).
         device: where the learner's tensors live: ``cuda`` makes ``broadcast`` use NCCL.
         protocol: the engines' bucket protocol (``config.engine_protocol``): ``async_rl`` or ``sglang``.
+        host: the address engines reach the sender's store (and broadcast group) at: this host's
+            address on the network they share (``127.0.0.1`` when all run here).
 
     Raises:
+        ValueError: a transport other than ``shm``/``broadcast``, a list whose length is not the
+            number of targets, or a mixed list with ``protocol="sglang"``.
         TimeoutError: a receiver did not connect within ``cfg.timeout_s``.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, transport: str, targets: list, device: str = "cpu",
-                 protocol: str = "async_rl") -> None:
-        self.cfg, self.name, self.targets = cfg, transport, targets
-        self.sender = WeightSender(replace_transport(cfg, transport), len(targets), device=device, protocol=protocol)
+    def __init__(self, cfg: WeightSyncConfig, transport: str | Sequence[str], targets: list, device: str = "cpu",
+                 protocol: str = "async_rl", host: str = "127.0.0.1") -> None:
+        transports = _per_target(transport, targets)
+        self.cfg, self.targets = cfg, targets
+        single = transport if isinstance(transport, str) else (transports[0] if len(set(transports)) == 1 else None)
+        self.sender = WeightSender(replace_transport(cfg, single) if single else cfg, len(targets), host=host,
+                                   device=device, protocol=protocol, receiver_transports=transports)
+        self.name = self.sender.name
         handles = [t.connect(self.sender.init_info(), r) for r, t in enumerate(targets)]
-        self.sender.connect()  # broadcast: the group forms here, with every receiver joining
-        _wait(targets, handles, cfg.timeout_s, f"weight sync ({transport}) timed out after {cfg.timeout_s:.0f} s "
+        self.sender.connect()  # broadcast: the group forms here, with every broadcast receiver joining
+        _wait(targets, handles, cfg.timeout_s, f"weight sync ({self.name}) timed out after {cfg.timeout_s:.0f} s "
                                                f"connecting")
         self.sender.unlink_slots()
 
@@ -271,19 +281,41 @@ class BucketTransport:
         self.sender.close()
 
 
-def make_transport(cfg: WeightSyncConfig, transport: str, targets: list, device: str = "cpu",
-                   protocol: str = "async_rl") -> Transport:
-    """The transport object of a resolved ``transport`` name over ``targets``: a
-    ``ColocatedTransport`` or a (connected) ``BucketTransport`` speaking ``protocol``.
+def _per_target(transport: str | Sequence[str], targets: list) -> list[str]:
+    # One name per target; a bare name applies to all.
+    if isinstance(transport, str):
+        return [transport] * len(targets)
+    transports = list(transport)
+    if len(transports) != len(targets):
+        raise ValueError(f"weight_sync: {len(transports)} transports for {len(targets)} targets (one per target)")
+    return transports
+
+
+def make_transport(cfg: WeightSyncConfig, transport: str | Sequence[str], targets: list, device: str = "cpu",
+                   protocol: str = "async_rl", host: str = "127.0.0.1") -> Transport:
+    """The transport object of a resolved ``transport`` over ``targets``: a ``ColocatedTransport``
+    or a (connected) ``BucketTransport`` speaking ``protocol``.
+
+    Args:
+        transport: a resolved name (``resolve_transport``) for every target, or one per target
+            (``transports_for_targets``); a list of equal entries is that single name, a mixed
+            one may hold only ``shm`` and ``broadcast``.
+        host: the sender's address as the engines reach it (``BucketTransport``).
 
     Raises:
-        ValueError: ``auto`` or an unknown name; ``colocated`` with targets not in this process.
+        ValueError: ``auto`` or an unknown name; ``colocated`` with targets not in this process
+            or mixed with another transport; a list whose length is not the number of targets; a
+            mixed list with ``protocol="sglang"``.
     """
-    if transport == "colocated":
+    transports = _per_target(transport, targets)
+    names = sorted(set(transports)) or [transport]  # no targets: the bare name still decides
+    if names == ["colocated"]:
         return ColocatedTransport(cfg, targets)
-    if transport in ("shm", "broadcast"):
-        return BucketTransport(cfg, transport, targets, device, protocol)
-    raise ValueError(f"not a resolved weight_sync transport: {transport!r} (resolve_transport first)")
+    unresolved = [n for n in names if n not in ("shm", "broadcast")]
+    if unresolved:
+        raise ValueError(f"not a resolved weight_sync transport: {unresolved[0]!r} (resolve_transport first"
+                         f"{'; colocated cannot mix with shm or broadcast' if unresolved == ['colocated'] else ''})")
+    return BucketTransport(cfg, transports, targets, device, protocol, host)
 
 
 class WeightPublisher:
@@ -294,23 +326,31 @@ class WeightPublisher:
 
     Args:
         cfg: weight-sync settings.
-        transport: the resolved transport (``resolve_transport``): ``colocated``, ``shm`` or ``broadcast``.
+        transport: the resolved transport (``resolve_transport``): ``colocated``, ``shm`` or
+            ``broadcast``; or one per target (``transports_for_targets``), e.g. ``["shm",
+            "broadcast"]`` (``make_transport``).
         learner: the ``WeightSource`` (a learner, ``ModuleWeights``, ``NamedTensors``).
         targets: ``WeightTarget``s (``LocalTarget``s or ``RayTarget``s, all of one kind).
         device: where the learner's tensors live: ``cuda`` makes ``broadcast`` use NCCL.
         protocol: the engines' bucket protocol (``config.engine_protocol(generator.backend)``).
+        host: the address engines on other hosts reach the sender at (``127.0.0.1``: all on this host).
 
     Raises:
-        ValueError: ``colocated`` with targets that are not in this process, or an unresolved
-            transport name.
+        ValueError: ``colocated`` with targets that are not in this process, an unresolved
+            transport name, or a bad per-target list (``make_transport``).
         TimeoutError: ``shm``/``broadcast``: a target did not connect within ``cfg.timeout_s``.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, transport: str, learner: WeightSource, targets: list,
-                 device: str = "cpu", protocol: str = "async_rl") -> None:
+    def __init__(self, cfg: WeightSyncConfig, transport: str | Sequence[str], learner: WeightSource, targets: list,
+                 device: str = "cpu", protocol: str = "async_rl", host: str = "127.0.0.1") -> None:
         self.cfg, self.transport, self.learner, self.targets = cfg, transport, learner, targets
         self.published_version: int | None = None
-        self._transport = make_transport(cfg, transport, targets, device, protocol)
+        self._transport = make_transport(cfg, transport, targets, device, protocol, host)
+
+    @property
+    def transport_name(self) -> str:
+        """For display and metrics: ``colocated``, ``shm``, ``broadcast`` or ``shm+broadcast`` (mixed)."""
+        return self._transport.name
 
     @property
     def sender(self) -> WeightSender | None:

@@ -1,5 +1,9 @@
 """The two ends of a bucket transfer (``shm`` slots or a ``broadcast`` group): ``WeightSender`` on
-the learner, ``WeightReceiver`` in each engine process (protocol: ``async_rl.weight_sync``)."""
+the learner, ``WeightReceiver`` in each engine process (protocol: ``async_rl.weight_sync``).
+
+One sender may serve each receiver by its own transport in the same update (``receiver_transports``):
+engines on the learner's host read the shared-memory slots, engines on other hosts take the same
+bucket bytes through the broadcast group, which holds the sender and the broadcast receivers only."""
 
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ class WeightSender:
     """The learner's end of the weight sync layer (see the module docstring for the protocol).
 
     Args:
-        cfg: weight-sync settings; ``cfg.transport`` must be ``shm`` or ``broadcast``.
+        cfg: weight-sync settings; ``cfg.transport`` must be ``shm`` or ``broadcast`` unless
+            ``receiver_transports`` is given (then it is not read).
         num_receivers: generator engines that receive every update (>= 1).
         host: address receivers reach the store at (``127.0.0.1`` for one host).
         device: ``cpu`` (gloo) or ``cuda`` (NCCL) for ``broadcast``.
@@ -39,21 +44,50 @@ class WeightSender:
             sender's store, group name ``prefix``), and buckets are packed back to back
             (``plan_update(align=1)``), the layout of its ``update_weights_from_distributed(
             load_format="flattened_bucket")``.
+        receiver_transports: each receiver rank's transport, ``shm`` or ``broadcast`` (length
+            ``num_receivers``); ``None``: ``cfg.transport`` for all. Each bucket is packed once,
+            into a shm slot when any receiver is ``shm``, and the broadcast receivers get the
+            same bytes through the group (sender = group rank 0, the broadcast receivers ranks
+            1.. in receiver order: ``init_info()["group_ranks"]``). Slots exist only when some
+            receiver is ``shm``. A mixed list needs ``protocol="async_rl"``.
 
     Raises:
-        ValueError: a transport this class does not carry (``colocated`` needs no sender), or an
-            unknown protocol.
+        ValueError: a transport this class does not carry (``colocated`` needs no sender), a
+            ``receiver_transports`` of the wrong length, an unknown protocol, or a mixed list
+            with ``protocol="sglang"``.
+
+    Attributes:
+        name: ``shm``, ``broadcast`` or ``shm+broadcast`` (mixed); display, diagnostics and
+            ``init_info()["transport"]``.
+        transports: each receiver rank's transport.
+        group_ranks: each receiver rank's rank in the broadcast group (``None`` for ``shm``).
     """
 
     def __init__(self, cfg: WeightSyncConfig, num_receivers: int, host: str = "127.0.0.1", device: str = "cpu",
-                 protocol: str = "async_rl") -> None:
+                 protocol: str = "async_rl", receiver_transports: Sequence[str] | None = None) -> None:
         import torch.distributed as dist
 
-        if cfg.transport not in ("shm", "broadcast"):
-            raise ValueError(f"WeightSender carries shm or broadcast, not {cfg.transport!r}")
         if protocol not in ("async_rl", "sglang"):
             raise ValueError(f"unknown weight sync protocol {protocol!r} (async_rl or sglang)")
+        transports = [cfg.transport] * num_receivers if receiver_transports is None else list(receiver_transports)
+        if len(transports) != num_receivers:
+            raise ValueError(f"receiver_transports has {len(transports)} entries for {num_receivers} receivers")
+        bad = sorted({t for t in transports if t not in ("shm", "broadcast")})
+        if bad:
+            raise ValueError(f"WeightSender carries shm or broadcast, not {bad[0]!r}")
+        if protocol == "sglang" and len(set(transports)) > 1:
+            raise ValueError("SGLang engines cannot mix shm and broadcast in one update (their schedulers join the "
+                             "broadcast group themselves): set weight_sync.transport=shm or broadcast")
         self.cfg, self.num_receivers, self.device, self.protocol = cfg, num_receivers, device, protocol
+        self.transports = transports
+        self.name = "shm+broadcast" if len(set(transports)) > 1 else (transports[0] if transports else cfg.transport)
+        # Group rank of each receiver: 1.. over the broadcast receivers in rank order, None for shm.
+        bcast = [r for r, t in enumerate(transports) if t == "broadcast"]
+        self.group_ranks: list[int | None] = [None] * num_receivers
+        for k, r in enumerate(bcast):
+            self.group_ranks[r] = k + 1
+        self.group_world = 1 + len(bcast)
+        self._shm = "shm" in transports
         self.store = dist.TCPStore(host, 0, num_receivers + 1, True, timeout=_store_timeout(cfg.timeout_s),
                                    wait_for_workers=False)
         self.host, self.port = host, self.store.port
@@ -63,7 +97,7 @@ class WeightSender:
         self._slot_bytes = 0
         self.group = None
         self.num_updates = 0
-        if cfg.transport == "shm":
+        if self._shm:
             self._alloc_slots(cfg.bucket_bytes)
         import atexit
 
@@ -86,9 +120,15 @@ class WeightSender:
         self.slots, self._slot_paths = [], []
 
     def init_info(self) -> dict[str, Any]:
-        """What a receiver needs to connect (JSON-able)."""
-        return {"transport": self.cfg.transport, "host": self.host, "port": self.port,
-                "world_size": self.num_receivers + 1, "timeout_s": self.cfg.timeout_s,
+        """What a receiver needs to connect (JSON-able).
+
+        ``transport``: ``shm``, ``broadcast``, or ``shm+broadcast`` for a mixed sender;
+        ``transports``/``group_ranks``: per receiver rank, its transport and its rank in the
+        broadcast group (``None`` for ``shm``); ``world_size``: the broadcast group's size (the
+        sender plus the broadcast receivers); ``num_receivers``: all receivers."""
+        return {"transport": self.name, "transports": list(self.transports), "group_ranks": list(self.group_ranks),
+                "host": self.host, "port": self.port, "num_receivers": self.num_receivers,
+                "world_size": self.group_world, "timeout_s": self.cfg.timeout_s,
                 "device": self.device, "prefix": self.prefix, "protocol": self.protocol,
                 "group_name": self.prefix,
                 "slots": [[p, self._slot_bytes] for p in self._slot_paths]}
@@ -104,10 +144,11 @@ class WeightSender:
                 pass
 
     def connect(self) -> None:
-        """Join the broadcast group (blocks until every receiver connects); no-op for ``shm``."""
-        if self.cfg.transport == "broadcast" and self.group is None:
+        """Join the broadcast group (blocks until every broadcast receiver connects); no-op when
+        every receiver is ``shm``."""
+        if self.group_world > 1 and self.group is None:
             new = _sglang_group if self.protocol == "sglang" else _new_group
-            self.group = new(self.store, 0, self.num_receivers + 1, self.device, self.cfg.timeout_s, self.prefix)
+            self.group = new(self.store, 0, self.group_world, self.device, self.cfg.timeout_s, self.prefix)
 
     def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: int,
              aliases: dict[str, str] | None = None) -> UpdatePlan:
@@ -121,7 +162,7 @@ class WeightSender:
         wire = None if self.cfg.wire_dtype == "auto" else DTYPES[self.cfg.wire_dtype]
         plan = plan_update(meta, version, self.cfg.bucket_bytes, aliases, wire,
                            **({"align": 1} if self.protocol == "sglang" else {}))
-        if self.cfg.transport == "shm" and max(plan.bucket_nbytes) > self._slot_bytes:
+        if self._shm and max(plan.bucket_nbytes) > self._slot_bytes:
             self._alloc_slots(max(plan.bucket_nbytes))  # one oversized tensor: grow the slots once
         return plan
 
@@ -169,13 +210,18 @@ class WeightSender:
                 # A sharded learner's parameter is gathered here, one at a time.
                 got[name] = t.full_tensor() if isinstance(t, DTensor) else t
             t0 = time.perf_counter()
-            if self.cfg.transport == "shm":
+            if self._shm:
                 if i >= nslots:  # slot reuse: every receiver must be done with bucket i - nslots
                     self._wait_count(plan, f"ack{i - nslots}", self.num_receivers, deadline)
                 buf = self.slots[i % nslots][: plan.bucket_nbytes[i]]
                 pack_bucket(buf, metas, got)
                 t1 = time.perf_counter()
+                # Announced first: shm receivers load while the broadcast below is in flight.
                 self.store.set(f"{plan.update_id}/bucket{i}", f"{self._slot_paths[i % nslots]}:{self._slot_bytes}")
+                if self.group is not None:
+                    # The slot's bytes, not a second pack; NCCL needs them on the device first.
+                    self.group.broadcast(buf if buf.device.type == torch.device(self.device).type
+                                         else buf.to(self.device), 0).wait()
             else:
                 if bcast_buf is None or bcast_buf.numel() < plan.bucket_nbytes[i]:
                     bcast_buf = torch.empty(max(plan.bucket_nbytes), dtype=torch.uint8, device=self.device)
@@ -215,7 +261,7 @@ class WeightSender:
         """Where each receiver stands in ``plan`` (for a timeout message)."""
         ready = self.store.add(f"{plan.update_id}/ready", 0)
         acks = [self.store.add(f"{plan.update_id}/ack{i}", 0) for i in range(len(plan.buckets))]
-        return (f"weight sync v{plan.version} ({self.cfg.transport}) timed out after {self.cfg.timeout_s:.0f} s "
+        return (f"weight sync v{plan.version} ({self.name}) timed out after {self.cfg.timeout_s:.0f} s "
                 f"{what}: {ready}/{self.num_receivers} receivers ready; acknowledgements per bucket {acks}")
 
     def close(self) -> None:
@@ -255,14 +301,23 @@ class WeightReceiver:
     Args:
         init_info: ``WeightSender.init_info()``.
         rank: this receiver's index among the sender's receivers (0-based).
+
+    Attributes:
+        transport: this receiver's own transport, ``shm`` or ``broadcast`` (a mixed sender serves
+            each receiver by its own).
+        group_rank: its rank in the broadcast group (``None`` for ``shm``).
     """
 
     def __init__(self, init_info: dict[str, Any], rank: int) -> None:
         import torch.distributed as dist
 
         self.info, self.rank = dict(init_info), rank
-        self.transport = init_info["transport"]
-        self.store = dist.TCPStore(init_info["host"], int(init_info["port"]), int(init_info["world_size"]), False,
+        # init_info without the per-rank lists comes from a uniform sender (group rank = rank + 1).
+        self.transport = init_info["transports"][rank] if "transports" in init_info else init_info["transport"]
+        self.group_rank = init_info["group_ranks"][rank] if "group_ranks" in init_info else (
+            rank + 1 if self.transport == "broadcast" else None)
+        num_receivers = int(init_info.get("num_receivers", int(init_info["world_size"]) - 1))
+        self.store = dist.TCPStore(init_info["host"], int(init_info["port"]), num_receivers + 1, False,
                                    timeout=_store_timeout(float(init_info["timeout_s"])))
         self.group = None
         self._maps: dict[str, torch.Tensor] = {}
@@ -270,11 +325,12 @@ class WeightReceiver:
 
     def connect(self) -> None:
         """Map the shm slots, or join the broadcast group (blocks until the sender and all
-        receivers connect)."""
-        for path, nbytes in self.info.get("slots", []):
-            self._slot(path, int(nbytes))
+        broadcast receivers connect)."""
+        if self.transport == "shm":  # a broadcast receiver may be on another host, without the files
+            for path, nbytes in self.info.get("slots", []):
+                self._slot(path, int(nbytes))
         if self.transport == "broadcast" and self.group is None:
-            self.group = _new_group(self.store, self.rank + 1, int(self.info["world_size"]), self.info["device"],
+            self.group = _new_group(self.store, self.group_rank, int(self.info["world_size"]), self.info["device"],
                                     float(self.info["timeout_s"]), self.info["prefix"])
 
     def fail(self, plan: UpdatePlan, message: str) -> None:

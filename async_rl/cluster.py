@@ -1,0 +1,358 @@
+"""The Ray cluster of one run: joining a cluster (or starting a single-node one), the address
+every socket binds, and where each actor is placed.
+
+::
+
+    trainer process = Ray driver, learner rank 0   (node A, ``bind_host``)
+      ├─ binds: trajectory receiver (ZeroMQ PULL), weight store (TCPStore), learner rendezvous
+      ├─ placement group "learner" (PACK):    learner ranks 1..N-1, one bundle each
+      └─ placement group "generators" (SPREAD): generator actors, one bundle each
+           actors on node A get weights over shared memory, actors on other nodes by broadcast
+
+* **Joining**: ``trainer.ray_address`` (or ``RAY_ADDRESS``, as Ray users expect) connects to a
+  running cluster (``ray start --head`` / ``ray start --address ...``); the trainer process is
+  the driver. Without either, the run starts a Ray of its own on this machine, bound to
+  loopback, and shuts it down at the end.
+* **Addresses**: every socket the pipeline binds uses ``bind_host``: ``trainer.bind_host``, or
+  the driver's node IP as Ray knows it on a cluster of several nodes, or ``127.0.0.1`` on a
+  single node (the Ray a run starts itself; nothing is then reachable from another machine). Gloo (and NCCL's bootstrap) pick the
+  interface of their own process's node IP (``use_node_interface``): left to themselves they
+  resolve the host name, which on many machines maps to ``127.0.0.1``, and announce an address
+  other nodes cannot dial.
+* **Placement**: each role is one Ray placement group (``Placement``), one bundle per actor of
+  ``{"CPU": num_cpus, "GPU": num_gpus}`` and an optional node label selector: packed for the
+  learner (its collectives want one fast link), spread for the generators (their engines share
+  nothing). Where each actor landed is printed at start and written to ``placement.json`` in the
+  run directory. Ray's CPU accounting only admits actors; their torch threads come from the
+  thread budget (``loops.async_loop.thread_budget``), since Ray does not pin cores.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+"""The single-node default: what a run binds on the Ray it starts itself."""
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+"""Ray placement group strategies (``ray.util.placement_group``)."""
+
+PLACEMENT_TIMEOUT_S = 300.0
+"""How long a placement group may wait for the cluster's resources before the run stops with
+what it asked for and what the cluster has (seconds)."""
+
+
+@dataclass
+class PlacementConfig:
+    """The Ray resources of one role's actors, from ``generator.{num_cpus_per_worker,
+    num_gpus_per_worker, node_labels, placement_strategy}`` or the learner's ``*_per_rank`` keys
+    (``of_generators``, ``of_learner``).
+
+    Attributes:
+        num_cpus: CPUs Ray reserves per actor (>= 0).
+        num_gpus: GPUs per actor (>= 0); ``None`` = 1 where the role runs on CUDA, else 0.
+        node_labels: Ray node labels every actor's node must carry; empty = any node.
+        strategy: Ray placement strategy (``PLACEMENT_STRATEGIES``).
+    """
+
+    num_cpus: float
+    num_gpus: float | None
+    node_labels: dict[str, str] = field(default_factory=dict)
+    strategy: str = "PACK"
+
+    @classmethod
+    def of_generators(cls, g_cfg) -> "PlacementConfig":
+        """The generator actors' placement (``GeneratorConfig``)."""
+        return cls(g_cfg.num_cpus_per_worker, g_cfg.num_gpus_per_worker, dict(g_cfg.node_labels),
+                   g_cfg.placement_strategy)
+
+    @classmethod
+    def of_learner(cls, l_cfg) -> "PlacementConfig":
+        """The learner ranks' placement (``LearnerConfig``; ranks 1..N-1, rank 0 is the trainer)."""
+        return cls(l_cfg.num_cpus_per_rank, l_cfg.num_gpus_per_rank, dict(l_cfg.node_labels),
+                   l_cfg.placement_strategy)
+
+    def bundle(self, cuda: bool) -> dict[str, float]:
+        """One actor's Ray resources.
+
+        Raises:
+            ValueError: neither CPUs nor GPUs asked for (Ray refuses an empty bundle).
+        """
+        gpus = self.num_gpus if self.num_gpus is not None else (1.0 if cuda else 0.0)
+        out = {k: float(v) for k, v in (("CPU", self.num_cpus), ("GPU", gpus)) if v}
+        if not out:
+            raise ValueError("a placement needs num_cpus > 0 or num_gpus > 0 (Ray refuses an empty bundle)")
+        return out
+
+
+def check_placement(section: str, unit: str, num_cpus: float, num_gpus: float | None, strategy: str) -> None:
+    """Validate one role's placement keys (``<section>.num_cpus_per_<unit>``, ...).
+
+    Raises:
+        ValueError: a negative count, no resources at all, or an unknown strategy (one line).
+    """
+    if num_cpus < 0 or (num_gpus is not None and num_gpus < 0):
+        raise ValueError(f"{section}.num_cpus_per_{unit} and num_gpus_per_{unit} must be >= 0, got {num_cpus} "
+                         f"and {num_gpus}")
+    if num_cpus == 0 and num_gpus == 0:
+        raise ValueError(f"{section}.num_cpus_per_{unit} and num_gpus_per_{unit} are both 0: Ray places an actor "
+                         "only with some resource (its threads are set apart from this)")
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"{section}.placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}")
+
+
+def ray_address(trainer_cfg) -> str | None:
+    """The cluster to join: ``trainer.ray_address``, else ``RAY_ADDRESS``, else ``None`` (start one)."""
+    return trainer_cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+def node_ip() -> str:
+    """This process's node IP as Ray knows it: the address its raylet registered with
+    (``ray start --node-ip-address``, or ``127.0.0.1`` for a run's own Ray). Not
+    ``ray.util.get_node_ip_address()``, which answers with this host's default-route address
+    whatever the node was started with."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface holding IPv4 address ``ip`` on this host (Linux
+    ``SIOCGIFADDR``), or ``None``."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(raw[20:24]) == ip:
+            return name
+    return None
+
+
+def use_node_interface(ip: str) -> str | None:
+    """Make gloo and NCCL's bootstrap in this process use the interface holding ``ip`` (this
+    node's address), by ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. Call before the process
+    forms a group with ranks on other nodes; children it starts inherit it. Variables the user set
+    are left alone, and nothing changes on loopback.
+
+    Returns:
+        The interface chosen, or ``None`` (loopback, already set, or no interface holds ``ip``).
+    """
+    if ip.startswith("127.") or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    name = interface_of(ip)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+    return name
+
+
+def where() -> dict[str, Any]:
+    """Where the calling process runs: Ray node id and IP, host name, pid."""
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_ip(),
+            "hostname": socket.gethostname(), "pid": os.getpid()}
+
+
+def _where_actor(instance) -> dict[str, Any]:  # run inside an actor by ``__ray_call__``
+    return where()
+
+
+def ray_cpus_needed(cfg) -> int:
+    """Logical CPUs a Ray of the run's own must offer to admit every actor it places: learner
+    ranks 1..N-1 and, in async mode, the generator actors."""
+    need = (cfg.learner.world_size - 1) * cfg.learner.num_cpus_per_rank
+    if cfg.trainer.mode == "async":
+        need += cfg.generator.num_workers * cfg.generator.num_cpus_per_worker
+    return int(math.ceil(need))
+
+
+class Cluster:
+    """The Ray cluster one run uses (``Cluster.start``); ``close`` releases what the run took.
+
+    Attributes:
+        started: whether this run started Ray itself (then ``close`` shuts it down).
+        address: the cluster joined (``None`` when started here).
+        bind_host: the address every socket of the pipeline binds and announces.
+        driver: ``where()`` of the trainer process.
+        placed: ``{role: [where() + bundle, ...]}`` of every placed actor.
+    """
+
+    def __init__(self, started: bool, address: str | None, bind_host: str) -> None:
+        self.started, self.address, self.bind_host = started, address, bind_host
+        self.driver = where()
+        self.placed: dict[str, list[dict[str, Any]]] = {}
+        self._groups: list = []
+
+    @classmethod
+    def start(cls, cfg) -> "Cluster":
+        """The cluster of a run's ``Config``: join ``ray_address(cfg.trainer)``, or start a
+        single-node Ray with enough logical CPUs for its actors (``ray_cpus_needed``, at least
+        the machine's cores and 2), bound to ``trainer.bind_host`` or loopback.
+
+        Raises:
+            ValueError, ConnectionError: see ``connect``.
+        """
+        return cls.connect(ray_address(cfg.trainer), cfg.trainer.bind_host,
+                           max(2, os.cpu_count() or 1, ray_cpus_needed(cfg)))
+
+    @classmethod
+    def connect(cls, address: str | None, bind_host: str | None = None, num_cpus: int | None = None) -> "Cluster":
+        """Join the Ray cluster at ``address``, or (``None``) start one on this machine with
+        ``num_cpus`` logical CPUs; an already initialised Ray in this process is used as it is.
+
+        Args:
+            address: ``auto``, ``host:port``, or ``None``.
+            bind_host: the address sockets bind (``trainer.bind_host``); ``None`` = loopback on a
+                single-node Ray (started here or not), else this node's IP.
+            num_cpus: logical CPUs of a Ray started here (default: the machine's cores, at least 2).
+
+        Raises:
+            ValueError: ``bind_host`` is a wildcard (others cannot dial it), or a ``ray://``
+                client address (the driver must run on a node: the pipeline's sockets bind on it).
+            ConnectionError: the cluster cannot be reached (Ray's own message).
+        """
+        import ray
+
+        if address and address.startswith("ray://"):
+            raise ValueError(f"trainer.ray_address={address}: Ray Client addresses are not supported; run the trainer "
+                             "on a node of the cluster and give the GCS address (host:port, or auto)")
+        if bind_host in ("0.0.0.0", "*", "::"):
+            raise ValueError(f"trainer.bind_host={bind_host} is a wildcard other nodes cannot dial: "
+                             "give this node's address")
+        started = False
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, log_to_driver=True, configure_logging=False)
+            else:
+                ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 1), include_dashboard=False,
+                         log_to_driver=True, _node_ip_address=bind_host or LOOPBACK, configure_logging=False)
+                started = True
+        # One node (a Ray started here, or a single-node one): nothing needs more than loopback.
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        single = len(alive) == 1 and alive[0]["NodeID"] == ray.get_runtime_context().get_node_id()
+        host = bind_host or (LOOPBACK if started or single else node_ip())
+        use_node_interface(host)
+        return cls(started, address, host)
+
+    def place(self, role: str, n: int, placement: PlacementConfig, cuda: bool = False) -> list:
+        """Reserve ``n`` bundles for ``role`` in one placement group and wait until they are.
+
+        Returns:
+            ``n`` Ray scheduling strategies, one per actor, for ``.options(scheduling_strategy=...)``.
+
+        Raises:
+            RuntimeError: the cluster did not offer the bundles within ``PLACEMENT_TIMEOUT_S``
+                (what was asked, what is available).
+        """
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = placement.bundle(cuda)
+        strategy = placement.strategy
+        labels = dict(placement.node_labels)
+        pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy,
+                             bundle_label_selector=[dict(labels) for _ in range(n)] if labels else None)
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"cannot place {n} {role} actor(s) of {bundle} each ({strategy}"
+                f"{', node labels ' + str(labels) if labels else ''}) within {PLACEMENT_TIMEOUT_S:.0f} s; "
+                f"the cluster has {ray.available_resources()} available on {len(ray.nodes())} node(s)")
+        self._groups.append(pg)
+        self.placed[role] = [{"bundle": bundle, "strategy": strategy, "node_labels": labels} for _ in range(n)]
+        return [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(n)]
+
+    def record(self, role: str, actors: list) -> list[dict[str, Any]]:
+        """Ask each of ``role``'s actors where it runs (node, IP, pid) and keep it; returns the
+        entries. Actors placed without ``place`` are recorded too (their bundle is empty)."""
+        import ray
+
+        spots = ray.get([a.__ray_call__.remote(_where_actor) for a in actors])
+        entries = self.placed.setdefault(role, [{} for _ in actors])
+        for entry, spot in zip(entries, spots):
+            entry.update(spot)
+        return entries
+
+    def check_reachable(self, role: str, entries: list[dict[str, Any]]) -> None:
+        """Refuse a loopback ``bind_host`` when any of ``role``'s recorded actors runs on another
+        node: it would dial its own loopback and wait out a timeout.
+
+        Raises:
+            ValueError: one line naming the actor, its node and the key to set.
+        """
+        if not self.bind_host.startswith("127.") and self.bind_host != "localhost":
+            return
+        for i, entry in enumerate(entries):
+            if not self.on_driver_node(entry):
+                raise ValueError(f"{role} actor {i} runs on node {entry.get('node_ip')}, but the run's sockets bind "
+                                 f"{self.bind_host} (trainer.bind_host), which other nodes cannot reach: unset "
+                                 "trainer.bind_host or give an address of this node")
+
+    def on_driver_node(self, entry: dict[str, Any]) -> bool:
+        """Whether a recorded actor runs on the trainer's node (same host: shared memory reaches it)."""
+        return entry.get("node_id") == self.driver["node_id"]
+
+    def describe(self) -> list[str]:
+        """One line per role: which node (IP) each actor landed on."""
+        lines = [f"ray: {'joined ' + self.address if self.address else 'started on this machine'}, "
+                 f"{len(self._nodes())} node(s); sockets bind {self.bind_host}; trainer on {self.driver['node_ip']}"]
+        for role, entries in self.placed.items():
+            spots = ", ".join(f"{i}@{e.get('node_ip', '?')}" for i, e in enumerate(entries))
+            lines.append(f"placement: {role} {spots}")
+        return lines
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        import ray
+
+        return [n for n in ray.nodes() if n.get("Alive")]
+
+    def save(self, run_dir: Path) -> Path:
+        """Write ``placement.json`` (the cluster, the trainer, every placed actor) to ``run_dir``."""
+        path = Path(run_dir) / "placement.json"
+        nodes = [{"node_id": n["NodeID"], "node_ip": n["NodeManagerAddress"], "resources": n.get("Resources", {}),
+                  "labels": n.get("Labels", {})} for n in self._nodes()]
+        path.write_text(json.dumps({"ray_address": self.address, "started_here": self.started,
+                                    "bind_host": self.bind_host, "nodes": nodes, "trainer": self.driver,
+                                    "actors": self.placed}, indent=2))
+        return path
+
+    def release(self) -> None:
+        """Remove the placement groups this run made (their actors go with them)."""
+        from ray.util.placement_group import remove_placement_group
+
+        groups, self._groups = self._groups, []
+        for pg in groups:
+            try:
+                remove_placement_group(pg)
+            except Exception as e:  # noqa: BLE001 - Ray already gone: nothing is held
+                logger.debug("placement group removal: %s", e)
+
+    def close(self) -> None:
+        """Release the placement groups; shut Ray down if this run started it. Safe to call twice."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        self.release()
+        if self.started:
+            ray.shutdown()
