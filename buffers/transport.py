@@ -62,6 +62,7 @@ import numpy as np
 import zmq
 
 from async_rl.buffers.trajectory import Trajectory
+from async_rl.cluster import LOOPBACK
 
 log = logging.getLogger(__name__)
 
@@ -405,8 +406,8 @@ class ZmqTrajectoryReceiver(_ReceiverBase):
         self._sock.setsockopt(zmq.RCVHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
         if address is None:
-            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-            self.address = f"tcp://127.0.0.1:{port}"
+            port = self._sock.bind_to_random_port(f"tcp://{LOOPBACK}")
+            self.address = f"tcp://{LOOPBACK}:{port}"
         else:
             self._sock.bind(address)
             self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)

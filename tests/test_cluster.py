@@ -124,3 +124,22 @@ def test_probe_difference_compares_tokens_and_their_common_prefix():
     # Token 3 differs: only the common prefix [1, 2] and row 2 count.
     assert diff["tokens_equal"] is False and diff["same_version"] is False
     assert diff["max_abs_logprob_diff"] == pytest.approx(0.5)
+
+
+def test_loopback_appears_only_as_the_single_node_default():
+    # Issue 17: nothing binds or announces 127.0.0.1 except the single-node default, which is
+    # named once (cluster.LOOPBACK); the python tool's sandbox checks its own loopback and is the
+    # only other place.
+    import ast
+
+    offenders = []
+    for folder in ("async_rl", "learners", "generators", "buffers"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.relative_to(ROOT).as_posix() == "async_rl/tools/python_exec.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and "127.0.0.1" in node.value:
+                    # Docstrings may say what the default is; code may not spell it.
+                    if node.value.lstrip().startswith(("tcp://127", "127.0.0.1")) or len(node.value) < 40:
+                        offenders.append((path.relative_to(ROOT).as_posix(), node.value[:40]))
+    assert offenders == [("async_rl/cluster.py", "127.0.0.1")], offenders

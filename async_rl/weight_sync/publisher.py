@@ -8,6 +8,7 @@ from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
+from async_rl.cluster import LOOPBACK
 from async_rl.weight_sync.config import WeightSyncConfig, replace_transport
 from async_rl.weight_sync.plan import UpdatePlan
 from async_rl.weight_sync.sources import WeightSource
@@ -223,7 +224,7 @@ class BucketTransport:
     """
 
     def __init__(self, cfg: WeightSyncConfig, transport: str | Sequence[str], targets: list, device: str = "cpu",
-                 protocol: str = "async_rl", host: str = "127.0.0.1") -> None:
+                 protocol: str = "async_rl", host: str = LOOPBACK) -> None:
         transports = _per_target(transport, targets)
         self.cfg, self.targets = cfg, targets
         single = transport if isinstance(transport, str) else (transports[0] if len(set(transports)) == 1 else None)
@@ -292,7 +293,7 @@ def _per_target(transport: str | Sequence[str], targets: list) -> list[str]:
 
 
 def make_transport(cfg: WeightSyncConfig, transport: str | Sequence[str], targets: list, device: str = "cpu",
-                   protocol: str = "async_rl", host: str = "127.0.0.1") -> Transport:
+                   protocol: str = "async_rl", host: str = LOOPBACK) -> Transport:
     """The transport object of a resolved ``transport`` over ``targets``: a ``ColocatedTransport``
     or a (connected) ``BucketTransport`` speaking ``protocol``.
 
@@ -342,7 +343,7 @@ class WeightPublisher:
     """
 
     def __init__(self, cfg: WeightSyncConfig, transport: str | Sequence[str], learner: WeightSource, targets: list,
-                 device: str = "cpu", protocol: str = "async_rl", host: str = "127.0.0.1") -> None:
+                 device: str = "cpu", protocol: str = "async_rl", host: str = LOOPBACK) -> None:
         self.cfg, self.transport, self.learner, self.targets = cfg, transport, learner, targets
         self.published_version: int | None = None
         self._transport = make_transport(cfg, transport, targets, device, protocol, host)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
+from async_rl.cluster import LOOPBACK
 from async_rl.weight_sync.config import WeightSyncConfig
 from async_rl.weight_sync.plan import DTYPES, UpdatePlan, pack_bucket, plan_update, unpack_bucket
 
@@ -63,7 +64,7 @@ class WeightSender:
         group_ranks: each receiver rank's rank in the broadcast group (``None`` for ``shm``).
     """
 
-    def __init__(self, cfg: WeightSyncConfig, num_receivers: int, host: str = "127.0.0.1", device: str = "cpu",
+    def __init__(self, cfg: WeightSyncConfig, num_receivers: int, host: str = LOOPBACK, device: str = "cpu",
                  protocol: str = "async_rl", receiver_transports: Sequence[str] | None = None) -> None:
         import torch.distributed as dist
 
