@@ -148,18 +148,28 @@ def interface_of(ip: str) -> str | None:
 def use_node_interface(ip: str) -> str | None:
     """Make gloo and NCCL's bootstrap in this process use the interface holding ``ip`` (this
     node's address), by ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. Call before the process
-    forms a group with ranks on other nodes; children it starts inherit it. Variables the user set
-    are left alone, and nothing changes on loopback.
+    forms a group with ranks on other nodes; children it starts inherit it. A variable the user
+    set is left alone when this host has that interface; one naming an interface this host lacks
+    (exported for a cluster whose nodes name their interfaces differently) is replaced, with a
+    warning, since gloo would fail on it ("Unable to find address for: eth0"). Nothing changes on
+    loopback.
 
     Returns:
-        The interface chosen, or ``None`` (loopback, already set, or no interface holds ``ip``).
+        The interface chosen, or ``None`` (loopback, the user's is kept, or no interface holds ``ip``).
     """
-    if ip.startswith("127.") or os.environ.get("GLOO_SOCKET_IFNAME"):
+    if ip.startswith("127."):
+        return None
+    names = {n for _, n in socket.if_nameindex()}
+    user = os.environ.get("GLOO_SOCKET_IFNAME")
+    if user and all(part in names for part in user.split(",")):
         return None
     name = interface_of(ip)
     if name is not None:
+        if user:
+            logger.warning("GLOO_SOCKET_IFNAME=%s names no interface of this host; using %s, which holds this "
+                           "node's address %s", user, name, ip)
         os.environ["GLOO_SOCKET_IFNAME"] = name
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)  # NCCL's own prefix rules: the user's stays
     return name
 
 

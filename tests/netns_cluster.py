@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -128,13 +129,18 @@ class TwoNodeCluster:
         self.veth = (f"arlh{tag}", f"arln{tag}")  # interface names: at most 15 characters
         octet = 16 + int(tag[:2], 16) % 200
         self.head_ip, self.node_ip = f"10.{octet}.{int(tag[2:4], 16)}.1", f"10.{octet}.{int(tag[2:4], 16)}.2"
-        self.port = 20000 + int(tag[4:6], 16) * 20
+        with socket.socket() as s:  # a free port for the head's GCS (released just before ray binds it)
+            s.bind(("", 0))
+            self.port = s.getsockname()[1]
         self.address = f"{self.head_ip}:{self.port}"
         self.work_dir, self.cpus = Path(work_dir), cpus
         # Ray's session directory holds Unix sockets, whose paths may not exceed 107 bytes.
         self.ray_dir = f"/tmp/arl-ray-{tag}"
         self.procs: list[subprocess.Popen] = []
-        self.env = dict(os.environ, RAY_ADDRESS=self.address, RAY_AUTH_MODE="token")
+        # A node's processes choose their own interface (async_rl.cluster.use_node_interface): one
+        # named in this process's environment may not exist in the second node's namespace.
+        self.env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+        self.env.update(RAY_ADDRESS=self.address, RAY_AUTH_MODE="token")
 
     def __enter__(self) -> "TwoNodeCluster":
         try:

@@ -91,8 +91,12 @@ def test_interface_of_finds_the_interface_holding_an_address():
 
 
 def test_use_node_interface_points_gloo_at_the_node_address_unless_set(monkeypatch):
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    # setenv first: monkeypatch undoes a delenv of an absent variable by doing nothing, which
+    # once leaked the variables set below into every later test's environment (and from there
+    # into the two-node cluster's processes, pointing gloo at an interface the second node lacks).
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     assert use_node_interface("127.0.0.1") is None
     assert "GLOO_SOCKET_IFNAME" not in os.environ
     found = _an_interface_address()
@@ -100,8 +104,11 @@ def test_use_node_interface_points_gloo_at_the_node_address_unless_set(monkeypat
         pytest.skip("no non-loopback IPv4 interface here")
     assert use_node_interface(found[1]) == found[0]
     assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == found[0]
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")
-    assert use_node_interface(found[1]) is None and os.environ["GLOO_SOCKET_IFNAME"] == "mine0"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the user's choice, present here: kept
+    assert use_node_interface(found[1]) is None and os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    # One this host lacks (set for another node of the cluster) would make gloo fail: replaced.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth-elsewhere9")
+    assert use_node_interface(found[1]) == found[0] and os.environ["GLOO_SOCKET_IFNAME"] == found[0]
 
 
 def test_loopback_bind_host_is_refused_for_an_actor_on_another_node():

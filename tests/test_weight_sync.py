@@ -569,3 +569,30 @@ def test_publisher_mixes_shm_and_broadcast_into_two_hf_engines(tiny_model_path, 
         for (n, a), (_, b) in zip(engine.model.named_parameters(), src.named_parameters()):
             assert torch.equal(a, b), (k, n)
         assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+
+
+class _JoiningEngine:
+    """Connects like an engine would (joins the broadcast group)."""
+
+    def connect_weight_sync(self, init_info, rank):
+        self.receiver = WeightReceiver(init_info, rank)
+        self.receiver.connect()
+
+
+class _BrokenEngine:
+    """Fails to connect, as a receiver on a node whose interface gloo cannot use."""
+
+    def connect_weight_sync(self, init_info, rank):
+        raise OSError("no interface holds 10.0.0.2")
+
+
+def test_a_receiver_that_fails_to_connect_is_named_at_once_not_after_the_group_timeout():
+    # Regression (found on the two-node test): the sender formed the broadcast group before
+    # looking at the receivers, so one that had failed left it waiting out weight_sync.timeout_s
+    # with a store error naming no one. The engines' threads give up at the same timeout.
+    from async_rl.weight_sync import NamedTensors
+
+    cfg = WeightSyncConfig(transport="broadcast", timeout_s=8)
+    with pytest.raises(RuntimeError, match=r"receiver 1 failed to connect: OSError: no interface holds 10.0.0.2"):
+        WeightPublisher(cfg, "broadcast", NamedTensors(_named()),
+                        [LocalTarget(_JoiningEngine()), LocalTarget(_BrokenEngine())])

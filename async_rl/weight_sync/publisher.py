@@ -221,6 +221,7 @@ class BucketTransport:
         ValueError: a transport other than ``shm``/``broadcast``, a list whose length is not the
             number of targets, or a mixed list with ``protocol="sglang"``.
         TimeoutError: a receiver did not connect within ``cfg.timeout_s``.
+        RuntimeError: a receiver failed to connect (its error, within a second of it).
     """
 
     def __init__(self, cfg: WeightSyncConfig, transport: str | Sequence[str], targets: list, device: str = "cpu",
@@ -232,10 +233,41 @@ class BucketTransport:
                                    device=device, protocol=protocol, receiver_transports=transports)
         self.name = self.sender.name
         handles = [t.connect(self.sender.init_info(), r) for r, t in enumerate(targets)]
-        self.sender.connect()  # broadcast: the group forms here, with every broadcast receiver joining
+        self._form_group(handles)  # broadcast: the group forms here, with every broadcast receiver joining
         _wait(targets, handles, cfg.timeout_s, f"weight sync ({self.name}) timed out after {cfg.timeout_s:.0f} s "
                                                f"connecting")
         self.sender.unlink_slots()
+
+    def _form_group(self, handles: list) -> None:
+        # Forming the group blocks until every broadcast receiver joins; a receiver that failed
+        # to connect (a bad interface, an engine that died) would leave it waiting out the whole
+        # timeout with a store error that names no one. Form it on a helper thread and watch the
+        # receivers meanwhile, so their own error surfaces within a second.
+        import threading
+
+        done, errors = threading.Event(), []
+
+        def form() -> None:
+            try:
+                self.sender.connect()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=form, name="weight-sync-group", daemon=True).start()
+        kind = type(self.targets[0])
+        while not done.wait(0.5):
+            for rank, handle in enumerate(handles):
+                try:
+                    kind.wait([handle], 0)
+                except TimeoutError:
+                    continue  # still joining
+                except Exception as e:
+                    raise RuntimeError(f"weight sync ({self.name}): receiver {rank} failed to connect: "
+                                       f"{type(e).__name__}: {e}") from e
+        if errors:
+            raise errors[0]
 
     def _wait(self, handles: list, plan: UpdatePlan, what: str, timeout_s: float) -> list:
         try:
