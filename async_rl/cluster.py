@@ -50,7 +50,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 PLACEMENT_TIMEOUT_S = 300.0
 """How long a placement group may wait for the cluster's resources before the run stops with
-what it asked for and what the cluster has (seconds)."""
+what it asked for and what the cluster has (seconds; ``trainer.placement_timeout_s``)."""
 
 
 @dataclass
@@ -94,6 +94,15 @@ class PlacementConfig:
         if not out:
             raise ValueError("a placement needs num_cpus > 0 or num_gpus > 0 (Ray refuses an empty bundle)")
         return out
+
+
+class PlacementError(ValueError):
+    """The cluster cannot hold what a role asked for (resources, labels, strategy); a
+    ``ValueError`` so the command line shows it as one line."""
+
+
+class ClusterUnreachable(ValueError):
+    """``trainer.ray_address`` / ``RAY_ADDRESS`` names no cluster this process can join."""
 
 
 def check_placement(section: str, unit: str, num_cpus: float, num_gpus: float | None, strategy: str) -> None:
@@ -210,6 +219,8 @@ class Cluster:
         self.driver = where()
         self.placed: dict[str, list[dict[str, Any]]] = {}
         self._groups: list = []
+        self._strategies: dict[str, list] = {}
+        self.placement_timeout_s = PLACEMENT_TIMEOUT_S
 
     @classmethod
     def start(cls, cfg) -> "Cluster":
@@ -218,10 +229,12 @@ class Cluster:
         the machine's cores and 2), bound to ``trainer.bind_host`` or loopback.
 
         Raises:
-            ValueError, ConnectionError: see ``connect``.
+            ValueError, ClusterUnreachable: see ``connect``.
         """
-        return cls.connect(ray_address(cfg.trainer), cfg.trainer.bind_host,
-                           max(2, os.cpu_count() or 1, ray_cpus_needed(cfg)))
+        cluster = cls.connect(ray_address(cfg.trainer), cfg.trainer.bind_host,
+                              max(2, os.cpu_count() or 1, ray_cpus_needed(cfg)))
+        cluster.placement_timeout_s = cfg.trainer.placement_timeout_s
+        return cluster
 
     @classmethod
     def connect(cls, address: str | None, bind_host: str | None = None, num_cpus: int | None = None) -> "Cluster":
@@ -237,7 +250,7 @@ class Cluster:
         Raises:
             ValueError: ``bind_host`` is a wildcard (others cannot dial it), or a ``ray://``
                 client address (the driver must run on a node: the pipeline's sockets bind on it).
-            ConnectionError: the cluster cannot be reached (Ray's own message).
+            ClusterUnreachable: the cluster cannot be joined (Ray's reason, in one line).
         """
         import ray
 
@@ -250,7 +263,13 @@ class Cluster:
         started = False
         if not ray.is_initialized():
             if address:
-                ray.init(address=address, log_to_driver=True, configure_logging=False)
+                try:
+                    ray.init(address=address, log_to_driver=True, configure_logging=False)
+                except ConnectionError as e:
+                    raise ClusterUnreachable(
+                        f"cannot join the Ray cluster at {address} (trainer.ray_address / RAY_ADDRESS): "
+                        f"{str(e).splitlines()[0]}; is `ray start` running there, and does this machine hold the "
+                        "cluster's token (~/.ray/auth_token or RAY_AUTH_TOKEN)?") from None
             else:
                 ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 1), include_dashboard=False,
                          log_to_driver=True, _node_ip_address=bind_host or LOOPBACK, configure_logging=False)
@@ -263,34 +282,51 @@ class Cluster:
         return cls(started, address, host)
 
     def place(self, role: str, n: int, placement: PlacementConfig, cuda: bool = False) -> list:
-        """Reserve ``n`` bundles for ``role`` in one placement group and wait until they are.
+        """Reserve ``n`` bundles for ``role`` in one placement group and wait until they are; a
+        second call for the same role returns the first reservation (the trainer reserves the
+        generators' bundles before its warm start, so a cluster that cannot hold them fails in
+        seconds, and the pool takes them later).
 
         Returns:
             ``n`` Ray scheduling strategies, one per actor, for ``.options(scheduling_strategy=...)``.
 
         Raises:
-            RuntimeError: the cluster did not offer the bundles within ``PLACEMENT_TIMEOUT_S``
-                (what was asked, what is available).
+            PlacementError: the cluster did not offer the bundles within ``placement_timeout_s``
+                (what was asked; the CPUs, GPUs and labels of each node).
         """
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if role in self._strategies:
+            return self._strategies[role]
         bundle = placement.bundle(cuda)
         strategy = placement.strategy
         labels = dict(placement.node_labels)
+        # Only with labels: Ray releases without label selectors still place the rest.
         pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy,
-                             bundle_label_selector=[dict(labels) for _ in range(n)] if labels else None)
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+                             **({"bundle_label_selector": [dict(labels) for _ in range(n)]} if labels else {}))
+        ready, _ = ray.wait([pg.ready()], timeout=self.placement_timeout_s)
         if not ready:
             remove_placement_group(pg)
-            raise RuntimeError(
-                f"cannot place {n} {role} actor(s) of {bundle} each ({strategy}"
-                f"{', node labels ' + str(labels) if labels else ''}) within {PLACEMENT_TIMEOUT_S:.0f} s; "
-                f"the cluster has {ray.available_resources()} available on {len(ray.nodes())} node(s)")
+            nodes = "; ".join(
+                f"{nd['NodeManagerAddress']}: {nd['Resources'].get('CPU', 0):g} CPU, {nd['Resources'].get('GPU', 0):g} GPU"
+                f", labels {{{', '.join(f'{k}: {v}' for k, v in nd.get('Labels', {}).items() if not k.startswith('ray.io/'))}}}"
+                for nd in self._nodes())
+            noun = {"generators": "generator actor", "learner": "learner rank"}.get(role, f"{role} actor")
+            raise PlacementError(
+                f"cannot place {n} {noun}(s) of {bundle} each ({strategy}"
+                f"{', node labels ' + str(labels) if labels else ''}) within {self.placement_timeout_s:g} s "
+                f"(trainer.placement_timeout_s); "
+                f"the cluster's nodes (total resources): {nodes}")
         self._groups.append(pg)
-        self.placed[role] = [{"bundle": bundle, "strategy": strategy, "node_labels": labels} for _ in range(n)]
-        return [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(n)]
+        table = placement_group_table(pg).get("bundles_to_node_id", {})
+        ips = {nd["NodeID"]: nd["NodeManagerAddress"] for nd in self._nodes()}
+        self.placed[role] = [{"bundle": bundle, "strategy": strategy, "node_labels": labels,
+                              "node_id": table.get(i), "node_ip": ips.get(table.get(i))} for i in range(n)]
+        self._strategies[role] = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                                  for i in range(n)]
+        return self._strategies[role]
 
     def record(self, role: str, actors: list) -> list[dict[str, Any]]:
         """Ask each of ``role``'s actors where it runs (node, IP, pid) and keep it; returns the
@@ -351,6 +387,7 @@ class Cluster:
         from ray.util.placement_group import remove_placement_group
 
         groups, self._groups = self._groups, []
+        self._strategies.clear()
         for pg in groups:
             try:
                 remove_placement_group(pg)

@@ -35,7 +35,7 @@ from async_rl.evaluation import evaluate, warm_start
 from async_rl.inputs import check_inputs
 from async_rl.generators import make_generator
 from async_rl.generators.base import SamplingParams
-from async_rl.cluster import Cluster
+from async_rl.cluster import Cluster, PlacementConfig
 from async_rl.learners.launch import launch_learner, launched_by_torchrun
 from async_rl.loops.base import Loop, RunContext
 from async_rl.loops.sync import SyncLoop
@@ -220,6 +220,11 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
     reward_model = load_reward_model(cfg.reward) if cfg.reward.model else None
     cluster = Cluster.start(cfg) if uses_ray(cfg) else None
     try:
+        if cfg.trainer.mode == "async":
+            # Reserved now, taken by the pool after the warm start: a cluster that cannot hold the
+            # generators, or a loopback bind_host with one on another node, fails in seconds.
+            cluster.place("generators", cfg.generator.num_workers, PlacementConfig.of_generators(cfg.generator))
+            cluster.check_reachable("generator", cluster.placed["generators"])
         learner, learner_handle = launch_learner(*learner_args(cfg, model_path), cluster=cluster)
     except BaseException:
         if cluster is not None:

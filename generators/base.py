@@ -106,8 +106,8 @@ class GeneratorConfig:
     threads are ``threads_per_worker``). On a cluster, a node takes as many actors as its
     ``ray start --num-cpus`` admits."""
     num_gpus_per_worker: float = 0.0
-    """Async mode: GPUs per generator actor (>= 0): 1 for a vLLM/SGLang engine on its own GPU,
-    the tensor-parallel size for an engine spanning several."""
+    """Async mode: GPUs Ray reserves for each generator actor (>= 0): 1 for a vLLM/SGLang engine
+    on its own GPU (an engine uses one GPU: generator tensor parallelism is not wired yet)."""
     node_labels: dict[str, str] = field(default_factory=dict)
     """Async mode: Ray node labels a generator actor's node must carry (``ray start --labels
     role=rollout``), e.g. ``{role: rollout}``; empty = any node."""

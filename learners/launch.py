@@ -183,8 +183,8 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
 
     Raises:
         ValueError: under torchrun, ``learner.world_size`` differs from ``WORLD_SIZE``.
-        RuntimeError: a follower rank failed to start (its error is chained), or the cluster
-            cannot place the ranks (``Cluster.place``).
+        RuntimeError: a follower rank failed to start (its error is chained).
+        PlacementError: the cluster cannot place the ranks (``Cluster.place``; a ``ValueError``).
     """
     from async_rl.learners.spmd import drive_followers
 

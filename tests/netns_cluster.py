@@ -230,7 +230,7 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 def main(argv: list[str]) -> int:
     """``python tests/netns_cluster.py [--work-dir D] -- COMMAND ...``: run COMMAND against a
     two-node cluster, then list what it left (run processes, new /dev/shm files); exit status is
-    COMMAND's, or 3 when something was left."""
+    COMMAND's, or 3 when a run process outlived it."""
     if "--" not in argv:
         print(main.__doc__)
         return 2
@@ -255,13 +255,13 @@ def main(argv: list[str]) -> int:
         left = run_processes(cluster.pids)
         new_shm = sorted(shm_files() - before)
     print(f"command exit status {rc}")
-    print(f"left after the run ({waited:.1f} s after it exited): {len(left)} run processes, {len(new_shm)} new "
-          f"/dev/shm files")
+    print(f"left after the run ({waited:.1f} s after it exited): {len(left)} run processes; {len(new_shm)} new "
+          f"/dev/shm files (machine-wide: another job's count too)")
     for line in left + new_shm:
         print("  " + line)
     after_teardown = sorted(shm_files() - before)
-    print(f"after the cluster stopped: {len(after_teardown)} new /dev/shm files {after_teardown}")
-    return rc if rc else (3 if left or after_teardown else 0)
+    print(f"after the cluster stopped: {len(after_teardown)} new /dev/shm files {after_teardown}; node logs in {work}")
+    return rc if rc else (3 if left else 0)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,10 @@ class TrainerConfig:
     (which is read when this is unset); the trainer process becomes the driver and learner rank 0
     on the node it runs on. ``None`` and no ``RAY_ADDRESS``: async and multi-rank runs start a
     single-node Ray of their own, bound to loopback (``async_rl.cluster``)."""
+    placement_timeout_s: float = 300.0
+    """How long generator actors and learner ranks may wait for the cluster's resources (seconds,
+    > 0); then the run stops, naming what it asked for and what each node has. Raise it for a
+    cluster that autoscales."""
     bind_host: str | None = None
     """The address every socket of the run binds and announces (trajectory receiver, weight
     store, learner rendezvous, broadcast groups): an address of the trainer's node that the other
@@ -132,6 +136,8 @@ class TrainerConfig:
         # instantiates this class for its schema, and a value filled in then would outlive mode=async.
         if (self.max_staleness is not None and self.max_staleness < 0) or self.eval_every_steps < 0:
             raise ValueError("trainer.max_staleness and trainer.eval_every_steps must be >= 0")
+        if not self.placement_timeout_s > 0:
+            raise ValueError(f"trainer.placement_timeout_s must be > 0, got {self.placement_timeout_s}")
         if self.max_reuse < 1 or self.zmq_hwm < 1:
             raise ValueError(f"trainer.max_reuse and trainer.zmq_hwm must be >= 1, got {self.max_reuse} and {self.zmq_hwm}")
         if self.mode == "sync" and self.max_staleness not in (None, 0):
