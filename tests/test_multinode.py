@@ -150,29 +150,26 @@ def test_learner_rank_on_the_second_node_gives_the_one_rank_loss(cluster, one_ra
         assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-3)
 
 
+def _refused(cluster: TwoNodeCluster, out: Path, *extra: str) -> str:
+    """The one ``async-rl:`` line a run that must stop before training prints (no traceback)."""
+    cmd = [str(Path(sys.executable).with_name("async-rl")), "train", "--config", str(ROOT / "configs/default.yaml"),
+           f"trainer.output_dir={out}", "trainer.run_name=refused", "trainer.mode=async", "trainer.total_steps=1",
+           "trainer.warm_start.steps=0", "data.val_files=[]", "logging.progress=false", *extra]
+    proc = subprocess.run(cmd, env=dict(cluster.env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("async-rl: ")]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (out / "refused").exists()  # nothing trained: no run directory left
+    return lines[0]
+
+
 def test_a_loopback_bind_host_on_a_cluster_is_refused_in_one_line(cluster, tmp_path):
     # The hard-coded loopback of before, chosen on purpose: the remote actor would dial its own
     # 127.0.0.1 and wait out the weight store's timeout; the run stops at placement instead.
-    cmd = [str(Path(sys.executable).with_name("async-rl")), "train", "--config", str(ROOT / "configs/default.yaml"),
-           f"trainer.output_dir={tmp_path}", "trainer.run_name=lo", "trainer.mode=async", "trainer.total_steps=1",
-           "trainer.warm_start.steps=0", "data.val_files=[]", "logging.progress=false",
-           "generator.placement_strategy=STRICT_SPREAD", "trainer.bind_host=127.0.0.1"]
-    proc = subprocess.run(cmd, env=dict(cluster.env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("async-rl: ")]
-    assert len(lines) == 1 and f"runs on node {cluster.node_ip}, but the run's sockets bind 127.0.0.1" in lines[0], \
-        proc.stderr[-3000:]
-    assert not (tmp_path / "lo").exists()  # nothing trained: no run directory left
+    line = _refused(cluster, tmp_path, "generator.placement_strategy=STRICT_SPREAD", "trainer.bind_host=127.0.0.1")
+    assert f"runs on node {cluster.node_ip}, but the run's sockets bind 127.0.0.1" in line
 
 
 def test_a_role_the_cluster_cannot_place_stops_in_one_line_naming_each_nodes_labels(cluster, tmp_path):
-    cmd = [str(Path(sys.executable).with_name("async-rl")), "train", "--config", str(ROOT / "configs/default.yaml"),
-           f"trainer.output_dir={tmp_path}", "trainer.run_name=nowhere", "trainer.mode=async", "trainer.total_steps=1",
-           "trainer.warm_start.steps=0", "data.val_files=[]", "logging.progress=false",
-           "generator.node_labels={node: nowhere}", "trainer.placement_timeout_s=5"]
-    proc = subprocess.run(cmd, env=dict(cluster.env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("async-rl: ")]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "cannot place 2 generator actor(s)" in lines[0] and "node labels {'node': 'nowhere'}" in lines[0]
-    assert f"{cluster.node_ip}: 2 CPU, 0 GPU, labels {{node: second}}" in lines[0], lines[0]
+    line = _refused(cluster, tmp_path, "generator.node_labels={node: nowhere}", "trainer.placement_timeout_s=5")
+    assert "cannot place 2 generator actor(s)" in line and "node labels {'node': 'nowhere'}" in line
+    assert f"{cluster.node_ip}: 2 CPU, 0 GPU, labels {{node: second}}" in line, line
