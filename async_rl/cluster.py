@@ -15,11 +15,12 @@ every socket binds, and where each actor is placed.
   loopback, and shuts it down at the end.
 * **Addresses**: every socket the pipeline binds uses ``bind_host``: ``trainer.bind_host``, or
   the driver's node IP as Ray knows it on a cluster of several nodes, or ``127.0.0.1`` on a
-  single node (the Ray a run starts itself; nothing is then reachable from another machine). Gloo (and NCCL's bootstrap) pick the
-  interface of their own process's node IP (``use_node_interface``): left to themselves they
+  single node (the Ray a run starts itself; nothing is then reachable from another machine).
+  Gloo (and NCCL's bootstrap) pick the interface of their own process's node IP
+  (``use_node_interface``): left to themselves they
   resolve the host name, which on many machines maps to ``127.0.0.1``, and announce an address
   other nodes cannot dial.
-* **Placement**: each role is one Ray placement group (``Placement``), one bundle per actor of
+* **Placement**: each role is one Ray placement group (``Cluster.place``), one bundle per actor of
   ``{"CPU": num_cpus, "GPU": num_gpus}`` and an optional node label selector: packed for the
   learner (its collectives want one fast link), spread for the generators (their engines share
   nothing). Where each actor landed is printed at start and written to ``placement.json`` in the
@@ -140,18 +141,23 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def interface_of(ip: str) -> str | None:
-    """The name of the network interface holding IPv4 address ``ip`` on this host (Linux
-    ``SIOCGIFADDR``), or ``None``."""
+def interface_addresses() -> dict[str, str]:
+    """``{interface name: IPv4 address}`` of this host's interfaces that have one (Linux
+    ``SIOCGIFADDR``)."""
+    out = {}
     for _, name in socket.if_nameindex():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:
                 raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
             except OSError:  # no IPv4 address on it
                 continue
-        if socket.inet_ntoa(raw[20:24]) == ip:
-            return name
-    return None
+        out[name] = socket.inet_ntoa(raw[20:24])
+    return out
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface holding IPv4 address ``ip`` on this host, or ``None``."""
+    return next((name for name, addr in interface_addresses().items() if addr == ip), None)
 
 
 def use_node_interface(ip: str) -> str | None:

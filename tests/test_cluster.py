@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.cluster import (Cluster, PlacementConfig, check_placement, interface_of, ray_address,
-                              use_node_interface)
+from async_rl.cluster import (Cluster, PlacementConfig, check_placement, interface_addresses, interface_of,
+                              ray_address, use_node_interface)
 from async_rl.config import load_config
 from async_rl.loops.async_loop import probe_difference
 
@@ -68,19 +68,7 @@ def test_unusable_addresses_are_refused_before_ray_starts(address, bind_host, ma
 
 
 def _an_interface_address() -> tuple[str, str] | None:
-    for _, name in socket.if_nameindex():
-        if name == "lo":
-            continue
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-        return name, socket.inet_ntoa(raw[20:24])
-    return None
+    return next(((n, a) for n, a in interface_addresses().items() if n != "lo"), None)
 
 
 def test_interface_of_finds_the_interface_holding_an_address():
