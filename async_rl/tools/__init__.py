@@ -41,7 +41,8 @@ from async_rl.tools.parsers import (
     ToolCallParser,
     get_parser,
 )
-from async_rl.tools.python_exec import make_python_tool, network_isolation, python_tool, run_python
+from async_rl.tools.python_exec import (SandboxIsolation, make_python_tool, network_isolation, python_tool, run_python,
+                                       sandbox_isolation)
 
 # The built-ins register here, above base.py, so base.py never imports the tools built on it.
 register_tool(calculator_tool, "calculator")
@@ -51,6 +52,7 @@ __all__ = [
     "BUILTIN_TOOLS",
     "ERROR_KINDS",
     "PARSERS",
+    "SandboxIsolation",
     "HermesParser",
     "Llama3JsonParser",
     "Tool",
@@ -68,5 +70,6 @@ __all__ = [
     "network_isolation",
     "python_tool",
     "run_python",
+    "sandbox_isolation",
     "tool",
 ]
