@@ -345,6 +345,16 @@ class Cluster:
             entry.update(spot)
         return entries
 
+    def record_replacement(self, role: str, index: int, actor) -> dict[str, Any]:
+        """Record where the actor that replaced ``role``'s actor ``index`` runs (``incarnation``
+        counts the replacements); returns its entry."""
+        import ray
+
+        entry = self.placed[role][index]
+        entry.update(ray.get(actor.__ray_call__.remote(_where_actor)))
+        entry["incarnation"] = entry.get("incarnation", 0) + 1
+        return entry
+
     def check_reachable(self, role: str, entries: list[dict[str, Any]]) -> None:
         """Refuse a loopback ``bind_host`` when any of ``role``'s recorded actors runs on another
         node: it would dial its own loopback and wait out a timeout.

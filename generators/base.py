@@ -114,6 +114,15 @@ class GeneratorConfig:
     placement_strategy: str = "SPREAD"
     """Async mode: Ray placement group strategy of the generator actors (``SPREAD``: across nodes
     where resources allow, ``STRICT_SPREAD``: one per node, ``PACK``, ``STRICT_PACK``)."""
+    max_restarts: int = 3
+    """Async mode: times each generator actor is replaced after it dies or hangs (>= 0); its
+    in-flight groups are re-issued once either way. Past the limit the pool goes on without it,
+    and a run left with no actor stops with an error."""
+    heartbeat_timeout_s: float = 600.0
+    """Async mode: seconds a generator actor may go without progress (a request taken, a sample
+    finished, a weight update loaded, or an idle poll) or without answering, before it counts as
+    hung: it is killed and replaced (``max_restarts``). A batch in which no sample finishes for
+    this long counts as hung too, so keep it above the slowest batch's duration."""
 
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings (``backend: vllm``)."""
@@ -137,6 +146,9 @@ class GeneratorConfig:
             raise ValueError(f"generator.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {self.partial_rollout!r}")
         check_placement("generator", "worker", self.num_cpus_per_worker, self.num_gpus_per_worker,
                         self.placement_strategy)
+        if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"generator.max_restarts must be >= 0 and heartbeat_timeout_s > 0, got "
+                             f"{self.max_restarts} and {self.heartbeat_timeout_s}")
         if self.num_workers < 1 or self.threads_per_worker < 0:
             raise ValueError(f"generator.num_workers must be >= 1 and threads_per_worker >= 0, got "
                              f"{self.num_workers} and {self.threads_per_worker}")

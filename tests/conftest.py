@@ -31,3 +31,13 @@ def tiny_tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray instance for one test module (actors load torch and a model: slow to start)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()

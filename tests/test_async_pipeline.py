@@ -11,6 +11,7 @@ import pytest
 
 from async_rl.config import load_config
 from async_rl.trainer import train
+from pipeline_helpers import small_run_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,21 +25,8 @@ def reward(data_source, response_text, ground_truth, extra_info):
 '''
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _cfg(tmp_path, name, *extra):
-    return load_config(ROOT / "configs/default.yaml", [
-        f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", "trainer.total_steps=3",
-        "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.eval_every_steps=0",
-        "trainer.warm_start.steps=30", "trainer.warm_start.batch_size=16", "data.val_max_prompts=8",
-        "trainer.export_model=false", "logging.progress=false", "generator.max_batch_size=8", *extra])
+    return small_run_cfg(tmp_path, name, *extra)
 
 
 def _steps(tmp_path, name):
@@ -90,7 +78,6 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     """N groups through real actors and ZMQ; each ends trained-as-one-group or as a counted
     rejection; re-sent trajectories are dropped as duplicates."""
     import ray
-    from ray.util.queue import Queue
     from transformers import AutoTokenizer
 
     from async_rl.rollout import group_seed, stop_token_ids
@@ -99,7 +86,7 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     from async_rl.buffers.replay import ReplayBuffer
     from async_rl.buffers.transport import GroupClosed, make_transport
     from async_rl.generators.base import GeneratorConfig, SamplingParams
-    from async_rl.loops.pool import GeneratorWorker
+    from async_rl.loops.pool import GeneratorWorker, RequestBroker
     from async_rl.rollout import GroupRequest
 
     reward_file = tmp_path / "reward.py"
@@ -113,11 +100,11 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     actor = ray.remote(num_cpus=0, max_concurrency=3)(GeneratorWorker)
     workers = [actor.remote(i, model, model, GeneratorConfig(max_batch_size=8), params, f"{reward_file}:reward",
                             "reject", factory, 1) for i in range(2)]
-    queue = Queue()
+    broker = ray.remote(num_cpus=0, max_concurrency=8)(RequestBroker).remote()
     for gid, p in enumerate(ds.next_batch(N)):
-        queue.put(GroupRequest(gid, p.prompt_ids, p.uid, p.data_source, p.ground_truth, p.extra_info, n,
-                               group_seed(0, gid)))
-    runs = [w.run.remote(queue) for w in workers]
+        broker.put.remote(GroupRequest(gid, p.prompt_ids, p.uid, p.data_source, p.ground_truth, p.extra_info, n,
+                                       group_seed(0, gid)))
+    runs = [w.run.remote(broker) for w in workers]
     buffer = ReplayBuffer(group_size=n, max_staleness=0)
     seen_trajs = []
     deadline = time.monotonic() + 300
@@ -160,7 +147,8 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     assert sum(len(g) for g in served) == N * n - buffer.counters["rejected_samples"]
     sender.close()
     receiver.close()
-    queue.shutdown()
+    assert ray.get(broker.close.remote()) == []
+    ray.kill(broker)
 
 
 def test_thread_budget_splits_cores():

@@ -166,7 +166,9 @@ def test_async_resume_restores_buffer_and_reissues_in_flight_groups(tmp_path, mo
     assert second["pipeline/abandoned"] == len(outstanding)
     assert second["pipeline/dispatched"] == second["pipeline/trained"] + sum(
         v for k, v in second.items() if k.startswith("pipeline/") and k not in (
-            "pipeline/dispatched", "pipeline/trained", "pipeline/dropped_duplicate_samples", "pipeline/malformed_messages"))
+            "pipeline/dispatched", "pipeline/trained", "pipeline/dropped_duplicate_samples", "pipeline/malformed_messages",
+            "pipeline/reissued", "pipeline/generator_restarts"))
+    assert second["pipeline/reissued"] == len(outstanding)  # the resume's re-issues are counted too
 
 
 def test_dataset_epoch_boundary_resume(tiny_tokenizer, tmp_path):

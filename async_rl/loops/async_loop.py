@@ -21,8 +21,15 @@
   group); each engine loads them between decoding steps (HF) or paused (vLLM), and the version
   counts as published, for admission, only once all workers hold it.
 * **Exactly once**: every dispatched group ends trained, rejected (all samples rejected by the
-  reward), dropped by dynamic sampling or evicted as stale, each counted; whatever is still in
-  flight at shutdown is counted too (``pipeline/*`` in the summary, checked to add up).
+  reward), dropped by dynamic sampling, evicted as stale or abandoned, each counted; whatever is
+  still in flight at shutdown is counted too (``pipeline/*`` in the summary, checked to add up).
+* **Supervision**: a generator actor that dies, or makes no progress and does not answer for
+  ``generator.heartbeat_timeout_s``, is found while the learner waits for data or pushes weights.
+  The groups it had claimed at the ``RequestBroker`` and that did not complete are abandoned
+  (their samples counted) and their prompts dispatched again, once, under new group ids
+  (``pipeline/reissued``); the actor is replaced in its placement bundle, up to
+  ``generator.max_restarts`` times, and the current weights pushed to the pool again before the
+  next step. With no actor left the run stops with an error naming each actor's end.
 
 Thread budget: the learner process and each worker get a share of the cores
 (``generator.threads_per_worker``), because oversubscribed torch processes slow each other down
@@ -42,14 +49,14 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.queue import Queue
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_rl.buffers.replay import AdmissionController, ReplayBuffer
 from async_rl.buffers.transport import GroupClosed, make_transport
 from async_rl.cluster import Cluster, PlacementConfig
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
-from async_rl.loops.pool import GeneratorWorker
+from async_rl.loops.pool import GeneratorWorker, RequestBroker
 from async_rl.rewards import check_rewards_work
 from async_rl.rewards.model import RewardModel, model_kwargs
 from async_rl.rollout import GroupRequest, RolloutResult, group_seed, reward_model_path
@@ -119,7 +126,10 @@ class AsyncLoop:
             "zmq", t_cfg.zmq_address or f"tcp://{self.cluster.bind_host}:*", t_cfg.zmq_hwm)
         self.buffer = ReplayBuffer(group_size=self.n, max_staleness=t_cfg.max_staleness, max_reuse=t_cfg.max_reuse)
         self.admission = AdmissionController(self.groups_per_step, t_cfg.max_staleness)
-        self.requests = Queue()
+        # On the trainer's node: a generator node that goes down does not take the queue with it.
+        self.broker = ray.remote(num_cpus=0, max_concurrency=2 * g_cfg.num_workers + 8)(RequestBroker).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        ).remote()
         tok_path = ctx.tokenizer.name_or_path
         reward_fn = cfg.reward.fn
         if reward_fn and ".py:" in reward_fn and not os.path.isabs(reward_fn):
@@ -129,23 +139,30 @@ class AsyncLoop:
         if with_rm:
             self.reward_actor = ray.remote(num_cpus=0)(RewardModel).remote(
                 reward_model_path(cfg.reward), **model_kwargs(cfg.reward), num_threads=cfg.reward.model_num_threads or per_worker)
-        self.workers = self._place_workers(ctx, tok_path, reward_fn, sender_factory, per_worker)
+        self._worker_args = (tok_path, reward_fn, sender_factory, per_worker)
+        self.workers: list[Any] = self._place_workers(ctx, *self._worker_args)  # None: retired
         spots = self.cluster.record("generators", self.workers)
         self.cluster.check_reachable("generator", spots)
         if self.reward_actor is not None:
             self.cluster.record("reward_model", [self.reward_actor])
-        # Per actor: shared memory on the trainer's node, a broadcast group to the others.
-        self.transports = transports_for_targets(cfg.weight_sync, g_cfg.backend, "async",
-                                                 [self.cluster.on_driver_node(e) for e in spots])
-        self.publisher = WeightPublisher(cfg.weight_sync, self.transports, ctx.learner,
-                                         [RayTarget(w) for w in self.workers],
-                                         protocol=engine_protocol(g_cfg.backend), host=self.cluster.bind_host)
-        self.transport = self.publisher.transport_name
-        for entry, transport in zip(spots, self.transports):
-            entry["weight_transport"] = transport  # saved in placement.json
+        self.publisher = None
         self.published_version = -1
-        self._publish()  # the warm-started (or resumed) weights
-        self.run_refs = [w.run.remote(self.requests) for w in self.workers]
+        self._connect_pool()
+        # The warm-started (or resumed) weights; not yet supervised (that starts with the runs).
+        self.publisher.push(self.ctx.learner.version)
+        self.published_version = self.ctx.learner.version
+        self.run_refs = [w.run.remote(self.broker) for w in self.workers]
+        # Supervision: replacements so far per actor index, each index's last counters and last
+        # heartbeat probe (object ref, seconds sent), the counters of actors that died, and how
+        # each retired index ended.
+        self.restarts = [0] * len(self.workers)
+        self._stats_by_worker: dict[int, dict[str, float]] = {}
+        self._retired_stats: dict[str, float] = {}
+        self._beats: dict[int, tuple[Any, float]] = {}
+        self._ends: dict[int, str] = {}
+        self._starting: set[int] = set()  # replaced, waiting for the weights before they sample
+        self._killed: dict[int, str] = {}  # killed as hung, not yet replaced: why
+        self.num_reissued = 0
         self.num_dispatched = 0
         self.num_dynamic_dropped = 0
         self.num_trained_groups = 0
@@ -175,20 +192,45 @@ class AsyncLoop:
                                              if self.publisher.sender is not None else "") +
                       f", trajectories on {self.receiver.address}")
 
-    def _place_workers(self, ctx: RunContext, tok_path: str, reward_fn, sender_factory, per_worker: int) -> list:
-        """Start the generator actors in the run's placement group (``generator.num_cpus_per_worker``,
-        ``num_gpus_per_worker``, ``node_labels``, ``placement_strategy``)."""
+    def _place_workers(self, ctx: RunContext, tok_path: str, reward_fn, sender_factory, per_worker: int,
+                       indices: list[int] | None = None, incarnation: int = 0) -> list:
+        """Start generator actors (all, or those at ``indices``) in their bundles of the run's
+        placement group (``generator.num_cpus_per_worker``, ``num_gpus_per_worker``,
+        ``node_labels``, ``placement_strategy``)."""
         cfg, g_cfg = ctx.cfg, ctx.cfg.generator
         placement = PlacementConfig.of_generators(g_cfg)
         bundle = placement.bundle(cuda=False)
         strategies = self.cluster.place("generators", g_cfg.num_workers, placement)
         # max_concurrency: run() decodes on one thread while weights and stats arrive on others.
         worker_cls = ray.remote(max_concurrency=3)(GeneratorWorker)
+        # A replacement loads the warm start's model; the pool then pushes it the current weights.
         return [worker_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                                    scheduling_strategy=strategies[i]).remote(
                     i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn, cfg.reward.on_error, sender_factory,
-                    per_worker, cfg.learner.lora, cfg.agent, reward_cfg=cfg.reward, reward_model=self.reward_actor)
-                for i in range(g_cfg.num_workers)]
+                    per_worker, cfg.learner.lora, cfg.agent, reward_cfg=cfg.reward, reward_model=self.reward_actor,
+                    incarnation=incarnation)
+                for i in (range(g_cfg.num_workers) if indices is None else indices)]
+
+    def _active(self) -> list[int]:
+        return [i for i, w in enumerate(self.workers) if w is not None]
+
+    def _connect_pool(self) -> None:
+        """(Re)build the weight publisher over the live actors: per actor, shared memory on the
+        trainer's node and a broadcast group to the others (``transports_for_targets``)."""
+        cfg, g_cfg = self.ctx.cfg, self.ctx.cfg.generator
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+        active = self._active()
+        spots = [self.cluster.placed["generators"][i] for i in active]
+        self.transports = transports_for_targets(cfg.weight_sync, g_cfg.backend, "async",
+                                                 [self.cluster.on_driver_node(e) for e in spots])
+        self.publisher = WeightPublisher(cfg.weight_sync, self.transports, self.ctx.learner,
+                                         [RayTarget(self.workers[i]) for i in active],
+                                         protocol=engine_protocol(g_cfg.backend), host=self.cluster.bind_host)
+        self.transport = self.publisher.transport_name
+        for entry, transport in zip(spots, self.transports):
+            entry["weight_transport"] = transport  # saved in placement.json
 
     # ------------------------------------------------------------------ background threads
     def _guard(self, fn):
@@ -216,7 +258,9 @@ class AsyncLoop:
                 else:
                     request = GroupRequest.of(self.ctx.train_ds.next_batch(1)[0], gid, self.n, group_seed(seed, gid))
                 self._outstanding[gid] = request
-                self.requests.put(request)
+                # Blocking: the broker serves calls on several threads, so only waiting keeps
+                # the queue in dispatch order.
+                ray.get(self.broker.put.remote(request))
                 self.num_dispatched += 1
 
     def _route(self, msg) -> None:
@@ -234,18 +278,165 @@ class AsyncLoop:
     def _check_health(self) -> None:
         if self._errors:
             raise RuntimeError(f"async pipeline thread failed: {self._errors[0]!r}") from self._errors[0]
-        done, _ = ray.wait(self.run_refs, timeout=0)
-        if done:
+        self._supervise()
+
+    # ------------------------------------------------------------------ supervision
+    def _supervise(self, dead: list[tuple[int, str]] | None = None) -> None:
+        """Replace dead and hung generator actors (``_replace_worker``), then push the learner's
+        weights to the pool before the replacements start sampling; repeats while more die.
+
+        Raises:
+            RuntimeError: no generator actor is left, or a replacement failed to start.
+        """
+        if dead is None:
+            self._hung_workers()
+            dead = self._dead_workers()
+        while dead:
+            for i, reason in dead:
+                self._replace_worker(i, reason)
             try:
-                ray.get(done[0])
-            except Exception as e:
-                raise RuntimeError(f"a generator actor died: {e}") from e
-            raise RuntimeError("a generator actor stopped unexpectedly")
+                self._connect_pool()
+                self._publish()
+            except Exception:
+                dead = self._dead_workers(timeout_s=5.0)  # another one died meanwhile?
+                if not dead:
+                    raise
+                continue
+            for i in sorted(self._starting):
+                self.run_refs[i] = self.workers[i].run.remote(self.broker)
+            self._starting.clear()
+            self.cluster.save(self.ctx.run_dir)  # placement.json: the replacements' nodes and pids
+            self._hung_workers()
+            dead = self._dead_workers()
+
+    def _dead_workers(self, timeout_s: float = 0.0) -> list[tuple[int, str]]:
+        """Actors whose ``run`` ended (waiting up to ``timeout_s`` for a first one), with how."""
+        active = [i for i in self._active() if i not in self._starting]
+        refs = [self.run_refs[i] for i in active]
+        if not refs:
+            return []
+        if timeout_s > 0:
+            ray.wait(refs, num_returns=1, timeout=timeout_s)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for ref in done:
+            i = active[refs.index(ref)]
+            try:
+                ray.get(ref)
+                reason = "stopped unexpectedly"
+            except Exception as e:  # the actor's end, as Ray reports it
+                text = str(e).strip()
+                reason = f"died ({type(e).__name__}: {text.splitlines()[0][:300] if text else ''})"
+            out.append((i, self._killed.pop(i, reason)))
+        return out
+
+    def _hung_workers(self) -> list[tuple[int, str]]:
+        """Probe each live actor's heartbeat (at most once a second); an actor that made no
+        progress, or did not answer, for ``generator.heartbeat_timeout_s`` is killed (its run
+        then ends; ``_dead_workers`` reports it with this reason) and returned. Replacements
+        still loading are not probed: their calls queue behind the constructor."""
+        timeout = self.ctx.cfg.generator.heartbeat_timeout_s
+        now = time.monotonic()
+        hung = []
+        for i in self._active():
+            if i in self._starting:
+                continue
+            probe = self._beats.get(i)
+            if probe is None:
+                self._beats[i] = (self.workers[i].heartbeat.remote(), now)
+                continue
+            ref, sent = probe
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                try:
+                    beat = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead actor: its run() reports it
+                    beat = None
+                if beat is not None and beat["since_progress_s"] > timeout:
+                    hung.append((i, f"made no progress for {beat['since_progress_s']:.0f} s "
+                                    f"(generator.heartbeat_timeout_s={timeout:g})"))
+                elif now - sent >= 1.0:
+                    self._beats[i] = (self.workers[i].heartbeat.remote(), now)
+            elif now - sent > timeout:
+                hung.append((i, f"did not answer for {now - sent:.0f} s (generator.heartbeat_timeout_s={timeout:g})"))
+        for i, reason in hung:
+            self._killed[i] = reason
+            self._beats.pop(i, None)
+            ray.kill(self.workers[i], no_restart=True)
+            try:  # wait until it is gone, so that it cannot claim requests any more
+                ray.wait([self.run_refs[i]], timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+        return hung
+
+    def _replace_worker(self, i: int, reason: str) -> None:
+        """Actor ``i`` is gone: re-issue the groups it held, and start its replacement (it samples
+        once ``_supervise`` has pushed it the weights), or retire the index past
+        ``generator.max_restarts``.
+
+        Raises:
+            RuntimeError: no generator actor is left.
+        """
+        g_cfg = self.ctx.cfg.generator
+        entry = self.cluster.placed["generators"][i]
+        incarnation = entry.get("incarnation", 0)
+        old = self.workers[i]
+        # Give the receiver thread a moment to route what the actor streamed before it died, so
+        # a group it finished completes rather than being abandoned (either way nothing is lost).
+        time.sleep(0.2)
+        held = ray.get(self.broker.reclaim.remote((i, incarnation)))
+        reissued = 0
+        with self._dispatch_lock:
+            for request in sorted(held, key=lambda r: r.group_id):
+                self._outstanding.pop(request.group_id, None)
+                if self.buffer.abandon_group(request.group_id):
+                    self._reissue.append(request)
+                    reissued += 1
+            self.num_reissued += reissued
+        last = self._stats_by_worker.pop(i, {})
+        for k, v in last.items():
+            self._retired_stats[k] = self._retired_stats.get(k, 0.0) + v
+        self._beats.pop(i, None)
+        ray.kill(old, no_restart=True)
+        where = f"on {entry.get('node_ip', '?')} (pid {entry.get('pid', '?')})"
+        if self.restarts[i] >= g_cfg.max_restarts:
+            self.workers[i] = None
+            self._ends[i] = f"actor {i} {where} {reason}"
+            self.ctx.log.print(f"generator actor {i} {where} {reason}; {reissued} groups re-issued; retired after "
+                               f"{self.restarts[i]} restarts (generator.max_restarts={g_cfg.max_restarts})")
+            if not self._active():
+                raise RuntimeError("every generator actor is gone: " + "; ".join(self._ends[k] for k in sorted(self._ends)))
+        else:
+            self.restarts[i] += 1
+            self.ctx.log.print(f"generator actor {i} {where} {reason}; {reissued} groups re-issued; restarting it "
+                               f"({self.restarts[i]}/{g_cfg.max_restarts})")
+            (self.workers[i],) = self._place_workers(self.ctx, *self._worker_args, indices=[i],
+                                                     incarnation=incarnation + 1)
+            self.cluster.check_reachable("generator", [self.cluster.record_replacement("generators", i, self.workers[i])])
+            self._starting.add(i)
+
+    def _watch_pool(self) -> None:
+        # Called while a push waits on the engines: a hung actor would hold it to the deadline.
+        hung = self._hung_workers()
+        if hung:
+            raise RuntimeError(f"generator actor {hung[0][0]} {hung[0][1]}")
 
     def _publish(self) -> dict[str, float]:
-        metrics = self.publisher.push(self.ctx.learner.version)
+        metrics = self.publisher.push(self.ctx.learner.version, watch=self._watch_pool)
         self.published_version = self.ctx.learner.version
         return metrics
+
+    def _publish_supervised(self) -> dict[str, float]:
+        """``_publish``; when it fails because an actor died (found within a few seconds), the
+        actor is replaced, which pushes the weights again."""
+        try:
+            return self._publish()
+        except Exception:
+            dead = self._dead_workers(timeout_s=5.0)
+            if not dead:
+                raise
+            self._supervise([(i, reason + " during a weight update") for i, reason in dead])
+            return {"weight_sync/retried": 1.0}
 
     def _take_groups(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:
         """B complete groups for this step; with dynamic sampling each round takes the missing
@@ -285,13 +476,24 @@ class AsyncLoop:
         self._rewards_checked = True
 
     def _reward_first_error(self) -> str | None:
-        errors = [e for e in ray.get([w.reward_first_error.remote() for w in self.workers]) if e is not None]
+        errors = [e for e in ray.get([self.workers[i].reward_first_error.remote() for i in self._active()])
+                  if e is not None]
         return errors[0] if errors else None
 
-    def _worker_stats(self) -> dict[str, float]:
-        total: dict[str, float] = {}
-        for stats in ray.get([w.get_stats.remote() for w in self.workers]):
-            for k, v in stats.items():
+    def _worker_stats(self, timeout_s: float = 5.0) -> dict[str, float]:
+        """The pool's counters summed: each live actor's (its last answer, if it does not answer
+        within ``timeout_s``: supervision deals with it) plus those of the actors that died."""
+        active = self._active()
+        refs = [self.workers[i].get_stats.remote() for i in active]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for i, ref in zip(active, refs):
+            try:
+                self._stats_by_worker[i] = ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - dead or slow: keep its last counters
+                pass
+        total = dict(self._retired_stats)
+        for i in active:
+            for k, v in self._stats_by_worker.get(i, {}).items():
                 total[k] = total.get(k, 0.0) + v
         return total
 
@@ -314,7 +516,8 @@ class AsyncLoop:
         self.num_trained_groups += len(groups)
         for t in trajs:
             self.trained_by_generator[t.generator_id] = self.trained_by_generator.get(t.generator_id, 0) + 1
-        metrics.update(self._publish())
+        self._forget_finished()
+        metrics.update(self._publish_supervised())
         now = time.perf_counter()
         stats = self._worker_stats()
         delta = {k: stats[k] - self._last_stats.get(k, 0.0) for k in stats}
@@ -328,6 +531,8 @@ class AsyncLoop:
             "perf/generator_busy_frac": busy / max(busy + idle, 1e-9),
             "rollout/rejected_samples": float(ro.num_rejected_samples),
             "pipeline/dispatched_groups": float(self.num_dispatched),
+            "pipeline/reissued_groups": float(self.num_reissued),
+            "pipeline/generator_restarts": float(sum(self.restarts)),
             "pipeline/in_flight_weight_updates": stats.get("in_flight_updates", 0.0),
             "timing/step_s": now - t0,
         })
@@ -335,6 +540,15 @@ class AsyncLoop:
         metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/"))})
         self._last_stats, self._last_t = stats, now
         return metrics
+
+    def _forget_finished(self) -> None:
+        # Groups that ended need no re-issue: drop them here and from the broker's claims.
+        with self._dispatch_lock:
+            ended = [g for g in self._outstanding if self.buffer.is_finished(g)]
+            for g in ended:
+                del self._outstanding[g]
+        if ended:
+            self.broker.forget.remote(ended)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue the pipeline (taken between two learner steps):
@@ -348,6 +562,7 @@ class AsyncLoop:
                 "num_dispatched": self.num_dispatched,
                 "num_dynamic_dropped": self.num_dynamic_dropped,
                 "num_trained_groups": self.num_trained_groups,
+                "num_reissued": self.num_reissued,
                 "trained_by_generator": dict(self.trained_by_generator),
                 "last_rejected_samples": self._last_rejected_samples,
                 "outstanding": list(self._outstanding.values()) + list(self._reissue),
@@ -359,6 +574,7 @@ class AsyncLoop:
         self.num_dispatched = int(state["num_dispatched"])
         self.num_dynamic_dropped = int(state["num_dynamic_dropped"])
         self.num_trained_groups = int(state["num_trained_groups"])
+        self.num_reissued = int(state.get("num_reissued", 0))
         self.trained_by_generator = {int(k): int(v) for k, v in state.get("trained_by_generator", {}).items()}
         self._last_rejected_samples = int(state["last_rejected_samples"])
         for request in state["outstanding"]:
@@ -366,6 +582,7 @@ class AsyncLoop:
             # (counted as abandoned) and the prompt starts over as a new group.
             self.buffer.abandon_group(request.group_id)
             self._reissue.append(request)
+            self.num_reissued += 1
         if self._reissue:
             logger.warning("resume: %d groups were in flight at the checkpoint; their prompts are dispatched again",
                            len(self._reissue))
@@ -383,7 +600,7 @@ class AsyncLoop:
         ds = self.ctx.val_ds if self.ctx.val_ds is not None and len(self.ctx.val_ds) else self.ctx.train_ds
         prompts = [list(p.prompt_ids) for p in ds.prompts[:num_prompts]]
         try:
-            probes = ray.get([w.probe.remote(prompts, max_tokens) for w in self.workers], timeout=300)
+            probes = ray.get([self.workers[i].probe.remote(prompts, max_tokens) for i in self._active()], timeout=300)
         except Exception as e:  # a dead worker was already reported by step()
             logger.warning("engine probe: %s", e)
             return {}
@@ -412,12 +629,15 @@ class AsyncLoop:
             "dynamic_sampling_dropped": self.num_dynamic_dropped,
             "ready_unused": int(m["buffer/num_groups_ready"]),
             "partial_at_exit": int(m["buffer/num_partial_groups"]),
-            "queued_at_exit": int(self.requests.qsize()),
+            "queued_at_exit": int(ray.get(self.broker.qsize.remote())),
         }
         # Groups dispatched whose first sample never arrived are neither ready nor partial.
         seen = out["trained"] + out["rejected"] + out["stale"] + out["abandoned"] + out["dynamic_sampling_dropped"] \
             + out["ready_unused"] + out["partial_at_exit"] + out["queued_at_exit"]
         out["unstarted_or_in_engine_at_exit"] = out["dispatched"] - seen
+        # Not part of the sum: each re-issue is a new dispatched group, its old one abandoned.
+        out["reissued"] = self.num_reissued
+        out["generator_restarts"] = sum(self.restarts)
         return out
 
     def close(self) -> dict[str, Any]:
@@ -427,12 +647,16 @@ class AsyncLoop:
             return {}
         self._closed = True
         self._stop.set()
-        for w in self.workers:
-            w.stop.remote()
-        try:
-            ray.get(self.run_refs, timeout=60)
-        except Exception as e:  # a dead worker was already reported by step()
-            logger.warning("generator pool stop: %s", e)
+        active = self._active()
+        for i in active:
+            self.workers[i].stop.remote()
+        # Each one separately: one dead actor must not cut short the wait for the others.
+        deadline = time.monotonic() + 60
+        for i in active:
+            try:
+                ray.get(self.run_refs[i], timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:  # a dead worker was already reported by step()
+                logger.warning("generator actor %d stop: %s", i, e)
         for th in self._threads:
             th.join(timeout=5)
         # Drain what the workers sent before stopping, so the ledger counts it.
@@ -444,6 +668,7 @@ class AsyncLoop:
             summary.update(self._probe_engines())
         for i in range(len(self.workers)):
             summary[f"generator_{i}/trained_samples"] = self.trained_by_generator.get(i, 0)
+            summary[f"generator_{i}/restarts"] = self.restarts[i]
         summary["pipeline/dropped_duplicate_samples"] = self.buffer.dropped["duplicate"]
         summary["pipeline/malformed_messages"] = self.receiver.num_malformed
         try:
@@ -452,15 +677,16 @@ class AsyncLoop:
             summary["reward/first_error"] = self._reward_first_error()
         except Exception as e:  # a dead worker was already reported by step()
             logger.warning("generator pool reward counts: %s", e)
-        self.requests.shutdown()
+        ray.get(self.broker.close.remote())
         self.receiver.close()
         try:
-            ray.get([w.close.remote() for w in self.workers], timeout=60)
+            ray.get([self.workers[i].close.remote() for i in active], timeout=60)
         except Exception as e:
             logger.warning("generator engine shutdown: %s", e)
         self.publisher.close()
-        for w in self.workers:
-            ray.kill(w)
+        for i in active:
+            ray.kill(self.workers[i])
+        ray.kill(self.broker)
         if self.reward_actor is not None:
             ray.kill(self.reward_actor)
         if self._own_cluster:

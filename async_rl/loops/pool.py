@@ -2,7 +2,7 @@
 
 ::
 
-    AsyncLoop ──GroupRequest──> ray.util.queue.Queue ──get──> GeneratorWorker k (own engine)
+    AsyncLoop ──GroupRequest──> RequestBroker ──take (claimed)──> GeneratorWorker k (own engine)
                                                                │ each sample as it finishes:
                                                                │ decode, score, Trajectory
                                                                v
@@ -21,6 +21,10 @@ New weights arrive through ``receive_weights`` (the weight sync layer, ``async_r
 on a second actor thread while ``run`` decodes in the first; the engine loads them between
 decoding steps (HF) or paused (vLLM) and the call returns once they are in use, so waiting on
 every worker's call is the barrier after which the new policy version is the only one generating.
+
+Requests go through a ``RequestBroker`` actor rather than a plain queue: a worker takes its batch
+from it under its own index, so when a worker dies the broker can say exactly which groups it held
+(``reclaim``), and the trainer re-issues those once (``AsyncLoop``'s supervision).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from queue import Empty
 
 import ray
 import torch
@@ -57,6 +61,85 @@ class WorkerStats(SampleCounts):
     weight_update_s: float = 0.0
 
 
+class RequestBroker:
+    """The pool's request queue, which remembers who took what (wrap with ``ray.remote``, threaded).
+
+    A worker's ``take`` is atomic here, in one actor, so at every moment each dispatched request
+    is either queued or claimed by exactly one worker (a ``(worker index, incarnation)`` pair):
+    what ``reclaim`` returns for a dead worker is all it held and nothing another worker holds,
+    and a ``take`` the dead worker sent before dying that arrives afterwards claims nothing.
+    Claims stay until the trainer ``forget``s groups that ended, since a worker that finished
+    sampling a group may die before its last messages leave its socket.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[GroupRequest] = deque()
+        self._claims: dict[tuple[int, int], dict[int, GroupRequest]] = {}  # worker -> group id -> request
+        self._dead: set[tuple[int, int]] = set()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def put(self, request: GroupRequest) -> None:
+        """Queue one request (``GroupRequest``) behind the others."""
+        with self._cond:
+            self._queue.append(request)
+            self._cond.notify()
+
+    def take(self, worker: tuple[int, int], max_samples: int, timeout_s: float) -> list[GroupRequest]:
+        """Claim queued requests for ``worker`` (index, incarnation): the first (waiting up to ``timeout_s`` seconds
+        for one), then more while the claimed samples (``n`` each) are fewer than ``max_samples``.
+
+        Returns:
+            The claimed requests, oldest first; empty if none came in time, the broker closed, or
+            ``worker`` was reclaimed.
+        """
+        with self._cond:
+            ready = self._cond.wait_for(lambda: self._queue or self._closed, timeout=timeout_s)
+            if not ready or self._closed or worker in self._dead:
+                return []
+            batch = [self._queue.popleft()]
+            while self._queue and sum(r.n for r in batch) < max_samples:
+                batch.append(self._queue.popleft())
+            claims = self._claims.setdefault(worker, {})
+            for r in batch:
+                claims[r.group_id] = r
+            return batch
+
+    def reclaim(self, worker: tuple[int, int]) -> list[GroupRequest]:
+        """Every request ``worker`` (index, incarnation) claimed that the trainer has not
+        ``forget``-ten; from now on ``worker`` claims nothing. Call once it is dead or killed."""
+        with self._cond:
+            self._dead.add(worker)
+            return list(self._claims.pop(worker, {}).values())
+
+    def forget(self, group_ids: list[int]) -> None:
+        """Drop the claims on groups that ended (trained, rejected, evicted or abandoned)."""
+        with self._cond:
+            for claims in self._claims.values():
+                for g in group_ids:
+                    claims.pop(g, None)
+
+    def claimed(self) -> dict[tuple[int, int], list[int]]:
+        """Group ids claimed per worker (index, incarnation), not yet forgotten."""
+        with self._cond:
+            return {w: sorted(c) for w, c in self._claims.items()}
+
+    def qsize(self) -> int:
+        """Requests queued and not yet claimed."""
+        with self._cond:
+            return len(self._queue)
+
+    def close(self) -> list[GroupRequest]:
+        """Stop handing out requests (every ``take`` returns empty from now on); returns the
+        requests still queued, for the ledger."""
+        with self._cond:
+            self._closed = True
+            left = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+            return left
+
+
 class GeneratorWorker:
     """A generator actor: one engine, one reward scorer, one ZMQ sender (wrap with ``ray.remote``).
 
@@ -76,11 +159,13 @@ class GeneratorWorker:
         reward_cfg: the ``RewardConfig`` (its ``fn`` as ``reward_fn``) when ``reward.model`` is set.
         reward_model: the reward actor (``RewardModel`` under ``ray.remote``) scoring this
             worker's samples in batches; the worker keeps sampling while it scores.
+        incarnation: how many times the pool replaced the actor at ``worker_id`` before this one
+            (its claims at the ``RequestBroker`` are kept apart from its predecessors').
     """
 
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
                  reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None,
-                 reward_cfg=None, reward_model=None) -> None:
+                 reward_cfg=None, reward_model=None, incarnation: int = 0) -> None:
         torch.set_num_threads(max(1, num_threads))
         # Before the engine starts: its processes inherit it, and a broadcast group on another
         # node then announces this node's address (async_rl.cluster).
@@ -89,6 +174,7 @@ class GeneratorWorker:
 
         transformers_logging.disable_progress_bar()  # a bar per model load, in every actor's log
         self.worker_id = worker_id
+        self.incarnation = incarnation
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.engine = make_generator(gen_cfg, model_path, pad, num_threads=max(1, num_threads), lora=lora)
@@ -105,6 +191,7 @@ class GeneratorWorker:
         self.stats = WorkerStats()
         self._stop = threading.Event()
         self._max_groups = max(1, gen_cfg.max_batch_size)
+        self._last_progress = time.monotonic()
 
     # ------------------------------------------------------------------ control (second thread)
     def connect_weight_sync(self, init_info: dict, rank: int) -> None:
@@ -119,6 +206,7 @@ class GeneratorWorker:
         dt = time.perf_counter() - t0
         self.stats.weight_updates += 1
         self.stats.weight_update_s += dt
+        self._beat()
         return dt
 
     def close(self) -> None:
@@ -158,26 +246,21 @@ class GeneratorWorker:
 
     # ------------------------------------------------------------------ the loop (first thread)
     def run(self, requests) -> dict[str, float]:
-        """Serve ``requests`` (a ``ray.util.queue.Queue`` of ``GroupRequest``) until ``stop``.
+        """Serve ``requests`` (a ``RequestBroker`` actor) until ``stop``: take a batch under this
+        worker's index, sample it, repeat.
 
         Returns:
             ``get_stats()`` at exit.
         """
         while not self._stop.is_set():
             t0 = time.perf_counter()
-            try:
-                first = requests.get(block=True, timeout=0.2)
-            except Empty:
-                self.stats.idle_s += time.perf_counter() - t0
-                continue
-            batch = [first]
-            # Take what else is queued, up to the engine batch: bigger batches, same samples.
-            while sum(r.n for r in batch) < self._max_groups:
-                try:
-                    batch.append(requests.get_nowait())
-                except Empty:
-                    break
+            self._beat()
+            # Take what is queued, up to the engine batch: bigger batches, same samples.
+            batch = ray.get(requests.take.remote((self.worker_id, self.incarnation), self._max_groups, 0.2))
             self.stats.idle_s += time.perf_counter() - t0
+            if not batch:
+                continue
+            self._beat()
             t1 = time.perf_counter()
             self._serve(batch)
             self.stats.busy_s += time.perf_counter() - t1
@@ -186,9 +269,20 @@ class GeneratorWorker:
         self.sender.close()
         return self.get_stats()
 
+    def _beat(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def heartbeat(self) -> dict[str, float]:
+        """Seconds since this worker last made progress (took requests, finished a sample, loaded
+        weights, or polled an empty queue), and its process id: the supervisor's liveness probe."""
+        import os
+
+        return {"since_progress_s": time.monotonic() - self._last_progress, "pid": float(os.getpid())}
+
     def _send(self, traj) -> None:
         traj.generator_id = self.worker_id  # which actor (and so which node) sampled it
         self.sender.send(traj)
+        self._beat()
 
     def _serve(self, batch: list[GroupRequest]) -> None:
         # The one rollout road of both modes (async_rl.rollout): here each kept trajectory is

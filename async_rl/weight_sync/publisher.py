@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -154,9 +154,11 @@ class Transport(Protocol):
     sender: WeightSender | None
     """The bucket sender (``shm``/``broadcast``), or ``None``."""
 
-    def push(self, source: WeightSource, version: int) -> dict[str, float]:
+    def push(self, source: WeightSource, version: int, watch: Callable[[], None] | None = None) -> dict[str, float]:
         """Move ``source``'s current weights into every target as ``version``, returning once all
-        of them have loaded it (all or nothing per engine); returns transfer metrics."""
+        of them have loaded it (all or nothing per engine); returns transfer metrics. ``watch``,
+        if given, is called while engines in other processes are waited on, and what it raises
+        fails the push."""
         ...
 
     def close(self) -> None:
@@ -186,9 +188,9 @@ class ColocatedTransport:
         self.cfg, self.targets = cfg, targets
         self.sender: WeightSender | None = None
 
-    def push(self, source: WeightSource, version: int) -> dict[str, float]:
+    def push(self, source: WeightSource, version: int, watch: Callable[[], None] | None = None) -> dict[str, float]:
         """Load ``source``'s weights into every engine as ``version``; returns ``{}`` (nothing is
-        packed or sent).
+        packed or sent). ``watch`` is not called: the engines load in this thread.
 
         Raises:
             KeyError, ValueError: an engine's refusal (``check_update``; that engine is untouched).
@@ -256,18 +258,29 @@ class BucketTransport:
                 done.set()
 
         threading.Thread(target=form, name="weight-sync-group", daemon=True).start()
-        kind = type(self.targets[0])
         while not done.wait(0.5):
-            for rank, handle in enumerate(handles):
-                try:
-                    kind.wait([handle], 0)
-                except TimeoutError:
-                    continue  # still joining
-                except Exception as e:
-                    raise RuntimeError(f"weight sync ({self.name}): receiver {rank} failed to connect: "
-                                       f"{type(e).__name__}: {e}") from e
+            self._raise_failed(handles, "failed to connect")
         if errors:
             raise errors[0]
+
+    def _raise_failed(self, handles: list, what: str) -> None:
+        # A receiver whose call already ended in an error (its engine refused or failed, its
+        # actor died) will never join or acknowledge: say so now, naming it, not at the deadline.
+        kind = type(self.targets[0])
+        for rank, handle in enumerate(handles):
+            try:
+                kind.wait([handle], 0)
+            except TimeoutError:
+                continue  # still running
+            except Exception as e:
+                text = str(e).strip()
+                raise RuntimeError(f"weight sync ({self.name}): receiver {rank} {what}: {type(e).__name__}: "
+                                   f"{text.splitlines()[0] if text else ''}") from e
+
+    def _watch(self, handles: list, watch: Callable[[], None] | None) -> None:
+        self._raise_failed(handles, "failed")
+        if watch is not None:
+            watch()
 
     def _wait(self, handles: list, plan: UpdatePlan, what: str, timeout_s: float) -> list:
         try:
@@ -275,16 +288,17 @@ class BucketTransport:
         except TimeoutError:
             raise TimeoutError(self.sender.diagnose(plan, what)) from None
 
-    def push(self, source: WeightSource, version: int) -> dict[str, float]:
+    def push(self, source: WeightSource, version: int, watch: Callable[[], None] | None = None) -> dict[str, float]:
         """Plan ``source``'s weights as ``version`` (from ``weight_metadata``, nothing gathered),
-        stream them, and wait until every engine has loaded them.
+        stream them, and wait until every engine has loaded them. ``watch`` (optional) is called
+        about every 0.25 s while waiting on the engines; what it raises fails the update.
 
         Returns:
             ``weight_sync/bytes``, ``weight_sync/pack_s``, ``weight_sync/send_s``.
 
         Raises:
             RuntimeError: an engine refused the update (the message names the weights) or failed
-                loading it.
+                loading it, or a receiver's process died (named within about a second).
             Exception: whatever ``source.named_weights`` raised mid-stream (re-raised once the
                 engines have settled).
             TimeoutError: not done within ``weight_sync.timeout_s`` (who, where).
@@ -294,7 +308,7 @@ class BucketTransport:
         plan = self.sender.plan_shapes(source.weight_metadata(), version, source.weight_aliases())
         handles = [t.receive(plan.to_dict(), version) for t in self.targets]
         try:
-            metrics = self.sender.send(plan, source.named_weights(), deadline)
+            metrics = self.sender.send(plan, source.named_weights(), deadline, watch=lambda: self._watch(handles, watch))
         except Exception as sent:
             # Let every engine settle first (a staged copy dropped, or the engine marked
             # unusable), so that none is still loading when the caller sees the error; a
@@ -306,8 +320,21 @@ class BucketTransport:
                     raise RuntimeError(f"{sent} ({type(cause).__name__}: {cause})") from cause
                 raise sent from cause
             raise
-        self._wait(handles, plan, "waiting for the engines to load", max(1.0, deadline - time.monotonic()))
+        self._wait_loaded(handles, plan, deadline, watch)
         return metrics
+
+    def _wait_loaded(self, handles: list, plan: UpdatePlan, deadline: float, watch: Callable[[], None] | None) -> None:
+        # In slices, so that ``watch`` runs while the engines load (a hung one would else hold
+        # the update until the deadline).
+        while True:
+            try:
+                self._wait(handles, plan, "waiting for the engines to load", min(0.25, max(0.0, deadline - time.monotonic())))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+            if watch is not None:
+                watch()
 
     def close(self) -> None:
         """Release the sender's slots."""
@@ -390,9 +417,11 @@ class WeightPublisher:
         """The bucket sender (``shm``/``broadcast``), or ``None`` (``colocated``)."""
         return self._transport.sender
 
-    def push(self, version: int) -> dict[str, float]:
+    def push(self, version: int, watch: Callable[[], None] | None = None) -> dict[str, float]:
         """Send the learner's current weights as ``version``; returns once every generator has
-        loaded them (then, and only then, ``published_version = version``).
+        loaded them (then, and only then, ``published_version = version``). ``watch``: for
+        ``shm``/``broadcast``, called about every 0.25 s while the engines are waited on (the
+        pool's supervision: it raises when an actor hangs); what it raises fails the push.
 
         A failed push publishes nothing: each engine either refused the update before any write
         (unchanged), dropped its staged copy (HF: old weights and version), or is marked unusable
@@ -412,7 +441,7 @@ class WeightPublisher:
             TimeoutError: the sync did not finish in ``weight_sync.timeout_s`` (who, where).
         """
         t0 = time.perf_counter()
-        metrics = self._transport.push(self.learner, version)
+        metrics = self._transport.push(self.learner, version, watch)
         self.published_version = version
         metrics["timing/weight_sync_s"] = time.perf_counter() - t0
         if metrics.get("weight_sync/bytes"):

@@ -11,7 +11,7 @@ import datetime
 import os
 import time
 import uuid
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -167,10 +167,18 @@ class WeightSender:
             self._alloc_slots(max(plan.bucket_nbytes))  # one oversized tensor: grow the slots once
         return plan
 
-    def send(self, plan: UpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]], deadline: float | None = None) -> dict[str, float]:
+    def send(self, plan: UpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]], deadline: float | None = None,
+             watch: Callable[[], None] | None = None) -> dict[str, float]:
         """Stream ``tensors`` (in plan order; DTensors are gathered one at a time) to every receiver.
 
         Call while every receiver runs ``WeightReceiver.receive(plan)`` (concurrently).
+
+        Args:
+            deadline: ``time.monotonic()`` by which the update must be through (default: now +
+                ``weight_sync.timeout_s``).
+            watch: called about every 0.25 s while waiting on the receivers; it raises when one
+                of them is gone (its process died), so that the update fails in about a second
+                instead of at the deadline.
 
         Returns:
             ``{"weight_sync/bytes", "weight_sync/pack_s", "weight_sync/send_s"}``.
@@ -178,12 +186,13 @@ class WeightSender:
         Raises:
             RuntimeError: a receiver reported an error (its message, e.g. an unknown weight name).
             TimeoutError: receivers did not get ready or acknowledge in time (which and where).
+            Exception: what ``watch`` raised.
         """
         deadline = deadline or time.monotonic() + self.cfg.timeout_s
         self._forget_previous(plan)
-        self._wait_count(plan, "ready", self.num_receivers, deadline)
         try:
-            return self._send(plan, tensors, deadline)
+            self._wait_count(plan, "ready", self.num_receivers, deadline, watch)
+            return self._send(plan, tensors, deadline, watch)
         except BaseException as e:
             # Tell the receivers at once (shm receivers watch this key; broadcast receivers wait
             # out the group's timeout), rather than leaving them blocked on the next bucket.
@@ -191,7 +200,8 @@ class WeightSender:
                 self.store.set(f"{plan.update_id}/error", f"sender: {type(e).__name__}: {e}")
             raise
 
-    def _send(self, plan: UpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]], deadline: float) -> dict[str, float]:
+    def _send(self, plan: UpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]], deadline: float,
+              watch: Callable[[], None] | None) -> dict[str, float]:
         it = iter(tensors)
         pack_s = send_s = 0.0
         nslots = len(self.slots)
@@ -213,7 +223,7 @@ class WeightSender:
             t0 = time.perf_counter()
             if self._shm:
                 if i >= nslots:  # slot reuse: every receiver must be done with bucket i - nslots
-                    self._wait_count(plan, f"ack{i - nslots}", self.num_receivers, deadline)
+                    self._wait_count(plan, f"ack{i - nslots}", self.num_receivers, deadline, watch)
                 buf = self.slots[i % nslots][: plan.bucket_nbytes[i]]
                 pack_bucket(buf, metas, got)
                 t1 = time.perf_counter()
@@ -246,10 +256,15 @@ class WeightSender:
                 [f"ack{i}" for i in range(len(prev.buckets))]:
             self.store.delete_key(f"{prev.update_id}/{key}")
 
-    def _wait_count(self, plan: UpdatePlan, key: str, n: int, deadline: float) -> None:
+    def _wait_count(self, plan: UpdatePlan, key: str, n: int, deadline: float,
+                    watch: Callable[[], None] | None = None) -> None:
         full = f"{plan.update_id}/{key}"
         err = f"{plan.update_id}/error"
+        next_watch = time.monotonic() + 0.25
         while True:
+            if watch is not None and time.monotonic() >= next_watch:
+                watch()
+                next_watch = time.monotonic() + 0.25
             if self.store.check([err]):
                 raise RuntimeError(f"weight sync v{plan.version}: a generator failed: {self.store.get(err).decode()}")
             if self.store.add(full, 0) >= n:

@@ -1,0 +1,126 @@
+"""The trainer process killed outright (SIGKILL) in the middle of an async run: nothing of the run
+stays behind (processes, listening sockets, shared-memory files), and ``trainer.resume=auto``
+finishes it from its last checkpoint with the ledger still adding up."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline_helpers import ROOT, small_run
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now (Ray's workers start their own sessions, so the process
+    tree, not the process group, finds them)."""
+    children, found, todo = _children(), set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":  # a zombie waits for its parent (here pid 1) to reap it: it holds nothing
+            alive.add(pid)
+    return alive
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return -1
+    return max([json.loads(l)["step"] for l in lines if l.endswith("}")] or [-1])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _shm_of(pid: int) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"async-rl-{pid}-")] if os.path.isdir("/dev/shm") else []
+
+
+@pytest.mark.slow
+def test_sigkilled_async_trainer_leaves_nothing_and_resumes_from_its_checkpoint(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    env["OMP_NUM_THREADS"] = "1"
+    args = small_run(tmp_path, "killed", "trainer.mode=async", "trainer.total_steps=6",
+                     "trainer.checkpoint.every_steps=2", "logging.console_every_steps=1")
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", "--config", str(ROOT / "configs/default.yaml"), *args]
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        trainer = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    run_dir = tmp_path / "killed"
+    try:
+        deadline = time.monotonic() + 600
+        while _last_step(run_dir) < 3:
+            assert trainer.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never reached step 3"
+            time.sleep(0.2)
+        procs = _descendants(trainer.pid)
+        text = log.read_text()
+        ports = [int(p) for p in re.findall(r"(?:store [\d.]+:|trajectories on tcp://[\d.]+:)(\d+)", text)]
+        assert len(ports) == 2, text[-2000:]
+        assert procs and all(_listening(p) for p in ports)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    # Ray's own processes go when they find the driver gone: its agents poll their raylet, so
+    # give them up to two minutes.
+    deadline = time.monotonic() + 180
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in _alive(procs) if Path(f"/proc/{pid}").exists()}
+    assert not left, f"processes of the killed run still alive: {left}"
+    assert not [p for p in ports if _listening(p)], "a socket of the killed run still listens"
+    assert _shm_of(trainer.pid) == []
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert checkpoints and not [c for c in checkpoints if c.endswith(".tmp")], checkpoints
+    saved = int(checkpoints[-1].split("_")[1])
+    assert saved in (2, 4)
+
+    resumed = subprocess.run([*cmd, "trainer.resume=auto"], capture_output=True, text=True, env=env, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["last_step"] == 6
+    assert summary["pipeline/trained"] == 6 * 4
+    assert summary["pipeline/unstarted_or_in_engine_at_exit"] == 0
+    # The resumed run appended its steps, from the one after the checkpoint to the last.
+    steps = [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert set(range(saved + 1, 7)) <= set(steps) and steps[-1] == 6
