@@ -37,6 +37,8 @@ def tiny_tokenizer(tiny_model_path):
 def ray_session():
     """A local Ray instance for one test module (actors load torch and a model: slow to start)."""
     ray = pytest.importorskip("ray")
+    if ray.is_initialized():  # left by an earlier module: start this module's own, as configured
+        ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
              log_to_driver=False)
     yield ray

@@ -139,7 +139,7 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
     monkeypatch.setattr(WeightPublisher, "push", push)
     monkeypatch.setattr(async_loop, "learn_on", learn_on)
     try:
-        summary = train(_cfg(tmp_path, "chaos", "trainer.total_steps=7", "generator.heartbeat_timeout_s=10",
+        summary = train(_cfg(tmp_path, "chaos", "trainer.total_steps=7", "generator.heartbeat_timeout_s=20",
                              "weight_sync.probe_at_exit=true"))
     finally:
         for pid in stopped:  # never leave a stopped process behind, whatever failed
