@@ -230,19 +230,30 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
         if cluster is not None:
             cluster.close()
         raise
-    generator, transport = colocated_engine(cfg, model_path, tokenizer.pad_token_id)
-    ctx = RunContext(
-        cfg=cfg, tokenizer=tokenizer, model_path=model_path, train_ds=train_ds, val_ds=val_ds,
-        scorer=make_scorer(cfg.reward, cfg.reward.on_error, reward_model and reward_model.score),
-        # Separate counters: eval must not leak into train metrics.
-        eval_scorer=make_scorer(cfg.reward, "zero", reward_model and reward_model.score),
-        params=SamplingParams.from_config(cfg.generator, stops),
-        eval_params=SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy),
-        learner=learner, generator=generator,
-        publisher=WeightPublisher(cfg.weight_sync, transport, learner, [LocalTarget(generator)],
-                                  protocol=engine_protocol(cfg.generator.backend if cfg.trainer.mode == "sync" else "hf")),
-        run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
-        agent=agent, cluster=cluster)
+    generator = None
+    try:
+        generator, transport = colocated_engine(cfg, model_path, tokenizer.pad_token_id)
+        ctx = RunContext(
+            cfg=cfg, tokenizer=tokenizer, model_path=model_path, train_ds=train_ds, val_ds=val_ds,
+            scorer=make_scorer(cfg.reward, cfg.reward.on_error, reward_model and reward_model.score),
+            # Separate counters: eval must not leak into train metrics.
+            eval_scorer=make_scorer(cfg.reward, "zero", reward_model and reward_model.score),
+            params=SamplingParams.from_config(cfg.generator, stops),
+            eval_params=SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy),
+            learner=learner, generator=generator,
+            publisher=WeightPublisher(cfg.weight_sync, transport, learner, [LocalTarget(generator)],
+                                      protocol=engine_protocol(cfg.generator.backend if cfg.trainer.mode == "sync" else "hf")),
+            run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
+            agent=agent, cluster=cluster)
+    except BaseException:
+        # Nothing of a run that could not be built may outlive it: the engine, the learner's
+        # ranks, and a Ray instance this run started (a later ray.init in this process would fail).
+        if generator is not None:
+            generator.close()
+        learner_handle.close(failed=True)
+        if cluster is not None:
+            cluster.close()
+        raise
     ctx.log.print(f"run directory: {run_dir}")
     if train_ds.num_rejected_too_long:
         ctx.log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")

@@ -124,3 +124,22 @@ def test_sigkilled_async_trainer_leaves_nothing_and_resumes_from_its_checkpoint(
     # The resumed run appended its steps, from the one after the checkpoint to the last.
     steps = [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert set(range(saved + 1, 7)) <= set(steps) and steps[-1] == 6
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_while_being_built_leaves_no_ray_behind(tmp_path, monkeypatch):
+    """An error after the run started its Ray instance (here: the metrics logger) but before it
+    began: the instance is shut down with it, so this process can start another."""
+    ray = pytest.importorskip("ray")
+    import async_rl.trainer as trainer
+    from pipeline_helpers import small_run_cfg
+
+    def broken_logger(*args, **kwargs):
+        raise ValueError("logging.wandb: cannot reach the server")
+
+    monkeypatch.setattr(trainer, "MetricsLogger", broken_logger)
+    assert not ray.is_initialized()
+    with pytest.raises(ValueError, match="cannot reach the server"):
+        trainer.train(small_run_cfg(tmp_path, "broken", "trainer.mode=async"))
+    assert not ray.is_initialized()
+    assert not (tmp_path / "broken").exists()  # and no run directory
