@@ -345,14 +345,14 @@ class Cluster:
             entry.update(spot)
         return entries
 
-    def record_replacement(self, role: str, index: int, actor) -> dict[str, Any]:
-        """Record where the actor that replaced ``role``'s actor ``index`` runs (``incarnation``
-        counts the replacements); returns its entry."""
+    def record_replacement(self, role: str, index: int, actor, incarnation: int) -> dict[str, Any]:
+        """Record where the actor that replaced ``role``'s actor ``index`` runs, as its
+        ``incarnation`` (replacements so far at that index); returns its entry."""
         import ray
 
         entry = self.placed[role][index]
         entry.update(ray.get(actor.__ray_call__.remote(_where_actor)))
-        entry["incarnation"] = entry.get("incarnation", 0) + 1
+        entry["incarnation"] = incarnation
         return entry
 
     def check_reachable(self, role: str, entries: list[dict[str, Any]]) -> None:

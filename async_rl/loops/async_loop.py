@@ -379,7 +379,7 @@ class AsyncLoop:
         """
         g_cfg = self.ctx.cfg.generator
         entry = self.cluster.placed["generators"][i]
-        incarnation = entry.get("incarnation", 0)
+        incarnation = self.restarts[i]  # the dead actor's: each restart makes the next one
         old = self.workers[i]
         # Give the receiver thread a moment to route what the actor streamed before it died, so
         # a group it finished completes rather than being abandoned (either way nothing is lost).
@@ -412,7 +412,8 @@ class AsyncLoop:
                                f"({self.restarts[i]}/{g_cfg.max_restarts})")
             (self.workers[i],) = self._place_workers(self.ctx, *self._worker_args, indices=[i],
                                                      incarnation=incarnation + 1)
-            self.cluster.check_reachable("generator", [self.cluster.record_replacement("generators", i, self.workers[i])])
+            self.cluster.check_reachable("generator", [self.cluster.record_replacement("generators", i, self.workers[i],
+                                                                                       incarnation + 1)])
             self._starting.add(i)
 
     def _watch_pool(self) -> None:

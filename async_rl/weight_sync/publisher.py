@@ -326,13 +326,14 @@ class BucketTransport:
     def _wait_loaded(self, handles: list, plan: UpdatePlan, deadline: float, watch: Callable[[], None] | None) -> None:
         # In slices, so that ``watch`` runs while the engines load (a hung one would else hold
         # the update until the deadline).
+        kind = type(self.targets[0])
         while True:
             try:
-                self._wait(handles, plan, "waiting for the engines to load", min(0.25, max(0.0, deadline - time.monotonic())))
+                kind.wait(handles, min(0.25, max(0.0, deadline - time.monotonic())))
                 return
             except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise
+                if time.monotonic() >= deadline:  # who stands where, read once
+                    raise TimeoutError(self.sender.diagnose(plan, "waiting for the engines to load")) from None
             if watch is not None:
                 watch()
 
