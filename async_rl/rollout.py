@@ -2,15 +2,18 @@
 
 ::
 
-    GroupRequest x k ──> engine.generate / AgentLoop.run ──on_sample(i, j, sample)──> GroupScorer
-                                                                                       │ decode, score
-                      on_trajectory(Trajectory)  <──── kept sample ───────────────────┤
-                      on_group_closed(request, kept) <── all n samples of a group ─────┘
+    GroupRequest x k ──> engine.generate / AgentLoop.run ──on_sample(i, j, sample)──> decode, submit
+                                                                                         │ RewardScorer:
+                                                                                         │ worker processes
+                      on_trajectory(Trajectory)  <──── kept sample ─── scorer's thread ─┤ (reward.timeout_s)
+                      on_group_closed(request, kept) <── all n samples of a group ──────┘
 
 ``sample_groups`` is the one function that turns finished samples into trajectories: sync mode
 (``rollout``) collects them in a list; each generator actor of async mode
 (``async_rl.loops.pool``) streams them over ZeroMQ the moment a sample finishes. A sample whose
-reward is rejected leaves its group in both modes (counted by the scorer, never a reward 0).
+reward is rejected leaves its group in both modes (counted by the scorer, never a reward 0); so
+does one whose reward function hangs past ``reward.timeout_s`` or kills its worker process, while
+the engine keeps decoding (``async_rl.rewards.workers``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from transformers import GenerationConfig
 from async_rl.agent import Conversation
 from async_rl.buffers.trajectory import Trajectory
 from async_rl.generators.base import mix_seed
-from async_rl.rewards import RewardScorer, default_reward_for, get_reward_fn
+from async_rl.rewards import RewardScorer
+from async_rl.rewards.registry import dispatch_by_source, resolve_reward_spec  # noqa: F401 (re-exported)
+from async_rl.rewards.workers import RewardWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +59,6 @@ def group_seed(run_seed: int, group_id: int) -> int:
     return mix_seed(run_seed, group_id)
 
 
-def dispatch_by_source(data_source: str, response_text: str, ground_truth, extra_info) -> Any:
-    """The reward of ``data_source``'s built-in reward function (``reward.fn`` unset)."""
-    return default_reward_for(data_source)(data_source, response_text, ground_truth, extra_info)
-
-
 def reward_function(spec: str | None) -> Callable[..., Any]:
     """The reward function of ``reward.fn``: a spec (``get_reward_fn``), or ``None`` for one per
     ``data_source`` (``dispatch_by_source``).
@@ -66,7 +66,7 @@ def reward_function(spec: str | None) -> Callable[..., Any]:
     Raises:
         ValueError: the spec names no reward function.
     """
-    return get_reward_fn(spec) if spec else dispatch_by_source
+    return resolve_reward_spec(spec)
 
 
 def reward_model_path(reward_cfg) -> str:
@@ -97,22 +97,29 @@ def load_reward_model(reward_cfg, num_threads: int = 0):
 
 def make_scorer(reward_cfg, on_error: str, score_batch=None) -> RewardScorer:
     """The ``RewardScorer`` of a ``RewardConfig``: its function (none when only ``reward.model``
-    is set) and, with a reward model, a ``ModelRewardStage`` calling ``score_batch``
-    (``RewardModel.score`` here, or a call into the reward actor).
+    is set), run in ``reward.num_workers`` worker processes under ``reward.timeout_s``
+    (``RewardWorkers``, started on the first call; in-process with 0) and, with a reward model, a
+    ``ModelRewardStage`` calling ``score_batch`` (``RewardModel.score`` here, or a call into the
+    reward actor). Call ``close()`` on it when done.
 
     Raises:
         ValueError: the spec names no reward function; a model without ``score_batch``.
     """
     from async_rl.rewards.model import ModelRewardStage
 
-    fn = reward_function(reward_cfg.fn) if reward_cfg.fn or not reward_cfg.model else None
+    with_fn = bool(reward_cfg.fn or not reward_cfg.model)
+    # Resolved here too, though the workers load their own copy: a bad spec stops the run at
+    # build time in one line, and messages name the function.
+    fn = reward_function(reward_cfg.fn) if with_fn else None
     stage = None
     if reward_cfg.model:
         if score_batch is None:
             raise ValueError("make_scorer: reward.model is set but nothing scores with it")
         stage = ModelRewardStage(score_batch, reward_cfg.model_batch_size, reward_cfg.model_weight,
                                  with_fn=fn is not None, on_error=on_error)
-    return RewardScorer(fn, on_error=on_error, model=stage)
+    workers = (RewardWorkers(reward_cfg.fn, reward_cfg.num_workers, reward_cfg.timeout_s)
+               if with_fn and reward_cfg.num_workers else None)
+    return RewardScorer(fn, on_error=on_error, model=stage, workers=workers)
 
 
 @dataclass
@@ -201,13 +208,19 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
     return traj
 
 
-def scored_trajectory(sample, tokenizer, scorer, request: GroupRequest, index: int) -> Trajectory | None:
-    """The ``Trajectory`` of sample ``index`` of ``request``'s group with its reward, or ``None``
-    when it is rejected.
+def with_reward(traj: Trajectory, result) -> Trajectory | None:
+    """``traj`` with the reward of ``result`` (a ``RewardResult``: score and extras), or ``None``
+    when ``result`` is rejected (counted by the scorer with its reason; the sample must leave its
+    group: neither trained nor part of the group's baseline, never a reward 0)."""
+    if result.rejected:
+        return None
+    traj.reward, traj.reward_extras = result.score, {**traj.reward_extras, **result.extras}
+    return traj
 
-    A rejected sample (its reward function failed under ``reward.on_error=reject``, or returned no
-    reward) is counted by ``scorer`` with its reason and must leave its group: it is neither
-    trained nor part of the group's baseline, never a reward 0.
+
+def scored_trajectory(sample, tokenizer, scorer, request: GroupRequest, index: int) -> Trajectory | None:
+    """The ``Trajectory`` of sample ``index`` of ``request``'s group with its reward (waiting for
+    it), or ``None`` when it is rejected (see ``with_reward``).
 
     Args:
         sample: a generator ``Sample`` or an agent ``Conversation``.
@@ -219,11 +232,8 @@ def scored_trajectory(sample, tokenizer, scorer, request: GroupRequest, index: i
     traj = trajectory_of(sample, tokenizer, request.group_id, index, request.prompt_uid, request.prompt_ids)
     if scorer.fn is None:  # the reward model alone scores (``ModelRewardStage``)
         return traj
-    result = scorer.score(request.data_source, traj.response_text, request.ground_truth, request.extra_info)
-    if result.rejected:
-        return None
-    traj.reward, traj.reward_extras = result.score, {**traj.reward_extras, **result.extras}
-    return traj
+    return with_reward(traj, scorer.score(request.data_source, traj.response_text, request.ground_truth,
+                                          request.extra_info))
 
 
 @dataclass
@@ -255,10 +265,15 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
                   counts: SampleCounts | None = None, wait_scored: bool = True) -> SampleCounts:
     """Sample every request's group and score each sample the moment it finishes (both modes).
 
-    With a reward model (``scorer.model``, an ``async_rl.rewards.model.ModelRewardStage``) the
-    function reward is computed as the sample finishes and the sample then queued for the model:
-    ``on_trajectory`` and ``on_group_closed`` are then called on the stage's thread (one thread,
-    in finishing order), once the model has scored it.
+    The engine's callback only submits each finished sample to ``scorer``; decoding never waits
+    for a reward. Where ``on_trajectory`` and ``on_group_closed`` run (always one thread for all
+    of them, so they need no lock of their own):
+
+    - reward workers (``scorer.workers``, ``reward.num_workers`` >= 1): on the worker pool's
+      thread, in the order scores come back;
+    - in-process (``reward.num_workers=0``): on the engine's callback thread, as samples finish;
+    - with a reward model (``scorer.model``, a ``ModelRewardStage``): the function's result is
+      queued for the model, and both run on the stage's thread once the model has scored it.
 
     Args:
         engine: a ``Generator``.
@@ -272,9 +287,10 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
             scored, rejected ones included.
         counts: counters to add to as each sample is scored (a generator actor's running totals,
             read while it samples); ``None``: fresh ones.
-        wait_scored: with a reward model, return only once every sample of this call is scored
-            and handed on; ``False`` (a generator actor) returns when sampling ends, so the next
-            batch samples while the model scores the last one.
+        wait_scored: return only once every sample of this call is scored and handed on
+            (``scorer.drain()``); ``False`` (a generator actor) returns when sampling ends, so
+            the next batch samples while the reward workers and model score the last one (the
+            actor drains before it stops).
 
     Returns:
         ``counts``, with this call's samples added.
@@ -295,9 +311,19 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
     stage = getattr(scorer, "model", None)
 
     def on_sample(i: int, j: int, sample) -> None:
+        # On the engine's thread: only build the trajectory and submit it; the reward arrives on
+        # the scorer's side (``scored``), so decoding never waits for a reward function.
         counts.samples += 1
         counts.generated_tokens += sum(sample.loss_mask) if isinstance(sample, Conversation) else len(sample.response_ids)
-        traj = scored_trajectory(sample, tokenizer, scorer, requests[i], j)
+        r = requests[i]
+        traj = trajectory_of(sample, tokenizer, r.group_id, j, r.prompt_uid, r.prompt_ids)
+        if scorer.fn is None:  # the reward model alone scores
+            scored(i, traj)
+        else:
+            scorer.submit(r.data_source, traj.response_text, r.ground_truth, r.extra_info,
+                          done=lambda result: scored(i, with_reward(traj, result)))
+
+    def scored(i: int, traj: Trajectory | None) -> None:
         if stage is None:
             hand_on(i, traj)
         else:
@@ -321,8 +347,8 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
         agent.run(engine, [(r.prompt_ids, r.messages) for r in requests], n, params, seeds, on_sample=on_sample)
     else:
         engine.generate([r.prompt_ids for r in requests], n, params, seeds=seeds, on_sample=on_sample)
-    if stage is not None and wait_scored:
-        stage.drain()
+    if wait_scored:
+        scorer.drain()
     return counts
 
 

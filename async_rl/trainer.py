@@ -94,6 +94,8 @@ def train(cfg: "Config") -> dict[str, Any]:
                 loop.close()
             ctx.publisher.close()
             ctx.generator.close()
+            ctx.scorer.close()  # their reward worker processes
+            ctx.eval_scorer.close()
             learner_handle.close(failed=failed)
             if ctx.cluster is not None:
                 ctx.cluster.close()

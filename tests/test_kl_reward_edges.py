@@ -123,7 +123,8 @@ def test_missing_reward_is_a_counted_rejection_whatever_on_error_says(value, on_
     result = scorer.score("src", "response", "gt", None)
     assert result.rejected and result.reason == "no_reward" and result.error == "no reward (None)"
     assert scorer.pop_metrics() == {"reward/scored": 1.0, "reward/errors": 0.0, "reward/no_reward": 1.0,
-                                    "reward/rejected": 1.0}
+                                    "reward/rejected": 1.0, "reward/timeouts": 0.0, "reward/crashed": 0.0,
+                                    "reward/too_large": 0.0}
 
 
 def test_an_error_under_on_error_zero_is_still_scored_zero():
@@ -196,6 +197,8 @@ def test_async_generator_actor_never_sends_a_missing_reward(tiny_model_path, tmp
                              f"{reward_file}:judge", "zero", lambda: Sender(), num_threads=1)
     worker._serve([GroupRequest(group_id=3, prompt_ids=[5, 6, 7], prompt_uid="u", data_source="d",
                                 ground_truth="", extra_info={}, n=8, seed=11)])
+    worker.scorer.drain()  # scored in the actor's reward worker process, after sampling returned
+    worker.scorer.close()
     trajs = [m for m in sent if not isinstance(m, GroupClosed)]
     closed = [m for m in sent if isinstance(m, GroupClosed)]
     stats = worker.get_stats()

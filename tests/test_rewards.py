@@ -203,7 +203,8 @@ def test_scorer_passes_arguments_positionally():
 
 
 def _metrics(scored, errors, rejected):
-    return {"reward/scored": scored, "reward/errors": errors, "reward/no_reward": 0.0, "reward/rejected": rejected}
+    return {"reward/scored": scored, "reward/errors": errors, "reward/no_reward": 0.0, "reward/rejected": rejected,
+            "reward/timeouts": 0.0, "reward/crashed": 0.0, "reward/too_large": 0.0}
 
 
 def test_scorer_counters_and_pop_metrics():

@@ -4,7 +4,8 @@
 
     AsyncLoop ──GroupRequest──> RequestBroker ──take (claimed)──> GeneratorWorker k (own engine)
                                                                │ each sample as it finishes:
-                                                               │ decode, score, Trajectory
+                                                               │ decode, submit to its reward
+                                                               │ workers; scored: Trajectory
                                                                v
                         ReplayBuffer <── receiver thread <── ZMQ PULL <── PUSH (one per worker)
                                                                ^
@@ -12,7 +13,8 @@
 
 Each worker pulls as many queued groups as fit its engine batch (blocking for the first), samples
 them with per-group seeds (so which worker samples a group does not change its tokens), and sends
-each accepted trajectory the moment its sample finishes decoding; a sample rejected by the reward
+each accepted trajectory the moment its reward is in (scored in the actor's own reward worker
+processes while its engine decodes on); a sample rejected by the reward
 is counted and announced through ``GroupClosed`` with the group's number of kept samples, so the
 buffer can complete groups with rejections. Ray carries only control (requests, weights, stats);
 trajectories travel over ZeroMQ as msgpack.
@@ -44,8 +46,8 @@ from async_rl.agent import AgentLoop
 from async_rl.buffers.transport import GroupClosed
 from async_rl.cluster import node_ip, use_node_interface, where
 from async_rl.generators import make_generator
-from async_rl.rewards import RewardScorer
-from async_rl.rollout import GroupRequest, SampleCounts, make_scorer, reward_function, sample_groups
+from async_rl.rewards.config import RewardConfig
+from async_rl.rollout import GroupRequest, SampleCounts, make_scorer, sample_groups
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +158,8 @@ class GeneratorWorker:
         lora: the learner's ``LoRAConfig`` (``make_generator``); ``None`` = no LoRA.
         agent_cfg: ``AgentConfig``; with tools configured each sample is a multi-turn
             conversation (``async_rl.agent``) run on this worker's engine.
-        reward_cfg: the ``RewardConfig`` (its ``fn`` as ``reward_fn``) when ``reward.model`` is set.
+        reward_cfg: the ``RewardConfig`` (``reward.num_workers``, ``reward.timeout_s``, the reward
+            model's settings; its ``fn`` and ``on_error`` are the two above); ``None``: defaults.
         reward_model: the reward actor (``RewardModel`` under ``ray.remote``) scoring this
             worker's samples in batches; the worker keeps sampling while it scores.
         incarnation: how many times the pool replaced the actor at ``worker_id`` before this one
@@ -182,11 +185,12 @@ class GeneratorWorker:
         self.agent = None
         if agent_cfg is not None and agent_cfg.enabled:
             self.agent = AgentLoop(agent_cfg, self.tokenizer, params.stop_token_ids)
-        if reward_model is not None:
-            self.scorer = make_scorer(dataclasses.replace(reward_cfg, fn=reward_fn), on_error,
-                                      lambda items: ray.get(reward_model.score.remote(items)))
-        else:
-            self.scorer = RewardScorer(reward_function(reward_fn), on_error=on_error)
+        # This actor's own reward workers (reward.num_workers processes, started on the first
+        # sample): a reward function that hangs or crashes costs a sample, never this engine.
+        reward_cfg = dataclasses.replace(reward_cfg or RewardConfig(), fn=reward_fn, on_error=on_error,
+                                         model=(reward_cfg.model if reward_model is not None else None))
+        self.scorer = make_scorer(reward_cfg, on_error, reward_model and (
+            lambda items: ray.get(reward_model.score.remote(items))))
         self.sender = sender()
         self.stats = WorkerStats()
         self._stop = threading.Event()
@@ -210,7 +214,8 @@ class GeneratorWorker:
         return dt
 
     def close(self) -> None:
-        """Shut the engine down (vLLM: its processes)."""
+        """Stop the reward workers and shut the engine down (vLLM: its processes)."""
+        self.scorer.close()
         self.engine.close()
 
     def stop(self) -> None:
@@ -219,7 +224,8 @@ class GeneratorWorker:
 
     def get_stats(self) -> dict[str, float]:
         """Counters so far, plus the reward scorer's (``reward/scored``, ``reward/errors``,
-        ``reward/no_reward``, ``reward/rejected``; totals since the actor started)."""
+        ``reward/no_reward``, ``reward/rejected``, ``reward/timeouts``, ``reward/crashed``,
+        ``reward/too_large``; totals since the actor started)."""
         out = {k: float(v) for k, v in vars(self.stats).items()}
         out.update(self.scorer.counts())
         out["in_flight_updates"] = float(self.engine.num_weight_updates_in_flight)
@@ -264,8 +270,7 @@ class GeneratorWorker:
             t1 = time.perf_counter()
             self._serve(batch)
             self.stats.busy_s += time.perf_counter() - t1
-        if self.scorer.model is not None:
-            self.scorer.model.drain()  # the last batch's samples still go out before the sender closes
+        self.scorer.drain()  # the last batch's samples are scored and go out before the sender closes
         self.sender.close()
         return self.get_stats()
 

@@ -8,6 +8,9 @@
   into counted, logged errors (score 0.0 or a rejected sample) instead of a crashed run;
   ``check_rewards_work`` stops a run whose function failed on every call of its first step,
   ``failure_summary`` counts the failures of one that failed sometimes.
+- ``async_rl.rewards.workers.RewardWorkers``: the reward function in worker processes, off the
+  engine's decoding thread, with a per-call deadline (``reward.num_workers``,
+  ``reward.timeout_s``): a hang, a crash or a huge result is a counted rejection of one sample.
 
 The reward-function interface, shared with verl::
 

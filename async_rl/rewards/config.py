@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from async_rl.rewards.model import MODEL_KINDS, validate_model_dir
@@ -20,6 +21,18 @@ class RewardConfig:
     """When the function (or the reward model) raises or returns a non-finite or malformed value:
     ``zero`` (the sample gets reward 0, or model term 0, and is trained on) or ``reject`` (the
     sample is dropped and counted)."""
+    num_workers: int = 1
+    """Reward-function worker processes per scorer (>= 0). Each generator actor (async mode) and
+    the trainer (sync mode and evaluation) has its own pool, started on its first call, so the
+    count multiplies: 1 keeps the default 2-actor job on a 2-core machine at 3 small processes,
+    and a built-in reward (microseconds to a few ms a call) keeps up with generation from one
+    worker; raise it for a slow function (it then scores several samples at once). 0 scores
+    in-process on the engine's thread, as before, with no timeout: for debugging (``pdb``) only."""
+    timeout_s: float = 30.0
+    """Seconds one reward-function call may take (> 0; needs ``num_workers`` >= 1). Past it the
+    worker is killed and replaced and the sample rejected (``reward/timeouts``). 30 s is far above
+    a math-verify check (seconds at worst on a loaded machine) and well below a step, so only a
+    hang hits it, and one costs a step at most a few such waits."""
     model: str | None = None
     """A local Hugging Face model directory (or ``builtin:tiny-qwen2-reward``) that scores
     (prompt, response) as a judge (``async_rl.rewards.model``); ``None``: no reward model."""
@@ -51,6 +64,13 @@ class RewardConfig:
             raise ValueError(f"reward.on_error must be one of {ON_ERROR_MODES}, got {self.on_error!r}")
         if self.model_kind not in MODEL_KINDS:
             raise ValueError(f"reward.model_kind must be one of {MODEL_KINDS}, got {self.model_kind!r}")
+        if self.num_workers < 0:
+            raise ValueError(f"reward.num_workers must be >= 0 (0: score in-process), got {self.num_workers}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if self.num_workers == 0 and self.timeout_s != RewardConfig.timeout_s:
+            logging.getLogger(__name__).warning("reward.timeout_s has no effect with reward.num_workers=0 "
+                                                "(in-process scoring has no deadline)")
         for key in ("model_batch_size", "model_max_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"reward.{key} must be >= 1, got {getattr(self, key)}")

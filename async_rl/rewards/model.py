@@ -17,9 +17,9 @@ when ``reward.fn`` is unset. Scoring never blocks decoding: ``ModelRewardStage``
 finished sample from the engine's callback into a queue, and one thread of its own scores what
 has queued, up to ``reward.model_batch_size`` at a time, and hands the trajectories on::
 
-    engine ──on_sample──> fn reward (inline, cheap) ──queue──> stage thread: batch ──> score_batch
-                                                                             │ (RewardModel here, or
-                         on_trajectory / on_group_closed  <── reward set ────┘  the reward actor)
+    engine ──on_sample──> fn reward (worker processes) ──queue──> stage thread: batch ──> score_batch
+                                                                                │ (RewardModel here, or
+                            on_trajectory / on_group_closed  <── reward set ────┘  the reward actor)
 
 Where the model runs: in sync mode in the trainer's process (``RewardModel``; generation and
 training take turns there, and the stage's thread overlaps scoring with the rest of the

@@ -29,8 +29,10 @@ __all__ = [
     "RewardFn",
     "RewardRegistry",
     "default_reward_for",
+    "dispatch_by_source",
     "get_reward_fn",
     "register_reward",
+    "resolve_reward_spec",
 ]
 
 RewardFn = Callable[[str, str, str, "dict | None"], "float | dict"]
@@ -111,3 +113,23 @@ def get_reward_fn(spec: str) -> RewardFn:
             attribute, or an attribute that is not callable.
     """
     return REWARD_FUNCTIONS.get(spec)
+
+
+def dispatch_by_source(data_source: str, response_text: str, ground_truth, extra_info):
+    """The reward of ``data_source``'s built-in reward function (``reward.fn`` unset).
+
+    Raises:
+        ValueError: no built-in reward for ``data_source`` (``default_reward_for``).
+    """
+    return default_reward_for(data_source)(data_source, response_text, ground_truth, extra_info)
+
+
+def resolve_reward_spec(spec: str | None) -> RewardFn:
+    """The reward function of ``reward.fn``: a spec (``get_reward_fn``), or ``None`` for one per
+    ``data_source`` (``dispatch_by_source``). What a reward worker process calls to load its
+    function (``async_rl.rewards.workers``).
+
+    Raises:
+        ValueError: as ``get_reward_fn``.
+    """
+    return get_reward_fn(spec) if spec else dispatch_by_source
