@@ -162,8 +162,7 @@ def eval_parts(cfg: Config, model_dir: str, tokenizer_dir: str) -> EvalParts:
 
     from async_rl.agent import AgentLoop
     from async_rl.generators.base import SamplingParams
-    from async_rl.rewards import RewardScorer
-    from async_rl.rollout import reward_function, stop_token_ids
+    from async_rl.rollout import make_scorer, stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if tokenizer.pad_token_id is None:
@@ -171,7 +170,10 @@ def eval_parts(cfg: Config, model_dir: str, tokenizer_dir: str) -> EvalParts:
     stops = stop_token_ids(tokenizer, model_dir, cfg.generator.extra_stop_token_ids)
     agent = AgentLoop(cfg.agent, tokenizer, stops) if cfg.agent.enabled else None
     params = SamplingParams.from_config(cfg.generator, stops, greedy=cfg.trainer.eval_greedy)
-    return EvalParts(tokenizer, stops, agent, RewardScorer(reward_function(cfg.reward.fn), on_error="zero"), params)
+    # The reward function runs in its worker processes under reward.timeout_s, as in a run: a
+    # hanging reward costs its sample, not the command. The reward model is a run's alone.
+    scorer = make_scorer(dataclasses.replace(cfg.reward, model=None), "zero")
+    return EvalParts(tokenizer, stops, agent, scorer, params)
 
 
 def held_out_prompts(cfg: Config, parts: EvalParts, limit: int | None = None):
@@ -219,13 +221,16 @@ def loaded_policy(cfg: Config, model: str | None,
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     parts = eval_parts(cfg, resolve(cfg.model.path) if source.kind == "checkpoint" else source.path, tokenizer_dir)
-    selected = select(parts)
-    with policy_dir(source, cfg, parts.tokenizer) as path:
-        engine = make_generator(cfg.generator, path, parts.tokenizer.pad_token_id, num_threads=os.cpu_count() or 1)
-        try:
-            yield engine, parts, source, selected
-        finally:
-            engine.close()
+    try:
+        selected = select(parts)
+        with policy_dir(source, cfg, parts.tokenizer) as path:
+            engine = make_generator(cfg.generator, path, parts.tokenizer.pad_token_id, num_threads=os.cpu_count() or 1)
+            try:
+                yield engine, parts, source, selected
+            finally:
+                engine.close()
+    finally:
+        parts.scorer.close()
 
 
 def run_eval(cfg: Config, model: str | None = None) -> dict[str, Any]:
