@@ -117,15 +117,17 @@ def _not_json(rng: random.Random) -> bytes:
             line = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
         elif kind == 3:
             line = rng.choice([b"{'prompt': 'single quotes'}", b"nan", b"{,}", b'{"a": 1,}', b"\x00"])
-        elif kind == 4:  # invalid UTF-8 outside any string
-            line = b"\xff\xfe" + json.dumps(_good_row(rng)).encode()
+        elif kind == 4:  # invalid UTF-8, outside or inside a string
+            text = json.dumps(_good_row(rng)).encode()
+            at = rng.choice([0, text.index(b'"content": "') + 12])
+            line = text[:at] + b"\xff\xfe" + text[at:]
         else:  # two objects on one line
             line = (json.dumps(_good_row(rng)) * 2).encode()
         if not line.strip() or b"\n" in line or b"\r" in line:
             continue
         try:
-            json.loads(line.decode("utf-8", errors="replace"))
-        except (ValueError, RecursionError):
+            json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             return line
 
 
@@ -735,3 +737,159 @@ def test_fuzz_zmq_pair_into_replay_buffer_stores_each_valid_trajectory_once(tmp_
     report(tmp_path, "zmq_pair", {"seed": SEEDS[0], "messages": len(messages), "sent": dict(sent),
                                   "malformed_counted": receiver.num_malformed,
                                   "duplicates_dropped": buffer.dropped["duplicate"], "stored": len(served)})
+
+
+# -------------------------------------------------------------------------- the whole pipeline
+FUZZ_REWARD = '''
+import math, os, zlib
+
+from async_rl.rewards import arithmetic_reward
+
+LOG = {log!r}
+# (kind, what the function returns); "raise" raises. A fixed share of samples, chosen by a hash
+# of the response and the answer, gets one of these instead of its reward.
+BAD = [("raise", None), ("none", None), ("score_none", {{"score": None, "acc": 0.0}}), ("nan", math.nan),
+       ("inf", math.inf), ("str", "1.0"), ("list", [1.0]), ("no_score", {{"acc": 1.0}})]
+
+
+def reward(data_source, response_text, ground_truth, extra_info):
+    h = zlib.crc32(f"{{response_text}}|{{ground_truth}}".encode())
+    if h % 100 >= 25:
+        return arithmetic_reward(data_source, response_text, ground_truth, extra_info)
+    kind, value = BAD[h // 100 % len(BAD)]
+    with open(LOG, "a") as f:  # one short line per call: appends from several processes stay whole
+        f.write(f"{{os.getpid()}} {{kind}}\\n")
+    if kind == "raise":
+        raise RuntimeError("judge unavailable")
+    return value
+'''
+
+NUM_INJECTED = 6
+"""Malformed messages, and duplicates of received trajectories, pushed into the trainer's receiver."""
+
+
+class Injector:
+    """Pushes extra messages into the trainer's trajectory receiver while the run goes on: after
+    each of the first ``NUM_INJECTED`` trajectories the receiver reads, a copy of its frames (a
+    duplicate) and one of ``malformed``, through a PUSH socket of its own (made on the receiver's
+    thread, where it is used)."""
+
+    def __init__(self, malformed: list[list[bytes]]) -> None:
+        self.malformed = list(malformed)
+        self.num_duplicates = 0
+        self.num_malformed = 0
+        self.sock: zmq.Socket | None = None
+
+    def wrap(self, receiver: ZmqTrajectoryReceiver) -> None:
+        recv_frames = receiver._recv_frames
+
+        def recv_and_inject(timeout_s):
+            frames = recv_frames(timeout_s)
+            if frames is not None and self.num_duplicates < NUM_INJECTED:
+                try:
+                    is_trajectory = isinstance(decode_message(frames), Trajectory)
+                except MalformedMessageError:
+                    is_trajectory = False
+                if is_trajectory:
+                    if self.sock is None:
+                        self.sock = zmq.Context.instance().socket(zmq.PUSH)
+                        self.sock.connect(receiver.address)
+                    self.sock.send_multipart(list(frames))
+                    self.sock.send_multipart(self.malformed[self.num_malformed])
+                    self.num_duplicates += 1
+                    self.num_malformed += 1
+            return frames
+
+        receiver._recv_frames = recv_and_inject
+
+
+@pytest.mark.slow
+def test_fuzz_async_run_survives_bad_rows_rewards_and_messages(tmp_path, ray_session, monkeypatch):
+    """A real async run fed seeded malformed rows and over-long prompts (skipped), reward outputs
+    that raise or are no number (rejected), and malformed and duplicated ZeroMQ messages: it
+    finishes, each rejection is in the summary under its reason with the right count, the
+    ledger balances, and every trained trajectory is trained once."""
+    import async_rl.loops.async_loop as async_loop
+    from async_rl.data.builtin import resolve
+    from async_rl.data.dataset import read_rows
+    from async_rl.trainer import train
+    from pipeline_helpers import small_run_cfg
+
+    rng = random.Random(SEEDS[0])
+    lines = [json.dumps(row).encode() for row in read_rows(resolve("builtin:arithmetic/train"))]
+    bad_rows = collections.Counter()
+    for kind in DATASET_KINDS:
+        for _ in range(2):
+            lines.insert(rng.randrange(len(lines) + 1), _bad_row(rng, kind))
+            bad_rows[kind] += 1
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    log = tmp_path / "reward_calls.log"
+    reward_file = tmp_path / "fuzz_reward.py"
+    reward_file.write_text(FUZZ_REWARD.format(log=str(log)))
+
+    pool = [encode_message(random_trajectory(rng, f"{g}/0", g)) for g in range(8)]
+    malformed = []
+    while len(malformed) < NUM_INJECTED:
+        frames = malformed_frames(rng, pool)
+        if frames and decode_outcome(frames)[0] == "malformed":
+            malformed.append(frames)
+    injector = Injector(malformed)
+    make_transport = async_loop.make_transport
+
+    def make_transport_with_injector(*args, **kwargs):
+        receiver, factory = make_transport(*args, **kwargs)
+        injector.wrap(receiver)
+        return receiver, factory
+
+    trained: list[str] = []
+    learn_on = async_loop.learn_on
+
+    def learn_on_recording(ctx, step, ro):
+        trained.extend(t.trajectory_id for t in ro.trajectories)
+        return learn_on(ctx, step, ro)
+
+    monkeypatch.setattr(async_loop, "make_transport", make_transport_with_injector)
+    monkeypatch.setattr(async_loop, "learn_on", learn_on_recording)
+    try:
+        summary = train(small_run_cfg(tmp_path, "fuzz", "trainer.mode=async", f"data.train_files=[{data}]",
+                                      "data.on_bad_row=skip", f"reward.fn={reward_file}:reward",
+                                      "reward.on_error=reject"))
+    finally:
+        if injector.sock is not None:
+            injector.sock.close(linger=0)
+
+    # Dataset: every bad row written is a skipped row under its reason.
+    assert summary["data/rejected_prompts_too_long"] == bad_rows["too_long"]
+    assert summary["data/rejected_rows"] == sum(bad_rows.values()) - bad_rows["too_long"]
+    for kind, n in bad_rows.items():
+        if kind != "too_long":
+            assert summary[f"data/rejected_rows_{kind}"] == n
+    # Rewards: every bad outcome of the generator actors (not the trainer's own evaluation) is a
+    # counted rejection under reward.on_error=reject.
+    calls = collections.Counter(kind for pid, kind in (line.split() for line in log.read_text().splitlines())
+                                if int(pid) != os.getpid())
+    no_reward = calls["none"] + calls["score_none"]
+    errors = sum(calls.values()) - no_reward
+    assert errors > 0 and no_reward > 0
+    assert (summary["reward/errors"], summary["reward/no_reward"], summary["reward/rejected"]) == (
+        errors, no_reward, errors + no_reward)
+    # Transport: each injected message counted, no real one refused.
+    assert injector.num_malformed == injector.num_duplicates == NUM_INJECTED
+    assert summary["pipeline/malformed_messages"] == NUM_INJECTED
+    assert summary["pipeline/dropped_duplicate_samples"] == NUM_INJECTED
+    # The ledger balances, and each trained trajectory was trained once.
+    ledger = {k: summary[f"pipeline/{k}"] for k in ("trained", "rejected", "stale", "abandoned",
+                                                     "dynamic_sampling_dropped", "ready_unused", "partial_at_exit",
+                                                     "queued_at_exit", "unstarted_or_in_engine_at_exit")}
+    assert ledger["unstarted_or_in_engine_at_exit"] >= 0
+    assert sum(ledger.values()) == summary["pipeline/dispatched"]
+    assert summary["pipeline/trained"] == 12 and summary["last_step"] == 3
+    assert len(trained) == len(set(trained)) > 0
+    assert len({t.rsplit("/", 1)[0] for t in trained}) == 12
+    report(tmp_path, "async_run", {
+        "seed": SEEDS[0], "dataset_rows_rejected": {**{k: n for k, n in bad_rows.items()}},
+        "reward_bad_outcomes": dict(calls), "reward_rejected": summary["reward/rejected"],
+        "reward_scored": summary["reward/scored"], "malformed_messages": summary["pipeline/malformed_messages"],
+        "duplicates_dropped": summary["pipeline/dropped_duplicate_samples"], "trained_samples": len(trained),
+        "ledger": {"dispatched": summary["pipeline/dispatched"], **ledger}})

@@ -43,7 +43,7 @@ ON_BAD_ROW_MODES = ("error", "skip")
 BAD_ROW_REASONS = ("not_json", "not_an_object", "missing_prompt", "bad_prompt", "bad_messages",
                    "bad_data_source", "bad_reward_model", "bad_extra_info", "no_reference", "template_error")
 """Why a row was rejected as malformed (``BadRowError.reason``), in the order the checks run:
-a jsonl line that is not JSON or not an object; ``prompt`` missing, not a non-empty list, or
+a jsonl line that is not JSON (or not UTF-8) or not an object; ``prompt`` missing, not a non-empty list, or
 holding a message that is not ``{"role": str, "content": str}``; ``data_source`` not a string;
 ``reward_model`` or ``extra_info`` not a mapping; none of the reference fields the run asks for;
 the tokenizer's chat template refused the messages."""
@@ -196,13 +196,14 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _jsonl_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | BadRowError]]:
-    with Path(path).open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    # Bytes, decoded line by line: a line that is not UTF-8 is one bad row, not a failed read.
+    with Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # Recursion: absurd nesting
                 yield lineno, BadRowError("not_json", f"{path}: line {lineno}: not valid JSON ({type(e).__name__}: "
                                                       f"{str(e)[:200]})")
                 continue
