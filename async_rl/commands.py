@@ -192,7 +192,8 @@ def held_out_prompts(cfg: Config, parts: EvalParts, limit: int | None = None):
         raise ValueError("data.val_files is empty: nothing held out to evaluate on (set data.val_files=[FILE])")
     tools = parts.agent.schemas if parts.agent is not None else None
     ds = PromptDataset([resolve(f) for f in cfg.data.val_files], parts.tokenizer, cfg.data.max_prompt_tokens,
-                       cfg.trainer.seed, False, limit=cfg.data.val_max_prompts if limit is None else limit, tools=tools)
+                       cfg.trainer.seed, False, limit=cfg.data.val_max_prompts if limit is None else limit, tools=tools,
+                       on_bad_row=cfg.data.on_bad_row)
     if not cfg.reward.fn:
         for source in {p.data_source for p in ds.prompts}:
             default_reward_for(source)

@@ -70,8 +70,7 @@ def train(cfg: "Config") -> dict[str, Any]:
     progress = Progress(summary={})
     with _kept_only_if_trained(run, progress):
         ctx, learner_handle = build(cfg, run)
-        progress.summary.update({"run_dir": str(ctx.run_dir), "mode": cfg.trainer.mode,
-                                 "data/rejected_prompts_too_long": ctx.train_ds.num_rejected_too_long})
+        progress.summary.update({"run_dir": str(ctx.run_dir), "mode": cfg.trainer.mode, **ctx.train_ds.summary()})
         loop: Loop | None = None
         failed = True
         try:
@@ -205,9 +204,9 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
     # The warm start's reference responses are read (and a row without one refused) as the rows load.
     train_ds = PromptDataset([resolve(f) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle,
                              tools=tools, reference_fields=t_cfg.warm_start.reference_fields(),
-                             reference_hint=WARM_START_HINT)
+                             reference_hint=WARM_START_HINT, on_bad_row=d.on_bad_row)
     val_ds = (PromptDataset([resolve(f) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
-                            limit=d.val_max_prompts, tools=tools) if d.val_files else None)
+                            limit=d.val_max_prompts, tools=tools, on_bad_row=d.on_bad_row) if d.val_files else None)
     if not cfg.reward.fn and not cfg.reward.model:
         # Fail before training, not as a reward error on every sample: each data_source needs a reward.
         for source in {p.data_source for ds in (train_ds, val_ds) if ds is not None for p in ds.prompts}:
@@ -259,6 +258,8 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
     ctx.log.print(f"run directory: {run_dir}")
     if train_ds.num_rejected_too_long:
         ctx.log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")
+    if train_ds.summary()["data/rejected_rows"]:
+        ctx.log.print(f"train rows rejected (data.on_bad_row=skip): {train_ds.describe_rejected()}")
     return ctx, learner_handle
 
 

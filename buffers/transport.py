@@ -30,6 +30,14 @@ field                    ext code  payload dtype            length
 ``policy_version``       4         int64   (``<i8``)        R
 =======================  ========  =======================  ======
 
+Beyond its layout the decoder checks what the learner relies on, so a message that would crash
+or poison a step is a counted malformed message instead: ``trajectory_id`` ends in
+``/<index in group>`` (the learner orders a group by it), at least one prompt token, token ids
+>= 0, ``behavior_logprobs`` neither NaN nor +inf (-inf is kept: the losses clamp log-ratios),
+``loss_mask`` values 0 or 1, policy versions >= 0, a finite ``reward`` and finite
+``reward_extras`` values. (Token ids past the vocabulary cannot be checked here: the transport
+does not know the model.)
+
 Schema 2 added ``generator_id`` (the actor that sampled it). A second message kind closes a
 group: ``{"schema": 2, "kind": "group_closed", "group_id": g,
 "num_kept": k}``, sent by a generator once all samples of group ``g`` are scored, ``k`` of them
@@ -41,7 +49,8 @@ frame beats one frame per array (``bench/bench_transport.py``: raw ZeroMQ moves 
 25 KB messages/s as 1 frame than as 6; pyzmq copies frames under 64 KiB even with
 ``copy=False``, so separate zero-copy frames buy nothing at these sizes). Log-probs are
 float64, so a Python float round-trips bit-exactly; token ids must fit int32 and ``loss_mask``
-values 0..255, else ``encode_trajectory`` raises ``ValueError`` rather than wrap around.
+values 0..255, else ``encode_trajectory`` raises ``ValueError`` rather than wrap around (the
+decoder then accepts only what the checks above allow).
 
 Run the tests with ``python -m pytest -q tests/test_transport.py``; measure throughput with
 ``python bench/bench_transport.py``.
@@ -52,6 +61,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import re
 import struct
 import time
 from dataclasses import dataclass
@@ -86,6 +96,10 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "num_prompt_tokens": int, "num_response_tokens": int,
     **{name: msgpack.ExtType for name, *_ in _ARRAY_FIELDS},
 }
+
+
+_TRAJECTORY_ID = re.compile(r".*/[0-9]+", re.DOTALL)
+"""``"<group>/<index in group>"``: the learner sorts a group's samples by the index."""
 
 
 class MalformedMessageError(ValueError):
@@ -205,6 +219,34 @@ def _check_fields(message: Any) -> None:
         raise MalformedMessageError(f"reward_extras must map str -> float, got {extras!r:.200}")
 
 
+def _check_values(message: dict, arrays: dict[str, np.ndarray]) -> None:
+    """The value checks of the module docstring, on a message whose layout is already valid."""
+    tid = message["trajectory_id"]
+    if not _TRAJECTORY_ID.fullmatch(tid):
+        raise MalformedMessageError(f"trajectory_id {tid!r:.100} is not '<group>/<index in group>'")
+    problems = []
+    if message["num_prompt_tokens"] == 0:
+        problems.append("no prompt token")
+    for name in ("prompt_ids", "response_ids"):
+        if arrays[name].size and arrays[name].min() < 0:
+            problems.append(f"{name} holds a negative token id ({arrays[name].min()})")
+    logprobs = arrays["behavior_logprobs"]
+    if np.isnan(logprobs).any() or np.isposinf(logprobs).any():
+        problems.append(f"behavior_logprobs holds NaN or +inf ({int((np.isnan(logprobs) | np.isposinf(logprobs)).sum())} "
+                        "tokens)")
+    if arrays["loss_mask"].size and arrays["loss_mask"].max() > 1:
+        problems.append(f"loss_mask holds {arrays['loss_mask'].max()} (0 or 1 only)")
+    if arrays["policy_version"].size and arrays["policy_version"].min() < 0:
+        problems.append(f"policy_version holds {arrays['policy_version'].min()} (versions are >= 0)")
+    if not math.isfinite(message["reward"]):
+        problems.append(f"reward is {message['reward']!r}")
+    bad_extras = sorted(k for k, v in message["reward_extras"].items() if not math.isfinite(v))
+    if bad_extras:
+        problems.append(f"reward_extras {bad_extras!r:.100} are not finite")
+    if problems:
+        raise MalformedMessageError(f"trajectory {tid!r:.100}: " + "; ".join(problems))
+
+
 def decode_trajectory(frames: Sequence[Any]) -> Trajectory:
     """Decode the frames of one schema-2 message back into a ``Trajectory``.
 
@@ -220,8 +262,11 @@ def decode_trajectory(frames: Sequence[Any]) -> Trajectory:
     Raises:
         MalformedMessageError (a ``ValueError``): a wrong frame count, bytes that are not one
             msgpack map, a schema version other than ``SCHEMA_VERSION``, missing, unexpected or
-            mistyped fields, or an array whose ext code or byte size does not match its field's
-            dtype and token count. The message names the field at fault.
+            mistyped fields, an array whose ext code or byte size does not match its field's
+            dtype and token count, or a value the learner cannot train on (module docstring:
+            the trajectory id, an empty prompt, a negative token id or version, a NaN or +inf
+            log-prob, a loss mask other than 0/1, a non-finite reward). The message names the
+            field at fault.
     """
     msg = decode_message(frames)
     if not isinstance(msg, Trajectory):
@@ -251,7 +296,9 @@ def decode_message(frames: Sequence[Any]) -> Message:
             raise MalformedMessageError(
                 f"trajectory {message['trajectory_id']}: {name} is ext type {ext.code} of {len(ext.data)} bytes, "
                 f"expected ext type {ext_code} of {count * dtype.itemsize} bytes ({count} x {dtype.name})")
-        arrays[name] = np.frombuffer(ext.data, dtype=dtype).tolist()
+        arrays[name] = np.frombuffer(ext.data, dtype=dtype)
+    _check_values(message, arrays)
+    arrays = {name: values.tolist() for name, values in arrays.items()}
     return Trajectory(
         trajectory_id=message["trajectory_id"], group_id=message["group_id"], prompt_uid=message["prompt_uid"],
         finish_reason=message["finish_reason"], reward=float(message["reward"]),

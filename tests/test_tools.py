@@ -253,6 +253,24 @@ def test_hermes_edge_cases():
         get_parser("nope")
 
 
+def test_parsers_treat_json_nested_too_deeply_as_malformed():
+    """Found by tests/test_fuzz.py: JSON nested past the decoder's recursion limit raised
+    RecursionError out of both parsers; it is a malformed (or, unclosed, truncated) call."""
+    deep = "[" * 100_000
+    hermes_parser, llama = HermesParser(), Llama3JsonParser()
+    cases = [
+        (hermes_parser, f"<tool_call>{deep}</tool_call>", [(None, "malformed_json")]),
+        (hermes_parser, f"<tool_call>{deep}", [(None, "truncated")]),
+        (hermes_parser, hermes(json.dumps({"name": "f", "arguments": deep})), [("f", "malformed_json")]),
+        (llama, '{"name": ' + deep, [(None, "malformed_json")]),
+        (llama, '{"name": "f", "parameters": ' + deep, [("f", "malformed_json")]),
+    ]
+    for parser, text, expected in cases:
+        _, calls = parser.parse(text)
+        assert [(c.name, c.error) for c in calls] == expected
+        assert all("nested too deeply" in c.detail for c in calls if c.error == "malformed_json")
+
+
 def test_llama3_json_parser():
     parser = get_parser("llama3_json")
     assert isinstance(parser, Llama3JsonParser)

@@ -59,8 +59,7 @@ def roundtrip(traj: Trajectory, as_memoryview: bool = False) -> Trajectory:
     make_traj("s/3", behavior_logprobs=[-0.0, -1e-310, -math.inf, -1.0000000000000002, -7e-45, -123.456,
                                         -5e-324][:7], num_response=7),
     make_traj("big/0", num_prompt=100, num_response=1000, seed=3),
-    make_traj("lim/0", prompt_ids=[0, 2**31 - 1, -(2**31)], loss_mask=[0, 1, 255, 1, 0, 1, 1],
-              policy_version=[2**40] * 7),
+    make_traj("lim/0", prompt_ids=[0, 2**31 - 1, 0], loss_mask=[0, 1, 1, 1, 0, 1, 1], policy_version=[2**40] * 7),
 ])
 @pytest.mark.parametrize("as_memoryview", [False, True])
 def test_codec_round_trip_is_exact(traj, as_memoryview):
@@ -119,6 +118,11 @@ def _logprobs(data: bytes, code: int = 2) -> msgpack.ExtType:
     return msgpack.ExtType(code, data)
 
 
+def _encoded(**kw) -> bytes:
+    """The one frame of ``make_traj("a/0", **kw)``: the encoder carries what the decoder refuses."""
+    return encode_trajectory(make_traj(kw.pop("trajectory_id", "a/0"), **kw))[0]
+
+
 _GOOD = encode_trajectory(make_traj("a/0"))[0]
 _LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"].data
 
@@ -144,6 +148,20 @@ _LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"].data
      r"behavior_logprobs is ext type 2 of 55 bytes, expected ext type 2 of 56 bytes \(7 x float64\)"),
     ([_message(behavior_logprobs=_logprobs(_LOGPROBS, code=4))], "behavior_logprobs is ext type 4"),
     ([_message(num_prompt_tokens=6)], "prompt_ids is ext type 1 of 20 bytes, expected ext type 1 of 24 bytes"),
+    # Well-formed layouts holding values the learner cannot train on (found by tests/test_fuzz.py).
+    ([_encoded(trajectory_id="a")], "trajectory_id 'a' is not '<group>/<index in group>'"),
+    ([_encoded(trajectory_id="a/x")], "is not '<group>/<index in group>'"),
+    ([_encoded(prompt_ids=[])], "no prompt token"),
+    ([_encoded(prompt_ids=[3, -1, 4])], r"prompt_ids holds a negative token id \(-1\)"),
+    ([_encoded(response_ids=[-(2**31)] + [1] * 6)], "response_ids holds a negative token id"),
+    ([_encoded(behavior_logprobs=[-1.0, math.nan] + [-1.0] * 5)], r"behavior_logprobs holds NaN or \+inf \(1 tokens\)"),
+    ([_encoded(behavior_logprobs=[math.inf] * 7)], r"behavior_logprobs holds NaN or \+inf \(7 tokens\)"),
+    ([_encoded(loss_mask=[0, 1, 2, 1, 1, 1, 1])], r"loss_mask holds 2 \(0 or 1 only\)"),
+    ([_encoded(loss_mask=[255] * 7)], "loss_mask holds 255"),
+    ([_encoded(policy_version=[-1] * 7)], r"policy_version holds -1 \(versions are >= 0\)"),
+    ([_encoded(reward=math.nan)], "reward is nan"),
+    ([_encoded(reward=-math.inf)], "reward is -inf"),
+    ([_encoded(reward_extras={"acc": 1.0, "x": math.inf})], r"reward_extras \['x'\] are not finite"),
 ])
 def test_decode_rejects_malformed_messages_with_a_clear_error(frames, match):
     with pytest.raises(MalformedMessageError, match=match):

@@ -8,9 +8,13 @@ A row is a mapping with
 - ``reward_model``: ``{"style": "rule", "ground_truth": "..."}`` (ground truth for the reward);
 - ``extra_info``: free-form mapping passed to the reward function.
 
-Rows are validated when the file is read: a malformed row raises ``ValueError`` naming the file
-and the 0-based row index (a jsonl line that is not JSON is named by its 1-based line number). A prompt whose rendered length exceeds ``data.max_prompt_tokens`` is never
-truncated: it is rejected, logged and counted (``PromptDataset.num_rejected_too_long``).
+Rows are validated when the file is read. With ``data.on_bad_row=error`` (the default) a
+malformed row raises ``ValueError`` naming the file and the 0-based row index (a jsonl line that
+is not JSON is named by its 1-based line number); with ``skip`` it is logged and counted by
+reason (``PromptDataset.rejected``, one of ``BAD_ROW_REASONS``) and the file is read on. A prompt
+whose rendered length exceeds ``data.max_prompt_tokens`` is never truncated: it is rejected,
+logged and counted (reason ``too_long``; ``PromptDataset.num_rejected_too_long``), in both modes.
+A file set with no usable row left is an error either way.
 
 A dataset asked for a reference response (``reference_fields``: the supervised warm start's
 ``trainer.warm_start.response_field``) takes it from each row by dotted path when the file is
@@ -33,6 +37,36 @@ from typing import Any, Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
+ON_BAD_ROW_MODES = ("error", "skip")
+"""``data.on_bad_row``: stop at the first malformed row, or skip it (logged, counted by reason)."""
+
+BAD_ROW_REASONS = ("not_json", "not_an_object", "missing_prompt", "bad_prompt", "bad_messages",
+                   "bad_data_source", "bad_reward_model", "bad_extra_info", "no_reference", "template_error")
+"""Why a row was rejected as malformed (``BadRowError.reason``), in the order the checks run:
+a jsonl line that is not JSON (or not UTF-8) or not an object; ``prompt`` missing, not a non-empty list, or
+holding a message that is not ``{"role": str, "content": str}``; ``data_source`` not a string;
+``reward_model`` or ``extra_info`` not a mapping; none of the reference fields the run asks for;
+the tokenizer's chat template refused the messages."""
+
+REJECT_REASONS = (*BAD_ROW_REASONS, "too_long")
+"""Every reason a row can leave the dataset: ``BAD_ROW_REASONS`` plus an over-long prompt."""
+
+_NUM_FULL_LOGS = 5
+"""Skipped rows logged one line each per dataset; later ones only in the closing count."""
+
+
+class BadRowError(ValueError):
+    """A dataset row that does not fit the verl layout; ``str()`` names the file and row.
+
+    Attributes:
+        reason: one of ``REJECT_REASONS`` (``too_long`` is rejected in both modes, never raised
+            out of ``PromptDataset``).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
 
 @dataclass
 class DataConfig:
@@ -44,6 +78,10 @@ class DataConfig:
     """Held-out files for periodic evaluation; empty disables evaluation."""
     max_prompt_tokens: int = 512
     """Longest rendered prompt accepted, in tokens (>= 1). Longer prompts are rejected and counted."""
+    on_bad_row: str = "error"
+    """A malformed row (not JSON, no ``prompt``, bad messages, ...): ``error`` stops the run naming
+    the file and row; ``skip`` leaves it out, logged and counted by reason (``data/rejected_rows_*``
+    in the summary). Either way a file set with no usable row is an error."""
     shuffle: bool = True
     """Shuffle the train prompts each epoch with ``trainer.seed``."""
     val_max_prompts: int = 0
@@ -56,6 +94,8 @@ class DataConfig:
             raise ValueError(f"data.val_max_prompts must be >= 0, got {self.val_max_prompts}")
         if not self.train_files:
             raise ValueError("data.train_files must name at least one file")
+        if self.on_bad_row not in ON_BAD_ROW_MODES:
+            raise ValueError(f"data.on_bad_row must be one of {ON_BAD_ROW_MODES}, got {self.on_bad_row!r}")
 
 
 @dataclass
@@ -127,26 +167,51 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     raise ValueError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
 
 
+def read_rows_or_errors(path: str | Path) -> list[dict[str, Any] | BadRowError]:
+    """Every row of a dataset file in order, a jsonl line that is not a JSON object standing as
+    its ``BadRowError`` (``not_json``, ``not_an_object``) instead of stopping the read.
+
+    Raises:
+        FileNotFoundError, ValueError: as ``read_rows`` for the file itself.
+    """
+    if Path(path).suffix.lower() in (".jsonl", ".json"):
+        return [row for _, row in _jsonl_lines(path)]
+    return list(read_rows(path))
+
+
 def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for every non-blank line of a JSON-lines file (1-based numbers,
     for messages that point into the file).
 
     Raises:
-        ValueError: a line that is not valid JSON, or not a JSON object (names the file and line).
+        BadRowError (a ``ValueError``): a line that is not valid JSON, or not a JSON object (names
+            the file and line).
     """
     rows = []
-    with Path(path).open() as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    for lineno, row in _jsonl_lines(path):
+        if isinstance(row, BadRowError):
+            raise row
+        rows.append((lineno, row))
+    return rows
+
+
+def _jsonl_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | BadRowError]]:
+    # Bytes, decoded line by line: a line that is not UTF-8 is one bad row, not a failed read.
+    with Path(path).open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: not valid JSON ({e})") from None
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # Recursion: absurd nesting
+                yield lineno, BadRowError("not_json", f"{path}: line {lineno}: not valid JSON ({type(e).__name__}: "
+                                                      f"{str(e)[:200]})")
+                continue
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append((lineno, row))
-    return rows
+                yield lineno, BadRowError("not_an_object", f"{path}: line {lineno}: expected a JSON object, "
+                                                           f"got {type(row).__name__}")
+                continue
+            yield lineno, row
 
 
 def validate_row(row: dict[str, Any], where: str) -> None:
@@ -157,23 +222,34 @@ def validate_row(row: dict[str, Any], where: str) -> None:
         where: ``"<file>: row <i>"``, prefixed to every error message.
 
     Raises:
-        ValueError: ``prompt`` missing or not a non-empty list of ``{"role", "content"}`` string
-            mappings; ``reward_model`` present but not a mapping; ``extra_info`` not a mapping.
+        BadRowError (a ``ValueError``; ``reason`` in parentheses): ``prompt`` missing
+            (``missing_prompt``), not a non-empty list (``bad_prompt``) or holding a message
+            that is not a ``{"role", "content"}`` string mapping (``bad_messages``);
+            ``data_source`` present but not a string (``bad_data_source``); ``reward_model``
+            present but not a mapping (``bad_reward_model``); ``extra_info`` not a mapping
+            (``bad_extra_info``).
     """
     if "prompt" not in row or row["prompt"] is None:
-        raise ValueError(f"{where}: missing required field 'prompt' (fields present: {sorted(row)})")
+        raise BadRowError("missing_prompt",
+                          f"{where}: missing required field 'prompt' (fields present: {sorted(map(str, row))!r:.300})")
     prompt = row["prompt"]
     if not isinstance(prompt, (list, tuple)) or not prompt:
-        raise ValueError(f"{where}: 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
+        raise BadRowError("bad_prompt",
+                          f"{where}: 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
     for j, msg in enumerate(prompt):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-            raise ValueError(f"{where}: prompt message {j} must be a mapping with string 'role' and 'content', got {msg!r}")
+            raise BadRowError("bad_messages", f"{where}: prompt message {j} must be a mapping with string 'role' and "
+                                              f"'content', got {msg!r:.200}")
+    source = row.get("data_source")
+    if source is not None and not isinstance(source, str):
+        raise BadRowError("bad_data_source", f"{where}: 'data_source' must be a string, got {type(source).__name__}")
     rm = row.get("reward_model")
     if rm is not None and not isinstance(rm, dict):
-        raise ValueError(f"{where}: 'reward_model' must be a mapping with 'ground_truth', got {type(rm).__name__}")
+        raise BadRowError("bad_reward_model",
+                          f"{where}: 'reward_model' must be a mapping with 'ground_truth', got {type(rm).__name__}")
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, dict):
-        raise ValueError(f"{where}: 'extra_info' must be a mapping, got {type(extra).__name__}")
+        raise BadRowError("bad_extra_info", f"{where}: 'extra_info' must be a mapping, got {type(extra).__name__}")
 
 
 def _reference(row: dict[str, Any], fields: Sequence[str], where: str, hint: str) -> tuple[Any, str | None]:
@@ -185,7 +261,7 @@ def _reference(row: dict[str, Any], fields: Sequence[str], where: str, hint: str
     if not fields:
         return None, None
     names = " or ".join(repr(f) for f in fields)
-    raise ValueError(f"{where}: no {names} field{' (' + hint + ')' if hint else ''}")
+    raise BadRowError("no_reference", f"{where}: no {names} field{' (' + hint + ')' if hint else ''}")
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
@@ -211,59 +287,117 @@ class PromptDataset:
             in order; the first one the row has becomes ``Prompt.reference``. Empty: none read.
         reference_hint: what the reference is for and which config key names its field,
             appended to the error of a row that has none of ``reference_fields``.
+        on_bad_row: ``"error"`` (raise at the first malformed row) or ``"skip"`` (log it, count it
+            in ``rejected`` under its ``BadRowError.reason`` and read on); ``data.on_bad_row``.
 
     Attributes:
         reference_sources: ``{dotted path: accepted rows whose reference came from it}``.
+        rejected: ``{reason: rows}`` for every row left out, reasons from ``REJECT_REASONS``
+            (``too_long`` included); only reasons that occurred.
+        num_rejected_too_long: ``rejected.get("too_long", 0)``.
 
     Raises:
-        ValueError: a malformed row (names the file and row), a row without any of
-            ``reference_fields`` (names the file, row and fields), or no prompt left after filtering.
+        ValueError: an unknown ``on_bad_row``; with ``on_bad_row="error"`` a malformed row
+            (``BadRowError``, naming the file and row, or the row without any of
+            ``reference_fields`` and the fields); no prompt left after filtering (the message
+            counts the rows rejected by reason).
     """
 
     def __init__(self, files: list[str], tokenizer, max_prompt_tokens: int, seed: int = 0,
                  shuffle: bool = True, limit: int = 0, tools: list[dict] | None = None,
-                 reference_fields: Sequence[str] = (), reference_hint: str = "") -> None:
+                 reference_fields: Sequence[str] = (), reference_hint: str = "",
+                 on_bad_row: str = "error") -> None:
+        if on_bad_row not in ON_BAD_ROW_MODES:
+            raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW_MODES}, got {on_bad_row!r}")
         self.prompts: list[Prompt] = []
-        self.num_rejected_too_long = 0
+        self.rejected: dict[str, int] = {}
         self.reference_sources: dict[str, int] = {}
         for file in files:
-            for i, row in enumerate(read_rows(file)):
+            for i, row in enumerate(read_rows_or_errors(file) if on_bad_row == "skip" else read_rows(file)):
                 where = f"{file}: row {i} (0-based)"
-                validate_row(row, where)
-                ids = render_prompt(tokenizer, row["prompt"], tools)
-                if len(ids) > max_prompt_tokens:
-                    self.num_rejected_too_long += 1
-                    logger.warning("%s: prompt of %d tokens exceeds data.max_prompt_tokens=%d; rejected",
-                                   where, len(ids), max_prompt_tokens)
+                try:
+                    prompt = self._prompt(row, file, i, where, tokenizer, tools, max_prompt_tokens,
+                                          reference_fields, reference_hint)
+                except BadRowError as e:
+                    if on_bad_row == "error" and e.reason != "too_long":
+                        raise
+                    self._reject(e.reason, "%s", e)
                     continue
-                rm = row.get("reward_model") or {}
-                gt = rm.get("ground_truth")
-                reference, reference_field = _reference(row, reference_fields, where, reference_hint)
-                if reference_field is not None:
-                    self.reference_sources[reference_field] = self.reference_sources.get(reference_field, 0) + 1
-                self.prompts.append(Prompt(
-                    prompt_ids=ids,
-                    messages=list(row["prompt"]),
-                    data_source=row.get("data_source") or "unknown",
-                    ground_truth=None if gt is None else str(gt),
-                    extra_info=dict(row.get("extra_info") or {}),
-                    uid=f"{Path(file).stem}:{i}",
-                    reference=reference,
-                    reference_field=reference_field,
-                ))
+                if prompt.reference_field is not None:
+                    self.reference_sources[prompt.reference_field] = (
+                        self.reference_sources.get(prompt.reference_field, 0) + 1)
+                self.prompts.append(prompt)
                 if limit and len(self.prompts) >= limit:
                     break
             if limit and len(self.prompts) >= limit:
                 break
         if not self.prompts:
-            raise ValueError(f"no usable prompt in {files} ({self.num_rejected_too_long} rejected as too long)")
-        if self.num_rejected_too_long:
-            logger.warning("%d prompts rejected as longer than %d tokens", self.num_rejected_too_long, max_prompt_tokens)
+            raise ValueError(f"no usable prompt in {files} (rows rejected: {self.describe_rejected() or 'none'})")
+        if self.rejected:
+            logger.warning("%s: rows rejected: %s", files, self.describe_rejected())
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
+
+    @staticmethod
+    def _prompt(row: dict[str, Any] | BadRowError, file: str, i: int, where: str, tokenizer,
+                tools: list[dict] | None, max_prompt_tokens: int, reference_fields: Sequence[str],
+                reference_hint: str) -> Prompt:
+        """The ``Prompt`` of one row.
+
+        Raises:
+            BadRowError: the row is malformed (``row`` itself when the reader could not parse it),
+                or its prompt is too long (reason ``too_long``, checked before the reference).
+        """
+        if isinstance(row, BadRowError):
+            raise row
+        validate_row(row, where)
+        try:
+            ids = render_prompt(tokenizer, row["prompt"], tools)
+        except Exception as e:  # jinja's TemplateError and friends: a template may refuse any role or order
+            raise BadRowError("template_error", f"{where}: the chat template refused the prompt messages "
+                                                f"({type(e).__name__}: {str(e)[:200]})") from e
+        if len(ids) > max_prompt_tokens:
+            raise BadRowError("too_long", f"{where}: prompt of {len(ids)} tokens exceeds "
+                                          f"data.max_prompt_tokens={max_prompt_tokens}; rejected")
+        rm = row.get("reward_model") or {}
+        gt = rm.get("ground_truth")
+        reference, reference_field = _reference(row, reference_fields, where, reference_hint)
+        return Prompt(
+            prompt_ids=ids,
+            messages=list(row["prompt"]),
+            data_source=row.get("data_source") or "unknown",
+            ground_truth=None if gt is None else str(gt),
+            extra_info=dict(row.get("extra_info") or {}),
+            uid=f"{Path(file).stem}:{i}",
+            reference=reference,
+            reference_field=reference_field,
+        )
+
+    def _reject(self, reason: str, fmt: str, *args: Any) -> None:
+        """Count one rejected row under ``reason``; log the first ``_NUM_FULL_LOGS`` of each."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        if self.rejected[reason] <= _NUM_FULL_LOGS:
+            logger.warning(fmt, *args)
+
+    @property
+    def num_rejected_too_long(self) -> int:
+        """Rows whose rendered prompt exceeded ``max_prompt_tokens``."""
+        return self.rejected.get("too_long", 0)
+
+    def summary(self) -> dict[str, int]:
+        """The run summary's entries: ``data/rejected_prompts_too_long`` always,
+        ``data/rejected_rows`` (malformed rows skipped, all reasons but ``too_long``) always, and
+        ``data/rejected_rows_<reason>`` for each reason that occurred (reduction: sum over files)."""
+        bad = {r: n for r, n in self.rejected.items() if r != "too_long"}
+        return {"data/rejected_prompts_too_long": self.num_rejected_too_long, "data/rejected_rows": sum(bad.values()),
+                **{f"data/rejected_rows_{r}": n for r, n in sorted(bad.items())}}
+
+    def describe_rejected(self) -> str:
+        """``"not_json 2, too_long 1"``: the rejected rows by reason, or ``""`` for none."""
+        return ", ".join(f"{reason} {n}" for reason, n in sorted(self.rejected.items()))
 
     def __len__(self) -> int:
         return len(self.prompts)

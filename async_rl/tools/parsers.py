@@ -106,7 +106,7 @@ def decode_arguments(value: Any) -> tuple[dict | None, str | None, str]:
         if not value.strip():
             return {}, None, ""
         try:
-            decoded = json.loads(value)
+            decoded = _loads(value)
         except json.JSONDecodeError as e:
             return None, "malformed_json", f"the arguments string is not valid JSON ({_where(e)})"
         if isinstance(decoded, dict):
@@ -228,7 +228,7 @@ class HermesParser:
         is not valid JSON followed by the closing tag and was not cut off by the end of the text."""
         start = _skip_space(text, body)
         try:
-            obj, end = _DECODER.raw_decode(text, start)
+            obj, end = _raw_decode(text, start)
         except json.JSONDecodeError as e:
             # An error at the end of the text, or a string never closed, is JSON cut off; any
             # other error is judged on the block up to the closing tag (the model botched the JSON).
@@ -249,13 +249,39 @@ class HermesParser:
     @staticmethod
     def _decode(raw: str) -> ToolCall:
         try:
-            obj = json.loads(raw)
+            obj = _loads(raw)
         except json.JSONDecodeError as e:
             return ToolCall(_peek_name(raw), None, raw, "malformed_json", _where(e))
         return call_from_object(obj, raw)
 
 
 _DECODER = json.JSONDecoder()
+
+
+def _raw_decode(text: str, pos: int = 0) -> tuple[Any, int]:
+    """``json.JSONDecoder.raw_decode`` of ``text`` from ``pos``, with JSON nested deeper than the
+    decoder's recursion allows (``[[[[...``: a model's output can be anything) raised as the
+    ``json.JSONDecodeError`` it is to the caller, at ``pos``, rather than as ``RecursionError``.
+
+    Raises:
+        json.JSONDecodeError: not a JSON value at ``pos``, or one nested too deeply.
+    """
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except RecursionError:
+        raise json.JSONDecodeError("JSON nested too deeply", text, pos) from None
+
+
+def _loads(text: str) -> Any:
+    """``json.loads`` with the same treatment of deep nesting as ``_raw_decode``.
+
+    Raises:
+        json.JSONDecodeError: not one JSON value, or one nested too deeply.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("JSON nested too deeply", text, 0) from None
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -273,7 +299,7 @@ def _peek_name(raw: str) -> str | None:
     if colon < 0:
         return None
     try:
-        name, _ = json.JSONDecoder().raw_decode(raw[colon + 1 :].lstrip())
+        name, _ = _raw_decode(raw[colon + 1 :].lstrip())
     except json.JSONDecodeError:
         return None
     return name if isinstance(name, str) and name else None
@@ -309,7 +335,7 @@ class Llama3JsonParser:
         pos = 0
         while pos < len(body):
             try:
-                obj, end = _DECODER.raw_decode(body, pos)
+                obj, end = _raw_decode(body, pos)
             except json.JSONDecodeError as e:
                 if body[pos] == "{" and '"name"' in body[pos:]:
                     raw = body[pos:].strip()
