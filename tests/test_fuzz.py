@@ -318,7 +318,7 @@ REWARD_CASES: list[tuple[str, Callable[..., Any], str, tuple[float, dict] | None
     ("Fraction", _returns(Fraction(1, 4)), OK, (0.25, {})),
     ("dict with junk extras", _returns({"score": 1.0, "acc": 1, "note": "text", "bad": math.nan, "huge": 10**400,
                                         "np": np.float32(0.5), "list": [1.0]}), OK, (1.0, {"acc": 1.0, "np": 0.5})),
-    # ("slow", <sleeps past reward.timeout_s>, "timeout", None) joins once rewards run in worker processes.
+    # Slow, hanging and process-killing rewards need a worker process: WORKER_REWARD_CASES below.
 ]
 
 
@@ -355,7 +355,8 @@ def test_fuzz_reward_outputs_each_one_counted(tmp_path):
         total = sum(outcomes.values())
         assert scorer.counts() == {"reward/scored": total, "reward/errors": outcomes[ERROR],
                                    "reward/no_reward": outcomes[NO_REWARD],
-                                   "reward/rejected": outcomes[NO_REWARD] + (outcomes[ERROR] if on_error == "reject" else 0)}
+                                   "reward/rejected": outcomes[NO_REWARD] + (outcomes[ERROR] if on_error == "reject" else 0),
+                                   "reward/timeouts": 0, "reward/crashed": 0, "reward/too_large": 0}
         figures[f"on_error={on_error}"] = {"calls": total, "outcomes": dict(outcomes), "rejections": dict(reasons)}
     report(tmp_path, "reward_outputs", figures)
 
@@ -365,12 +366,89 @@ class _UnprintableError(Exception):
         raise RuntimeError("__str__ failed")
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="found by this fuzz test: RewardScorer.score formats the exception with str(), which "
-                          "raises here; left to the reward-worker change that owns async_rl/rewards/scorer.py")
 def test_fuzz_reward_exception_that_cannot_be_printed():
+    """Found by this fuzz test: an exception whose ``__str__`` raises was a crash of the scorer."""
     result = RewardScorer(_raises(_UnprintableError()), on_error="reject").score("x", "y", "z", None)
-    assert result.rejected and result.reason == "error"
+    assert result.rejected and result.reason == "error" and "str()" in result.error
+
+
+WORKER_REWARD_MODULE = """
+import math, os, time
+
+
+def reward(data_source, response_text, ground_truth, extra_info):
+    case = extra_info["case"]
+    if case == "slow":  # past reward.timeout_s: the worker is killed
+        time.sleep(3600)
+    if case == "exit":
+        os._exit(3)
+    if case == "raise":
+        raise ValueError("unreadable answer")
+    if case == "huge dict":
+        return {"score": 1.0, **{f"k{i}": 1.0 for i in range(5000)}}
+    if case == "huge str":
+        return "x" * 50_000_000
+    if case == "nan":
+        return math.nan
+    if case == "None":
+        return None
+    return {"score": 0.5, "acc": 1.0}
+"""
+
+WORKER_REWARD_CASES = {"slow": "timeout", "exit": "crashed", "huge dict": "too_large", "huge str": ERROR,
+                       "raise": ERROR, "nan": ERROR, "None": NO_REWARD, "ok": OK}
+"""Case -> its outcome through a ``RewardWorkers`` pool (``reward.timeout_s`` 1 s)."""
+
+
+def test_fuzz_reward_worker_pool_slow_crashing_huge(tmp_path):
+    """Through worker processes (as every run scores): a reward that hangs, kills its process or
+    returns something huge costs its sample, counted under its reason, never the scorer; the
+    others keep their in-process outcomes. Seeded; hangs and exits are drawn rarely (each costs
+    a worker: a 1 s deadline, then a new process)."""
+    from async_rl.rewards.workers import RewardWorkers
+
+    module = tmp_path / "fuzz_reward.py"
+    module.write_text(WORKER_REWARD_MODULE)
+    weights = {"slow": 1, "exit": 1, "huge dict": 2, "huge str": 1, "raise": 4, "nan": 4, "None": 4, "ok": 20}
+    names = sorted(weights)
+    scorer = RewardScorer(lambda *a: 0.0, on_error="zero",
+                          workers=RewardWorkers(f"{module}:reward", num_workers=2, timeout_s=1.0))
+    outcomes: collections.Counter[str] = collections.Counter()
+    results: list[tuple[str, Any]] = []
+    lock = threading.Lock()
+    try:
+        for seed in SEEDS:
+            rng = random.Random(seed)
+            for _ in range(40):
+                case = rng.choices(names, [weights[n] for n in names])[0]
+                outcomes[WORKER_REWARD_CASES[case]] += 1
+
+                def done(result, case=case):
+                    with lock:
+                        results.append((case, result))
+
+                scorer.submit(junk_text(rng), junk_text(rng, 60), junk_text(rng, 5), {"case": case}, done=done)
+        scorer.drain()
+    finally:
+        scorer.close()
+    assert len(results) == sum(outcomes.values()) == 40 * len(SEEDS)
+    for case, result in results:
+        expected = WORKER_REWARD_CASES[case]
+        assert type(result.score) is float and math.isfinite(result.score), case
+        if expected == OK:
+            assert (result.score, result.extras, result.rejected) == (0.5, {"acc": 1.0}, False), case
+        elif expected == ERROR:  # on_error=zero: scored 0, kept
+            assert (result.score, result.rejected, result.reason) == (0.0, False, None) and result.error, case
+        else:  # no reward, timeout, crash, too large: always rejected
+            assert (result.rejected, result.reason) == (True, expected), case
+    counts = scorer.counts()
+    assert counts["reward/timeouts"] == outcomes["timeout"] > 0
+    assert counts["reward/crashed"] == outcomes["crashed"] > 0
+    assert counts["reward/too_large"] == outcomes["too_large"] > 0
+    assert counts["reward/no_reward"] == outcomes[NO_REWARD]
+    assert counts["reward/rejected"] == outcomes[NO_REWARD] + outcomes["timeout"] + outcomes["crashed"] + outcomes["too_large"]
+    assert counts["reward/scored"] == len(results)
+    report(tmp_path, "reward_worker_pool", {"seeds": list(SEEDS), "calls": len(results), "outcomes": dict(outcomes)})
 
 
 # ------------------------------------------------------------------------------------- tools

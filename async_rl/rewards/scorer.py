@@ -122,6 +122,15 @@ class Outcome(NamedTuple):
     trace: str | None = None
 
 
+def exception_text(e: BaseException) -> str:
+    """``str(e)``, or a stand-in when the exception's own ``__str__`` raises (user code: the
+    description of a failure must not become a second, uncaught failure)."""
+    try:
+        return str(e)
+    except Exception as inner:  # any __str__ bug: the sample is still one counted error
+        return f"<str() of the exception raised {type(inner).__name__}>"
+
+
 def call_reward(fn: Callable[..., Any], args: tuple) -> Outcome:
     """Call ``fn(*args)`` (positionally, so verl-style functions whose parameters are named
     differently, such as ``solution_str``, work) and validate what it returns. Runs in the
@@ -135,7 +144,7 @@ def call_reward(fn: Callable[..., Any], args: tuple) -> Outcome:
         value = fn(*args)
     except Exception as e:  # user code: any failure is one bad sample, not a crashed run
         trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        return Outcome("error", reason=_truncate(f"raised {type(e).__name__}: {e}"), where=_where(fn, e),
+        return Outcome("error", reason=_truncate(f"raised {type(e).__name__}: {exception_text(e)}"), where=_where(fn, e),
                        trace=trace[-_MAX_TRACE_CHARS:])
     if value is None or (isinstance(value, Mapping) and "score" in value and value["score"] is None):
         return Outcome("no_reward", reason="no reward (None)")

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from async_rl.rewards.scorer import Outcome, call_reward
+from async_rl.rewards.scorer import Outcome, call_reward, exception_text
 
 __all__ = ["RewardWorkers"]
 
@@ -236,7 +236,7 @@ class RewardWorkers:
                 self._queue.appendleft((args, done))
             return
         except Exception as e:  # the arguments do not pickle: this sample's error, not the pool's
-            self._done(done, Outcome("error", reason=f"reward arguments could not be sent: {type(e).__name__}: {e}"[:200]))
+            self._done(done, Outcome("error", reason=f"reward arguments could not be sent: {type(e).__name__}: {exception_text(e)}"[:200]))
             return
         w.call, w.done, w.deadline = self._next_call, done, time.monotonic() + self.timeout_s
 
@@ -353,7 +353,7 @@ def _worker_main(conn: Connection, spec: str | None, parent_pid: int) -> None:
 
         fn = resolve_reward_spec(spec)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which stops the pool
-        conn.send(("init_error", f"{type(e).__name__}: {e}"[:1000]))
+        conn.send(("init_error", f"{type(e).__name__}: {exception_text(e)}"[:1000]))
         return
     conn.send(("ready", os.getpid()))
     while True:
