@@ -24,6 +24,7 @@ Run with ``python -m pytest -q -s tests/test_fuzz.py`` (the pure-function tests 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -836,7 +837,7 @@ def reward(data_source, response_text, ground_truth, extra_info):
         return arithmetic_reward(data_source, response_text, ground_truth, extra_info)
     kind, value = BAD[h // 100 % len(BAD)]
     with open(LOG, "a") as f:  # one short line per call: appends from several processes stay whole
-        f.write(f"{{os.getpid()}} {{kind}}\\n")
+        f.write(f"{{os.getpid()}} {{os.getppid()}} {{kind}}\\n")
     if kind == "raise":
         raise RuntimeError("judge unavailable")
     return value
@@ -852,11 +853,27 @@ class Injector:
     duplicate) and one of ``malformed``, through a PUSH socket of its own (made on the receiver's
     thread, where it is used)."""
 
-    def __init__(self, malformed: list[list[bytes]]) -> None:
+    def __init__(self, malformed: list[list[bytes]], group_size: int) -> None:
         self.malformed = list(malformed)
+        self.group_size = group_size
         self.num_duplicates = 0
         self.num_malformed = 0
+        self.foreign: collections.Counter[str] = collections.Counter()
+        self._foreign_frames: set[bytes] = set()
         self.sock: zmq.Socket | None = None
+
+    def foreign_messages(self, traj: Trajectory) -> list[tuple[str, Any]]:
+        """Well-formed messages that no generator of the run sends, made from a real trajectory,
+        each with the reason the loop must refuse it for (``AsyncLoop._route``)."""
+        g, n = traj.group_id, self.group_size
+        return [
+            ("unknown_group", dataclasses.replace(traj, group_id=10**9, trajectory_id=f"{10**9}/0")),
+            ("trajectory_id_of_another_group", dataclasses.replace(traj, trajectory_id=f"{g + 1}/0")),
+            ("index_outside_group", dataclasses.replace(traj, trajectory_id=f"{g}/{n + 3}")),
+            # Its own id: refused before the buffer sees it, so the id stays unseen.
+            ("future_policy_version", dataclasses.replace(traj, policy_version=[10**6] * len(traj.policy_version))),
+            ("contradicting_group_closed", GroupClosed(g, n + 1)),
+        ]
 
     def wrap(self, receiver: ZmqTrajectoryReceiver) -> None:
         recv_frames = receiver._recv_frames
@@ -865,13 +882,18 @@ class Injector:
             frames = recv_frames(timeout_s)
             if frames is not None and self.num_duplicates < NUM_INJECTED:
                 try:
-                    is_trajectory = isinstance(decode_message(frames), Trajectory)
+                    msg = decode_message(frames)
                 except MalformedMessageError:
-                    is_trajectory = False
-                if is_trajectory:
+                    msg = None
+                if isinstance(msg, Trajectory) and bytes(frames[0]) not in self._foreign_frames:
                     if self.sock is None:
                         self.sock = zmq.Context.instance().socket(zmq.PUSH)
                         self.sock.connect(receiver.address)
+                        for reason, foreign in self.foreign_messages(msg):
+                            encoded = encode_message(foreign)
+                            self._foreign_frames.add(bytes(encoded[0]))  # not duplicated in turn
+                            self.sock.send_multipart(encoded)
+                            self.foreign[reason] += 1
                     self.sock.send_multipart(list(frames))
                     self.sock.send_multipart(self.malformed[self.num_malformed])
                     self.num_duplicates += 1
@@ -912,7 +934,7 @@ def test_fuzz_async_run_survives_bad_rows_rewards_and_messages(tmp_path, ray_ses
         frames = malformed_frames(rng, pool)
         if frames and decode_outcome(frames)[0] == "malformed":
             malformed.append(frames)
-    injector = Injector(malformed)
+    injector = Injector(malformed, group_size=4)
     make_transport = async_loop.make_transport
 
     def make_transport_with_injector(*args, **kwargs):
@@ -945,8 +967,9 @@ def test_fuzz_async_run_survives_bad_rows_rewards_and_messages(tmp_path, ray_ses
             assert summary[f"data/rejected_rows_{kind}"] == n
     # Rewards: every bad outcome of the generator actors (not the trainer's own evaluation) is a
     # counted rejection under reward.on_error=reject.
-    calls = collections.Counter(kind for pid, kind in (line.split() for line in log.read_text().splitlines())
-                                if int(pid) != os.getpid())
+    # The reward runs in worker processes: the trainer's own (evaluation) are this process's children.
+    calls = collections.Counter(kind for pid, ppid, kind in (line.split() for line in log.read_text().splitlines())
+                                if os.getpid() not in (int(pid), int(ppid)))
     no_reward = calls["none"] + calls["score_none"]
     errors = sum(calls.values()) - no_reward
     assert errors > 0 and no_reward > 0
@@ -956,6 +979,10 @@ def test_fuzz_async_run_survives_bad_rows_rewards_and_messages(tmp_path, ray_ses
     assert injector.num_malformed == injector.num_duplicates == NUM_INJECTED
     assert summary["pipeline/malformed_messages"] == NUM_INJECTED
     assert summary["pipeline/dropped_duplicate_samples"] == NUM_INJECTED
+    # Well-formed messages no generator of the run sends: refused, each under its reason.
+    assert sum(injector.foreign.values()) == summary["pipeline/refused_messages"] == 5
+    for reason, n in injector.foreign.items():
+        assert summary[f"pipeline/refused_messages_{reason}"] == n
     # The ledger balances, and each trained trajectory was trained once.
     ledger = {k: summary[f"pipeline/{k}"] for k in ("trained", "rejected", "stale", "abandoned",
                                                      "dynamic_sampling_dropped", "ready_unused", "partial_at_exit",
@@ -969,5 +996,7 @@ def test_fuzz_async_run_survives_bad_rows_rewards_and_messages(tmp_path, ray_ses
         "seed": SEEDS[0], "dataset_rows_rejected": {**{k: n for k, n in bad_rows.items()}},
         "reward_bad_outcomes": dict(calls), "reward_rejected": summary["reward/rejected"],
         "reward_scored": summary["reward/scored"], "malformed_messages": summary["pipeline/malformed_messages"],
-        "duplicates_dropped": summary["pipeline/dropped_duplicate_samples"], "trained_samples": len(trained),
+        "duplicates_dropped": summary["pipeline/dropped_duplicate_samples"],
+        "refused_messages": {k: v for k, v in summary.items() if k.startswith("pipeline/refused_messages_")},
+        "trained_samples": len(trained),
         "ledger": {"dispatched": summary["pipeline/dispatched"], **ledger}})

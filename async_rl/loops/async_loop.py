@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -163,6 +164,9 @@ class AsyncLoop:
         self._starting: set[int] = set()  # replaced, waiting for the weights before they sample
         self._killed: dict[int, str] = {}  # killed as hung, not yet replaced: why
         self.num_reissued = 0
+        self.rejected_messages: dict[str, int] = {}
+        """Well-formed messages refused by ``_route``, by reason."""
+        self._refused_lock = threading.Lock()
         self.num_dispatched = 0
         self.num_dynamic_dropped = 0
         self.num_trained_groups = 0
@@ -264,10 +268,48 @@ class AsyncLoop:
                 self.num_dispatched += 1
 
     def _route(self, msg) -> None:
-        if isinstance(msg, GroupClosed):
-            self.buffer.close_group(msg.group_id, msg.num_kept)
-        else:
+        """Hand one decoded message to the buffer, or refuse it (counted in
+        ``rejected_messages`` by reason, logged) when it cannot belong to this run: a group never
+        dispatched, a sample index outside the group, a trajectory id of another group, tokens of
+        a policy version the learner has not reached, or a ``GroupClosed`` that contradicts what
+        the buffer holds. The decoder already refused what does not parse or cannot be trained on
+        (``pipeline/malformed_messages``); these are well-formed messages that no generator of
+        this run sends, so accepting one would stop the run (the buffer raises) or train on it."""
+        reason = self._refusal(msg)
+        if reason is None and isinstance(msg, GroupClosed):
+            try:
+                self.buffer.close_group(msg.group_id, msg.num_kept)
+                return
+            except ValueError as e:
+                reason, detail = "contradicting_group_closed", str(e)
+        elif reason is None:
             self.buffer.add(msg)
+            return
+        else:
+            detail = f"{msg!r:.200}"
+        with self._refused_lock:
+            self.rejected_messages[reason] = self.rejected_messages.get(reason, 0) + 1
+            count = sum(self.rejected_messages.values())
+        if count <= 5 or math.log10(count).is_integer():
+            logger.warning("async pipeline: refused message #%d (%s): %s", count, reason, detail)
+
+    def _refusal(self, msg) -> str | None:
+        """Why ``msg`` cannot belong to this run, or ``None`` (see ``_route``)."""
+        gid = msg.group_id
+        # Requests enter _outstanding before the broker has them, so no worker can answer a group
+        # that is neither there nor below num_dispatched.
+        if not (0 <= gid < self.num_dispatched or gid in self._outstanding):
+            return "unknown_group"
+        if isinstance(msg, GroupClosed):
+            return None
+        group, index = msg.trajectory_id.rsplit("/", 1)
+        if int(group) != gid:
+            return "trajectory_id_of_another_group"
+        if int(index) >= self.n:
+            return "index_outside_group"
+        if len(msg.policy_version) and max(msg.policy_version) > self.ctx.learner.version:
+            return "future_policy_version"
+        return None
 
     def _receive_loop(self) -> None:
         while not self._stop.is_set():
@@ -672,6 +714,9 @@ class AsyncLoop:
             summary[f"generator_{i}/restarts"] = self.restarts[i]
         summary["pipeline/dropped_duplicate_samples"] = self.buffer.dropped["duplicate"]
         summary["pipeline/malformed_messages"] = self.receiver.num_malformed
+        summary["pipeline/refused_messages"] = sum(self.rejected_messages.values())
+        for reason, count in sorted(self.rejected_messages.items()):
+            summary[f"pipeline/refused_messages_{reason}"] = count
         try:
             stats = self._worker_stats()
             summary.update({k: v for k, v in stats.items() if k.startswith("reward/")})
