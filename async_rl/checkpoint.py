@@ -15,7 +15,7 @@ Layout under the run directory::
 A checkpoint is written into ``step_NNNNNN.tmp`` (the step, zero-padded to six digits:
 ``step_000300``) and renamed to ``step_NNNNNN`` only once every rank has
 finished, then ``latest`` is updated: a run killed mid-save leaves the previous checkpoint as
-the latest. ``trainer.checkpoint.keep_last`` bounds how many are kept.
+the latest, and a save that fails with an error removes its ``.tmp`` directory. ``trainer.checkpoint.keep_last`` bounds how many are kept.
 
 ``trainer.resume``: ``auto`` continues from ``<output_dir>/<run_name>/checkpoints/latest`` when
 there is one (and starts fresh otherwise), a path resumes from that checkpoint directory (or a
@@ -254,8 +254,13 @@ def save_checkpoint(run_dir: str | Path, step: int, learner, trainer_state: dict
     tmp = root / f"step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    learner.save_checkpoint(str(tmp / "learner"))
-    torch.save({"format": STATE_FORMAT, "step": step, **trainer_state}, tmp / "trainer_state.pt")
+    try:
+        learner.save_checkpoint(str(tmp / "learner"))
+        torch.save({"format": STATE_FORMAT, "step": step, **trainer_state}, tmp / "trainer_state.pt")
+    except BaseException:
+        # A save that failed (a learner rank died in it, a full disk) leaves no partial directory.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     marker_tmp = root / "latest.tmp"

@@ -171,12 +171,19 @@ def _train(cfg) -> int:
         return 0
     import signal
 
+    from async_rl.learners.launch import LearnerRankDied
+
     try:
         summary = train(cfg)
     except (ValueError, FileNotFoundError) as e:
         # Bad input (a malformed dataset row, a missing file): one actionable line, no traceback.
         # ASYNC_RL_LOG_LEVEL=DEBUG shows the traceback.
         logging.getLogger(__name__).debug("training failed", exc_info=True)
+        print(f"async-rl: error: {e}", file=sys.stderr)
+        return 1
+    except LearnerRankDied as e:
+        # Named by rank 0 (rank, process, how it ended, the checkpoint to resume from): one line.
+        logging.getLogger(__name__).debug("a learner rank died", exc_info=True)
         print(f"async-rl: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

@@ -30,6 +30,7 @@ from async_rl.data.dataset import DataConfig
 from async_rl.metrics import LoggingConfig
 from async_rl.rewards import get_reward_fn
 from async_rl.rewards.config import RewardConfig
+from async_rl.rollout import longest_sequence
 from async_rl.weight_sync import WeightSyncConfig
 from async_rl.generators.base import GeneratorConfig
 from async_rl.learners.base import LearnerConfig
@@ -274,24 +275,6 @@ def _data_parallel_keys(lrn) -> str:
             f"(tensor_parallel_size={m.tensor_parallel_size}, pipeline_parallel_size={m.pipeline_parallel_size})")
 
 
-def _longest_sequence(cfg: Config) -> tuple[int, str]:
-    """The most tokens one rollout sequence (prompt + response) can have, and how it is derived.
-
-    A prompt has at most ``data.max_prompt_tokens`` tokens (longer ones are rejected at load); a
-    response at most ``generator.max_response_tokens``, or with tools (``agent.tools``) a whole
-    conversation at most ``agent.max_response_tokens`` (generated and tool tokens together).
-
-    Returns:
-        ``(tokens, "data.max_prompt_tokens=P + <key>=R")``.
-    """
-    prompt = cfg.data.max_prompt_tokens
-    if cfg.agent.enabled:
-        response, key = cfg.agent.max_response_tokens, "agent.max_response_tokens"
-    else:
-        response, key = cfg.generator.max_response_tokens, "generator.max_response_tokens"
-    return prompt + response, f"data.max_prompt_tokens={prompt} + {key}={response}"
-
-
 def _check_token_budgets(cfg: Config) -> None:
     """Refuse token budgets that the longest possible rollout sequence would exceed.
 
@@ -300,7 +283,7 @@ def _check_token_budgets(cfg: Config) -> None:
     ``max_model_len`` tokens. (Warm-start sequences are reference answers of any length; a
     too-long one is still named at run time by ``async_rl.learners.batching.micro_batches_by_tokens``.)
     """
-    longest, how = _longest_sequence(cfg)
+    longest, how = longest_sequence(cfg)
     budget = cfg.learner.max_tokens_per_micro_batch
     if 0 < budget < longest:
         raise ConfigError(f"learner.max_tokens_per_micro_batch={budget} is less than the {longest} tokens of the "

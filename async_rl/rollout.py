@@ -35,6 +35,25 @@ from async_rl.rewards.workers import RewardWorkers
 logger = logging.getLogger(__name__)
 
 
+def longest_sequence(cfg: Any) -> tuple[int, str]:
+    """The most tokens one rollout sequence (prompt + response) can have under the run's config
+    ``cfg`` (``async_rl.config.Config``), and how it is derived.
+
+    A prompt has at most ``data.max_prompt_tokens`` tokens (longer ones are rejected at load); a
+    response at most ``generator.max_response_tokens``, or with tools (``agent.tools``) a whole
+    conversation at most ``agent.max_response_tokens`` (generated and tool tokens together).
+
+    Returns:
+        ``(tokens, "data.max_prompt_tokens=P + <key>=R")``.
+    """
+    prompt = cfg.data.max_prompt_tokens
+    if cfg.agent.enabled:
+        response, key = cfg.agent.max_response_tokens, "agent.max_response_tokens"
+    else:
+        response, key = cfg.generator.max_response_tokens, "generator.max_response_tokens"
+    return prompt + response, f"data.max_prompt_tokens={prompt} + {key}={response}"
+
+
 def stop_token_ids(tokenizer, model_path: str, extra: list[int] | tuple[int, ...] = ()) -> list[int]:
     """The tokenizer's EOS, every EOS id of the model's generation config and ``extra`` (deduplicated).
 

@@ -36,7 +36,7 @@ from async_rl.inputs import check_inputs
 from async_rl.generators import make_generator
 from async_rl.generators.base import SamplingParams
 from async_rl.cluster import Cluster, PlacementConfig
-from async_rl.learners.launch import launch_learner, launched_by_torchrun
+from async_rl.learners.launch import LearnerRankDied, launch_learner, launched_by_torchrun
 from async_rl.loops.base import Loop, RunContext
 from async_rl.loops.sync import SyncLoop
 from async_rl.metrics import MetricsLogger
@@ -63,6 +63,8 @@ def train(cfg: "Config") -> dict[str, Any]:
             ``total_steps``, dynamic sampling that cannot fill a step).
         RunInterrupted: SIGINT before the first training step (nothing saved).
         RuntimeError: a step whose every sample was rejected, or a generator actor that died.
+        LearnerRankDied: a follower learner rank died (a ``RuntimeError`` naming the rank, how it
+            ended and the checkpoint ``trainer.resume=auto`` continues from).
     """
     resume_from, resumed = resume_point(cfg.trainer)
     run = RunDirectory(cfg.trainer)
@@ -88,6 +90,8 @@ def train(cfg: "Config") -> dict[str, Any]:
             loop = None
             finish(ctx, progress)
             failed = False
+        except LearnerRankDied as e:
+            raise LearnerRankDied(e.rank, f"{e}; {resume_point_note(ctx.run_dir, cfg.trainer)}") from e
         finally:
             if loop is not None:
                 loop.close()
@@ -101,6 +105,17 @@ def train(cfg: "Config") -> dict[str, Any]:
             ctx.log.close()
     (ctx.run_dir / "summary.json").write_text(json.dumps(progress.summary, indent=2))
     return progress.summary
+
+
+def resume_point_note(run_dir: Path, t_cfg) -> str:
+    """Where a run that failed can go on from, for its error: the last complete checkpoint in
+    ``run_dir`` and the step it holds, or that there is none (``trainer.checkpoint.every_steps``)."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return (f"no checkpoint was written (trainer.checkpoint.every_steps={t_cfg.checkpoint.every_steps}): "
+                "a new run starts over")
+    return (f"the last good checkpoint is {path} (after step {int(path.name.split('_')[1])}): "
+            "run again with trainer.resume=auto to continue from it")
 
 
 class RunInterrupted(KeyboardInterrupt):

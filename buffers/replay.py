@@ -83,6 +83,29 @@ class AdmissionController:
             raise ValueError(f"AdmissionController needs groups_per_step >= 1 and max_staleness >= 0, got "
                              f"{self.groups_per_step} and {self.max_staleness}")
 
+    def max_resident_groups(self) -> int:
+        """Most groups the replay buffer can hold at once (partial and ready) when each group is
+        trained once (``max_reuse = 1``): ``(η + 1) · B``.
+
+        Derivation. Let ``D`` be the groups dispatched, ``X`` those discarded (rejected, evicted,
+        abandoned, dropped by dynamic sampling), ``S`` those the learner took from the buffer
+        (dynamic sampling's drops included) and ``F`` those not yet back from an engine. With
+        ``v_p`` the version every generator holds and ``v >= v_p`` the learner's:
+
+        * admission (``can_start``): ``D - X <= (η + v_p + 1) · B``;
+        * the learner took ``B`` groups to train (or more: dynamic sampling's surplus) for each
+          of its ``v`` versions, plus those dynamic sampling dropped: ``S >= v · B + X_ds``;
+        * resident groups ``= D - (X - X_ds) - S - F <= (η + v_p + 1) · B - v · B <= (η + 1) · B``.
+
+        (``X_ds`` is in ``X`` and in ``S``: admission frees its slot, the buffer let it go once.)
+        A stale group not yet evicted still counts towards ``D - X``, so the bound holds between
+        two ``get_groups`` calls too. With ``max_reuse > 1`` a served group stays for reuse
+        while admission counts it consumed: no such bound follows.
+
+        Example: ``B = 4, η = 1``: at most 8 groups, of ``n`` samples each, at any time.
+        """
+        return (self.max_staleness + 1) * self.groups_per_step
+
     def capacity(self, current_version: int) -> int:
         """Most groups that may have started by version ``current_version``: ``(η + v + 1) · B``."""
         return (self.max_staleness + current_version + 1) * self.groups_per_step
@@ -149,6 +172,20 @@ class ReplayBuffer:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._last_version: int | None = None
         self._last_hist = [0] * (self.max_staleness + 1)
+        # Resident size (partial + ready), kept up to date on every change, and its peak.
+        self._resident = {"groups": 0, "samples": 0, "tokens": 0}
+        self._peak = dict(self._resident)
+
+    def _resize(self, groups: int, trajs: list[Trajectory], sign: int) -> None:
+        """Add (``sign=1``) or remove (``-1``) ``groups`` groups holding ``trajs`` from the resident
+        size; a new peak is recorded as it happens."""
+        r = self._resident
+        r["groups"] += sign * groups
+        r["samples"] += sign * len(trajs)
+        r["tokens"] += sign * sum(t.num_tokens for t in trajs)
+        if sign > 0:
+            for k, n in r.items():
+                self._peak[k] = max(self._peak[k], n)
 
     # ------------------------------------------------------------------------------ producers
     def add(self, traj: Trajectory) -> bool:
@@ -168,8 +205,10 @@ class ReplayBuffer:
                 self._counters["late"] += 1
                 return False
             self._counters["added"] += 1
+            new_group = traj.group_id not in self._partial
             members = self._partial.setdefault(traj.group_id, [])
             members.append(traj)
+            self._resize(int(new_group), [traj], 1)
             if len(members) == self._expected.get(traj.group_id, self.group_size):
                 self._complete(traj.group_id)
             return True
@@ -224,6 +263,7 @@ class ReplayBuffer:
             if group_id in self._finished:
                 return False
             samples = self._partial.pop(group_id, [])
+            self._resize(int(bool(samples)), samples, -1)
             self._expected.pop(group_id, None)
             self._finished[group_id] = -1
             self._counters["abandoned"] += len(samples)
@@ -252,7 +292,9 @@ class ReplayBuffer:
         for g, a in zip(self._ready, ages):
             if max(a) <= self.max_staleness:
                 kept.append(g)
-            elif g.times_served:
+                continue
+            self._resize(1, g.trajectories, -1)
+            if g.times_served:
                 self._counters["reuse_expired_groups"] += 1  # already trained on: not lost data
             else:
                 self._counters["stale_groups"] += 1
@@ -307,6 +349,8 @@ class ReplayBuffer:
                 self._counters["served_samples"] += len(g.trajectories)
                 if g.times_served < self.max_reuse:
                     self._ready.append(g)  # back of the queue: fresher groups go first
+                else:
+                    self._resize(1, g.trajectories, -1)
             self._counters["served_groups"] += num_groups
             self._last_hist = hist
             return [list(g.trajectories) for g in taken]
@@ -343,7 +387,10 @@ class ReplayBuffer:
         """Gauges and counters under stable keys (no side effects).
 
         Gauges: ``buffer/num_groups_ready``, ``buffer/num_partial_groups``, ``buffer/num_samples``
-        (ready + partial). Counters since the start of the run: ``buffer/added_samples``,
+        and ``buffer/num_tokens`` (ready + partial; tokens = prompt + response). Peaks since the
+        start of the run (a resumed run's included): ``buffer/peak_groups``,
+        ``buffer/peak_samples``, ``buffer/peak_tokens`` of the resident (ready + partial) size,
+        taken after every stored sample. Counters since the start of the run: ``buffer/added_samples``,
         ``buffer/dropped_duplicate``, ``buffer/dropped_late``, ``buffer/dropped_stale`` (samples),
         ``buffer/dropped_stale_groups``, ``buffer/reuse_expired_groups`` (served, then too old to
         reuse), ``buffer/rejected_groups``, ``buffer/rejected_samples``, ``buffer/abandoned`` and
@@ -356,9 +403,10 @@ class ReplayBuffer:
             out = {
                 "buffer/num_groups_ready": float(len(self._ready)),
                 "buffer/num_partial_groups": float(len(self._partial)),
-                "buffer/num_samples": float(sum(len(g.trajectories) for g in self._ready)
-                                            + sum(len(m) for m in self._partial.values())),
+                "buffer/num_samples": float(self._resident["samples"]),
+                "buffer/num_tokens": float(self._resident["tokens"]),
             }
+            out.update({f"buffer/peak_{k}": float(n) for k, n in self._peak.items()})
             names = {"added": "added_samples", "duplicate": "dropped_duplicate", "late": "dropped_late",
                      "stale": "dropped_stale", "stale_groups": "dropped_stale_groups"}
             for k in _COUNTERS:
@@ -372,7 +420,8 @@ class ReplayBuffer:
 
         Trajectories are ``dataclasses.asdict`` dicts; group ids sit in lists of pairs so the
         state also survives JSON. Includes partial groups, declared counts, the ready queue in
-        order with reuse counts, seen ids, finished groups, counters and the last histogram.
+        order with reuse counts, seen ids, finished groups, counters, the last histogram and the
+        peak resident size.
         """
         with self._cond:
             as_dicts = lambda trajs: [dataclasses.asdict(t) for t in trajs]  # noqa: E731
@@ -389,6 +438,7 @@ class ReplayBuffer:
                 "counters": dict(self._counters),
                 "last_version": self._last_version,
                 "last_hist": list(self._last_hist),
+                "peak": dict(self._peak),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -419,4 +469,10 @@ class ReplayBuffer:
             self._last_version = state["last_version"]
             if len(state["last_hist"]) == len(self._last_hist):
                 self._last_hist = state["last_hist"]
+            for members in self._partial.values():
+                self._resize(1, members, 1)
+            for g in self._ready:
+                self._resize(1, g.trajectories, 1)
+            for k, n in state.get("peak", {}).items():  # absent in states saved before peaks were kept
+                self._peak[k] = max(self._peak[k], int(n))
             self._cond.notify_all()

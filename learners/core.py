@@ -153,6 +153,9 @@ class LearnerCore:
         self.total_optimizer_steps, self.model_path = total_optimizer_steps, model_path
         # Set by async_rl.learners.spmd.drive_followers on rank 0 of a launched multi-rank learner.
         self._drives_followers, self._command_depth = False, 0
+        # Set by async_rl.learners.launch on rank 0 of Ray-placed ranks: () -> the error naming a
+        # follower rank that died, or None (spmd raises it in place of gloo's).
+        self._follower_failure = None
         self.device = learner_device(cfg)
         init_single_process_group(process_group_backend(self.device))
         if self.device.type == "cuda":

@@ -9,7 +9,10 @@
   builds the same learner (``FSDPLearner`` or ``MegatronLearner`` by ``learner.backend``; same
   weights, same seed), and the actors then serve rank 0's
   collective calls (``async_rl.learners.spmd``). Ray kills the actors when the driver exits, so a crashed
-  trainer leaves no rank behind.
+  trainer leaves no rank behind. A follower that dies is reported by Ray to a watcher thread of
+  rank 0 (``RankMonitor``, within about a second); rank 0's collective call, which gloo fails at
+  the same time ("Connection closed by peer"), then raises ``LearnerRankDied`` naming the rank,
+  its process and how it ended (the trainer adds the checkpoint to resume from).
 * torchrun: ``torchrun --nproc-per-node N -m async_rl.cli train --config ...`` starts N copies;
   rank 0 (``RANK=0``) runs the trainer, the others only the learner (``follow_from_env``), all on
   the ``env://`` group torchrun sets up. ``learner.world_size`` must equal ``WORLD_SIZE``.
@@ -25,7 +28,9 @@ import logging
 import os
 import socket
 import sys
-from typing import NoReturn
+import threading
+import time
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -126,13 +131,104 @@ class LearnerRank:
             dist.destroy_process_group()
 
 
+class LearnerRankDied(RuntimeError):
+    """A follower learner rank's process ended while the run needed it; ``str()`` names the rank,
+    its process (pid, node) and how Ray saw it end.
+
+    Attributes:
+        rank: the rank that died (1..N-1).
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def _actor_end(error: BaseException) -> str:
+    """How a Ray actor ended, in one line: Ray's ``Worker exit type`` and ``detail`` where its
+    error names them, else the error's first 300 characters. Ray cannot see a signal's number:
+    a process that vanished (SIGKILL, the OOM killer, a segfault) reads "SYSTEM_ERROR ...
+    connection error code 2. End of file", which gets that explanation appended."""
+    text = " ".join(str(error).split())
+    if "Worker exit type:" not in text:
+        return f"{type(error).__name__}: {text[:300]}"
+    text = text[text.index("Worker exit type:"):]
+    for tail in (" Some common causes", " There are some potential root causes"):
+        if tail in text:
+            text = text[:text.index(tail)]
+    text = text[:300].rstrip(". ")
+    if "End of file" in text:
+        text += " (its process vanished: killed by a signal such as SIGKILL or the OOM killer, or crashed)"
+    return text
+
+
+class RankMonitor:
+    """Rank 0's watch over its Ray-placed follower ranks: a daemon thread waits on their ``run``
+    calls, which end only when rank 0 stops them, so any earlier end is a rank that died.
+
+    Args:
+        refs: the followers' ``LearnerRank.run`` object refs, rank 1 first.
+        spots: where each follower runs (``Cluster.record`` entries: ``pid``, ``node_ip``).
+        world_size: the learner group's size (for the message).
+    """
+
+    report_wait_s = 10.0
+    """How long ``failure`` waits for Ray's word after gloo failed (seconds): gloo sees the broken
+    connection first; Ray notices the dead process within about a second on the same node."""
+
+    def __init__(self, refs: list, spots: list[dict[str, Any]], world_size: int) -> None:
+        self._refs, self._spots, self._world_size = list(refs), spots, world_size
+        self._dead: LearnerRankDied | None = None
+        self._found = threading.Event()
+        self._stop = threading.Event()
+        self.found_at: float | None = None
+        """``time.monotonic()`` when the death was found, or ``None``."""
+        self._thread = threading.Thread(target=self._watch, name="learner-rank-monitor", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import ray
+
+        pending = list(self._refs)
+        while pending and not self._stop.is_set():
+            done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+            if not done or self._stop.is_set():
+                continue
+            ref = done[0]
+            rank = self._refs.index(ref) + 1
+            try:
+                ray.get(ref)
+                how = "returned before rank 0 stopped it"
+            except Exception as e:  # noqa: BLE001 - the actor's end, as Ray reports it
+                how = _actor_end(e)
+            spot = self._spots[rank - 1] if rank - 1 < len(self._spots) else {}
+            self._dead = LearnerRankDied(rank, f"learner rank {rank} of {self._world_size} (pid {spot.get('pid', '?')} "
+                                               f"on {spot.get('node_ip', '?')}) died: {how}")
+            self.found_at = time.monotonic()
+            self._found.set()
+            logger.error("%s; the run stops at rank 0's next learner call", self._dead)
+            return
+
+    def failure(self, wait_s: float | None = None) -> LearnerRankDied | None:
+        """The error naming the follower rank that died, waiting up to ``wait_s`` seconds
+        (default ``report_wait_s``) for Ray to report one; ``None`` if none did."""
+        self._found.wait(self.report_wait_s if wait_s is None else wait_s)
+        return self._dead
+
+    def stop(self) -> None:
+        """Stop watching (before rank 0 releases the followers: their ends are then expected)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 class LearnerHandle:
     """What ``launch_learner`` keeps besides the rank-0 learner: the follower actors, their run
     refs, and the ``Cluster`` it joined itself (``None`` when the run's own was given);
     ``close`` stops the followers and tears the group down."""
 
-    def __init__(self, learner, actors: list, refs: list, cluster=None) -> None:
+    def __init__(self, learner, actors: list, refs: list, cluster=None, monitor: RankMonitor | None = None) -> None:
         self.learner, self.actors, self.refs, self.cluster = learner, actors, refs, cluster
+        self.monitor = monitor
 
     def close(self, failed: bool = False) -> None:
         """Release the followers, wait for them (60 s), destroy the group; safe to call twice.
@@ -148,6 +244,9 @@ class LearnerHandle:
         if self.learner is None:
             return
         learner, self.learner = self.learner, None
+        if self.monitor is not None:
+            self.monitor.stop()
+            learner._follower_failure = None
         if dist.is_initialized() and dist.get_world_size() > 1 and not failed:
             try:
                 stop_followers(learner)
@@ -239,7 +338,9 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
                 raise RuntimeError(f"a learner rank failed to start: {follower_error}") from e
         raise
     drive_followers(learner)
-    return learner, LearnerHandle(learner, actors, refs, cluster if own else None)
+    monitor = RankMonitor(refs, cluster.placed["learner"], cfg.world_size)
+    learner._follower_failure = monitor.failure
+    return learner, LearnerHandle(learner, actors, refs, cluster if own else None, monitor)
 
 
 def follow_from_env(cfg: LearnerConfig, algo, model_path: str, temperature: float,

@@ -10,6 +10,11 @@ rank 0), rank 0 forwards each collective call: a method marked ``@collective`` f
 ``TrainBatch`` travels pickled inside the broadcast). Return values of followers are dropped:
 every metric a learner returns is already reduced across ranks.
 
+A follower that dies breaks the group: rank 0's next (or current) collective fails with gloo's
+"Connection closed by peer". A launcher that watches its followers sets the learner's
+``_follower_failure`` (``LearnerCore``): the outermost collective call on rank 0 then raises the
+launcher's error naming the rank, chained to gloo's (``launch.RankMonitor``).
+
 A call made from inside another collective call (``train_step`` computing proximal log-probs
 itself, for example) is not forwarded again: the followers make the nested call themselves.
 Generator methods (``named_weights``) are drained to the end on followers; rank 0's caller must
@@ -54,17 +59,41 @@ def collective(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        outermost = self._command_depth == 0
-        if outermost and self._drives_followers:
-            dist.broadcast_object_list([(method.__name__, args, kwargs)], src=0, group=_commands())
-        self._command_depth += 1
+        driving = self._command_depth == 0 and self._drives_followers
         try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._command_depth -= 1
+            if driving:
+                dist.broadcast_object_list([(method.__name__, args, kwargs)], src=0, group=_commands())
+            self._command_depth += 1
+            try:
+                result = method(self, *args, **kwargs)
+            finally:
+                self._command_depth -= 1
+        except RuntimeError as e:  # gloo's errors are RuntimeErrors (DistBackendError among them)
+            if driving:
+                _raise_follower_failure(self, e)
+            raise
+        if driving and isinstance(result, Iterator):  # named_weights: its all-gathers run as it is drained
+            return _watched(self, result)
+        return result
 
     wrapper.is_collective = True
     return wrapper
+
+
+def _raise_follower_failure(learner, error: RuntimeError) -> None:
+    """If a follower rank died, raise the launcher's error naming it (from ``error``); else return."""
+    failure = getattr(learner, "_follower_failure", None)
+    named = failure() if failure is not None else None
+    if named is not None:
+        raise named from error
+
+
+def _watched(learner, items: Iterator) -> Iterator:
+    try:
+        yield from items
+    except RuntimeError as e:
+        _raise_follower_failure(learner, e)
+        raise
 
 
 def drive_followers(learner) -> None:

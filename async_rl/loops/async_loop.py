@@ -12,7 +12,8 @@
   groups (minus those that can never be trained: rejected, evicted, dropped by dynamic sampling)
   ≤ (max_staleness + v + 1) × B, with v the version every generator holds. With max_staleness 0
   the pool samples exactly the groups sync mode would, from the same weights and per-group seeds,
-  so the two modes train on the same data.
+  so the two modes train on the same data. The replay buffer thus never holds more than
+  (max_staleness + 1) × B groups (``buffer_bound``; its peak is logged as ``buffer/peak_*``).
 * **Consumption**: the learner takes B complete groups (``ReplayBuffer.get_groups`` evicts any
   too stale and counts them), orders them by group id (so the batch does not depend on which
   worker finished first), and trains with proximal log-probs recomputed at its current version.
@@ -60,7 +61,7 @@ from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.loops.pool import GeneratorWorker, RequestBroker
 from async_rl.rewards import check_rewards_work
 from async_rl.rewards.model import RewardModel, model_kwargs
-from async_rl.rollout import GroupRequest, RolloutResult, group_seed, reward_model_path
+from async_rl.rollout import GroupRequest, RolloutResult, group_seed, longest_sequence, reward_model_path
 from async_rl.weight_sync import RayTarget, WeightPublisher, engine_protocol, transports_for_targets
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,27 @@ def probe_difference(reference: dict, probe: dict) -> dict[str, Any]:
         diff = max([diff] + [abs(a - b) for a, b in zip(lp_a[:same], lp_b[:same])])
     return {"tokens_equal": reference["response_ids"] == probe["response_ids"], "max_abs_logprob_diff": diff,
             "same_version": reference["policy_version"] == probe["policy_version"]}
+
+
+def buffer_bound(cfg) -> dict[str, int] | None:
+    """Most the replay buffer can hold at once under admission control, from the run's config
+    ``cfg`` (``async_rl.config.Config``):
+    ``groups = (max_staleness + 1) · prompts_per_step`` (derived in
+    ``AdmissionController.max_resident_groups``), ``samples = groups · samples_per_prompt``,
+    ``tokens = samples ·`` the longest rollout sequence (``data.max_prompt_tokens`` plus
+    ``generator.max_response_tokens``, or ``agent.max_response_tokens`` with tools;
+    ``rollout.longest_sequence``).
+
+    Returns:
+        ``{"groups", "samples", "tokens"}``, or ``None`` with ``trainer.max_reuse > 1``: a group
+        kept for reuse is no longer counted by admission, so no such bound holds.
+    """
+    t_cfg = cfg.trainer
+    if t_cfg.max_reuse > 1:
+        return None
+    groups = AdmissionController(t_cfg.prompts_per_step, t_cfg.max_staleness).max_resident_groups()
+    samples = groups * t_cfg.samples_per_prompt
+    return {"groups": groups, "samples": samples, "tokens": samples * longest_sequence(cfg)[0]}
 
 
 def thread_budget(num_workers: int, threads_per_worker: int, cores: int | None = None) -> tuple[int, int]:
@@ -127,6 +149,7 @@ class AsyncLoop:
             "zmq", t_cfg.zmq_address or f"tcp://{self.cluster.bind_host}:*", t_cfg.zmq_hwm)
         self.buffer = ReplayBuffer(group_size=self.n, max_staleness=t_cfg.max_staleness, max_reuse=t_cfg.max_reuse)
         self.admission = AdmissionController(self.groups_per_step, t_cfg.max_staleness)
+        self.bound = buffer_bound(cfg)
         # On the trainer's node: a generator node that goes down does not take the queue with it.
         self.broker = ray.remote(num_cpus=0, max_concurrency=2 * g_cfg.num_workers + 8)(RequestBroker).options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -566,6 +589,7 @@ class AsyncLoop:
         delta = {k: stats[k] - self._last_stats.get(k, 0.0) for k in stats}
         busy, idle = delta.get("busy_s", 0.0), delta.get("idle_s", 0.0)
         metrics.update({f"{k}": float(v) for k, v in self.buffer.metrics().items()})
+        metrics.update(self._bound_metrics())
         metrics.update({
             # Pool-wide: per second of wall time since the previous step ended, and per second
             # the actors' engines spent sampling and scoring (summed over actors).
@@ -583,6 +607,11 @@ class AsyncLoop:
         metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/"))})
         self._last_stats, self._last_t = stats, now
         return metrics
+
+    def _bound_metrics(self) -> dict[str, float]:
+        """``buffer/bound_{groups,samples,tokens}``: the most the buffer can hold (``buffer_bound``),
+        beside its ``buffer/peak_*``; none with ``trainer.max_reuse > 1``."""
+        return {f"buffer/bound_{k}": float(v) for k, v in (self.bound or {}).items()}
 
     def _forget_finished(self) -> None:
         # Groups that ended need no re-issue: drop them here and from the broker's claims.
@@ -713,6 +742,9 @@ class AsyncLoop:
             summary[f"generator_{i}/trained_samples"] = self.trained_by_generator.get(i, 0)
             summary[f"generator_{i}/restarts"] = self.restarts[i]
         summary["pipeline/dropped_duplicate_samples"] = self.buffer.dropped["duplicate"]
+        summary.update({k: v for k, v in self.buffer.metrics().items()
+                        if k.startswith("buffer/peak_") or k == "buffer/dropped_late"})
+        summary.update(self._bound_metrics())
         summary["pipeline/malformed_messages"] = self.receiver.num_malformed
         summary["pipeline/refused_messages"] = sum(self.rejected_messages.values())
         for reason, count in sorted(self.rejected_messages.items()):
@@ -720,6 +752,10 @@ class AsyncLoop:
         try:
             stats = self._worker_stats()
             summary.update({k: v for k, v in stats.items() if k.startswith("reward/")})
+            # The pool's speed when it samples (not while admission holds it back): samples per
+            # second of an actor's busy time is samples / (busy_s / actors).
+            summary["perf/generated_samples"] = stats.get("samples", 0.0)
+            summary["perf/generator_busy_s"] = stats.get("busy_s", 0.0)
             summary["reward/first_error"] = self._reward_first_error()
         except Exception as e:  # a dead worker was already reported by step()
             logger.warning("generator pool reward counts: %s", e)
