@@ -179,12 +179,15 @@ class VLLMGenerator:
                if self.lora is not None else {}),
         )
         with _engine_environment(self._ipc_dir):
-            engine = AsyncLLM.from_engine_args(args)
-        # Every process of the engine has bound or connected its sockets by now, and a Unix
-        # socket's connections outlive its file: removed now, nothing is left even if this
-        # process is killed (as the weight sync's shm slots are unlinked once mapped).
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        return engine
+            try:
+                return AsyncLLM.from_engine_args(args)
+            finally:
+                # Every process of the engine has bound or connected its sockets by now, and a
+                # Unix socket's connections outlive its file: removed now, nothing is left even if
+                # this process is killed (as the weight sync's shm slots are unlinked once mapped).
+                # Not through a local variable: vLLM keeps this frame alive, which would keep a
+                # closed engine until the interpreter's teardown (its __del__ then fails).
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def close(self) -> None:
         """Shut the engine down, remove its IPC socket files and stop the loop thread. Idempotent."""

@@ -404,7 +404,10 @@ def test_a_sigkilled_engine_owner_leaves_no_ipc_socket_file(tiny_model_path, tmp
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                              text=True, start_new_session=True, env={**os.environ, "VLLM_RPC_BASE_PATH": str(base)})
     try:
-        assert owner.stdout.readline().strip() == "ready", "the engine did not start"
+        lines = [owner.stdout.readline()]
+        while lines[-1] not in ("ready\n", ""):  # vLLM logs to stdout too; "" is the end of it
+            lines.append(owner.stdout.readline())
+        assert lines[-1] == "ready\n", f"the engine did not start: {lines[-5:]}"
         os.killpg(owner.pid, signal.SIGKILL)
         owner.wait(timeout=60)
         assert not list(base.rglob("*")), sorted(base.rglob("*"))
