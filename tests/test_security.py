@@ -306,3 +306,24 @@ def test_a_single_node_run_listens_on_loopback_only_and_writes_no_secret(tmp_pat
         assert value not in out and value not in err
         hits = [str(p) for p in files if value.encode() in p.read_bytes()]
         assert not hits, f"a secret was written to {hits}"
+
+
+@pytest.mark.slow
+def test_a_run_binding_beyond_loopback_says_so_once(caplog):
+    ray = pytest.importorskip("ray")
+    from async_rl.cluster import Cluster, interface_addresses
+
+    found = next((a for n, a in interface_addresses().items() if not a.startswith("127.")), None)
+    if found is None:
+        pytest.skip("no non-loopback IPv4 interface here")
+    if ray.is_initialized():
+        ray.shutdown()
+    saved = {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    with caplog.at_level("WARNING", logger="async_rl.cluster"):
+        cluster = Cluster.connect(None, bind_host=found, num_cpus=1)
+        try:
+            said = [r.getMessage() for r in caplog.records if "reachable from that network" in r.getMessage()]
+            assert len(said) == 1 and f"listen on {found}:" in said[0], said
+        finally:
+            cluster.close()
+    assert {k: os.environ.get(k) for k in saved} == saved  # close gave the interface variables back
