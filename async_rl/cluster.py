@@ -17,9 +17,10 @@ every socket binds, and where each actor is placed.
   the driver's node IP as Ray knows it on a cluster of several nodes, or ``127.0.0.1`` on a
   single node (the Ray a run starts itself; nothing is then reachable from another machine).
   Gloo (and NCCL's bootstrap) pick the interface of their own process's node IP
-  (``use_node_interface``): left to themselves they
-  resolve the host name, which on many machines maps to ``127.0.0.1``, and announce an address
-  other nodes cannot dial.
+  (``use_node_interface``; ``lo`` on a single node): left to themselves they resolve the host
+  name, which on many machines maps to ``127.0.0.1`` (an address other nodes cannot dial) and on
+  others to the LAN address (a single-node run would listen on the network). TCPStore servers
+  are made by ``tcp_store``, since torch's own binds every interface.
 * **Placement**: each role is one Ray placement group (``Cluster.place``), one bundle per actor of
   ``{"CPU": num_cpus, "GPU": num_gpus}`` and an optional node label selector: packed for the
   learner (its collectives want one fast link), spread for the generators (their engines share
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 """The single-node default: what a run binds on the Ray it starts itself."""
+
+_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 """Ray placement group strategies (``ray.util.placement_group``)."""
@@ -141,6 +144,21 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback."""
+    return host.startswith("127.") or host in ("::1", "localhost")
+
+
+def group_ip(bind_host: str | None) -> str:
+    """The address a Ray actor's gloo groups and NCCL bootstrap use (``use_node_interface``):
+    loopback when the run binds loopback (a single-node run, whose actors all share the trainer's
+    node: ``Cluster.check_reachable``), else this node's IP as Ray knows it (``node_ip``). Not
+    ``node_ip`` alone: Ray registers a node under the host's own address even when started with
+    ``_node_ip_address=127.0.0.1`` (Ray 2.60, measured), which would put a single-node run's
+    groups on the network."""
+    return LOOPBACK if bind_host and is_loopback(bind_host) else node_ip()
+
+
 def interface_addresses() -> dict[str, str]:
     """``{interface name: IPv4 address}`` of this host's interfaces that have one (Linux
     ``SIOCGIFADDR``)."""
@@ -162,30 +180,72 @@ def interface_of(ip: str) -> str | None:
 
 def use_node_interface(ip: str) -> str | None:
     """Make gloo and NCCL's bootstrap in this process use the interface holding ``ip`` (this
-    node's address), by ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``. Call before the process
-    forms a group with ranks on other nodes; children it starts inherit it. A variable the user
-    set is left alone when this host has that interface; one naming an interface this host lacks
-    (exported for a cluster whose nodes name their interfaces differently) is replaced, with a
-    warning, since gloo would fail on it ("Unable to find address for: eth0"). Nothing changes on
-    loopback.
+    node's address, or loopback on a single node), by ``GLOO_SOCKET_IFNAME`` /
+    ``NCCL_SOCKET_IFNAME``. Call before the process forms a group; children it starts inherit it.
+    Left to themselves they resolve the host name, which maps to ``127.0.0.1`` on some machines
+    (other nodes cannot dial it) and to the LAN address on others (a single-node run would then
+    listen on the network). A variable the user set is left alone when this host has that
+    interface; one naming an interface this host lacks (exported for a cluster whose nodes name
+    their interfaces differently), or loopback for a non-loopback ``ip``, is replaced, with a
+    warning, since gloo would fail on it ("Unable to find address for: eth0") or time out.
 
     Returns:
-        The interface chosen, or ``None`` (loopback, the user's is kept, or no interface holds ``ip``).
+        The interface chosen, or ``None`` (the user's is kept, or no interface holds ``ip``).
     """
-    if ip.startswith("127."):
-        return None
     names = {n for _, n in socket.if_nameindex()}
     user = os.environ.get("GLOO_SOCKET_IFNAME")
-    if user and all(part in names for part in user.split(",")):
+    loopback = interface_of(LOOPBACK)
+    # Loopback cannot reach another node: kept only for a single-node (loopback) group.
+    if user and all(part in names and (ip.startswith("127.") or part != loopback) for part in user.split(",")):
         return None
     name = interface_of(ip)
     if name is not None:
         if user:
-            logger.warning("GLOO_SOCKET_IFNAME=%s names no interface of this host; using %s, which holds this "
-                           "node's address %s", user, name, ip)
+            logger.warning("GLOO_SOCKET_IFNAME=%s names no interface of this host that reaches other nodes; using "
+                           "%s, which holds this node's address %s", user, name, ip)
         os.environ["GLOO_SOCKET_IFNAME"] = name
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)  # NCCL's own prefix rules: the user's stays
+        nccl = os.environ.get("NCCL_SOCKET_IFNAME")
+        if not nccl or (nccl == loopback and not ip.startswith("127.")):  # NCCL's own prefix rules: the user's stays
+            os.environ["NCCL_SOCKET_IFNAME"] = name
     return name
+
+
+def tcp_store(host: str, world_size: int, timeout, wait_for_workers: bool = False):
+    """A ``torch.distributed.TCPStore`` server (``is_master``) that listens on ``host`` only, on a
+    free port (``store.port``).
+
+    Why not ``TCPStore(host, 0, ..., True)``: torch's server binds every interface (``::``)
+    whatever ``host`` says (torch 2.13, measured), so a run on loopback would accept connections
+    from the network. The socket is bound here and handed over (``master_listen_fd``; the store
+    owns and closes it).
+
+    Args:
+        host: the address to listen on (``bind_host``), IPv4, IPv6 or a name.
+        world_size: clients plus this server, as ``TCPStore`` counts them.
+        timeout: ``datetime.timedelta`` for the store's operations.
+        wait_for_workers: block until ``world_size - 1`` clients joined.
+
+    Raises:
+        OSError: ``host`` is not an address of this machine (``bind`` fails).
+    """
+    import torch.distributed as dist
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address[:2] if family == socket.AF_INET else address)
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=wait_for_workers,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def where() -> dict[str, Any]:
@@ -227,6 +287,7 @@ class Cluster:
         self._groups: list = []
         self._strategies: dict[str, list] = {}
         self.placement_timeout_s = PLACEMENT_TIMEOUT_S
+        self._saved_env: dict[str, str | None] = {}
 
     @classmethod
     def start(cls, cfg) -> "Cluster":
@@ -284,8 +345,14 @@ class Cluster:
         alive = [n for n in ray.nodes() if n.get("Alive")]
         single = len(alive) == 1 and alive[0]["NodeID"] == ray.get_runtime_context().get_node_id()
         host = bind_host or (LOOPBACK if started or single else node_ip())
+        saved = {k: os.environ.get(k) for k in _IFNAME_VARS}
         use_node_interface(host)
-        return cls(started, address, host)
+        cluster = cls(started, address, host)
+        cluster._saved_env = saved
+        if not is_loopback(host):
+            logger.warning("the pipeline's sockets (trajectory receiver, weight-sync store and group, learner "
+                           "rendezvous) listen on %s: reachable from that network, not only from this machine", host)
+        return cluster
 
     def place(self, role: str, n: int, placement: PlacementConfig, cuda: bool = False) -> list:
         """Reserve ``n`` bundles for ``role`` in one placement group and wait until they are; a
@@ -362,7 +429,7 @@ class Cluster:
         Raises:
             ValueError: one line naming the actor, its node and the key to set.
         """
-        if not self.bind_host.startswith("127.") and self.bind_host != "localhost":
+        if not is_loopback(self.bind_host):
             return
         for i, entry in enumerate(entries):
             if not self.on_driver_node(entry):
@@ -411,9 +478,17 @@ class Cluster:
                 logger.debug("placement group removal: %s", e)
 
     def close(self) -> None:
-        """Release the placement groups; shut Ray down if this run started it. Safe to call twice."""
+        """Release the placement groups; shut Ray down if this run started it; give this process
+        back the interface variables ``connect`` found (a later run in it chooses afresh). Safe to
+        call twice."""
         import ray
 
+        saved, self._saved_env = self._saved_env, {}
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if not ray.is_initialized():
             return
         self.release()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Sequence, get_type_hints
@@ -327,11 +328,41 @@ def _check_lora(cfg: Config) -> None:
             raise ConfigError(f"generator.backend=vllm: {e}") from None
 
 
+SECRET_KEY = re.compile(r"api_?key$|(^|_)token$|secret|passw(or)?d|credential", re.IGNORECASE)
+"""Config keys (and environment variables) whose string values are secrets: ``*_API_KEY``,
+``*_TOKEN`` (not ``*_tokens``, the counts), ``*SECRET*``, ``*PASSWORD*``, ``*CREDENTIAL*``."""
+
+NOT_SECRETS = frozenset({"judge_token"})
+"""Config keys that match :data:`SECRET_KEY` but hold no secret (``reward.model.judge_token``: the
+text a judge model answers with)."""
+
+REDACTED = "***"
+"""What a secret's value becomes wherever the run writes its config."""
+
+
+def is_secret_key(key: Any) -> bool:
+    """Whether a config key or environment variable name holds a secret (:data:`SECRET_KEY`)."""
+    return isinstance(key, str) and key not in NOT_SECRETS and SECRET_KEY.search(key) is not None
+
+
+def redact(tree: Any) -> Any:
+    """``tree`` (dicts, lists, scalars) with the non-empty string value of every key matching
+    :data:`SECRET_KEY` (less :data:`NOT_SECRETS`) replaced by :data:`REDACTED`, at any depth; the
+    input is not changed."""
+    if isinstance(tree, dict):
+        return {k: REDACTED if is_secret_key(k) and isinstance(v, str) and v else redact(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [redact(v) for v in tree]
+    return tree
+
+
 def to_yaml(cfg: Config) -> str:
-    """The fully resolved config as YAML (what is written to ``<run_dir>/config.yaml``)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The fully resolved config as YAML (what is written to ``<run_dir>/config.yaml``), secrets
+    redacted (``redact``)."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    """The fully resolved config as plain python containers."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    """The fully resolved config as plain python containers (what W&B records), secrets redacted
+    (``redact``)."""
+    return redact(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))

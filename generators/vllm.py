@@ -32,9 +32,10 @@ decodes.
   matrices, swapped in under the same id in memory (``vllm_worker``'s module docstring). vLLM's
   CPU build runs LoRA with its torch (punica CPU) kernels.
 * **Process hygiene**: the engine's processes make their ZeroMQ IPC socket files in a directory
-  of its own under the temp dir (``VLLM_RPC_BASE_PATH`` while it starts), which ``close``
-  removes: vLLM leaves about seven there per engine (a process stopped by force cannot unlink
-  its own). Its log goes through ``vllm_logging`` (warnings that do not concern this run dropped,
+  of its own under the temp dir (``VLLM_RPC_BASE_PATH`` while it starts), removed as soon as the
+  engine has started (its connections do not need the files): vLLM leaves all seven per engine,
+  and a killed process cannot unlink its own. A directory left by a process killed during an
+  engine's start is removed by the next engine's start on that machine. Its log goes through ``vllm_logging`` (warnings that do not concern this run dropped,
   each with its reason).
 """
 
@@ -178,7 +179,15 @@ class VLLMGenerator:
                if self.lora is not None else {}),
         )
         with _engine_environment(self._ipc_dir):
-            return AsyncLLM.from_engine_args(args)
+            try:
+                return AsyncLLM.from_engine_args(args)
+            finally:
+                # Every process of the engine has bound or connected its sockets by now, and a
+                # Unix socket's connections outlive its file: removed now, nothing is left even if
+                # this process is killed (as the weight sync's shm slots are unlinked once mapped).
+                # Not through a local variable: vLLM keeps this frame alive, which would keep a
+                # closed engine until the interpreter's teardown (its __del__ then fails).
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def close(self) -> None:
         """Shut the engine down, remove its IPC socket files and stop the loop thread. Idempotent."""
@@ -432,15 +441,46 @@ SOCKET_PATH_MAX = 107
 def _socket_dir() -> str:
     """A new directory for one engine's IPC socket files: every process of the engine names its
     sockets ``<VLLM_RPC_BASE_PATH>/<uuid4>`` as it starts (the spawned ones inherit the variable),
-    so a directory of its own collects them all for ``close``. Made under ``VLLM_RPC_BASE_PATH``
-    or the temp dir, or under ``/tmp`` where that would make a socket path longer than
-    :data:`SOCKET_PATH_MAX` (a deep ``TMPDIR``), which ZeroMQ refuses to bind."""
+    so a directory of its own collects them all (vLLM leaves all seven). Made under
+    ``VLLM_RPC_BASE_PATH`` or the temp dir, or under ``/tmp`` where that would make a socket path
+    longer than :data:`SOCKET_PATH_MAX` (a deep ``TMPDIR``), which ZeroMQ refuses to bind. Its name
+    carries this process's pid: directories of processes killed while their engine started
+    (the only window in which one exists) are removed here (``_sweep_socket_dirs``)."""
     base = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
-    prefix = "async-rl-vllm-"
+    prefix = f"{SOCKET_DIR_PREFIX}{os.getpid()}-"
     longest = len(prefix) + 8 + 1 + 36  # mkdtemp's 8 random characters, "/", a uuid4
     if len(os.path.abspath(base)) + 1 + longest > SOCKET_PATH_MAX:
         base = "/tmp"
+    _sweep_socket_dirs(base)
     return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
+SOCKET_DIR_PREFIX = "async-rl-vllm-"
+
+
+def _sweep_socket_dirs(base: str, min_age_s: float = 900.0) -> list[str]:
+    """Remove ``base``'s engine socket directories whose process is gone and that are older than
+    ``min_age_s`` seconds (longer than any engine start, so a live engine in another pid namespace
+    sharing ``base`` keeps its own); returns the paths removed."""
+    removed = []
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            pid = entry.name[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
+            if not (entry.name.startswith(SOCKET_DIR_PREFIX) and pid.isdigit() and entry.is_dir(follow_symlinks=False)):
+                continue
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime < min_age_s:
+                    continue
+                os.kill(int(pid), 0)
+                continue  # its process still runs
+            except ProcessLookupError:
+                pass
+            except OSError:  # another user's process, or the entry vanished
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
 
 
 async def _stop_output_handler(engine) -> None:
@@ -465,11 +505,17 @@ async def _cancel_pending_tasks() -> None:
 def _engine_environment(ipc_dir: str):
     """The environment an engine's processes start with (they are spawned and inherit it; this
     process gets its own back afterwards, so a later engine is set up afresh): its socket
-    directory (``VLLM_RPC_BASE_PATH``: only the start makes socket names), room for a clean
-    shutdown (``SHUTDOWN_TIMEOUT_S``) and ``_FUTURE_WARNING_FILTER``. Values the user set are kept
+    directory (``VLLM_RPC_BASE_PATH``: only the start makes socket names), loopback for its gloo
+    groups unless an interface is chosen (``GLOO_SOCKET_IFNAME``), room for a clean shutdown
+    (``SHUTDOWN_TIMEOUT_S``) and ``_FUTURE_WARNING_FILTER``. Values the user set are kept
     (``PYTHONWARNINGS`` is extended)."""
+    from async_rl.cluster import LOOPBACK, interface_of
+
     changes = {
         "VLLM_RPC_BASE_PATH": ipc_dir,
+        # vLLM's own gloo groups listen where the host name resolves (the LAN address on many
+        # machines) unless told; a generator actor has set its node's interface already.
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(LOOPBACK) or "lo",
         "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS",
                                                                str(SHUTDOWN_TIMEOUT_S // 2)),
         "PYTHONWARNINGS": ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _FUTURE_WARNING_FILTER])),

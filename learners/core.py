@@ -46,6 +46,7 @@ from async_rl.algorithms.losses import PolicyLossInputs
 from async_rl.buffers.trajectory import TrainBatch
 from async_rl.learners.base import LearnerConfig, init_single_process_group, learner_device, process_group_backend
 from async_rl.learners.batching import micro_batches_by_tokens, split_by_tokens
+from async_rl.learners import wire
 from async_rl.learners.spmd import collective
 from async_rl.metrics import metric_reduction, reduce_metrics
 
@@ -61,7 +62,7 @@ def _reduce_across_ranks(local: dict[str, torch.Tensor], per_mb: list[dict], wei
     ``local`` holds this rank's reductions (``reduce_metrics``); each key's weight is the tokens
     of the micro-batches that report it. Ranks may report different keys (a rank without a real
     micro-batch reports none), so the ``(sum, weight)`` pairs (``(value, weight)`` for an extreme)
-    travel with ``all_gather_object`` (a few dozen floats per step). Keys in ``skip`` (already
+    travel with ``wire.all_gather`` (msgpack; a few dozen floats per step). Keys in ``skip`` (already
     global, like gradient norms) are left out; a rank with ``report=False`` (a tensor-parallel
     peer repeating its replica's numbers) contributes nothing. A key no rank weighs is NaN.
     """
@@ -74,8 +75,7 @@ def _reduce_across_ranks(local: dict[str, torch.Tensor], per_mb: list[dict], wei
             pairs[key] = (float(value) * w if w else 0.0, w)
         else:
             pairs[key] = (float(value), w)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pairs)
+    gathered = wire.all_gather(pairs)
     out: dict[str, torch.Tensor] = {}
     for key in dict.fromkeys(k for rank_pairs in gathered for k in rank_pairs):
         entries = [rank_pairs[key] for rank_pairs in gathered if key in rank_pairs]

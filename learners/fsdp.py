@@ -265,7 +265,7 @@ class FSDPLearner(LearnerCore):
             return {}
         return {hf_name(k): hf_name(v) for k, v in tied_aliases(self.model).items()}
 
-    @collective
+    @collective(local=("tokenizer",))
     def export_hf(self, out_dir: str, tokenizer=None) -> None:
         """Write the current policy as a Hugging Face directory (safetensors) to ``out_dir``; with
         LoRA a plain model with the adapters merged in, plus the adapter under ``out_dir/adapter``."""

@@ -4,8 +4,9 @@
 * Ray placement (default for ``world_size > 1``): ranks 1..N-1 are Ray actors in one placement
   group (``learner.num_cpus_per_rank``, ``num_gpus_per_rank``, ``node_labels``,
   ``placement_strategy``: PACK by default; ``async_rl.cluster``), on the run's cluster or a local
-  Ray. Rank 0 picks a free TCP port on the cluster's ``bind_host`` (loopback on a local Ray, this
-  node's IP on a cluster), the actors and rank 0 join one gloo group through a ``tcp://`` rendezvous, each
+  Ray. Rank 0 starts the group's TCPStore on a free port of the cluster's ``bind_host`` only
+  (``async_rl.cluster.tcp_store``: loopback on a local Ray, this node's IP on a cluster), the
+  actors connect to it and all ranks join one gloo group on that store, each
   builds the same learner (``FSDPLearner`` or ``MegatronLearner`` by ``learner.backend``; same
   weights, same seed), and the actors then serve rank 0's
   collective calls (``async_rl.learners.spmd``). Ray kills the actors when the driver exits, so a crashed
@@ -26,7 +27,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -41,12 +41,6 @@ logger = logging.getLogger(__name__)
 
 PG_TIMEOUT = datetime.timedelta(minutes=30)
 """Collective timeout of the learner group (a rank stuck longer than this fails the run)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def launched_by_torchrun() -> bool:
@@ -106,25 +100,27 @@ class LearnerRank:
 
     Args:
         rank, world_size: this rank and the group size.
-        init_method: ``tcp://host:port`` rendezvous of the group.
+        store_address: ``(host, port)`` of rank 0's TCPStore, the group's rendezvous.
         learner_args: ``(cfg, algo, model_path, temperature, total_optimizer_steps)`` for the
             learner class (``learner_class``).
     """
 
-    def __init__(self, rank: int, world_size: int, init_method: str, learner_args: tuple) -> None:
-        self.rank, self.world_size, self.init_method, self.learner_args = rank, world_size, init_method, learner_args
+    def __init__(self, rank: int, world_size: int, store_address: tuple[str, int], learner_args: tuple) -> None:
+        self.rank, self.world_size, self.learner_args = rank, world_size, learner_args
+        self.store_address = tuple(store_address)
 
     def run(self) -> int:
         """Join, build, serve until rank 0 stops us; returns the number of calls served."""
         from async_rl.learners.spmd import serve_commands
 
-        from async_rl.cluster import node_ip, use_node_interface
+        from async_rl.cluster import group_ip, use_node_interface
 
         torch.set_num_threads(_follower_threads(self.learner_args[0]))
-        use_node_interface(node_ip())  # gloo announces this node's address, not the host name's
+        host, port = self.store_address
+        use_node_interface(group_ip(host))  # gloo announces this node's address (loopback on one node)
         backend = process_group_backend(learner_device(self.learner_args[0]))
-        dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
-                                world_size=self.world_size, timeout=PG_TIMEOUT)
+        store = dist.TCPStore(host, int(port), self.world_size, False, timeout=PG_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT)
         try:
             return serve_commands(learner_class(self.learner_args[0])(*self.learner_args))
         finally:
@@ -304,12 +300,14 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
         return learner, LearnerHandle(learner, [], [])
     import ray
 
-    from async_rl.cluster import Cluster, PlacementConfig
+    from async_rl.cluster import Cluster, PlacementConfig, tcp_store
 
     own = cluster is None
     if own:
         cluster = Cluster.connect(os.environ.get("RAY_ADDRESS") or None)
-    init_method = f"tcp://{cluster.bind_host}:{_free_port()}"
+    # Made before the actors so they have its port; it listens on bind_host only.
+    store = tcp_store(cluster.bind_host, cfg.world_size, PG_TIMEOUT)
+    store_address = (cluster.bind_host, store.port)
     # Ray's CPU count only admits the ranks; their threads come from _follower_threads. On CUDA
     # each rank asks for one GPU by default (Ray sets its CUDA_VISIBLE_DEVICES).
     placement = PlacementConfig.of_learner(cfg)
@@ -317,7 +315,7 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
     bundle = placement.bundle(device.type == "cuda")
     actor_cls = ray.remote(LearnerRank)
     actors = [actor_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-                                scheduling_strategy=strategies[r - 1]).remote(r, cfg.world_size, init_method, args)
+                                scheduling_strategy=strategies[r - 1]).remote(r, cfg.world_size, store_address, args)
               for r in range(1, cfg.world_size)]
     # Before run: an actor serves one call at a time.
     cluster.check_reachable("learner rank", cluster.record("learner", actors))
@@ -326,8 +324,7 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
         # A world-size-1 group left by an earlier run in this process (tests, notebooks).
         dist.destroy_process_group()
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=0, world_size=cfg.world_size,
-                                timeout=PG_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=0, world_size=cfg.world_size, timeout=PG_TIMEOUT)
         learner = learner_class(cfg)(*args)
     except Exception as e:
         done, _ = ray.wait(refs, timeout=0)

@@ -209,7 +209,7 @@ class MegatronLearner(LearnerCore):
             return {"lm_head.weight": "model.embed_tokens.weight"}
         return {}
 
-    @collective
+    @collective(local=("tokenizer",))
     def export_hf(self, out_dir: str, tokenizer=None) -> None:
         """Write the policy as a Hugging Face safetensors directory (rank 0 writes; every rank
         gathers)."""

@@ -152,12 +152,12 @@ def _optimizer_sharded_state(optimizer: torch.optim.Optimizer, model_state: dict
 def _tensor_keys(model_state: dict) -> list[str]:
     """Every ShardedTensor (or factory) key of one model on *all* ranks (PP stages hold different
     ones); the set does not depend on the layout. Collective."""
-    import torch.distributed as dist
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
+    from async_rl.learners import wire
+
     local = {v.key for v in nested_values(model_state) if hasattr(v, "key")}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
+    everyone = wire.all_gather(sorted(local))
     return sorted(set().union(*everyone))
 
 

@@ -380,10 +380,10 @@ def _stage_layers(model) -> list[list[int]]:
     mine = sorted(_local_to_global_layers(model).values())
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return [mine]
+    from async_rl.learners import wire
+
     group = parallel_state.get_pipeline_model_parallel_group()
-    stages: list[list[int]] = [[] for _ in range(dist.get_world_size(group))]
-    dist.all_gather_object(stages, mine, group=group)
-    return stages
+    return wire.all_gather(mine, group=group)
 
 
 def _owner_stage(hf_name: str, stages: list[list[int]]) -> int:

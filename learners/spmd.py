@@ -5,10 +5,13 @@ FSDP2 learner's passes are collectives (parameter all-gathers, gradient reduce-s
 normaliser all-reduces, DCP saves), so every rank must make the same calls in the same order.
 Instead of running the whole trainer on every rank (torchrun style, with data fanned out from
 rank 0), rank 0 forwards each collective call: a method marked ``@collective`` first broadcasts
-``(method name, args, kwargs)`` over the learner's process group, then runs; ranks 1..N-1 sit in
-``serve_commands``, receive the same call and make it with the same arguments (a whole
-``TrainBatch`` travels pickled inside the broadcast). Return values of followers are dropped:
-every metric a learner returns is already reduced across ranks.
+``[method name, {argument name: value}]`` over the learner's process group, then runs; ranks
+1..N-1 sit in ``serve_commands``, receive the same call and make it with the same arguments (a
+whole ``TrainBatch`` travels inside the broadcast). The call is msgpack with tensors as raw bytes
+(``async_rl.learners.wire``), never pickle: nothing a follower receives is executed. Arguments
+only rank 0 uses (a tokenizer to save beside the exported weights) are named in
+``@collective(local=...)`` and stay on rank 0; followers get the parameter's default. Return
+values of followers are dropped: every metric a learner returns is already reduced across ranks.
 
 A follower that dies breaks the group: rank 0's next (or current) collective fails with gloo's
 "Connection closed by peer". A launcher that watches its followers sets the learner's
@@ -25,11 +28,14 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import logging
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Callable
 
 import torch.distributed as dist
+
+from async_rl.learners import wire
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +56,39 @@ def _commands():
     return _command_group
 
 
-def collective(method: Callable) -> Callable:
+def collective(method: Callable | None = None, *, local: tuple[str, ...] = ()) -> Callable:
     """Mark a learner method that every rank must call: on a driving rank 0 it is broadcast first.
+    Use as ``@collective`` or ``@collective(local=("tokenizer",))``.
 
     The instance must have ``_drives_followers`` (bool) and ``_command_depth`` (int)
     attributes; ``_drives_followers`` is set by ``drive_followers``.
+
+    Args:
+        local: parameters only rank 0 uses; they are not sent (followers get their default).
+
+    Raises:
+        TypeError: (when called on a driving rank 0) an argument that is not in ``local`` cannot
+            travel (``wire.pack``: the method and the argument are named).
     """
+    if method is None:
+        return functools.partial(collective, local=local)
+    signature = inspect.signature(method)
+    unknown = sorted(set(local) - set(signature.parameters))
+    if unknown:
+        raise TypeError(f"@collective(local={local}) names no parameter of {method.__name__}: {unknown}")
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         driving = self._command_depth == 0 and self._drives_followers
         try:
             if driving:
-                dist.broadcast_object_list([(method.__name__, args, kwargs)], src=0, group=_commands())
+                bound = signature.bind(self, *args, **kwargs).arguments
+                sent = {k: v for k, v in list(bound.items())[1:] if k not in local}
+                try:  # packed before anything is sent: the followers keep waiting for a valid call
+                    wire.broadcast([method.__name__, sent], src=0, group=_commands())
+                except TypeError as e:
+                    raise TypeError(f"learner.{method.__name__}: {e}; name the argument in @collective(local=...) "
+                                    "if only rank 0 needs it") from None
             self._command_depth += 1
             try:
                 result = method(self, *args, **kwargs)
@@ -109,7 +135,7 @@ def stop_followers(learner) -> None:
     """Release the followers from ``serve_commands`` (call once, on rank 0, at shutdown)."""
     if learner._drives_followers:
         learner._drives_followers = False
-        dist.broadcast_object_list([(_STOP, (), {})], src=0, group=_commands())
+        wire.broadcast([_STOP, {}], src=0, group=_commands())
 
 
 def serve_commands(learner) -> int:
@@ -126,15 +152,13 @@ def serve_commands(learner) -> int:
     served = 0
     group = _commands()
     while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        name, args, kwargs = box[0]
+        name, kwargs = wire.broadcast(None, src=0, group=group)
         if name == _STOP:
             return served
         method = getattr(learner, name, None)
         if not getattr(method, "is_collective", False):
             raise RuntimeError(f"rank 0 asked for {name!r}, which is not a collective learner method")
-        result = method(*args, **kwargs)
+        result = method(**kwargs)
         if isinstance(result, Iterator):  # a generator method (named_weights): run it to the end
             for _ in result:  # keep the all-gathers in step with rank 0's consumer
                 pass

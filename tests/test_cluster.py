@@ -85,15 +85,21 @@ def test_use_node_interface_points_gloo_at_the_node_address_unless_set(monkeypat
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    assert use_node_interface("127.0.0.1") is None
-    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    # A single node: gloo listens on loopback, not on what the host name resolves to.
+    lo = interface_of("127.0.0.1")
+    assert use_node_interface("127.0.0.1") == lo and os.environ["GLOO_SOCKET_IFNAME"] == lo
     found = _an_interface_address()
     if found is None:
         pytest.skip("no non-loopback IPv4 interface here")
     assert use_node_interface(found[1]) == found[0]
     assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == found[0]
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the user's choice, present here: kept
-    assert use_node_interface(found[1]) is None and os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", found[0])  # the user's choice, present here: kept
+    assert use_node_interface(found[1]) is None and os.environ["GLOO_SOCKET_IFNAME"] == found[0]
+    # ... but not loopback (left by a single-node run in this process): other nodes cannot reach it.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", lo)
+    assert use_node_interface(found[1]) == found[0] and os.environ["GLOO_SOCKET_IFNAME"] == found[0]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", lo)
+    assert use_node_interface("127.0.0.1") is None and os.environ["GLOO_SOCKET_IFNAME"] == lo
     # One this host lacks (set for another node of the cluster) would make gloo fail: replaced.
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth-elsewhere9")
     assert use_node_interface(found[1]) == found[0] and os.environ["GLOO_SOCKET_IFNAME"] == found[0]

@@ -8,6 +8,7 @@ complete update, which then equals that update exactly."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -65,8 +66,7 @@ def engine(tiny_model_path):
 def test_synced_engine_equals_a_fresh_engine_and_reuses_no_old_cache(engine, tiny_model_path, tiny_tokenizer, tmp_path,
                                                                      monkeypatch):
     """Also: the fresh engine's IPC socket files (made under the temp dir, here a directory of
-    the test's own, short enough for socket paths) are gone once it is closed."""
-    import shutil
+    the test's own, short enough for socket paths) are gone once it has started."""
     import tempfile
     from pathlib import Path
 
@@ -97,15 +97,21 @@ def test_synced_engine_equals_a_fresh_engine_and_reuses_no_old_cache(engine, tin
     temp = Path(tempfile.mkdtemp(prefix="arl-test-", dir="/tmp"))
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     try:
+        made = []
+        real_mkdtemp = tempfile.mkdtemp
+        monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(real_mkdtemp(*a, **k)) or made[-1])
         fresh = _vllm(path)
         try:
-            # vLLM's processes bound their sockets there (the engine could not run otherwise)...
-            assert len([p for p in temp.rglob("*") if p.is_socket()]) >= 3
+            # vLLM's processes bound their sockets in the engine's own directory (7 with vLLM
+            # 0.32), which is gone once the engine has started: engines sample (and the fixture's
+            # took a weight update, above) on the connections alone, and a kill would leave nothing.
+            made = [d for d in made if Path(d).name.startswith("async-rl-vllm-")]
+            assert len(made) == 1 and Path(made[0]).parent == temp and not Path(made[0]).exists()
+            assert not [p for p in temp.rglob("*") if p.is_socket() or p.name.startswith("async-rl-vllm-")]
             f_after = fresh.generate(prompts, 1, greedy)
             f_sampled = fresh.generate(prompts, 3, sample, seeds=[5, 6, 7, 8])
         finally:
             fresh.close()
-        # ... and none is left behind, nor the engine's directory.
         assert not [p for p in temp.rglob("*") if p.is_socket() or p.name.startswith("async-rl-vllm-")]
     finally:
         shutil.rmtree(temp, ignore_errors=True)
@@ -371,3 +377,41 @@ def test_requests_frozen_by_an_update_that_fails_half_loaded_are_not_continued(e
     pub.push(v + 2)
     pub.close()
     _fingerprint(engine)
+
+
+def test_a_sigkilled_engine_owner_leaves_no_ipc_socket_file(tiny_model_path, tmp_path):
+    """The process holding a started engine killed outright (with its engine process): nothing of
+    the engine's IPC socket files stays under ``VLLM_RPC_BASE_PATH`` (vLLM 0.32 made 7 there,
+    which a killed process never unlinks, before they were removed once the engine started)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    base = Path(tempfile.mkdtemp(prefix="arl-kill-", dir="/tmp"))  # short: socket paths have 107 bytes
+    code = ("import time\n"
+            "from async_rl.generators.base import GeneratorConfig\n"
+            "from async_rl.generators.vllm import VLLMGenerator\n"
+            "if __name__ == '__main__':\n"
+            f"    g = VLLMGenerator({tiny_model_path!r}, GeneratorConfig(backend='vllm', max_batch_size=8), "
+            "num_threads=1)\n"
+            "    print('ready', flush=True)\n"
+            "    time.sleep(600)\n")
+    script = tmp_path / "owner.py"
+    script.write_text(code)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True, start_new_session=True, env={**os.environ, "VLLM_RPC_BASE_PATH": str(base)})
+    try:
+        lines = [owner.stdout.readline()]
+        while lines[-1] not in ("ready\n", ""):  # vLLM logs to stdout too; "" is the end of it
+            lines.append(owner.stdout.readline())
+        assert lines[-1] == "ready\n", f"the engine did not start: {lines[-5:]}"
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=60)
+        assert not list(base.rglob("*")), sorted(base.rglob("*"))
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)
+        shutil.rmtree(base, ignore_errors=True)

@@ -55,7 +55,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_rl.buffers.replay import AdmissionController, ReplayBuffer
 from async_rl.buffers.transport import GroupClosed, make_transport
-from async_rl.cluster import Cluster, PlacementConfig
+from async_rl.cluster import Cluster, PlacementConfig, is_loopback
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.loops.pool import GeneratorWorker, RequestBroker
@@ -147,6 +147,11 @@ class AsyncLoop:
         # Generator actors on other nodes dial this address: the driver node's, not loopback.
         self.receiver, sender_factory = make_transport(
             "zmq", t_cfg.zmq_address or f"tcp://{self.cluster.bind_host}:*", t_cfg.zmq_hwm)
+        heard_on = self.receiver.address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+        if t_cfg.zmq_address and self.receiver.address.startswith("tcp://") and heard_on != self.cluster.bind_host \
+                and not is_loopback(heard_on):
+            logger.warning("trainer.zmq_address=%s: the trajectory receiver listens on %s, reachable from that "
+                           "network, not only from this machine", t_cfg.zmq_address, heard_on)
         self.buffer = ReplayBuffer(group_size=self.n, max_staleness=t_cfg.max_staleness, max_reuse=t_cfg.max_reuse)
         self.admission = AdmissionController(self.groups_per_step, t_cfg.max_staleness)
         self.bound = buffer_bound(cfg)
@@ -235,7 +240,7 @@ class AsyncLoop:
                                    scheduling_strategy=strategies[i]).remote(
                     i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn, cfg.reward.on_error, sender_factory,
                     per_worker, cfg.learner.lora, cfg.agent, reward_cfg=cfg.reward, reward_model=self.reward_actor,
-                    incarnation=incarnation)
+                    incarnation=incarnation, bind_host=self.cluster.bind_host)
                 for i in (range(g_cfg.num_workers) if indices is None else indices)]
 
     def _active(self) -> list[int]:

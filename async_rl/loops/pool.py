@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 
 from async_rl.agent import AgentLoop
 from async_rl.buffers.transport import GroupClosed
-from async_rl.cluster import node_ip, use_node_interface, where
+from async_rl.cluster import group_ip, use_node_interface, where
 from async_rl.generators import make_generator
 from async_rl.rewards.config import RewardConfig
 from async_rl.rollout import GroupRequest, SampleCounts, make_scorer, sample_groups
@@ -164,15 +164,16 @@ class GeneratorWorker:
             worker's samples in batches; the worker keeps sampling while it scores.
         incarnation: how many times the pool replaced the actor at ``worker_id`` before this one
             (its claims at the ``RequestBroker`` are kept apart from its predecessors').
+        bind_host: the run's ``Cluster.bind_host`` (loopback: this actor's groups use loopback too).
     """
 
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
                  reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None,
-                 reward_cfg=None, reward_model=None, incarnation: int = 0) -> None:
+                 reward_cfg=None, reward_model=None, incarnation: int = 0, bind_host: str | None = None) -> None:
         torch.set_num_threads(max(1, num_threads))
         # Before the engine starts: its processes inherit it, and a broadcast group on another
-        # node then announces this node's address (async_rl.cluster).
-        use_node_interface(node_ip())
+        # node then announces this node's address, on a single node loopback (async_rl.cluster).
+        use_node_interface(group_ip(bind_host))
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # a bar per model load, in every actor's log

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from async_rl.cluster import LOOPBACK
+from async_rl.cluster import LOOPBACK, tcp_store
 from async_rl.weight_sync.config import WeightSyncConfig
 from async_rl.weight_sync.plan import DTYPES, UpdatePlan, pack_bucket, plan_update, unpack_bucket
 
@@ -66,8 +66,6 @@ class WeightSender:
 
     def __init__(self, cfg: WeightSyncConfig, num_receivers: int, host: str = LOOPBACK, device: str = "cpu",
                  protocol: str = "async_rl", receiver_transports: Sequence[str] | None = None) -> None:
-        import torch.distributed as dist
-
         if protocol not in ("async_rl", "sglang"):
             raise ValueError(f"unknown weight sync protocol {protocol!r} (async_rl or sglang)")
         transports = [cfg.transport] * num_receivers if receiver_transports is None else list(receiver_transports)
@@ -89,8 +87,7 @@ class WeightSender:
             self.group_ranks[r] = k + 1
         self.group_world = 1 + len(bcast)
         self._shm = "shm" in transports
-        self.store = dist.TCPStore(host, 0, num_receivers + 1, True, timeout=_store_timeout(cfg.timeout_s),
-                                   wait_for_workers=False)
+        self.store = tcp_store(host, num_receivers + 1, _store_timeout(cfg.timeout_s))
         self.host, self.port = host, self.store.port
         self.prefix = f"async-rl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.slots: list[torch.Tensor] = []
