@@ -442,7 +442,8 @@ class WeightPublisher:
             KeyError, ValueError: ``colocated``: the engine's own refusal (``check_update``).
             Exception: whatever the learner's ``named_weights`` raised mid-stream (re-raised once
                 the engines have settled).
-            TimeoutError: the sync did not finish in ``weight_sync.timeout_s`` (who, where).
+            TimeoutError: the sync did not finish in ``weight_sync.timeout_s`` (who, where), or
+                an engine did not reconnect in that time when the transport was rebuilt.
         """
         t0 = time.perf_counter()
         sender = self._transport.sender
