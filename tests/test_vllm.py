@@ -320,7 +320,9 @@ def test_a_sender_dying_mid_update_never_lets_the_vllm_engine_sample_mixed_weigh
     reference = _fingerprint(engine)
     pub.close()
     die_after = 0 if die_at == "start" else next(i for i, (n, _) in enumerate(named) if ".layers.2." in n)
-    dying = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=0.05, timeout_s=8.0), transport,
+    # timeout_s as by default: the engine's receiver must notice the sender's failure itself
+    # (broadcast: between slices of its pending collective), not wait out the group's timeout.
+    dying = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=0.05, timeout_s=300.0), transport,
                             ListLearner([(n, t + 1.0) for n, t in named], aliases, die_after=die_after),
                             [LocalTarget(engine)])
     try:
@@ -331,9 +333,10 @@ def test_a_sender_dying_mid_update_never_lets_the_vllm_engine_sample_mixed_weigh
     assert engine.policy_version == v + 1 and dying.published_version is None
     if die_at == "start":  # no byte reached the model: it serves its old weights
         assert _same(_fingerprint(engine), reference)
-    else:
-        with pytest.raises(RuntimeError, match="refuses to sample"):
+    else:  # the engine's own error names the sender's failure
+        with pytest.raises(RuntimeError, match="refuses to sample") as refused:
             _fingerprint(engine)
+        assert "learner died" in str(refused.value), refused.value
     # A complete update makes it usable again, and exactly equal to that update.
     pub = WeightPublisher(shm, "shm", ListLearner(named, aliases), [LocalTarget(engine)])
     pub.push(v + 3)

@@ -475,27 +475,29 @@ def test_transports_for_targets_by_host():
 
 
 def test_a_sender_failure_mid_mixed_update_stops_both_kinds_of_receiver():
-    # The shm receiver sees the sender's error key at once; the broadcast receiver sits in the
-    # collective for the bucket that never comes, and fails when the group's timeout (timeout_s)
-    # runs out, with gloo's own RuntimeError. Neither yields a bucket past the failure.
-    cfg = WeightSyncConfig(bucket_size_mb=0.02, timeout_s=3)
+    # Both read the sender's error key while they wait: the shm receiver for the next bucket's
+    # key, the broadcast receiver between slices of its collective (or when the group's
+    # connection closes as the sender drops it). Neither waits out timeout_s (300 s) nor yields
+    # a bucket past the failure, and the broadcast one leaves its group, taking no further update.
+    cfg = WeightSyncConfig(bucket_size_mb=0.02, timeout_s=300)
     sender = WeightSender(cfg, 2, receiver_transports=["shm", "broadcast"])
     named = _named()
     plan = sender.plan(named, 1)
     bad = named[:6] + [(named[6][0], torch.zeros(3))] + named[7:]  # wrong shape in a later bucket
     first_bad = next(i for i, b in enumerate(plan.buckets) if any(m.name == named[6][0] for m in b))
     assert first_bad > 0
-    outcomes: list[tuple[int, int, BaseException]] = []  # in the order the receivers stopped
+    outcomes: dict[int, tuple[int, BaseException]] = {}
+    receivers: dict[int, WeightReceiver] = {}
 
     def receive(rank):
-        rx = WeightReceiver(sender.init_info(), rank)
+        rx = receivers[rank] = WeightReceiver(sender.init_info(), rank)
         rx.connect()
         n = 0
         try:
             for _ in rx.receive(plan):
                 n += 1
         except BaseException as e:
-            outcomes.append((rank, n, e))
+            outcomes[rank] = (n, e)
 
     threads = [threading.Thread(target=receive, args=(r,)) for r in range(2)]
     for t in threads:
@@ -505,13 +507,20 @@ def test_a_sender_failure_mid_mixed_update_stops_both_kinds_of_receiver():
     with pytest.raises(ValueError, match=named[6][0]):
         sender.send(plan, bad)
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)  # not at the 300 s timeout
     sender.close()
-    assert [r for r, _, _ in outcomes] == [0, 1]  # the shm receiver first, without waiting out the timeout
-    (_, n_shm, e_shm), (_, n_bcast, e_bcast) = outcomes
-    assert isinstance(e_shm, RuntimeError) and "sender: ValueError" in str(e_shm)
-    assert isinstance(e_bcast, RuntimeError) and "Timed out" in str(e_bcast)
-    assert n_shm == n_bcast == first_bad
+    assert sorted(outcomes) == [0, 1]
+    for n, e in outcomes.values():
+        assert isinstance(e, RuntimeError) and "sender: ValueError" in str(e) and named[6][0] in str(e), e
+        assert n == first_bad
+    # The group is gone on both sides: the sender refuses another update, naming why, and so
+    # does the broadcast receiver (the publisher rebuilds the transport instead).
+    assert sender.broken is not None and receivers[1].broken is not None and receivers[0].broken is None
+    with pytest.raises(RuntimeError, match="rebuild the transport"):
+        sender.send(sender.plan(named, 2), named)
+    with pytest.raises(RuntimeError, match="connect a new receiver"):
+        receivers[1].connect()
 
 
 def test_mixed_transport_lists_are_refused_where_they_cannot_work():
@@ -596,3 +605,36 @@ def test_a_receiver_that_fails_to_connect_is_named_at_once_not_after_the_group_t
     with pytest.raises(RuntimeError, match=r"receiver 1 failed to connect: OSError: no interface holds 10.0.0.2"):
         WeightPublisher(cfg, "broadcast", NamedTensors(_named()),
                         [LocalTarget(_JoiningEngine()), LocalTarget(_BrokenEngine())])
+
+
+def test_a_broadcast_receiver_reads_the_senders_error_while_the_group_stays_up():
+    # The receiver's own poll, without the help of the sender dropping the group: a sender that
+    # posts an error while its group lives on (its connections open) still stops the receiver,
+    # waiting in bucket 0's collective, within a poll, not at timeout_s (300 s).
+    cfg = WeightSyncConfig(transport="broadcast", bucket_size_mb=0.02, timeout_s=300)
+    sender = WeightSender(cfg, 1)
+    plan = sender.plan(_named(), 1)
+    rx = WeightReceiver(sender.init_info(), 0)
+    outcome: list = []
+
+    def receive() -> None:
+        n = 0
+        try:
+            for _ in rx.receive(plan):
+                n += 1
+        except BaseException as e:
+            outcome.append((n, e))
+
+    th = threading.Thread(target=receive)
+    th.start()
+    sender.connect()
+    while sender.store.add(f"{plan.update_id}/ready", 0) < 1:
+        time.sleep(0.01)
+    sender.store.set(f"{plan.update_id}/error", "sender: RuntimeError: learner stalled (test)")
+    th.join(timeout=60)
+    assert not th.is_alive()
+    (n, e), = outcome
+    assert n == 0 and isinstance(e, RuntimeError) and "learner stalled (test)" in str(e), e
+    assert rx.broken is not None and rx.group is None
+    sender._drop_group("test over")  # ends the receiver's abandoned collective (its release thread)
+    sender.close()

@@ -36,8 +36,14 @@ Protocol (one ``WeightSender`` on the learner, one ``WeightReceiver`` in each en
    (``check_update``, see *All or nothing* below) and posts ``ready`` or ``error`` to the store;
    the sender waits for all ``ready`` before moving a byte, so a bad update fails the sync before
    any engine is touched. A failure after that (the sender's, a receiver's, or one engine's load)
-   is posted as ``error`` too: ``shm`` receivers and the sender stop at once, ``broadcast`` ones at
-   the group's timeout. Then bucket by bucket: the sender packs (casting to the wire dtype),
+   is posted as ``error`` too, and every waiting party reads that key between short waits
+   (receivers every ``wire.POLL_S``, 0.1 s, also between slices of a pending broadcast), so all of
+   them stop within about a second, not at ``timeout_s``. A sender whose process died is seen as
+   its store (which lives in the sender's process) no longer answering, and for ``broadcast`` as
+   the group's connection closing. A failed update drops the broadcast group on both sides
+   (``WeightSender.broken``, ``WeightReceiver.broken``: a receiver may have left the sequence of
+   collectives mid-bucket); ``WeightPublisher`` rebuilds the transport, every engine connecting
+   again, before its next push. Then bucket by bucket: the sender packs (casting to the wire dtype),
    publishes (slot + store key, or broadcast), and receivers unpack views and hand them to their
    engine's loader, then acknowledge (``shm``: a slot is reused only after every receiver
    acknowledged it).

@@ -406,6 +406,7 @@ class WeightPublisher:
                  device: str = "cpu", protocol: str = "async_rl", host: str = LOOPBACK) -> None:
         self.cfg, self.transport, self.learner, self.targets = cfg, transport, learner, targets
         self.published_version: int | None = None
+        self._where = (device, protocol, host)
         self._transport = make_transport(cfg, transport, targets, device, protocol, host)
 
     @property
@@ -427,7 +428,9 @@ class WeightPublisher:
         A failed push publishes nothing: each engine either refused the update before any write
         (unchanged), dropped its staged copy (HF: old weights and version), or is marked unusable
         until a complete update (vLLM, after a failure past its first loaded bucket). See the
-        module docstring, *All or nothing*.
+        module docstring, *All or nothing*. A failed push with a broadcast group drops the group
+        (``WeightSender.broken``); the next push first rebuilds the transport, connecting every
+        engine again.
 
         Returns:
             ``timing/weight_sync_s`` and, for shm/broadcast, bytes moved, pack/send seconds and
@@ -439,9 +442,14 @@ class WeightPublisher:
             KeyError, ValueError: ``colocated``: the engine's own refusal (``check_update``).
             Exception: whatever the learner's ``named_weights`` raised mid-stream (re-raised once
                 the engines have settled).
-            TimeoutError: the sync did not finish in ``weight_sync.timeout_s`` (who, where).
+            TimeoutError: the sync did not finish in ``weight_sync.timeout_s`` (who, where), or
+                an engine did not reconnect in that time when the transport was rebuilt.
         """
         t0 = time.perf_counter()
+        sender = self._transport.sender
+        if sender is not None and sender.broken is not None:
+            self._transport.close()
+            self._transport = make_transport(self.cfg, self.transport, self.targets, *self._where)
         metrics = self._transport.push(self.learner, version, watch)
         self.published_version = version
         metrics["timing/weight_sync_s"] = time.perf_counter() - t0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 import uuid
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -19,6 +20,11 @@ from torch.distributed.tensor import DTensor
 from async_rl.cluster import LOOPBACK, tcp_store
 from async_rl.weight_sync.config import WeightSyncConfig
 from async_rl.weight_sync.plan import DTYPES, UpdatePlan, pack_bucket, plan_update, unpack_bucket
+
+
+POLL_S = 0.1
+"""Seconds between a waiting receiver's looks at the store (the update's ``error`` key, and
+whether the sender's store still answers): how soon it notices a sender that failed or died."""
 
 
 def _store_timeout(timeout_s: float) -> datetime.timedelta:
@@ -62,6 +68,10 @@ class WeightSender:
             ``init_info()["transport"]``.
         transports: each receiver rank's transport.
         group_ranks: each receiver rank's rank in the broadcast group (``None`` for ``shm``).
+        broken: why the broadcast group is gone (an update failed while it existed), or ``None``.
+            The group cannot be formed again under this sender's rendezvous: every further
+            ``send`` raises, and the owner rebuilds the transport (``WeightPublisher.push``
+            does, before its next update).
     """
 
     def __init__(self, cfg: WeightSyncConfig, num_receivers: int, host: str = LOOPBACK, device: str = "cpu",
@@ -94,6 +104,7 @@ class WeightSender:
         self._slot_paths: list[str] = []
         self._slot_bytes = 0
         self.group = None
+        self.broken: str | None = None
         self.num_updates = 0
         if self._shm:
             self._alloc_slots(cfg.bucket_bytes)
@@ -170,6 +181,11 @@ class WeightSender:
 
         Call while every receiver runs ``WeightReceiver.receive(plan)`` (concurrently).
 
+        On any failure the sender posts it as the update's ``error`` (every receiver polls that
+        key, so it stops within ``POLL_S``) and, if it has a broadcast group, drops the group
+        (``broken``): broadcast receivers wait in a collective the sender will not match, and
+        closing the group's connections ends it at once on their side.
+
         Args:
             deadline: ``time.monotonic()`` by which the update must be through (default: now +
                 ``weight_sync.timeout_s``).
@@ -181,21 +197,47 @@ class WeightSender:
             ``{"weight_sync/bytes", "weight_sync/pack_s", "weight_sync/send_s"}``.
 
         Raises:
-            RuntimeError: a receiver reported an error (its message, e.g. an unknown weight name).
+            RuntimeError: a receiver reported an error (its message, e.g. an unknown weight name),
+                or the group broke in an earlier update (``broken``: rebuild the transport).
             TimeoutError: receivers did not get ready or acknowledge in time (which and where).
             Exception: what ``watch`` raised.
         """
+        if self.broken is not None:
+            message = (f"weight sync ({self.name}): {self.broken}; this sender's broadcast group is gone, rebuild the "
+                       f"transport (a new WeightSender, every receiver connected again)")
+            self.store.set(f"{plan.update_id}/error", f"sender: {message}")  # receivers already waiting stop
+            raise RuntimeError(message)
         deadline = deadline or time.monotonic() + self.cfg.timeout_s
         self._forget_previous(plan)
         try:
             self._wait_count(plan, "ready", self.num_receivers, deadline, watch)
             return self._send(plan, tensors, deadline, watch)
         except BaseException as e:
-            # Tell the receivers at once (shm receivers watch this key; broadcast receivers wait
-            # out the group's timeout), rather than leaving them blocked on the next bucket.
+            # Tell the receivers at once rather than leaving them blocked on the next bucket:
+            # each polls this key while it waits.
             if not self.store.check([f"{plan.update_id}/error"]):
                 self.store.set(f"{plan.update_id}/error", f"sender: {type(e).__name__}: {e}")
+            if self.group is not None:
+                self._drop_group(f"update v{plan.version} failed ({type(e).__name__}: {e})")
             raise
+
+    def _drop_group(self, why: str) -> None:
+        # The last reference goes: the group's destructor closes its connections, which fails
+        # the collective each broadcast receiver waits in ("Connection closed by peer") at once;
+        # the error key set before tells them why. (ProcessGroupGloo.abort/shutdown leave the
+        # connections open: measured, a receiver's pending broadcast then ran to its timeout.)
+        # No collective of the sender's own is pending here (each broadcast was waited for), so
+        # the destructor does not block on one.
+        self.broken = why
+        group, self.group = self.group, None
+        if self.protocol == "sglang":
+            import torch.distributed as dist
+
+            try:  # registered with torch's group registry (``_sglang_group``), which holds it too
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - best effort: SGLang's schedulers time out themselves
+                pass
+        del group
 
     def _send(self, plan: UpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]], deadline: float,
               watch: Callable[[], None] | None) -> dict[str, float]:
@@ -282,6 +324,11 @@ class WeightSender:
         self._free_slots()
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _new_group(store, rank: int, world: int, device: str, timeout_s: float, prefix: str):
     import torch.distributed as dist
 
@@ -319,6 +366,8 @@ class WeightReceiver:
         transport: this receiver's own transport, ``shm`` or ``broadcast`` (a mixed sender serves
             each receiver by its own).
         group_rank: its rank in the broadcast group (``None`` for ``shm``).
+        broken: why this receiver cannot take another update (a failed update dropped its
+            broadcast group), or ``None``; connect a new receiver to a rebuilt sender.
     """
 
     def __init__(self, init_info: dict[str, Any], rank: int) -> None:
@@ -333,12 +382,19 @@ class WeightReceiver:
         self.store = dist.TCPStore(init_info["host"], int(init_info["port"]), num_receivers + 1, False,
                                    timeout=_store_timeout(float(init_info["timeout_s"])))
         self.group = None
+        self.broken: str | None = None
         self._maps: dict[str, torch.Tensor] = {}
         self._buf: torch.Tensor | None = None
 
     def connect(self) -> None:
         """Map the shm slots, or join the broadcast group (blocks until the sender and all
-        broadcast receivers connect)."""
+        broadcast receivers connect).
+
+        Raises:
+            RuntimeError: the receiver is ``broken`` (a failed update dropped its group)."""
+        if self.broken is not None:
+            raise RuntimeError(f"weight receiver {self.rank}: {self.broken}; connect a new receiver to a rebuilt "
+                               f"sender")
         if self.transport == "shm":  # a broadcast receiver may be on another host, without the files
             for path, nbytes in self.info.get("slots", []):
                 self._slot(path, int(nbytes))
@@ -369,17 +425,24 @@ class WeightReceiver:
         acknowledgements; a loader that ``fail``s with its own message inside the loop, before
         leaving it, has that message reach the sender instead.
 
+        A sender that fails mid-update is noticed within about ``POLL_S`` on every transport:
+        while a bucket is awaited the receiver polls the update's ``error`` key (which the
+        sender sets when it raises), and a sender whose process died shows as its store no
+        longer answering (or, for ``broadcast``, the group's connection closing). A broadcast
+        receiver then leaves its group (``broken``): it takes no further update.
+
         Raises:
-            RuntimeError: the sender (or another receiver) reported an error mid-update.
-            TimeoutError: a bucket did not arrive within ``timeout_s`` (``shm``).
+            RuntimeError: the sender (or another receiver) reported an error mid-update (its
+                message), or the sender is gone (its process died: the store does not answer).
+            TimeoutError: a bucket did not arrive within ``timeout_s``.
         """
-        if check is not None:
-            try:
+        try:
+            if check is not None:
                 check(plan.names)
-            except Exception as e:
-                self.fail(plan, f"{type(e).__name__}: {e}")
-                raise
-        self.connect()
+            self.connect()
+        except Exception as e:
+            self.fail(plan, f"{type(e).__name__}: {e}")
+            raise
         self.store.add(f"{plan.update_id}/ready", 1)
         i, complete = 0, False
         try:
@@ -387,15 +450,15 @@ class WeightReceiver:
                 if self.transport == "shm":
                     key = f"{plan.update_id}/bucket{i}"
                     self._wait_key(plan, key)
-                    path, nbytes = self.store.get(key).decode().rsplit(":", 1)
+                    path, nbytes = self._store_call(plan, self.store.get, key).decode().rsplit(":", 1)
                     buf = self._slot(path, int(nbytes))[: plan.bucket_nbytes[i]]
                 else:
                     if self._buf is None or self._buf.numel() < plan.bucket_nbytes[i]:
                         self._buf = torch.empty(max(plan.bucket_nbytes), dtype=torch.uint8, device=self.info["device"])
                     buf = self._buf[: plan.bucket_nbytes[i]]
-                    self.group.broadcast(buf, 0).wait()
+                    self._wait_broadcast(plan, i, self.group.broadcast(buf, 0))
                 yield unpack_bucket(buf, metas)
-                self.store.add(f"{plan.update_id}/ack{i}", 1)
+                self._store_call(plan, self.store.add, f"{plan.update_id}/ack{i}", 1)
             complete = True
         finally:
             if not complete:
@@ -403,17 +466,89 @@ class WeightReceiver:
                     self.fail(plan, f"stopped at bucket {i} of {len(plan.buckets)}")
                 except Exception:  # noqa: BLE001 - the store may be gone with the sender; the cause propagates
                     pass
+                if self.group is not None:  # this receiver left the group's sequence of collectives
+                    self._leave_group(plan, None)
 
     def _wait_key(self, plan: UpdatePlan, key: str) -> None:
-        err = f"{plan.update_id}/error"
         deadline = time.monotonic() + float(self.info["timeout_s"])
-        while not self.store.check([key]):
-            if self.store.check([err]):
-                raise RuntimeError(f"weight sync v{plan.version} aborted: {self.store.get(err).decode()}")
+        while not self._store_call(plan, self.store.check, [key]):
+            self._raise_if_aborted(plan)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"weight sync v{plan.version}: receiver {self.rank} waited "
                                    f"{self.info['timeout_s']} s for {key!r}")
             time.sleep(0.0002)
+
+    def _wait_broadcast(self, plan: UpdatePlan, i: int, work) -> None:
+        # In slices rather than one blocking wait: between them the update's error key is read,
+        # so a sender that raised stops this receiver within POLL_S, not at the group's timeout.
+        # (is_completed reads gloo's state or NCCL's CUDA event without blocking.) The pause
+        # grows to 2 ms: a bucket's transfer takes far longer, and a tight loop would take CPU
+        # from gloo's own threads.
+        deadline = time.monotonic() + float(self.info["timeout_s"])
+        next_poll = time.monotonic() + POLL_S
+        pause = 0.0002
+        try:
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= next_poll:
+                    self._raise_if_aborted(plan)
+                    next_poll = now + POLL_S
+                if now > deadline:
+                    raise TimeoutError(f"weight sync v{plan.version}: receiver {self.rank} waited "
+                                       f"{self.info['timeout_s']} s for bucket {i} of {len(plan.buckets)} (broadcast)")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
+            try:
+                work.wait()
+            except Exception as e:  # its connection closed (the sender dropped the group, or died), or a timeout
+                self._raise_if_aborted(plan)  # the sender's own error, or "the sender is gone" if its store is
+                raise RuntimeError(f"weight sync v{plan.version}: the broadcast of bucket {i} of {len(plan.buckets)} "
+                                   f"failed ({_first_line(e)})") from e
+        except BaseException:
+            self._leave_group(plan, work)
+            raise
+
+    def _raise_if_aborted(self, plan: UpdatePlan) -> None:
+        err = f"{plan.update_id}/error"
+        if self._store_call(plan, self.store.check, [err]):
+            cause = self._store_call(plan, self.store.get, err).decode()
+            raise RuntimeError(f"weight sync v{plan.version} aborted: {cause}")
+
+    def _store_call(self, plan: UpdatePlan, fn, *args):
+        # The store lives in the sender's process: when it stops answering, the sender is gone.
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - torch raises several kinds (DistNetworkError, RuntimeError)
+            raise RuntimeError(f"weight sync v{plan.version}: the sender is gone (its store at {self.info['host']}:"
+                               f"{self.info['port']} does not answer: {_first_line(e)})") from e
+
+    def _leave_group(self, plan: UpdatePlan, work) -> None:
+        # The broadcast this receiver posted may still be pending: it ends when the sender's side
+        # of the group closes (the sender drops it when an update fails, or its process died),
+        # at the latest at the group's timeout. Destroying a gloo group waits for its pending
+        # work, so the group is released on a thread of its own once that work ended; its
+        # receive buffer goes with it (the pending op may still write into it). NCCL: abort the
+        # communicator, which also frees a collective kernel stuck on the device.
+        self.broken = f"update v{plan.version} failed mid-stream, which dropped the broadcast group"
+        group, buf, self.group, self._buf = self.group, self._buf, None, None
+        if group is None:
+            return
+        if str(self.info["device"]).startswith("cuda"):
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - best effort: the group is being dropped anyway
+                pass
+
+        if work is None:  # nothing pending: released here
+            return
+
+        def release(group=group, work=work, buf=buf) -> None:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - expected: the collective failed
+                pass
+
+        threading.Thread(target=release, name="weight-sync-release", daemon=True).start()
 
     def _slot(self, path: str, nbytes: int) -> torch.Tensor:
         # Mapped once per slot file; the sender allocates new files only if a bucket outgrows them.
