@@ -233,7 +233,7 @@ def test_a_bucket_never_splits_a_decoder_layer():
 
 def test_a_sender_failure_mid_update_stops_the_receivers_at_once():
     # Regression: a sender error after bucket 0 left shm receivers waiting out timeout_s.
-    cfg = WeightSyncConfig(transport="shm", bucket_size_mb=0.02, timeout_s=60)
+    cfg = WeightSyncConfig(transport="shm", bucket_size_mb=0.02, timeout_s=300)
     sender = WeightSender(cfg, 2)
     named = _named()
     plan = sender.plan(named, 1)
@@ -253,12 +253,11 @@ def test_a_sender_failure_mid_update_stops_the_receivers_at_once():
     for t in threads:
         t.start()
     sender.unlink_slots()
-    t0 = time.monotonic()
     with pytest.raises(ValueError, match=named[6][0]):
         sender.send(plan, bad)
-    for t in threads:
-        t.join(timeout=30)
-    assert time.monotonic() - t0 < 10
+    for t in threads:  # a guard against a hang, far below timeout_s: they must not wait it out
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
     assert len(errors) == 2 and all(isinstance(e, RuntimeError) and "sender: ValueError" in str(e) for e in errors)
     sender.close()
 
