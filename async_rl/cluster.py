@@ -352,6 +352,14 @@ class Cluster:
         if not is_loopback(host):
             logger.warning("the pipeline's sockets (trajectory receiver, weight-sync store and group, learner "
                            "rendezvous) listen on %s: reachable from that network, not only from this machine", host)
+        else:
+            # The user's interface is kept (use_node_interface): say that gloo then listens beyond
+            # loopback, as the run says for a non-loopback bind_host.
+            gloo = os.environ.get("GLOO_SOCKET_IFNAME")
+            if gloo and any(part != interface_of(LOOPBACK) for part in gloo.split(",")):
+                logger.warning("GLOO_SOCKET_IFNAME=%s: the run's gloo groups (learner ranks, weight broadcast) listen "
+                               "on that interface: reachable from that network, not only from this machine (unset it "
+                               "to keep a single-node run on loopback)", gloo)
         return cluster
 
     def place(self, role: str, n: int, placement: PlacementConfig, cuda: bool = False) -> list:

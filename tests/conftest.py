@@ -3,6 +3,8 @@ megatron-core does without CUDA) on machines with it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,6 +18,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "cpu_only" in item.keywords and has_cuda:
             item.add_marker(skip_cpu_only)
+
+
+@pytest.fixture(autouse=True)
+def _interface_variables():
+    """Each test gets the gloo/NCCL interface variables it started with back. Code that builds a
+    generator worker or a learner rank in this process (``use_node_interface``) sets them, as it
+    must in an actor; left over, they would steer a later test's run onto another interface."""
+    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    saved = {k: os.environ.get(k) for k in names}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

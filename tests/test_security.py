@@ -257,15 +257,20 @@ def test_a_single_node_run_listens_on_loopback_only_and_writes_no_secret(tmp_pat
     monkeypatch.setenv("WANDB_API_KEY", wandb_key)
     monkeypatch.setenv("HF_TOKEN", hf_token)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the defaults are under test
+        monkeypatch.delenv(name, raising=False)
     cfg = small_run_cfg(tmp_path, "secure", "trainer.mode=async", "generator.num_workers=2", "learner.world_size=2",
                         "logging.wandb.mode=offline", "trainer.checkpoint.every_steps=2")
     seen: dict[tuple[str, int], str] = {}
     sessions: list[str] = []
     done = threading.Event()
+    # What this process already listened on before the run (earlier tests of the session, in this
+    # process or its leftover children) is not the run's.
+    before = set(_listening_sockets(os.getpid()))
 
     def watch():
         while not done.is_set():
-            seen.update(_listening_sockets(os.getpid()))
+            seen.update({k: v for k, v in _listening_sockets(os.getpid()).items() if k not in before})
             if not sessions and ray.is_initialized():
                 try:
                     sessions.append(ray._private.worker._global_node.get_session_dir_path())
@@ -327,3 +332,26 @@ def test_a_run_binding_beyond_loopback_says_so_once(caplog):
         finally:
             cluster.close()
     assert {k: os.environ.get(k) for k in saved} == saved  # close gave the interface variables back
+
+
+@pytest.mark.slow
+def test_a_users_gloo_interface_beyond_loopback_is_kept_and_said(caplog, monkeypatch):
+    """A single-node run binds loopback, but ``GLOO_SOCKET_IFNAME`` naming another interface is
+    the user's choice: kept, and the run says once that its gloo groups listen there."""
+    ray = pytest.importorskip("ray")
+    from async_rl.cluster import Cluster, interface_addresses
+
+    found = next((n for n, a in interface_addresses().items() if not a.startswith("127.")), None)
+    if found is None:
+        pytest.skip("no non-loopback IPv4 interface here")
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", found)
+    with caplog.at_level("WARNING", logger="async_rl.cluster"):
+        cluster = Cluster.connect(None, num_cpus=1)
+        try:
+            assert cluster.bind_host == "127.0.0.1" and os.environ["GLOO_SOCKET_IFNAME"] == found
+            said = [r.getMessage() for r in caplog.records if "reachable from that network" in r.getMessage()]
+            assert len(said) == 1 and said[0].startswith(f"GLOO_SOCKET_IFNAME={found}:"), said
+        finally:
+            cluster.close()

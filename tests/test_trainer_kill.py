@@ -1,6 +1,7 @@
-"""The trainer process killed outright (SIGKILL) in the middle of an async run: nothing of the run
-stays behind (processes, listening sockets, shared-memory files), and ``trainer.resume=auto``
-finishes it from its last checkpoint with the ledger still adding up."""
+"""Every way an async run's trainer process ends (a normal end, an error, SIGTERM, SIGINT, a
+second SIGINT, SIGKILL) leaves nothing of the run behind: no process, no listening socket, no
+shared-memory file; and after SIGKILL ``trainer.resume=auto`` finishes the run from its last
+checkpoint with the ledger still adding up."""
 
 from __future__ import annotations
 
@@ -101,15 +102,7 @@ def test_sigkilled_async_trainer_leaves_nothing_and_resumes_from_its_checkpoint(
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    # Ray's own processes go when they find the driver gone: its agents poll their raylet, so
-    # give them up to two minutes.
-    deadline = time.monotonic() + 180
-    while _alive(procs) and time.monotonic() < deadline:
-        time.sleep(1.0)
-    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in _alive(procs) if Path(f"/proc/{pid}").exists()}
-    assert not left, f"processes of the killed run still alive: {left}"
-    assert not [p for p in ports if _listening(p)], "a socket of the killed run still listens"
-    assert _shm_of(trainer.pid) == []
+    _assert_nothing_left(procs, ports, trainer.pid)
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert checkpoints and not [c for c in checkpoints if c.endswith(".tmp")], checkpoints
     saved = int(checkpoints[-1].split("_")[1])
@@ -124,6 +117,90 @@ def test_sigkilled_async_trainer_leaves_nothing_and_resumes_from_its_checkpoint(
     # The resumed run appended its steps, from the one after the checkpoint to the last.
     steps = [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert set(range(saved + 1, 7)) <= set(steps) and steps[-1] == 6
+
+
+def _assert_nothing_left(procs: set[int], ports: list[int], trainer_pid: int) -> None:
+    """No process of the run, no listening socket of it, no shared-memory file of its trainer.
+    Ray's own processes go when they find the driver gone: its agents poll their raylet, so they
+    get up to three minutes."""
+    deadline = time.monotonic() + 180
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in _alive(procs) if Path(f"/proc/{pid}").exists()}
+    assert not left, f"processes of the run still alive: {left}"
+    assert not [p for p in ports if _listening(p)], "a socket of the run still listens"
+    assert _shm_of(trainer_pid) == []
+
+
+FAILING_REWARD = """
+def reward(data_source, response_text, ground_truth, extra_info):
+    # Held-out prompts score; every training sample fails, so the run stops with this error at
+    # its first step, with its generator pool up (a reward failing on every call is a bug).
+    if extra_info["split"] == "train":
+        raise RuntimeError("the reward service is down")
+    return 0.0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["normal", "error", "SIGTERM", "SIGINT twice"])
+def test_every_exit_path_leaves_nothing_behind(tmp_path, ending):
+    """The trainer of an async run (2 generator actors, shm weight sync) ends normally, with an
+    error (its reward fails on every training call), on SIGTERM or on two SIGINTs in
+    a row (the second stops it at once): each time its processes, sockets and shared-memory files
+    are gone afterwards, and the exit status says how it ended."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    env["OMP_NUM_THREADS"] = "1"
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(FAILING_REWARD)
+    extra = [f"reward.fn={reward_file}:reward"] if ending == "error" else []
+    args = small_run(tmp_path, "ends", "trainer.mode=async", "trainer.total_steps=8", "logging.console_every_steps=1",
+                     *extra)
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", "--config", str(ROOT / "configs/default.yaml"), *args]
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        trainer = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    run_dir = tmp_path / "ends"
+    procs: set[int] = set()
+    ports: list[int] = []
+    try:
+        deadline = time.monotonic() + 600
+        # Watch the run until its pool is up (both ports logged), collecting its processes.
+        while len(ports) < 2 and trainer.poll() is None:
+            assert time.monotonic() < deadline, "the run never started its pool"
+            procs |= _descendants(trainer.pid)
+            ports = [int(p) for p in re.findall(r"(?:store [\d.]+:|trajectories on tcp://[\d.]+:)(\d+)",
+                                                log.read_text())]
+            time.sleep(0.2)
+        assert len(ports) == 2, log.read_text()[-3000:]
+        if ending in ("SIGTERM", "SIGINT twice"):
+            while _last_step(run_dir) < 2:
+                assert trainer.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the run never reached step 2"
+                procs |= _descendants(trainer.pid)
+                time.sleep(0.2)
+            procs |= _descendants(trainer.pid)
+            if ending == "SIGTERM":
+                os.kill(trainer.pid, signal.SIGTERM)
+            else:
+                os.kill(trainer.pid, signal.SIGINT)
+                time.sleep(0.5)
+                os.kill(trainer.pid, signal.SIGINT)
+        else:
+            while trainer.poll() is None and time.monotonic() < deadline:
+                procs |= _descendants(trainer.pid)
+                time.sleep(0.5)
+        status = trainer.wait(timeout=300)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    text = log.read_text()
+    expected = {"normal": 0, "error": 1, "SIGTERM": 128 + signal.SIGTERM, "SIGINT twice": 128 + signal.SIGINT}[ending]
+    assert status == expected, text[-3000:]
+    if ending == "error":
+        assert "the reward service is down" in text
+    assert procs, "no process of the run was seen"
+    _assert_nothing_left(procs, ports, trainer.pid)
 
 
 @pytest.mark.slow
