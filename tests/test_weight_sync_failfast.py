@@ -53,17 +53,18 @@ def _update(model_path: str, transports: list[str], version: int, fail: str, eng
     """Update ``version`` from a sender process that fails as ``fail`` says; returns (the engines'
     answers to ``receive_weights``, the sender's own outcome or None if it was killed, the
     failure's ``time.time()`` or None)."""
-    queue, done = CTX.Queue(), CTX.Event()
+    queue, done, connected = CTX.Queue(), CTX.Event(), CTX.Event()
     stamp = tmp_path / f"failed-{fail}"
     sender = CTX.Process(target=sender_process, daemon=True, args=(model_path, transports, TIMEOUT_S, BUCKET_MB,
-                                                                   version, fail, str(stamp), queue, done))
+                                                                   version, fail, str(stamp), queue, done, connected))
     sender.start()
     try:
         init_info = queue.get(timeout=GUARD_S)
         for rank, c in enumerate(engines):
             c.send(("connect", init_info, rank))
-        plan = queue.get(timeout=GUARD_S)
         assert [_answer(c) for c in engines] == [("ok",)] * 2  # connected (the group formed)
+        connected.set()
+        plan = queue.get(timeout=GUARD_S)
         assert len(plan["buckets"]) > 2
         for c in engines:
             c.send(("receive", plan, version))

@@ -73,12 +73,14 @@ def engine_process(model_path: str, pad_token_id: int, conn) -> None:
 
 
 def sender_process(model_path: str, transports: list[str], timeout_s: float, bucket_mb: float, version: int,
-                   fail: str, stamp_path: str, queue, done) -> None:
+                   fail: str, stamp_path: str, queue, done, connected) -> None:
     """A learner's ``WeightSender`` in its own process, sending the model's weights + ``version``
     as ``version``.
 
     Puts ``init_info`` then the plan's dict on ``queue`` (the test hands both to the engines), then
-    streams the update. ``fail``: ``"none"`` (a complete update), ``"raise"`` (the learner's
+    streams the update. The slot files are unlinked once the test sets ``connected`` (every
+    engine mapped them), as ``WeightPublisher`` does: earlier, an engine's mapping would create a
+    file of the same name (its own memory) that no one removes. ``fail``: ``"none"`` (a complete update), ``"raise"`` (the learner's
     weight iterator raises ``RuntimeError`` once the first bucket went out; the process stays up
     until ``done`` is set, as a trainer's would) or ``"kill"`` (the process SIGKILLs itself at
     that point). The moment of the failure (``time.time()``) is written to ``stamp_path`` first.
@@ -98,6 +100,8 @@ def sender_process(model_path: str, transports: list[str], timeout_s: float, buc
     sender = WeightSender(cfg, len(transports), receiver_transports=transports)
     queue.put(sender.init_info())
     sender.connect()
+    if not connected.wait(timeout_s):
+        raise TimeoutError("the engines did not connect")
     sender.unlink_slots()
     plan = sender.plan(named, version, aliases=dict(TIED))
     queue.put(plan.to_dict())
