@@ -21,11 +21,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _interface_variables():
-    """Each test gets the gloo/NCCL interface variables it started with back. Code that builds a
-    generator worker or a learner rank in this process (``use_node_interface``) sets them, as it
-    must in an actor; left over, they would steer a later test's run onto another interface."""
-    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+def _process_wide_choices():
+    """Each test gets back the environment variables that the code under test sets for the whole
+    process, as it must in a process of its own: the gloo/NCCL interface (``use_node_interface``,
+    run by a generator worker or learner rank built in this process) and Ray's auth mode (the
+    CLI's ``main``, run in this process by some tests). Left over, they steer a later test: its
+    run's learner rank onto another interface, or its Ray's GCS into token mode that this
+    process's Ray client, which read the mode once, does not speak ("Authentication token is
+    missing")."""
+    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "RAY_AUTH_MODE")
     saved = {k: os.environ.get(k) for k in names}
     yield
     for k, v in saved.items():
