@@ -21,22 +21,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _process_wide_choices():
-    """Each test gets back the environment variables that the code under test sets for the whole
-    process, as it must in a process of its own: the gloo/NCCL interface (``use_node_interface``,
-    run by a generator worker or learner rank built in this process) and Ray's auth mode (the
-    CLI's ``main``, run in this process by some tests). Left over, they steer a later test: its
-    run's learner rank onto another interface, or its Ray's GCS into token mode that this
-    process's Ray client, which read the mode once, does not speak ("Authentication token is
-    missing")."""
-    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "RAY_AUTH_MODE")
-    saved = {k: os.environ.get(k) for k in names}
+def _ray_auth_mode():
+    """Each test gets ``RAY_AUTH_MODE`` back: the CLI's ``main`` chooses it for the whole process
+    (as it must, at a process's start), and some tests call ``main`` in this process. Left over, a
+    later test's Ray starts its GCS in token mode, which this process's Ray client (it read the
+    mode once) does not speak ("Authentication token is missing")."""
+    saved = os.environ.get("RAY_AUTH_MODE")
     yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    if saved is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved
 
 
 @pytest.fixture(scope="session")
