@@ -288,6 +288,18 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     return state
 
 
+_forced_stop_signal: int | None = None
+"""The signal number of a second SIGINT/SIGTERM that stopped this process at once (else None)."""
+
+
+def forced_stop_signal() -> int | None:
+    """The signal number of the second SIGINT/SIGTERM that stopped a training loop at once, or
+    ``None``. The exception that second signal raises (``KeyboardInterrupt``) lands wherever the
+    main thread was, and library code may wrap it: a DCP save in progress turns it into a
+    ``CheckpointException``. The CLI asks here so that such a stop still exits 128 + signal."""
+    return _forced_stop_signal
+
+
 class StopRequest:
     """SIGINT/SIGTERM handling for a training loop: the first signal asks the loop to stop after
     the step in progress (and save); a second one restores the previous handlers and re-raises
@@ -321,7 +333,9 @@ class StopRequest:
         return self.signal_name is not None
 
     def _handle(self, signum, frame) -> None:
+        global _forced_stop_signal
         if self.signal_name is not None:
+            _forced_stop_signal = signum
             previous = self._previous.get(signum)
             self._restore()
             if previous in (signal.SIG_IGN, None):
@@ -338,6 +352,8 @@ class StopRequest:
         self._previous = {}
 
     def __enter__(self) -> "StopRequest":
+        global _forced_stop_signal
+        _forced_stop_signal = None  # a new loop: an earlier run's forced stop is not this one's
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:

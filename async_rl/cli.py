@@ -171,6 +171,7 @@ def _train(cfg) -> int:
         return 0
     import signal
 
+    from async_rl.checkpoint import forced_stop_signal
     from async_rl.learners.launch import LearnerRankDied
 
     try:
@@ -192,6 +193,17 @@ def _train(cfg) -> int:
         logging.getLogger(__name__).debug("interrupted", exc_info=True)
         print(f"async-rl: {e or 'interrupted: stopped at once, without saving'}", file=sys.stderr)
         return 128 + int(signal.SIGINT)
+    except BaseException as e:
+        # Not `Exception`: DCP's CheckpointException derives from BaseException.
+        forced = forced_stop_signal()
+        if forced is None or isinstance(e, SystemExit):
+            raise
+        # The second signal's KeyboardInterrupt was wrapped by the code it landed in (a DCP save
+        # raises CheckpointException): still a stop at once, not a failure of the run.
+        logging.getLogger(__name__).debug("interrupted", exc_info=True)
+        print(f"async-rl: interrupted by a second {signal.Signals(forced).name}: stopped at once "
+              f"({type(e).__name__} where it landed); the last complete checkpoint is kept", file=sys.stderr)
+        return 128 + forced
     if "interrupted" in summary:
         # Stopped by a signal after saving: the shell convention 128 + signal number, so a job
         # scheduler sees the run did not finish (resume with trainer.resume=auto).
