@@ -30,7 +30,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import os
 import random
 import tempfile
 import textwrap
@@ -213,6 +212,7 @@ def loaded_policy(cfg: Config, model: str | None,
     import torch
 
     from async_rl.data.builtin import resolve
+    from async_rl.cpu_threads import available_cores, user_num_threads
     from async_rl.generators import make_generator
 
     source = find_policy(model, cfg)
@@ -225,7 +225,7 @@ def loaded_policy(cfg: Config, model: str | None,
     try:
         selected = select(parts)
         with policy_dir(source, cfg, parts.tokenizer) as path:
-            engine = make_generator(cfg.generator, path, parts.tokenizer.pad_token_id, num_threads=os.cpu_count() or 1)
+            engine = make_generator(cfg.generator, path, parts.tokenizer.pad_token_id, num_threads=user_num_threads() or available_cores())
             try:
                 yield engine, parts, source, selected
             finally:

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from async_rl.checkpoint import (RunDirectory, StopRequest, latest_checkpoint, l
                                  rng_state, save_checkpoint, set_rng_state)
 from async_rl.agent import AgentLoop
 from async_rl.config import to_dict, to_yaml
+from async_rl.cpu_threads import available_cores, user_num_threads
 from async_rl.data.builtin import resolve
 from async_rl.data.dataset import PromptDataset
 from async_rl.evaluation import evaluate, warm_start
@@ -302,7 +302,7 @@ def colocated_engine(cfg: "Config", model_path: str, pad_token_id: int) -> tuple
     if cfg.trainer.mode == "async":
         hf = dataclasses.replace(cfg.generator, backend="hf")
         return make_generator(hf, model_path, pad_token_id, lora=cfg.learner.lora), "colocated"
-    engine = make_generator(cfg.generator, model_path, pad_token_id, num_threads=os.cpu_count() or 1,
+    engine = make_generator(cfg.generator, model_path, pad_token_id, num_threads=user_num_threads() or available_cores(),
                             lora=cfg.learner.lora)
     return engine, resolve_transport(cfg.weight_sync, cfg.generator.backend, "sync")
 

@@ -99,8 +99,9 @@ class GeneratorConfig:
     ``(trainer.max_staleness + 1) * trainer.prompts_per_step`` groups admission control lets be
     in flight, or a worker would never get one (checked at load)."""
     threads_per_worker: int = 0
-    """Async mode: torch CPU threads per generator actor (>= 0); 0 = the cores divided evenly
-    between the workers and the learner (oversubscribed cores slow everything down)."""
+    """Async mode: torch CPU threads per generator actor (>= 0); 0 = ``OMP_NUM_THREADS`` where the
+    user set it, else the cores of the trainer's CPU affinity divided evenly between the workers
+    and the learner (oversubscribed cores slow everything down)."""
     num_cpus_per_worker: float = 1.0
     """Async mode: CPUs Ray reserves for each generator actor (>= 0; placement only: the torch
     threads are ``threads_per_worker``). On a cluster, a node takes as many actors as its

@@ -153,8 +153,9 @@ class LearnerConfig:
     seed: int = 0
     """Seed for model-side randomness."""
     num_threads: int = 0
-    """Torch CPU threads of the learner process (>= 0); 0 = torch's default in sync mode, the
-    cores the generator actors leave in async mode."""
+    """Torch CPU threads of the learner process (>= 0); 0 = ``OMP_NUM_THREADS`` where the user
+    set it, else torch's default in sync mode and the cores (CPU affinity) the generator actors
+    leave in async mode."""
     num_cpus_per_rank: float = 1.0
     """CPUs Ray reserves for each learner rank it places (ranks 1..N-1; >= 0, placement only:
     threads are ``num_threads``)."""

@@ -18,8 +18,9 @@
   rank 0 (``RANK=0``) runs the trainer, the others only the learner (``follow_from_env``), all on
   the ``env://`` group torchrun sets up. ``learner.world_size`` must equal ``WORLD_SIZE``.
 
-Threads: on CPU each follower uses ``learner.num_threads`` threads, or the cores divided by the
-world size; oversubscribed torch processes slow each other down many-fold.
+Threads: on CPU each follower uses ``learner.num_threads`` threads, else the user's
+``OMP_NUM_THREADS``, else the cores of its CPU affinity divided by the world size; oversubscribed
+torch processes slow each other down many-fold (``async_rl.cpu_threads``).
 """
 
 from __future__ import annotations
@@ -92,7 +93,11 @@ def learner_class(cfg: LearnerConfig):
 
 
 def _follower_threads(cfg: LearnerConfig) -> int:
-    return cfg.num_threads or max(1, (os.cpu_count() or 1) // cfg.world_size)
+    """Torch threads of a follower rank: ``learner.num_threads``, else the user's
+    ``OMP_NUM_THREADS``, else this process's cores (its CPU affinity) over the ranks."""
+    from async_rl.cpu_threads import available_cores, user_num_threads
+
+    return cfg.num_threads or user_num_threads() or max(1, available_cores() // cfg.world_size)
 
 
 class LearnerRank:

@@ -56,6 +56,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from async_rl.buffers.replay import AdmissionController, ReplayBuffer
 from async_rl.buffers.transport import GroupClosed, make_transport
 from async_rl.cluster import Cluster, PlacementConfig, is_loopback
+from async_rl.cpu_threads import available_cores, user_num_threads
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.loops.pool import GeneratorWorker, RequestBroker
@@ -103,13 +104,22 @@ def buffer_bound(cfg) -> dict[str, int] | None:
     return {"groups": groups, "samples": samples, "tokens": samples * longest_sequence(cfg)[0]}
 
 
-def thread_budget(num_workers: int, threads_per_worker: int, cores: int | None = None) -> tuple[int, int]:
+def thread_budget(num_workers: int, threads_per_worker: int, cores: int | None = None,
+                  user_threads: int = 0) -> tuple[int, int]:
     """``(threads per worker, learner threads)`` for ``num_workers`` generator processes.
 
     With ``threads_per_worker = 0`` the cores are split evenly between the workers and the
-    learner (each at least 1); the learner gets what the workers leave.
+    learner (each at least 1); the learner gets what the workers leave. ``cores`` defaults to
+    this process's CPU affinity (``available_cores``), not the machine's core count: a run
+    pinned to 2 of 64 cores must not start 64 threads per process. ``user_threads`` (the user's
+    ``OMP_NUM_THREADS``, 0 if unset) is every process's count where it has none of its own
+    (``threads_per_worker``), as OpenMP would have it.
+
+    Example: 2 workers on 16 cores -> ``(5, 6)``; on 2 cores -> ``(1, 1)`` (never 0 threads).
     """
-    cores = cores or os.cpu_count() or 1
+    if user_threads:
+        return threads_per_worker or user_threads, user_threads
+    cores = cores or available_cores()
     per_worker = threads_per_worker or max(1, cores // (num_workers + 1))
     return per_worker, max(1, cores - num_workers * per_worker)
 
@@ -139,7 +149,8 @@ class AsyncLoop:
         self.groups_per_step = t_cfg.prompts_per_step
         # A reward model's actor takes one worker's share of the cores (or reward.model_num_threads).
         with_rm = cfg.reward.model is not None
-        per_worker, learner_threads = thread_budget(g_cfg.num_workers + with_rm, g_cfg.threads_per_worker)
+        per_worker, learner_threads = thread_budget(g_cfg.num_workers + with_rm, g_cfg.threads_per_worker,
+                                                    user_threads=user_num_threads())
         learner_threads = cfg.learner.num_threads or learner_threads
         torch.set_num_threads(learner_threads)
         self._own_cluster = ctx.cluster is None
