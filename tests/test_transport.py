@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import zmq
 
-from async_rl.buffers.trajectory import Trajectory
+from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, Trajectory, collate
 from async_rl.buffers.transport import (
     SCHEMA_VERSION, InProcTrajectoryReceiver, MalformedMessageError, SendTimeoutError, TrajectoryReceiver,
-    TrajectorySender, ZmqSenderFactory, ZmqTrajectoryReceiver, decode_trajectory, encode_trajectory,
+    TrajectorySender, ZmqSenderFactory, ZmqTrajectoryReceiver, decode_message, decode_trajectory, encode_trajectory,
     make_transport,
 )
 
@@ -66,8 +66,12 @@ def test_codec_round_trip_is_exact(traj, as_memoryview):
     out = roundtrip(traj, as_memoryview)
     assert out == traj
     assert bits(out.behavior_logprobs) == bits(traj.behavior_logprobs)  # bit-exact, -0.0 and subnormals too
-    assert all(type(x) is float for x in out.behavior_logprobs)
-    assert all(type(x) is int for x in out.response_ids + out.prompt_ids + out.loss_mask + out.policy_version)
+    for name, dtype in PER_TOKEN_DTYPES.items():
+        got, sent = getattr(out, name), getattr(traj, name)
+        assert got.dtype == dtype and got.ndim == 1 and got.tobytes() == sent.tobytes(), name
+    assert (out.trajectory_id, out.group_id, out.prompt_uid, out.finish_reason, out.response_text, out.generator_id) == (
+        traj.trajectory_id, traj.group_id, traj.prompt_uid, traj.finish_reason, traj.response_text, traj.generator_id)
+    assert bits([out.reward]) == bits([traj.reward]) and out.reward_extras == traj.reward_extras
 
 
 def test_codec_layout_is_the_documented_schema():
@@ -75,15 +79,16 @@ def test_codec_layout_is_the_documented_schema():
     frames = encode_trajectory(traj)
     assert len(frames) == 1
     message = msgpack.unpackb(frames[0])
-    assert message["schema"] == SCHEMA_VERSION == 2
+    assert message["schema"] == SCHEMA_VERSION == 3
     assert message["generator_id"] == traj.generator_id
     assert (message["num_prompt_tokens"], message["num_response_tokens"]) == (3, 4)
-    arrays = {k: v for k, v in message.items() if isinstance(v, msgpack.ExtType)}
-    assert {k: (v.code, len(v.data)) for k, v in arrays.items()} == {
-        "prompt_ids": (1, 3 * 4), "response_ids": (1, 4 * 4), "behavior_logprobs": (2, 4 * 8),
-        "loss_mask": (3, 4 * 1), "policy_version": (4, 4 * 8)}
-    assert np.frombuffer(arrays["behavior_logprobs"].data, "<f8").tolist() == traj.behavior_logprobs
-    assert np.frombuffer(arrays["prompt_ids"].data, "<i4").tolist() == traj.prompt_ids
+    arrays = {k: v for k, v in message.items() if isinstance(v, bytes)}
+    assert {k: len(v) for k, v in arrays.items()} == {
+        "prompt_ids": 3 * 4, "response_ids": 4 * 4, "behavior_logprobs": 4 * 8, "loss_mask": 4 * 1,
+        "policy_version": 4 * 8}
+    assert np.frombuffer(arrays["behavior_logprobs"], "<f8").tolist() == traj.behavior_logprobs.tolist()
+    assert np.frombuffer(arrays["prompt_ids"], "<i4").tolist() == traj.prompt_ids.tolist()
+    assert arrays["loss_mask"] == bytes(traj.loss_mask.tolist())
     assert b"\x80\x04" not in frames[0] and b"\x80\x05" not in frames[0]  # no pickle protocol 4/5 stream
 
 
@@ -114,27 +119,23 @@ def _message(**changes) -> bytes:
     return msgpack.packb(message)
 
 
-def _logprobs(data: bytes, code: int = 2) -> msgpack.ExtType:
-    return msgpack.ExtType(code, data)
-
-
 def _encoded(**kw) -> bytes:
     """The one frame of ``make_traj("a/0", **kw)``: the encoder carries what the decoder refuses."""
     return encode_trajectory(make_traj(kw.pop("trajectory_id", "a/0"), **kw))[0]
 
 
 _GOOD = encode_trajectory(make_traj("a/0"))[0]
-_LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"].data
+_LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"]
 
 
 @pytest.mark.parametrize("frames, match", [
-    ([], "0 frames, schema 2 has 1"),
+    ([], "0 frames, schema 3 has 1"),
     ([_GOOD, b""], "2 frames"),
     ([_GOOD[:-3]], "not valid msgpack"),
     ([b"\xc1\xc1garbage"], "not valid msgpack"),
     ([_GOOD + b"\x00"], "not valid msgpack: ExtraData"),
     ([msgpack.packb([1, 2])], "msgpack list, expected a map"),
-    ([_message(schema=3)], "schema version 3, this decoder reads version 2"),
+    ([_message(schema=2)], "schema version 2, this decoder reads version 3"),
     ([_message(schema=...)], "schema version None"),
     ([_message(reward=...)], r"missing \['reward'\]"),
     ([_message(behavior_logprobs=...)], r"missing \['behavior_logprobs'\]"),
@@ -144,10 +145,10 @@ _LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"].data
     ([_message(loss_mask=[1, 0, 1, 1, 0, 1, 1])], "'loss_mask' is list"),
     ([_message(num_response_tokens=-1)], "negative"),
     ([_message(reward_extras={"acc": "1"})], "reward_extras must map"),
-    ([_message(behavior_logprobs=_logprobs(_LOGPROBS[:-1]))],
-     r"behavior_logprobs is ext type 2 of 55 bytes, expected ext type 2 of 56 bytes \(7 x float64\)"),
-    ([_message(behavior_logprobs=_logprobs(_LOGPROBS, code=4))], "behavior_logprobs is ext type 4"),
-    ([_message(num_prompt_tokens=6)], "prompt_ids is ext type 1 of 20 bytes, expected ext type 1 of 24 bytes"),
+    ([_message(behavior_logprobs=_LOGPROBS[:-1])],
+     r"trajectory a/0: behavior_logprobs is 55 bytes, expected 56 bytes \(7 x float64\)"),
+    ([_message(behavior_logprobs=msgpack.ExtType(2, _LOGPROBS))], "'behavior_logprobs' is ExtType, expected bytes"),
+    ([_message(num_prompt_tokens=6)], r"prompt_ids is 20 bytes, expected 24 bytes \(6 x int32\)"),
     # Well-formed layouts holding values the learner cannot train on (found by tests/test_fuzz.py).
     ([_encoded(trajectory_id="a")], "trajectory_id 'a' is not '<group>/<index in group>'"),
     ([_encoded(trajectory_id="a/x")], "is not '<group>/<index in group>'"),
