@@ -44,8 +44,9 @@ does not know the model.) A message of another schema version is refused with on
 both versions.
 
 History: schema 2 carried the same arrays as msgpack ext types and the receiver turned them
-back into Python lists (~0.2x raw ZeroMQ throughput); schema 3 (bin payloads, arrays kept as
-arrays) is what made the transport run near raw ZeroMQ. Schema 2 added ``generator_id`` (the
+back into Python lists (0.15-0.19x raw ZeroMQ's messages/s in ``bench/bench_transport.py``);
+schema 3 (bin payloads, arrays kept as arrays) runs at ~0.55x on the same shared 2-core machine,
+the rest being fixed per-message Python work in the decoder. Schema 2 added ``generator_id`` (the
 actor that sampled it). A second message kind closes a group: ``{"schema": 3, "kind":
 "group_closed", "group_id": g, "num_kept": k}``, sent by a generator once all samples of group
 ``g`` are scored, ``k`` of them kept (the others were rejected by the reward). It travels on the
