@@ -30,7 +30,6 @@ Run the tests with ``python -m pytest -q tests/test_replay_buffer.py``.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -418,13 +417,13 @@ class ReplayBuffer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume, as plain Python (lists, dicts, str, int, float).
 
-        Trajectories are ``dataclasses.asdict`` dicts; group ids sit in lists of pairs so the
-        state also survives JSON. Includes partial groups, declared counts, the ready queue in
+        Trajectories are ``Trajectory.as_dict`` dicts (per-token arrays as lists); group ids sit
+        in lists of pairs so the state also survives JSON. Includes partial groups, declared counts, the ready queue in
         order with reuse counts, seen ids, finished groups, counters, the last histogram and the
         peak resident size.
         """
         with self._cond:
-            as_dicts = lambda trajs: [dataclasses.asdict(t) for t in trajs]  # noqa: E731
+            as_dicts = lambda trajs: [t.as_dict() for t in trajs]  # noqa: E731
             return {
                 "format": STATE_FORMAT,
                 "config": {"group_size": self.group_size, "max_staleness": self.max_staleness,

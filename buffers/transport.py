@@ -14,43 +14,52 @@ While both ends are open nothing is dropped: ZeroMQ PUSH/PULL blocks rather than
 message the receiver cannot decode is counted (``num_malformed``) and logged, never ignored
 silently. Closing loses what is still queued (a sender lingers ``linger_s`` to flush first).
 
-Wire format (schema version 2; msgpack, never pickle). One trajectory is one ZeroMQ message of
-one frame holding a msgpack map of the ``Trajectory`` fields plus ``schema`` (=2),
+Wire format (schema version 3; msgpack, never pickle). One trajectory is one ZeroMQ message of
+one frame holding a msgpack map of the ``Trajectory`` fields plus ``schema`` (=3),
 ``num_prompt_tokens`` (P) and ``num_response_tokens`` (R). Scalars and strings are msgpack
-values (``reward`` and ``reward_extras`` values as float64); per-token lists are msgpack ext
-types whose payload is the raw little-endian array:
+values (``reward`` and ``reward_extras`` values as float64); each per-token field is a msgpack
+``bin`` whose payload is the raw little-endian array, in the dtype the ``Trajectory`` holds it
+(``PER_TOKEN_DTYPES``):
 
-=======================  ========  =======================  ======
-field                    ext code  payload dtype            length
-=======================  ========  =======================  ======
-``prompt_ids``           1         int32   (``<i4``)        P
-``response_ids``         1         int32   (``<i4``)        R
-``behavior_logprobs``    2         float64 (``<f8``)        R
-``loss_mask``            3         uint8   (``u1``)         R
-``policy_version``       4         int64   (``<i8``)        R
-=======================  ========  =======================  ======
+=======================  =======================  ======
+field                    payload dtype            length
+=======================  =======================  ======
+``prompt_ids``           int32   (``<i4``)        P
+``response_ids``         int32   (``<i4``)        R
+``behavior_logprobs``    float64 (``<f8``)        R
+``loss_mask``            uint8   (``u1``)         R
+``policy_version``       int64   (``<i8``)        R
+=======================  =======================  ======
 
-Beyond its layout the decoder checks what the learner relies on, so a message that would crash
-or poison a step is a counted malformed message instead: ``trajectory_id`` ends in
+The encoder packs each array's memory as it is (no per-token Python object, no conversion);
+the decoder checks each payload's byte size against its count and dtype and wraps it with
+``np.frombuffer`` (a read-only view, no copy beyond msgpack's one of the frame). Beyond the
+layout the decoder checks what the learner relies on, vectorised, so a message that would
+crash or poison a step is a counted malformed message instead: ``trajectory_id`` ends in
 ``/<index in group>`` (the learner orders a group by it), at least one prompt token, token ids
 >= 0, ``behavior_logprobs`` neither NaN nor +inf (-inf is kept: the losses clamp log-ratios),
 ``loss_mask`` values 0 or 1, policy versions >= 0, a finite ``reward`` and finite
 ``reward_extras`` values. (Token ids past the vocabulary cannot be checked here: the transport
-does not know the model.)
+does not know the model.) A message of another schema version is refused with one line naming
+both versions.
 
-Schema 2 added ``generator_id`` (the actor that sampled it). A second message kind closes a
-group: ``{"schema": 2, "kind": "group_closed", "group_id": g,
-"num_kept": k}``, sent by a generator once all samples of group ``g`` are scored, ``k`` of them
-kept (the others were rejected by the reward). It travels on the same socket as the group's
-trajectories; the buffer's ``close_group`` accepts it in any order relative to them.
+History: schema 2 carried the same arrays as msgpack ext types and the receiver turned them
+back into Python lists (0.15-0.19x raw ZeroMQ's messages/s in ``bench/bench_transport.py``);
+schema 3 (bin payloads, arrays kept as arrays) runs at ~0.55x on the same shared 2-core machine,
+the rest being fixed per-message Python work in the decoder. Schema 2 added ``generator_id`` (the
+actor that sampled it). A second message kind closes a group: ``{"schema": 3, "kind":
+"group_closed", "group_id": g, "num_kept": k}``, sent by a generator once all samples of group
+``g`` are scored, ``k`` of them kept (the others were rejected by the reward). It travels on the
+same socket as the group's trajectories; the buffer's ``close_group`` accepts it in any order
+relative to them.
 
 Why this layout: raw arrays avoid encoding 1000s of numbers one msgpack item at a time, and one
 frame beats one frame per array (``bench/bench_transport.py``: raw ZeroMQ moves ~1.6x more
 25 KB messages/s as 1 frame than as 6; pyzmq copies frames under 64 KiB even with
 ``copy=False``, so separate zero-copy frames buy nothing at these sizes). Log-probs are
 float64, so a Python float round-trips bit-exactly; token ids must fit int32 and ``loss_mask``
-values 0..255, else ``encode_trajectory`` raises ``ValueError`` rather than wrap around (the
-decoder then accepts only what the checks above allow).
+values 0..255, else building the ``Trajectory`` raises ``ValueError`` rather than wrap around
+(the decoder then accepts only what the checks above allow).
 
 Run the tests with ``python -m pytest -q tests/test_transport.py``; measure throughput with
 ``python bench/bench_transport.py``.
@@ -62,7 +71,6 @@ import logging
 import math
 import queue
 import re
-import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
@@ -71,31 +79,32 @@ import msgpack
 import numpy as np
 import zmq
 
-from async_rl.buffers.trajectory import Trajectory
+from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, Trajectory, per_token_array
 from async_rl.cluster import LOOPBACK
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the wire format above; bump it on any change to the fields, their encoding or the framing."""
 
-# (field, ext code, payload dtype, its struct code, the header count that gives its length).
-# Struct codes are spelled out: numpy's ``dtype.char`` for int64 is the platform's 'l'.
-_ARRAY_FIELDS: tuple[tuple[str, int, np.dtype, str, str], ...] = (
-    ("prompt_ids", 1, np.dtype("<i4"), "i", "num_prompt_tokens"),
-    ("response_ids", 1, np.dtype("<i4"), "i", "num_response_tokens"),
-    ("behavior_logprobs", 2, np.dtype("<f8"), "d", "num_response_tokens"),
-    ("loss_mask", 3, np.dtype("u1"), "B", "num_response_tokens"),
-    ("policy_version", 4, np.dtype("<i8"), "q", "num_response_tokens"),
-)
-assert all(struct.calcsize("<" + code) == dtype.itemsize for _, _, dtype, code, _ in _ARRAY_FIELDS)
+# (field, payload dtype, the header count that gives its length).
+_ARRAY_FIELDS: tuple[tuple[str, np.dtype, str], ...] = tuple(
+    (name, dtype, "num_prompt_tokens" if name == "prompt_ids" else "num_response_tokens")
+    for name, dtype in PER_TOKEN_DTYPES.items())
 _NUM_FRAMES = 1
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "schema": int, "trajectory_id": str, "group_id": int, "prompt_uid": str, "generator_id": int,
-    "finish_reason": str, "reward": (float, int), "reward_extras": dict, "response_text": str,
-    "num_prompt_tokens": int, "num_response_tokens": int,
-    **{name: msgpack.ExtType for name, *_ in _ARRAY_FIELDS},
+# Exact types: msgpack makes no subclasses, and a bool (an int subclass) in a count or id field is
+# a sender bug.
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "schema": (int,), "trajectory_id": (str,), "group_id": (int,), "prompt_uid": (str,), "generator_id": (int,),
+    "finish_reason": (str,), "reward": (float, int), "reward_extras": (dict,), "response_text": (str,),
+    "num_prompt_tokens": (int,), "num_response_tokens": (int,),
+    **{name: (bytes,) for name, *_ in _ARRAY_FIELDS},
 }
+_FIELD_NAMES = frozenset(_FIELD_TYPES)
+# The common case in one comparison (a float reward); anything else takes the per-field loop.
+_USUAL_TYPES = tuple(kinds[0] for kinds in _FIELD_TYPES.values())
+# Reductions called directly: ``ndarray.min()`` adds a Python-level wrapper per call.
+_min, _max = np.minimum.reduce, np.maximum.reduce
 
 
 _TRAJECTORY_ID = re.compile(r".*/[0-9]+", re.DOTALL)
@@ -111,31 +120,22 @@ class SendTimeoutError(TimeoutError):
 
 
 # ------------------------------------------------------------------------------------------ codec
-def _pack_array(traj: Trajectory, name: str, ext_code: int, dtype: np.dtype, code: str) -> msgpack.ExtType:
-    # struct.pack is 2-3x faster than building a numpy array from a Python list, and it
-    # range-checks every value (numpy < 2 wraps silently; numpy truncates floats into ints).
-    values = getattr(traj, name)
-    try:
-        return msgpack.ExtType(ext_code, struct.pack(f"<{len(values)}{code}", *values))
-    except (struct.error, TypeError) as e:
-        raise ValueError(f"trajectory {traj.trajectory_id}: {name} cannot be sent as {dtype.name}: {e}") from e
-
-
 def encode_trajectory(traj: Trajectory) -> list[bytes]:
-    """Encode one trajectory in the schema-2 wire format (module docstring).
+    """Encode one trajectory in the schema-3 wire format (module docstring).
 
     Args:
         traj: the trajectory. ``reward`` and ``reward_extras`` values are sent as float (their
-            declared type); everything else is sent exactly.
+            declared type); everything else is sent exactly. Its per-token arrays are packed as
+            they are (a field reassigned after construction is converted first).
 
     Returns:
         The message's frames: one ``bytes`` frame, the msgpack map (a list so that a later
         schema can add frames without changing the API).
 
     Raises:
-        ValueError: a token id outside int32, a ``loss_mask`` value outside 0..255, a
-            ``policy_version`` outside int64, a non-integer in an integer field, a per-token
-            field that is not a flat sequence of numbers, or a non-numeric ``reward_extras`` value.
+        ValueError: a per-token field its wire dtype cannot hold (``per_token_array``: a token
+            id outside int32, a ``loss_mask`` value outside 0..255, a non-integer in an integer
+            field, not a flat sequence of numbers), or a non-numeric ``reward_extras`` value.
     """
     try:
         extras = {str(k): float(v) for k, v in traj.reward_extras.items()}
@@ -148,8 +148,9 @@ def encode_trajectory(traj: Trajectory) -> list[bytes]:
         "reward_extras": extras, "response_text": traj.response_text,
         "num_prompt_tokens": len(traj.prompt_ids), "num_response_tokens": len(traj.response_ids),
     }
-    for name, ext_code, dtype, code, _ in _ARRAY_FIELDS:
-        message[name] = _pack_array(traj, name, ext_code, dtype, code)
+    for name, *_ in _ARRAY_FIELDS:
+        # A byte view of the array's own memory: msgpack copies it once, into the frame.
+        message[name] = memoryview(per_token_array(getattr(traj, name), name, traj.trajectory_id)).cast("B")
     return [msgpack.packb(message, use_bin_type=True)]
 
 
@@ -197,25 +198,26 @@ def _decode_group_closed(message: dict) -> GroupClosed:
 
 
 def _check_fields(message: Any) -> None:
-    if not isinstance(message, dict):
+    if type(message) is not dict:
         raise MalformedMessageError(f"message is a msgpack {type(message).__name__}, expected a map")
     if message.get("schema") != SCHEMA_VERSION:
         raise MalformedMessageError(
             f"schema version {message.get('schema')!r}, this decoder reads version {SCHEMA_VERSION} "
             "(sender and receiver run different async-rl versions?)")
-    missing = sorted(set(_FIELD_TYPES) - set(message))
-    unexpected = sorted(set(message) - set(_FIELD_TYPES), key=str)
-    if missing or unexpected:
+    if message.keys() != _FIELD_NAMES:
+        missing = sorted(_FIELD_NAMES - set(message))
+        unexpected = sorted(set(message) - _FIELD_NAMES, key=str)
         raise MalformedMessageError(f"fields missing {missing}, unexpected {unexpected}")
-    for key, kind in _FIELD_TYPES.items():
-        # bool is an int subclass; a bool in a count or id field is a sender bug.
-        if not isinstance(message[key], kind) or isinstance(message[key], bool):
-            raise MalformedMessageError(f"field {key!r} is {type(message[key]).__name__}, expected {kind}")
+    if tuple(map(type, map(message.__getitem__, _FIELD_TYPES))) != _USUAL_TYPES:
+        for key, kinds in _FIELD_TYPES.items():
+            if type(message[key]) not in kinds:
+                raise MalformedMessageError(f"field {key!r} is {type(message[key]).__name__}, expected "
+                                            f"{' or '.join(k.__name__ for k in kinds)}")
     for key in ("num_prompt_tokens", "num_response_tokens"):
         if message[key] < 0:
             raise MalformedMessageError(f"field {key!r} is negative ({message[key]})")
     extras = message["reward_extras"]
-    if not all(isinstance(k, str) and isinstance(v, float) for k, v in extras.items()):
+    if not all(type(k) is str and type(v) is float for k, v in extras.items()):
         raise MalformedMessageError(f"reward_extras must map str -> float, got {extras!r:.200}")
 
 
@@ -227,17 +229,18 @@ def _check_values(message: dict, arrays: dict[str, np.ndarray]) -> None:
     problems = []
     if message["num_prompt_tokens"] == 0:
         problems.append("no prompt token")
+    # One reduction per array on the accepted path; the counts for the message only on rejection.
     for name in ("prompt_ids", "response_ids"):
-        if arrays[name].size and arrays[name].min() < 0:
-            problems.append(f"{name} holds a negative token id ({arrays[name].min()})")
+        if arrays[name].size and _min(arrays[name]) < 0:
+            problems.append(f"{name} holds a negative token id ({_min(arrays[name])})")
     logprobs = arrays["behavior_logprobs"]
-    if np.isnan(logprobs).any() or np.isposinf(logprobs).any():
+    if logprobs.size and not _max(logprobs) < math.inf:  # max is NaN when any is; NaN < inf is False
         problems.append(f"behavior_logprobs holds NaN or +inf ({int((np.isnan(logprobs) | np.isposinf(logprobs)).sum())} "
                         "tokens)")
-    if arrays["loss_mask"].size and arrays["loss_mask"].max() > 1:
-        problems.append(f"loss_mask holds {arrays['loss_mask'].max()} (0 or 1 only)")
-    if arrays["policy_version"].size and arrays["policy_version"].min() < 0:
-        problems.append(f"policy_version holds {arrays['policy_version'].min()} (versions are >= 0)")
+    if arrays["loss_mask"].size and _max(arrays["loss_mask"]) > 1:
+        problems.append(f"loss_mask holds {_max(arrays['loss_mask'])} (0 or 1 only)")
+    if arrays["policy_version"].size and _min(arrays["policy_version"]) < 0:
+        problems.append(f"policy_version holds {_min(arrays['policy_version'])} (versions are >= 0)")
     if not math.isfinite(message["reward"]):
         problems.append(f"reward is {message['reward']!r}")
     bad_extras = sorted(k for k, v in message["reward_extras"].items() if not math.isfinite(v))
@@ -248,7 +251,7 @@ def _check_values(message: dict, arrays: dict[str, np.ndarray]) -> None:
 
 
 def decode_trajectory(frames: Sequence[Any]) -> Trajectory:
-    """Decode the frames of one schema-2 message back into a ``Trajectory``.
+    """Decode the frames of one schema-3 message back into a ``Trajectory``.
 
     Args:
         frames: the message's frames (one), each a buffer-protocol object (``bytes``,
@@ -262,7 +265,7 @@ def decode_trajectory(frames: Sequence[Any]) -> Trajectory:
     Raises:
         MalformedMessageError (a ``ValueError``): a wrong frame count, bytes that are not one
             msgpack map, a schema version other than ``SCHEMA_VERSION``, missing, unexpected or
-            mistyped fields, an array whose ext code or byte size does not match its field's
+            mistyped fields, an array payload whose byte size does not match its field's
             dtype and token count, or a value the learner cannot train on (module docstring:
             the trajectory id, an empty prompt, a negative token id or version, a NaN or +inf
             log-prob, a loss mask other than 0/1, a non-finite reward). The message names the
@@ -289,16 +292,15 @@ def decode_message(frames: Sequence[Any]) -> Message:
     if isinstance(message, dict) and message.get("schema") == SCHEMA_VERSION and message.get("kind") == "group_closed":
         return _decode_group_closed(message)
     _check_fields(message)
-    arrays: dict[str, Any] = {}
-    for name, ext_code, dtype, _, length_key in _ARRAY_FIELDS:
-        ext, count = message.pop(name), message[length_key]
-        if ext.code != ext_code or len(ext.data) != count * dtype.itemsize:
+    arrays: dict[str, np.ndarray] = {}
+    for name, dtype, length_key in _ARRAY_FIELDS:
+        data, count = message.pop(name), message[length_key]
+        if len(data) != count * dtype.itemsize:
             raise MalformedMessageError(
-                f"trajectory {message['trajectory_id']}: {name} is ext type {ext.code} of {len(ext.data)} bytes, "
-                f"expected ext type {ext_code} of {count * dtype.itemsize} bytes ({count} x {dtype.name})")
-        arrays[name] = np.frombuffer(ext.data, dtype=dtype)
+                f"trajectory {message['trajectory_id']}: {name} is {len(data)} bytes, "
+                f"expected {count * dtype.itemsize} bytes ({count} x {dtype.name})")
+        arrays[name] = np.frombuffer(data, dtype=dtype)
     _check_values(message, arrays)
-    arrays = {name: values.tolist() for name, values in arrays.items()}
     return Trajectory(
         trajectory_id=message["trajectory_id"], group_id=message["group_id"], prompt_uid=message["prompt_uid"],
         finish_reason=message["finish_reason"], reward=float(message["reward"]),
@@ -460,9 +462,14 @@ class ZmqTrajectoryReceiver(_ReceiverBase):
             self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _recv_frames(self, timeout_s: float | None) -> Sequence[Any] | None:
-        if not self._sock.poll(_timeout_ms(timeout_s), zmq.POLLIN):
-            return None
         # copy=True: typical messages are < 64 KiB, where copying beats zmq.Frame tracking.
+        # A non-blocking read first: while messages are queued (the busy case) no poll is paid.
+        try:
+            return self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            pass
+        if timeout_s == 0 or not self._sock.poll(_timeout_ms(timeout_s), zmq.POLLIN):
+            return None
         return self._sock.recv_multipart(copy=True)
 
     def close(self) -> None:

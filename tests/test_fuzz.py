@@ -45,9 +45,9 @@ import pytest
 import zmq
 
 from async_rl.buffers.replay import ReplayBuffer
-from async_rl.buffers.trajectory import Trajectory
-from async_rl.buffers.transport import (GroupClosed, MalformedMessageError, ZmqTrajectoryReceiver, decode_message,
-                                        encode_message)
+from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, Trajectory
+from async_rl.buffers.transport import (SCHEMA_VERSION, GroupClosed, MalformedMessageError, ZmqTrajectoryReceiver,
+                                        decode_message, encode_message)
 from async_rl.data.builtin import ARITHMETIC_DATA_SOURCE
 from async_rl.data.dataset import BAD_ROW_REASONS, BadRowError, PromptDataset
 from async_rl.rewards.scorer import REJECT_REASONS as REWARD_REJECT_REASONS
@@ -598,12 +598,12 @@ def _random_value(rng: random.Random, depth: int = 0) -> Any:
             lambda: "",
             lambda: [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))],
             lambda: {junk_text(rng, 6): _random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))},
-            lambda: {"schema": 2, "kind": "group_closed", "group_id": _random_value(rng, depth + 1),
+            lambda: {"schema": SCHEMA_VERSION, "kind": "group_closed", "group_id": _random_value(rng, depth + 1),
                      "num_kept": _random_value(rng, depth + 1)}][kind]()
 
 
-def _array(values: list, code: str, ext_code: int) -> msgpack.ExtType:
-    return msgpack.ExtType(ext_code, struct.pack(f"<{len(values)}{code}", *values))
+def _array(values: list, code: str) -> bytes:
+    return struct.pack(f"<{len(values)}{code}", *values)
 
 
 def _packed(message: dict) -> bytes:
@@ -616,15 +616,15 @@ def _semantic(rng: random.Random, message: dict) -> dict:
     kind = rng.randrange(9) if r else rng.choice([0, 5, 6, 7, 8])
     if kind == 0:
         message["prompt_ids"], message["num_prompt_tokens"] = rng.choice([
-            (_array([-1] * 3, "i", 1), 3), (_array([], "i", 1), 0)])
+            (_array([-1] * 3, "i"), 3), (_array([], "i"), 0)])
     elif kind == 1:
-        message["response_ids"] = _array([rng.randint(-2**31, -1)] * r, "i", 1)
+        message["response_ids"] = _array([rng.randint(-2**31, -1)] * r, "i")
     elif kind == 2:
-        message["behavior_logprobs"] = _array([rng.choice([math.nan, math.inf])] * r, "d", 2)
+        message["behavior_logprobs"] = _array([rng.choice([math.nan, math.inf])] * r, "d")
     elif kind == 3:
-        message["loss_mask"] = _array([rng.randint(2, 255)] * r, "B", 3)
+        message["loss_mask"] = _array([rng.randint(2, 255)] * r, "B")
     elif kind == 4:
-        message["policy_version"] = _array([rng.randint(-2**63, -1)] * r, "q", 4)
+        message["policy_version"] = _array([rng.randint(-2**63, -1)] * r, "q")
     elif kind == 5:
         message["reward"] = rng.choice([math.nan, math.inf, -math.inf])
     elif kind == 6:
@@ -674,10 +674,12 @@ def malformed_frames(rng: random.Random, valid: list[list[bytes]]) -> list[Any]:
         key = rng.choice(["num_prompt_tokens", "num_response_tokens"])
         message[key] = rng.choice([2**31, 2**63 - 1, 2**64 - 1, -1, message[key] + 1, max(0, message[key] - 1)])
         return [_packed(message)]
-    if kind == 8:  # an array of the wrong dtype or ext code
+    if kind == 8:  # an array buffer truncated, grown, of another dtype's size, or not a bin (schema 2's ext)
         name = rng.choice(["prompt_ids", "response_ids", "behavior_logprobs", "loss_mask", "policy_version"])
-        ext = message[name]
-        message[name] = msgpack.ExtType(rng.choice([c for c in range(6) if c != ext.code]), ext.data)
+        data = message[name]
+        message[name] = rng.choice([data[: rng.randrange(len(data))] if data else b"\x00",
+                                    data + bytes(rng.randint(1, 9)), data * 2 if data else b"\x01" * 3,
+                                    msgpack.ExtType(rng.randint(1, 4), data), list(data)])
         return [_packed(message)]
     return [_packed(_semantic(rng, message))]
 
@@ -692,7 +694,7 @@ MALFORMED_REASONS = [
     ("field_type", r"field '\w+' is \w+, expected"),
     ("negative_count", r"field '\w+' is negative"),
     ("reward_extras_type", r"reward_extras must map str -> float"),
-    ("array_size", r"trajectory .*: \w+ is ext type \d+ of \d+ bytes, expected"),
+    ("array_size", r"trajectory .*: \w+ is \d+ bytes, expected \d+ bytes \(\d+ x \w+\)"),
     ("trajectory_id", r"trajectory_id .* is not '<group>/<index in group>'"),
     ("values", r"trajectory '.*': (no prompt token|\w+ holds|reward is|reward_extras .* are not finite)"),
     ("group_closed", r"group_closed message has"),
@@ -715,8 +717,9 @@ def assert_trainable(msg: Any) -> None:
     assert isinstance(msg, Trajectory)
     r = len(msg.response_ids)
     assert len(msg.behavior_logprobs) == len(msg.loss_mask) == len(msg.policy_version) == r
-    assert len(msg.prompt_ids) >= 1 and min(msg.prompt_ids + msg.response_ids) >= 0
-    assert not any(math.isnan(x) or x == math.inf for x in msg.behavior_logprobs)
+    assert {name: getattr(msg, name).dtype for name in PER_TOKEN_DTYPES} == PER_TOKEN_DTYPES
+    assert len(msg.prompt_ids) >= 1 and min(msg.prompt_ids.tolist() + msg.response_ids.tolist()) >= 0
+    assert not any(math.isnan(x) or x == math.inf for x in msg.behavior_logprobs.tolist())
     assert set(msg.loss_mask) <= {0, 1} and all(v >= 0 for v in msg.policy_version)
     assert math.isfinite(msg.reward) and all(math.isfinite(v) for v in msg.reward_extras.values())
     int(msg.trajectory_id.rsplit("/", 1)[1])  # how the learner orders a group

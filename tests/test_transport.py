@@ -14,12 +14,13 @@ import time
 import msgpack
 import numpy as np
 import pytest
+import torch
 import zmq
 
-from async_rl.buffers.trajectory import Trajectory
+from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, Trajectory, collate
 from async_rl.buffers.transport import (
     SCHEMA_VERSION, InProcTrajectoryReceiver, MalformedMessageError, SendTimeoutError, TrajectoryReceiver,
-    TrajectorySender, ZmqSenderFactory, ZmqTrajectoryReceiver, decode_trajectory, encode_trajectory,
+    TrajectorySender, ZmqSenderFactory, ZmqTrajectoryReceiver, decode_message, decode_trajectory, encode_trajectory,
     make_transport,
 )
 
@@ -66,8 +67,12 @@ def test_codec_round_trip_is_exact(traj, as_memoryview):
     out = roundtrip(traj, as_memoryview)
     assert out == traj
     assert bits(out.behavior_logprobs) == bits(traj.behavior_logprobs)  # bit-exact, -0.0 and subnormals too
-    assert all(type(x) is float for x in out.behavior_logprobs)
-    assert all(type(x) is int for x in out.response_ids + out.prompt_ids + out.loss_mask + out.policy_version)
+    for name, dtype in PER_TOKEN_DTYPES.items():
+        got, sent = getattr(out, name), getattr(traj, name)
+        assert got.dtype == dtype and got.ndim == 1 and got.tobytes() == sent.tobytes(), name
+    assert (out.trajectory_id, out.group_id, out.prompt_uid, out.finish_reason, out.response_text, out.generator_id) == (
+        traj.trajectory_id, traj.group_id, traj.prompt_uid, traj.finish_reason, traj.response_text, traj.generator_id)
+    assert bits([out.reward]) == bits([traj.reward]) and out.reward_extras == traj.reward_extras
 
 
 def test_codec_layout_is_the_documented_schema():
@@ -75,15 +80,16 @@ def test_codec_layout_is_the_documented_schema():
     frames = encode_trajectory(traj)
     assert len(frames) == 1
     message = msgpack.unpackb(frames[0])
-    assert message["schema"] == SCHEMA_VERSION == 2
+    assert message["schema"] == SCHEMA_VERSION == 3
     assert message["generator_id"] == traj.generator_id
     assert (message["num_prompt_tokens"], message["num_response_tokens"]) == (3, 4)
-    arrays = {k: v for k, v in message.items() if isinstance(v, msgpack.ExtType)}
-    assert {k: (v.code, len(v.data)) for k, v in arrays.items()} == {
-        "prompt_ids": (1, 3 * 4), "response_ids": (1, 4 * 4), "behavior_logprobs": (2, 4 * 8),
-        "loss_mask": (3, 4 * 1), "policy_version": (4, 4 * 8)}
-    assert np.frombuffer(arrays["behavior_logprobs"].data, "<f8").tolist() == traj.behavior_logprobs
-    assert np.frombuffer(arrays["prompt_ids"].data, "<i4").tolist() == traj.prompt_ids
+    arrays = {k: v for k, v in message.items() if isinstance(v, bytes)}
+    assert {k: len(v) for k, v in arrays.items()} == {
+        "prompt_ids": 3 * 4, "response_ids": 4 * 4, "behavior_logprobs": 4 * 8, "loss_mask": 4 * 1,
+        "policy_version": 4 * 8}
+    assert np.frombuffer(arrays["behavior_logprobs"], "<f8").tolist() == traj.behavior_logprobs.tolist()
+    assert np.frombuffer(arrays["prompt_ids"], "<i4").tolist() == traj.prompt_ids.tolist()
+    assert arrays["loss_mask"] == bytes(traj.loss_mask.tolist())
     assert b"\x80\x04" not in frames[0] and b"\x80\x05" not in frames[0]  # no pickle protocol 4/5 stream
 
 
@@ -114,27 +120,23 @@ def _message(**changes) -> bytes:
     return msgpack.packb(message)
 
 
-def _logprobs(data: bytes, code: int = 2) -> msgpack.ExtType:
-    return msgpack.ExtType(code, data)
-
-
 def _encoded(**kw) -> bytes:
     """The one frame of ``make_traj("a/0", **kw)``: the encoder carries what the decoder refuses."""
     return encode_trajectory(make_traj(kw.pop("trajectory_id", "a/0"), **kw))[0]
 
 
 _GOOD = encode_trajectory(make_traj("a/0"))[0]
-_LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"].data
+_LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"]
 
 
 @pytest.mark.parametrize("frames, match", [
-    ([], "0 frames, schema 2 has 1"),
+    ([], "0 frames, schema 3 has 1"),
     ([_GOOD, b""], "2 frames"),
     ([_GOOD[:-3]], "not valid msgpack"),
     ([b"\xc1\xc1garbage"], "not valid msgpack"),
     ([_GOOD + b"\x00"], "not valid msgpack: ExtraData"),
     ([msgpack.packb([1, 2])], "msgpack list, expected a map"),
-    ([_message(schema=3)], "schema version 3, this decoder reads version 2"),
+    ([_message(schema=2)], "schema version 2, this decoder reads version 3"),
     ([_message(schema=...)], "schema version None"),
     ([_message(reward=...)], r"missing \['reward'\]"),
     ([_message(behavior_logprobs=...)], r"missing \['behavior_logprobs'\]"),
@@ -144,10 +146,10 @@ _LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"].data
     ([_message(loss_mask=[1, 0, 1, 1, 0, 1, 1])], "'loss_mask' is list"),
     ([_message(num_response_tokens=-1)], "negative"),
     ([_message(reward_extras={"acc": "1"})], "reward_extras must map"),
-    ([_message(behavior_logprobs=_logprobs(_LOGPROBS[:-1]))],
-     r"behavior_logprobs is ext type 2 of 55 bytes, expected ext type 2 of 56 bytes \(7 x float64\)"),
-    ([_message(behavior_logprobs=_logprobs(_LOGPROBS, code=4))], "behavior_logprobs is ext type 4"),
-    ([_message(num_prompt_tokens=6)], "prompt_ids is ext type 1 of 20 bytes, expected ext type 1 of 24 bytes"),
+    ([_message(behavior_logprobs=_LOGPROBS[:-1])],
+     r"trajectory a/0: behavior_logprobs is 55 bytes, expected 56 bytes \(7 x float64\)"),
+    ([_message(behavior_logprobs=msgpack.ExtType(2, _LOGPROBS))], "'behavior_logprobs' is ExtType, expected bytes"),
+    ([_message(num_prompt_tokens=6)], r"prompt_ids is 20 bytes, expected 24 bytes \(6 x int32\)"),
     # Well-formed layouts holding values the learner cannot train on (found by tests/test_fuzz.py).
     ([_encoded(trajectory_id="a")], "trajectory_id 'a' is not '<group>/<index in group>'"),
     ([_encoded(trajectory_id="a/x")], "is not '<group>/<index in group>'"),
@@ -314,3 +316,107 @@ def test_group_closed_travels_with_trajectories():
     sender = make_sender()
     sender.send(GroupClosed(1, 0))
     assert receiver.recv(1.0) == GroupClosed(1, 0)
+
+
+# ------------------------------------------------------------------ schema 3: arrays as arrays
+@pytest.mark.parametrize("num_prompt, num_response", [(1, 0), (5, 7), (100, 1000), (3, 32_768)])
+def test_every_field_round_trips_bit_for_bit_with_its_dtype(num_prompt, num_response):
+    rng = np.random.default_rng(num_response)
+    # Log-probs with every awkward float64: -0.0, subnormals, -inf, the next float after -1.
+    special = [-0.0, -5e-324, -1e-310, -math.inf, -1.0000000000000002, -1e308]
+    logprobs = (-rng.exponential(3.0, num_response)).tolist()
+    logprobs[: len(special)] = special[:num_response]
+    traj = make_traj("9/3", group_id=9, num_prompt=num_prompt, num_response=num_response, seed=num_response,
+                     behavior_logprobs=logprobs, prompt_ids=rng.integers(0, 2**31 - 1, num_prompt).tolist(),
+                     policy_version=[2**62] * num_response, generator_id=5, reward=-0.0,
+                     reward_extras={"acc": 5e-324, "len": -1.5}, response_text="é" * num_response)
+    out = roundtrip(traj)
+    for name, dtype in PER_TOKEN_DTYPES.items():
+        sent, got = getattr(traj, name), getattr(out, name)
+        assert got.dtype == dtype and got.shape == sent.shape == (len(sent),)
+        assert got.tobytes() == sent.tobytes(), name  # bit for bit, incl. -0.0 and NaN-free subnormals
+    assert bits(out.behavior_logprobs) == bits(logprobs)
+    assert out.as_dict() == traj.as_dict() and out == traj
+    assert bits([out.reward, *out.reward_extras.values()]) == bits([-0.0, 5e-324, -1.5])
+    assert (out.num_tokens, out.min_version) == (num_prompt + num_response, 2**62 if num_response else 0)
+    # The decoded arrays are views of the received message: no per-token Python objects, read-only.
+    assert not out.response_ids.flags.writeable and isinstance(out.response_ids, np.ndarray)
+
+
+def test_trajectory_holds_wire_dtypes_and_converts_exactly_or_refuses():
+    traj = make_traj("a/0", prompt_ids=np.array([1, 2, 3], dtype=np.int64),
+                     behavior_logprobs=np.full(7, -0.5, dtype=np.float32), loss_mask=np.ones(7, dtype=bool))
+    assert {name: getattr(traj, name).dtype for name in PER_TOKEN_DTYPES} == PER_TOKEN_DTYPES
+    assert traj.prompt_ids.tolist() == [1, 2, 3] and traj.loss_mask.tolist() == [1] * 7
+    same = np.arange(7, dtype="<i4")
+    assert make_traj("a/1", response_ids=same).response_ids is same  # right dtype: kept, not copied
+    with pytest.raises(ValueError, match=r"trajectory a/2: prompt_ids cannot be sent as int32: .*<= 2147483647"):
+        make_traj("a/2", prompt_ids=np.array([2**31], dtype=np.int64))
+    with pytest.raises(ValueError, match="response_ids cannot be sent as int32: dtype float64 is not an integer"):
+        make_traj("a/3", response_ids=np.zeros(7))
+    with pytest.raises(ValueError, match="loss_mask cannot be sent as uint8: a 2-D array"):
+        make_traj("a/4", loss_mask=np.ones((7, 1), dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"per-token fields disagree in length \(response_ids 7, behavior_logprobs 6"):
+        make_traj("a/5", behavior_logprobs=[-1.0] * 6)
+    # A checkpointed buffer keeps plain lists; they rebuild an equal trajectory.
+    plain = traj.as_dict()
+    assert type(plain["response_ids"]) is list and Trajectory(**plain) == traj
+    assert traj != make_traj("a/0", prompt_ids=[1, 2, 4])
+
+
+def test_collate_from_arrays_matches_hand_layout():
+    t = Trajectory("0/0", 0, "u", [7, 8, 9], [4, 5, 2], [-0.5, -0.25, -1.0], [1, 0, 1], "stop", [3, 3, 3])
+    batch = collate([t, Trajectory("0/1", 0, "u", [7], [6], [-2.0], [1], "stop", [3])], pad_token_id=0)
+    assert batch.input_ids.tolist() == [[7, 8, 9, 4, 5, 2], [7, 6, 0, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 0, 1], [1, 0, 0, 0, 0]]
+    assert batch.behavior_logprobs.tolist() == [[0, 0, -0.5, -0.25, -1.0], [-2.0, 0, 0, 0, 0]]  # label-aligned
+    assert batch.input_ids.dtype == torch.long and batch.behavior_logprobs.dtype == torch.float32
+
+
+def _garbled(rng: np.random.Generator) -> list[bytes]:
+    """A schema-3 message whose array buffers are truncated, padded or garbled; each is malformed."""
+    message = msgpack.unpackb(encode_trajectory(make_traj("g/0", num_prompt=4, num_response=6))[0])
+    name = ["prompt_ids", "response_ids", "behavior_logprobs", "loss_mask", "policy_version"][rng.integers(5)]
+    data = message[name]
+    kind = rng.integers(4)
+    if kind == 0:
+        message[name] = data[: rng.integers(len(data))]  # truncated
+    elif kind == 1:
+        message[name] = data + bytes(int(rng.integers(1, 8)))  # trailing bytes
+    elif kind == 2:  # garbled bytes of the right size, made invalid for the field
+        message[name] = {"prompt_ids": b"\xff" * 16, "response_ids": b"\xff" * 24,
+                         "behavior_logprobs": np.full(6, np.nan).tobytes(), "loss_mask": b"\x07" * 6,
+                         "policy_version": b"\xff" * 48}[name]
+    else:
+        message[name] = msgpack.ExtType(1, data)  # schema 2's encoding of an array
+    return [msgpack.packb(message, use_bin_type=True)]
+
+
+def test_truncated_or_garbled_array_buffers_are_refused_and_counted_once_each(caplog):
+    rng = np.random.default_rng(0)
+    bad = [_garbled(rng) for _ in range(40)]
+    for frames in bad:
+        with pytest.raises(MalformedMessageError, match=r"trajectory 'g/0'|trajectory g/0: \w+ is \d+ bytes|is ExtType"):
+            decode_trajectory(frames)
+    receiver, make_sender = make_transport("inproc", hwm=64)
+    good = make_traj("ok/0")
+    for frames in bad:
+        receiver._channel.queue.put(frames)
+    make_sender().send(good)
+    with caplog.at_level(logging.WARNING, logger="async_rl.buffers.transport"):
+        assert receiver.recv(timeout_s=5.0) == good
+    assert (receiver.num_malformed, receiver.num_received) == (len(bad), 1)
+    assert caplog.text.count("rejected malformed message") == len(bad)
+
+
+def test_a_schema_2_message_is_refused_with_one_line_naming_both_versions():
+    """What a generator of the previous release sends (per-token fields as msgpack ext types)."""
+    traj = make_traj("a/0")
+    old = {"schema": 2, **{k: v for k, v in msgpack.unpackb(encode_trajectory(traj)[0]).items() if k != "schema"}}
+    for code, name in enumerate(PER_TOKEN_DTYPES, start=1):
+        old[name] = msgpack.ExtType(min(code, 4), old[name])
+    with pytest.raises(MalformedMessageError) as e:
+        decode_trajectory([msgpack.packb(old, use_bin_type=True)])
+    assert str(e.value) == ("schema version 2, this decoder reads version 3 "
+                            "(sender and receiver run different async-rl versions?)")

@@ -346,7 +346,7 @@ class AsyncLoop:
             return "trajectory_id_of_another_group"
         if int(index) >= self.n:
             return "index_outside_group"
-        if len(msg.policy_version) and max(msg.policy_version) > self.ctx.learner.version:
+        if len(msg.policy_version) and int(msg.policy_version.max()) > self.ctx.learner.version:
             return "future_policy_version"
         return None
 
