@@ -92,7 +92,8 @@ def learner_class(cfg: LearnerConfig):
 
 
 def _follower_threads(cfg: LearnerConfig) -> int:
-    return cfg.num_threads or max(1, (os.cpu_count() or 1) // cfg.world_size)
+    # Pinned (learner.cpu_affinity): as many threads as its cores; else a share of the machine.
+    return cfg.num_threads or len(cfg.cpu_affinity) or max(1, (os.cpu_count() or 1) // cfg.world_size)
 
 
 class LearnerRank:
@@ -113,8 +114,9 @@ class LearnerRank:
         """Join, build, serve until rank 0 stops us; returns the number of calls served."""
         from async_rl.learners.spmd import serve_commands
 
-        from async_rl.cluster import group_ip, use_node_interface
+        from async_rl.cluster import group_ip, pin_process, use_node_interface
 
+        pin_process(self.learner_args[0].cpu_affinity, "learner.cpu_affinity")
         torch.set_num_threads(_follower_threads(self.learner_args[0]))
         host, port = self.store_address
         use_node_interface(group_ip(host))  # gloo announces this node's address (loopback on one node)
@@ -349,6 +351,9 @@ def follow_from_env(cfg: LearnerConfig, algo, model_path: str, temperature: floa
     """
     from async_rl.learners.spmd import serve_commands
 
+    from async_rl.cluster import pin_process
+
+    pin_process(cfg.cpu_affinity, "learner.cpu_affinity")
     torch.set_num_threads(_follower_threads(cfg))
     dist.init_process_group(process_group_backend(learner_device(cfg)), init_method="env://", timeout=PG_TIMEOUT)
     try:
