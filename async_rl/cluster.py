@@ -26,7 +26,8 @@ every socket binds, and where each actor is placed.
   learner (its collectives want one fast link), spread for the generators (their engines share
   nothing). Where each actor landed is printed at start and written to ``placement.json`` in the
   run directory. Ray's CPU accounting only admits actors; their torch threads come from the
-  thread budget (``loops.async_loop.thread_budget``), since Ray does not pin cores.
+  thread budget (``loops.async_loop.thread_budget``), since Ray does not pin cores; a role can be
+  pinned to cores of its own (``generator.cpu_affinity``, ``learner.cpu_affinity``: ``pin_process``).
 """
 
 from __future__ import annotations

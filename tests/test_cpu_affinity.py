@@ -102,3 +102,46 @@ def test_generator_worker_runs_on_its_cores(tiny_model_path):
     core = sorted(os.sched_getaffinity(0))[0]
     tasks = _child(_worker_in_child, tiny_model_path, core)
     assert tasks and all(cpus == [core] for cpus in tasks.values()), tasks
+
+
+def _sync_phases_in_child(gen_core: int, learn_core: int, queue) -> None:
+    import types
+
+    import torch
+
+    from async_rl.cluster import pin_process
+    from async_rl.loops import sync
+    from async_rl.rollout import RolloutResult
+
+    pin_process([learn_core], "learner.cpu_affinity")  # as the trainer does at build
+    torch.set_num_threads(1)
+    seen = []
+
+    def collect(*args, **kwargs):
+        seen.append(("generate", sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+        return RolloutResult([], 0, 0, 0), {}, 1
+
+    def learn_on(ctx, step, ro):
+        seen.append(("train", sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+        return {}
+
+    sync.collect_step_rollouts, sync.learn_on = collect, learn_on
+    scorer = types.SimpleNamespace(pop_metrics=lambda: {"reward/scored": 1.0, "reward/errors": 0.0}, first_error=None)
+    publisher = types.SimpleNamespace(push=lambda version: {})
+    cfg = types.SimpleNamespace(generator=types.SimpleNamespace(cpu_affinity=[gen_core]))
+    ctx = types.SimpleNamespace(cfg=cfg, scorer=scorer, publisher=publisher, agent=None, train_ds=None,
+                                generator=None, tokenizer=None, params=None, learner=types.SimpleNamespace(version=1))
+    loop = sync.SyncLoop(ctx)
+    loop.step(1)
+    loop.step(2)
+    queue.put(seen)
+
+
+@needs_linux
+def test_sync_mode_generates_on_the_generator_cores_and_trains_on_the_learner_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two CPUs this process may use")
+    gen, learn = cores[0], cores[1]
+    seen = _child(_sync_phases_in_child, gen, learn)
+    assert seen == [("generate", [gen], 1), ("train", [learn], 1)] * 2
