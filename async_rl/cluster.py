@@ -26,7 +26,8 @@ every socket binds, and where each actor is placed.
   learner (its collectives want one fast link), spread for the generators (their engines share
   nothing). Where each actor landed is printed at start and written to ``placement.json`` in the
   run directory. Ray's CPU accounting only admits actors; their torch threads come from the
-  thread budget (``loops.async_loop.thread_budget``), since Ray does not pin cores.
+  thread budget (``loops.async_loop.thread_budget``), since Ray does not pin cores; a role can be
+  pinned to cores of its own (``generator.cpu_affinity``, ``learner.cpu_affinity``: ``pin_process``).
 """
 
 from __future__ import annotations
@@ -249,11 +250,63 @@ def tcp_store(host: str, world_size: int, timeout, wait_for_workers: bool = Fals
 
 
 def where() -> dict[str, Any]:
-    """Where the calling process runs: Ray node id and IP, host name, pid."""
+    """Where the calling process runs: Ray node id and IP, host name, pid, and the CPU ids the
+    calling thread may run on (``cpus``: ``os.sched_getaffinity``, Linux; ``None`` elsewhere)."""
     import ray
 
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_ip(),
-            "hostname": socket.gethostname(), "pid": os.getpid()}
+            "hostname": socket.gethostname(), "pid": os.getpid(), "cpus": cpus}
+
+
+def check_cpu_affinity(key: str, cores: list[int]) -> None:
+    """Validate a ``<section>.cpu_affinity`` list at load: CPU ids >= 0, each once.
+
+    Raises:
+        ValueError: a negative, non-integer or repeated id (one line naming ``key``).
+    """
+    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in cores):
+        raise ValueError(f"{key} must list CPU ids >= 0, got {cores}")
+    if len(set(cores)) != len(cores):
+        raise ValueError(f"{key} lists a CPU id twice: {cores}")
+
+
+def pin_process(cores: list[int], key: str) -> list[int]:
+    """Let every thread of the calling process run only on the CPUs ``cores`` (Linux
+    ``sched_setaffinity`` on each task of ``/proc/self/task``); threads and processes started
+    afterwards inherit the mask of the thread that starts them. Ray does not pin cores, and a
+    role's torch threads that float onto another role's cores cost both of them.
+
+    Args:
+        cores: CPU ids of this machine; empty: change nothing.
+        key: the config key they came from, for the error.
+
+    Returns:
+        The calling thread's CPU ids before the call (sorted), to restore them.
+
+    Raises:
+        ValueError: not Linux, or a CPU id this process may not use (beyond ``os.cpu_count()``
+            or outside its cgroup's cpuset).
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"{key}: CPU pinning needs Linux (os.sched_setaffinity); leave it empty here")
+    before = sorted(os.sched_getaffinity(0))
+    if not cores:
+        return before
+    if max(cores) >= (os.cpu_count() or 1):
+        raise ValueError(f"{key}={cores}: this machine has CPU ids 0..{(os.cpu_count() or 1) - 1}")
+    mask = set(cores)
+    # Linux sets the mask per thread: Ray's, torch's and ZeroMQ's threads already run, so each
+    # task is pinned, not only the caller.
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), mask)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+        except OSError as e:
+            raise ValueError(f"{key}={cores}: this process may not run there ({e.strerror}; "
+                             f"allowed: {before})") from None
+    return before
 
 
 def _where_actor(instance) -> dict[str, Any]:  # run inside an actor by ``__ray_call__``

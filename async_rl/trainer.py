@@ -35,7 +35,7 @@ from async_rl.evaluation import evaluate, warm_start
 from async_rl.inputs import check_inputs
 from async_rl.generators import make_generator
 from async_rl.generators.base import SamplingParams
-from async_rl.cluster import Cluster, PlacementConfig
+from async_rl.cluster import Cluster, PlacementConfig, pin_process
 from async_rl.learners.launch import LearnerRankDied, launch_learner, launched_by_torchrun
 from async_rl.loops.base import Loop, RunContext
 from async_rl.loops.sync import SyncLoop
@@ -236,6 +236,10 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
     reward_model = load_reward_model(cfg.reward) if cfg.reward.model else None
     cluster = Cluster.start(cfg) if uses_ray(cfg) else None
     try:
+        # Once Ray's own processes have started (they would inherit the mask): rank 0 on its cores.
+        pin_process(cfg.learner.cpu_affinity, "learner.cpu_affinity")
+        if cfg.learner.cpu_affinity and not cfg.learner.num_threads:
+            torch.set_num_threads(len(cfg.learner.cpu_affinity))
         if cfg.trainer.mode == "async":
             # Reserved now, taken by the pool after the warm start: a cluster that cannot hold the
             # generators, or a loopback bind_host with one on another node, fails in seconds.

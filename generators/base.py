@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 
 import torch
 
-from async_rl.cluster import check_placement
+from async_rl.cluster import check_cpu_affinity, check_placement
 
 GENERATOR_BACKENDS = ("hf", "vllm", "sglang")
 PARTIAL_ROLLOUT_MODES = ("keep", "abort")
@@ -102,6 +102,13 @@ class GeneratorConfig:
     """Async mode: torch CPU threads per generator actor (>= 0); 0 = ``OMP_NUM_THREADS`` where the
     user set it, else the cores of the trainer's CPU affinity divided evenly between the workers
     and the learner (oversubscribed cores slow everything down)."""
+    cpu_affinity: list[int] = field(default_factory=list)
+    """CPU ids every generator process may run on (``os.sched_setaffinity`` on all its threads,
+    Linux; ids >= 0, each once); empty = no pinning (default). Async mode: each actor (and the
+    engine processes it starts) is pinned at start; they all share the listed cores, and
+    ``threads_per_worker: 0`` then gives each actor as many threads as cores listed. Sync mode:
+    the trainer process moves onto these cores while it generates (``learner.cpu_affinity`` while
+    it trains), so both modes can give each role the same cores (``bench/bench_async.py``)."""
     num_cpus_per_worker: float = 1.0
     """Async mode: CPUs Ray reserves for each generator actor (>= 0; placement only: the torch
     threads are ``threads_per_worker``). On a cluster, a node takes as many actors as its
@@ -147,6 +154,7 @@ class GeneratorConfig:
             raise ValueError(f"generator.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {self.partial_rollout!r}")
         check_placement("generator", "worker", self.num_cpus_per_worker, self.num_gpus_per_worker,
                         self.placement_strategy)
+        check_cpu_affinity("generator.cpu_affinity", self.cpu_affinity)
         if self.max_restarts < 0 or not self.heartbeat_timeout_s > 0:
             raise ValueError(f"generator.max_restarts must be >= 0 and heartbeat_timeout_s > 0, got "
                              f"{self.max_restarts} and {self.heartbeat_timeout_s}")

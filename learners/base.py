@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from async_rl.buffers.trajectory import TrainBatch
-from async_rl.cluster import check_placement
+from async_rl.cluster import check_cpu_affinity, check_placement
 from async_rl.lora import LoRAConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -156,6 +156,12 @@ class LearnerConfig:
     """Torch CPU threads of the learner process (>= 0); 0 = ``OMP_NUM_THREADS`` where the user
     set it, else torch's default in sync mode and the cores (CPU affinity) the generator actors
     leave in async mode."""
+    cpu_affinity: list[int] = field(default_factory=list)
+    """CPU ids every learner rank may run on (``os.sched_setaffinity`` on all its threads,
+    Linux; ids >= 0, each once); empty = no pinning (default). The trainer process (rank 0, with
+    its dispatcher and receiver threads in async mode) is pinned once the run's Ray is up, ranks
+    1..N-1 as they start; ``num_threads: 0`` then means as many torch threads as cores listed.
+    With ``generator.cpu_affinity`` it sets each role's cores apart (see there for sync mode)."""
     num_cpus_per_rank: float = 1.0
     """CPUs Ray reserves for each learner rank it places (ranks 1..N-1; >= 0, placement only:
     threads are ``num_threads``)."""
@@ -213,6 +219,7 @@ class LearnerConfig:
         check_placement("learner", "rank", self.num_cpus_per_rank, self.num_gpus_per_rank, self.placement_strategy)
         if self.num_threads < 0:
             raise ValueError(f"learner.num_threads must be >= 0, got {self.num_threads}")
+        check_cpu_affinity("learner.cpu_affinity", self.cpu_affinity)
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"learner.max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}")
         for key in ("micro_batch_size", "num_mini_batches", "num_epochs"):

@@ -93,11 +93,13 @@ def learner_class(cfg: LearnerConfig):
 
 
 def _follower_threads(cfg: LearnerConfig) -> int:
-    """Torch threads of a follower rank: ``learner.num_threads``, else the user's
-    ``OMP_NUM_THREADS``, else this process's cores (its CPU affinity) over the ranks."""
-    from async_rl.cpu_threads import available_cores, user_num_threads
+    """Torch threads of a follower rank: ``learner.num_threads``, else one per core of
+    ``learner.cpu_affinity`` where pinned, else this process's cores (its CPU affinity) over the
+    ranks. ``OMP_NUM_THREADS`` is not read here: in a Ray-placed rank Ray sets it itself (to the
+    actor's ``num_cpus``), so it is not the user's choice."""
+    from async_rl.cpu_threads import available_cores
 
-    return cfg.num_threads or user_num_threads() or max(1, available_cores() // cfg.world_size)
+    return cfg.num_threads or len(cfg.cpu_affinity) or max(1, available_cores() // cfg.world_size)
 
 
 class LearnerRank:
@@ -118,8 +120,9 @@ class LearnerRank:
         """Join, build, serve until rank 0 stops us; returns the number of calls served."""
         from async_rl.learners.spmd import serve_commands
 
-        from async_rl.cluster import group_ip, use_node_interface
+        from async_rl.cluster import group_ip, pin_process, use_node_interface
 
+        pin_process(self.learner_args[0].cpu_affinity, "learner.cpu_affinity")
         torch.set_num_threads(_follower_threads(self.learner_args[0]))
         host, port = self.store_address
         use_node_interface(group_ip(host))  # gloo announces this node's address (loopback on one node)
@@ -354,6 +357,9 @@ def follow_from_env(cfg: LearnerConfig, algo, model_path: str, temperature: floa
     """
     from async_rl.learners.spmd import serve_commands
 
+    from async_rl.cluster import pin_process
+
+    pin_process(cfg.cpu_affinity, "learner.cpu_affinity")
     torch.set_num_threads(_follower_threads(cfg))
     dist.init_process_group(process_group_backend(learner_device(cfg)), init_method="env://", timeout=PG_TIMEOUT)
     try:

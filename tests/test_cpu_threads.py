@@ -82,11 +82,13 @@ def test_a_users_omp_num_threads_wins_over_the_budget():
     assert thread_budget(2, 3, cores=16, user_threads=1) == (3, 1)  # generator.threads_per_worker is more specific
 
 
-def test_follower_threads_config_then_user_then_affinity(monkeypatch):
+def test_follower_threads_config_then_pinned_cores_then_affinity(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert _follower_threads(LearnerConfig(world_size=2)) == 4
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert _follower_threads(LearnerConfig(world_size=2)) == 3
-    assert _follower_threads(LearnerConfig(world_size=2, num_threads=2)) == 2
+    # Ray sets OMP_NUM_THREADS in a placed rank itself (its num_cpus): not the user's choice.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert _follower_threads(LearnerConfig(world_size=2)) == 4
+    assert _follower_threads(LearnerConfig(world_size=2, cpu_affinity=[2, 3, 5])) == 3
+    assert _follower_threads(LearnerConfig(world_size=2, num_threads=2, cpu_affinity=[2, 3, 5])) == 2

@@ -34,7 +34,8 @@
 
 Thread budget: the learner process and each worker get a share of the cores
 (``generator.threads_per_worker``), because oversubscribed torch processes slow each other down
-many-fold on a small machine.
+many-fold on a small machine. ``generator.cpu_affinity`` / ``learner.cpu_affinity`` pin each role
+to cores of its own (``cluster.pin_process``; a pinned role's threads default to its core count).
 """
 
 from __future__ import annotations
@@ -149,9 +150,11 @@ class AsyncLoop:
         self.groups_per_step = t_cfg.prompts_per_step
         # A reward model's actor takes one worker's share of the cores (or reward.model_num_threads).
         with_rm = cfg.reward.model is not None
-        per_worker, learner_threads = thread_budget(g_cfg.num_workers + with_rm, g_cfg.threads_per_worker,
+        # Pinned roles (cpu_affinity) get as many threads as their cores, unless set explicitly.
+        per_worker, learner_threads = thread_budget(g_cfg.num_workers + with_rm,
+                                                    g_cfg.threads_per_worker or len(g_cfg.cpu_affinity),
                                                     user_threads=user_num_threads())
-        learner_threads = cfg.learner.num_threads or learner_threads
+        learner_threads = cfg.learner.num_threads or len(cfg.learner.cpu_affinity) or learner_threads
         torch.set_num_threads(learner_threads)
         self._own_cluster = ctx.cluster is None
         self.cluster = Cluster.start(cfg) if self._own_cluster else ctx.cluster
@@ -220,6 +223,9 @@ class AsyncLoop:
             self._load_state_dict(resume_state)
         self._dispatched_tokens = 0
         self._stop = threading.Event()
+        # Wakes the dispatcher when admission may let a group start (a version published, groups
+        # ended untrained, the loop stopping) instead of a poll on the learner's core.
+        self._admission_changed = threading.Condition()
         self._errors: list[BaseException] = []
         self._threads = [threading.Thread(target=self._guard(self._dispatch_loop), name="dispatcher", daemon=True),
                          threading.Thread(target=self._guard(self._receive_loop), name="receiver", daemon=True)]
@@ -290,10 +296,17 @@ class AsyncLoop:
 
     def _dispatch_loop(self) -> None:
         seed = self.ctx.cfg.trainer.seed
+
+        def admitted() -> bool:
+            return self.admission.can_start(self.num_dispatched, max(self.published_version, 0), self._num_discarded())
+
         while not self._stop.is_set():
-            if not self.admission.can_start(self.num_dispatched, max(self.published_version, 0), self._num_discarded()):
-                time.sleep(0.002)
-                continue
+            with self._admission_changed:
+                # Each change is announced (_wake_dispatcher); the timeout only bounds a missed one.
+                if not self._admission_changed.wait_for(lambda: self._stop.is_set() or admitted(), timeout=0.05):
+                    continue
+            if self._stop.is_set():
+                break
             with self._dispatch_lock:
                 gid = self.num_dispatched
                 if self._reissue:
@@ -352,8 +365,15 @@ class AsyncLoop:
 
     def _receive_loop(self) -> None:
         while not self._stop.is_set():
-            for msg in self.receiver.recv_many(512, timeout_s=0.05):
+            msgs = self.receiver.recv_many(512, timeout_s=0.05)
+            for msg in msgs:
                 self._route(msg)
+            if msgs:  # a group rejected or evicted here frees its admission slot
+                self._wake_dispatcher()
+
+    def _wake_dispatcher(self) -> None:
+        with self._admission_changed:
+            self._admission_changed.notify_all()
 
     # ------------------------------------------------------------------ learner side
     def _check_health(self) -> None:
@@ -506,6 +526,7 @@ class AsyncLoop:
     def _publish(self) -> dict[str, float]:
         metrics = self.publisher.push(self.ctx.learner.version, watch=self._watch_pool)
         self.published_version = self.ctx.learner.version
+        self._wake_dispatcher()
         return metrics
 
     def _publish_supervised(self) -> dict[str, float]:
@@ -600,6 +621,7 @@ class AsyncLoop:
             self.trained_by_generator[t.generator_id] = self.trained_by_generator.get(t.generator_id, 0) + 1
         self._forget_finished()
         metrics.update(self._publish_supervised())
+        self._wake_dispatcher()  # evictions and dynamic-sampling drops of this step
         now = time.perf_counter()
         stats = self._worker_stats()
         delta = {k: stats[k] - self._last_stats.get(k, 0.0) for k in stats}
@@ -735,6 +757,7 @@ class AsyncLoop:
             return {}
         self._closed = True
         self._stop.set()
+        self._wake_dispatcher()
         active = self._active()
         for i in active:
             self.workers[i].stop.remote()

@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 
 from async_rl.agent import AgentLoop
 from async_rl.buffers.transport import GroupClosed
-from async_rl.cluster import group_ip, use_node_interface, where
+from async_rl.cluster import group_ip, pin_process, use_node_interface, where
 from async_rl.generators import make_generator
 from async_rl.rewards.config import RewardConfig
 from async_rl.rollout import GroupRequest, SampleCounts, make_scorer, sample_groups
@@ -170,6 +170,8 @@ class GeneratorWorker:
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
                  reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None,
                  reward_cfg=None, reward_model=None, incarnation: int = 0, bind_host: str | None = None) -> None:
+        # First: the engine's threads and processes inherit the mask (generator.cpu_affinity).
+        pin_process(gen_cfg.cpu_affinity, "generator.cpu_affinity")
         torch.set_num_threads(max(1, num_threads))
         # Before the engine starts: its processes inherit it, and a broadcast group on another
         # node then announces this node's address, on a single node loopback (async_rl.cluster).

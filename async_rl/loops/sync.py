@@ -14,15 +14,23 @@ One training step::
 3. compute advantages within each group; collate; the learner recomputes proximal log-probs and
    trains (``async_rl.loops.common.learn_on``): policy version v -> v + 1;
 4. push the new weights into the generator in place through the weight publisher.
+
+With ``generator.cpu_affinity`` the process moves onto the generator's cores for step 1 (and its
+torch threads to their count) and back to the learner's for steps 3-4, so a sync run can give
+each role the same cores as an async one and pay G + T where async pays max(G, T).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
+import torch
+
 from async_rl.algorithms.dapo import rewards_have_spread
+from async_rl.cluster import pin_process
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.rewards import check_rewards_work
@@ -88,6 +96,10 @@ class SyncLoop:
 
     def __init__(self, ctx: RunContext, resume_state: dict[str, Any] | None = None) -> None:
         self.ctx = ctx
+        # Where the process trains (learner.cpu_affinity, pinned by the trainer, or all it may
+        # use) and with how many torch threads: it returns there after each generation phase.
+        self._home = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+                      torch.get_num_threads())
         self.next_group = 0
         self._rewards_checked = False
         self._last_t = time.perf_counter()
@@ -103,8 +115,12 @@ class SyncLoop:
                 (``rewards.check_rewards_work``).
         """
         c = self.ctx
+        gen_cores = c.cfg.generator.cpu_affinity
         t0 = time.perf_counter()
         try:
+            if gen_cores:  # the generation phase on the generator's cores, as in async mode
+                pin_process(gen_cores, "generator.cpu_affinity")
+                torch.set_num_threads(len(gen_cores))
             ro, metrics, groups_used = collect_step_rollouts(c.cfg, c.train_ds, c.generator, c.scorer, c.tokenizer,
                                                              c.params, self.next_group, c.agent)
         except ValueError:
@@ -112,6 +128,10 @@ class SyncLoop:
             if not self._rewards_checked:
                 check_rewards_work(c.scorer.pop_metrics(), c.scorer.first_error, f"step {step}")
             raise
+        finally:
+            if gen_cores:
+                pin_process(self._home[0], "learner.cpu_affinity")
+                torch.set_num_threads(self._home[1])
         self.next_group += groups_used
         rewards = c.scorer.pop_metrics()
         if not self._rewards_checked:
