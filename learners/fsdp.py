@@ -3,7 +3,8 @@
 Each decoder layer (the classes in the model's ``_no_split_modules``) is sharded, then the root,
 over a 1-D device mesh on the default process group (gloo on CPU). With world size 1 the group
 is created in-process from a ``HashStore``, so a laptop run needs no launcher or free port. Every
-rank is a data-parallel rank; FSDP2 averages gradients over them.
+rank is a data-parallel rank; FSDP2 averages gradients over them. One fp32 rank trains the plain
+module, unwrapped (``FSDPLearner._wraps_with_fsdp``: the same update without DTensor overhead).
 
 The training step itself (mini-batches, micro-batches, global normalisers, losses, metrics) is
 ``async_rl.learners.core.LearnerCore``'s, shared with the Megatron learner.
@@ -84,6 +85,10 @@ class FSDPLearner(LearnerCore):
             decoder layers to shard, or the critic's backbone does not match the policy's weights.
     """
 
+    shard_one_rank: bool = False
+    """Wrap with FSDP2 on one fp32 rank too (the learner's update is the same either way; tests
+    set it to compare the two)."""
+
     def __init__(self, cfg: LearnerConfig, algo: AlgorithmConfig, model_path: str, temperature: float,
                  total_optimizer_steps: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -106,7 +111,26 @@ class FSDPLearner(LearnerCore):
             self.critic = FSDPCritic(cfg.critic, critic_path, self._shard, self._make_optimizer, packing=cfg.packing)
         self.reset_optimizer()
 
+    def _wraps_with_fsdp(self) -> bool:
+        """Whether ``_shard`` wraps modules with FSDP2: on more than one rank, or for what only its
+        policies give (``bf16`` mixed precision, CPU offload), or when ``shard_one_rank`` asks.
+
+        On one fp32 rank FSDP2 computes the same update as the plain module (its all-gather is a
+        copy of the one shard and its reduce-scatter averages over one rank), but every parameter
+        becomes a DTensor: each optimizer and clipping op goes through DTensor dispatch and each
+        forward and backward through FSDP2's pre/post hooks (measured on the default job: AdamW
+        ~42 ms per optimizer step with DTensors; regression test in
+        ``tests/test_learner_options.py``)."""
+        return (self.shard_one_rank or dist.get_world_size() > 1 or self._precision() != "fp32"
+                or self.cfg.cpu_offload)
+
     def _shard(self, module: torch.nn.Module, layers_of: torch.nn.Module | None = None) -> None:
+        """Wrap ``module`` (its decoder layers, then the root) with FSDP2, or on one fp32 rank only
+        move it to the device (``_wraps_with_fsdp``); activation checkpointing either way.
+
+        Raises:
+            ValueError: ``learner.cpu_offload`` on a CPU learner.
+        """
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         layers = _decoder_layers(layers_of or module)
@@ -118,6 +142,9 @@ class FSDPLearner(LearnerCore):
             ids = {id(layer) for layer in layers}
             apply_activation_checkpointing(module, check_fn=lambda m: id(m) in ids)
             layers = _decoder_layers(layers_of or module)
+        if not self._wraps_with_fsdp():
+            module.to(self.device)
+            return
         if self._precision() == "bf16":
             # Layers hand bf16 activations to each other; only the root's output (logits, values)
             # is cast back to float32 for the log-softmax and the loss.

@@ -118,7 +118,9 @@ def test_learner_update_ignores_what_is_stored_at_tool_tokens(tiny_model_path):
                 batch.extras["proximal_logprobs"][0, s] = 20.0
         learner.train_step(batch)
         weights = {n: t.clone() for n, t in learner.named_weights()}
-        weights.update({f"critic.{n}": p.detach().full_tensor().clone() for n, p in learner.critic.model.named_parameters()})
+        # DTensors under FSDP2, plain tensors on one fp32 rank (FSDPLearner._wraps_with_fsdp).
+        weights.update({f"critic.{n}": (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+                        for n, p in learner.critic.model.named_parameters()})
         return weights
 
     clean, poisoned = run(False), run(True)

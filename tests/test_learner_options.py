@@ -120,7 +120,7 @@ def test_packing_is_refused_when_the_attention_mixes_sequences(tiny_model_path, 
         _step(tiny_model_path, packing=True)
 
 
-def test_optimizer_built_after_a_no_grad_pass_trains_every_parameter(tiny_model_path):
+def test_optimizer_built_after_a_no_grad_pass_trains_every_parameter(tiny_model_path, monkeypatch):
     """Regression: FSDP2 left the root's parameters (embeddings, final norm) unsharded after a
     no-grad forward, so an optimizer built then (``reset_optimizer``, as ``begin_rl`` does)
     stepped copies the model never read and those weights stayed frozen."""
@@ -128,6 +128,8 @@ def test_optimizer_built_after_a_no_grad_pass_trains_every_parameter(tiny_model_
     from transformers import AutoModelForCausalLM
 
     from async_rl.learners.fsdp import FSDPLearner
+
+    monkeypatch.setattr(FSDPLearner, "shard_one_rank", True)  # one fp32 rank is not wrapped otherwise
 
     start = dict(AutoModelForCausalLM.from_pretrained(tiny_model_path).named_parameters())
     algo = AlgorithmConfig(name="grpo", loss_horizon_tokens=16).apply_preset()
@@ -161,3 +163,30 @@ def test_exported_config_enables_the_kv_cache_and_leaves_the_learner_s_off(tiny_
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_one_fp32_rank_trains_unwrapped_with_the_fsdp2_update(tiny_model_path, tmp_path, monkeypatch):
+    """One fp32 rank skips FSDP2 (plain parameters, no DTensor dispatch or hooks) and takes the
+    update FSDP2 takes there: the same loss and weights after a step, and checkpoints that load
+    across the two layouts (DCP stores global tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    from async_rl.learners.fsdp import FSDPLearner
+
+    loss, weights, plain = _step(tiny_model_path)
+    assert not any(isinstance(p, DTensor) for p in plain.model.parameters())
+    plain.save_checkpoint(str(tmp_path / "plain"))
+    with monkeypatch.context() as m:
+        m.setattr(FSDPLearner, "shard_one_rank", True)
+        loss_fsdp, weights_fsdp, wrapped = _step(tiny_model_path)
+        assert all(isinstance(p, DTensor) for p in wrapped.model.parameters())
+        wrapped.load_checkpoint(str(tmp_path / "plain"))
+        restored = {n: t.clone() for n, t in wrapped.named_weights()}
+    assert loss == pytest.approx(loss_fsdp, rel=1e-6, abs=1e-8)
+    assert sorted(weights) == sorted(weights_fsdp)
+    for name, w in weights.items():
+        torch.testing.assert_close(weights_fsdp[name], w, rtol=1e-5, atol=1e-7)
+        assert torch.equal(restored[name], w), name
+    # bf16 mixed precision is an FSDP2 policy: such a rank is still wrapped.
+    _, _, bf16 = _step(tiny_model_path, mixed_precision="bf16")
+    assert all(isinstance(p, DTensor) for p in bf16.model.parameters())

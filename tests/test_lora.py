@@ -570,9 +570,12 @@ def test_packed_lora_passes_equal_padded_ones(tiny_model_path):
     torch.testing.assert_close(out[1][valid], out[0][valid], rtol=1e-5, atol=1e-5)
 
 
-def test_reference_pass_reshards_the_shared_policy_root(tiny_model_path):
+def test_reference_pass_reshards_the_shared_policy_root(tiny_model_path, monkeypatch):
     """The adapters-off reference runs the policy's own FSDP2 root; after the no-grad pass its
     parameters are sharded again (not left gathered until the next backward)."""
+    from async_rl.learners.fsdp import FSDPLearner
+
+    monkeypatch.setattr(FSDPLearner, "shard_one_rank", True)  # one fp32 rank is not wrapped otherwise
     learner = _learner(tiny_model_path, kl_coef=0.1)
     learner.begin_rl()
     batch = collate([_traj(0, 0, [5, 6, 7], [9, 10, 11], 1.0)], pad_token_id=0)
