@@ -28,7 +28,7 @@ per CPU second of this process and its descendants (the engine's processes): on 
 with other jobs the wall rate swings with their load, the CPU rate much less. The load average
 is printed.
 
-Run (about 3-4 minutes on 2 loaded cores)::
+Run (about 5 minutes on 2 loaded cores; ``--skip-hf`` about 3)::
 
     ASYNC_RL_CACHE=/tmp/arl-cache python bench/bench_engine.py [--prompts 32] [--n 4] [--tokens 128]
         [--reps 5] [--skip-vllm] [--skip-hf] [--with-llm] [--profile] [--generator-file FILE]
@@ -40,6 +40,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def _profile_loop_thread(gen, run, top: int = 25) -> None:
     gen.loop.call_soon_threadsafe(prof.enable)
     time.sleep(0.1)
     run()
-    done = __import__("threading").Event()
+    done = threading.Event()
     gen.loop.call_soon_threadsafe(lambda: (prof.disable(), done.set()))
     done.wait(10)
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
