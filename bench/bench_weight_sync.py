@@ -29,9 +29,10 @@ What it measures (all on one host, CPU):
    (so the check can fail).
 3. **Generation**: our ``VLLMGenerator.generate`` against raw vLLM on the built-in tiny model,
    same prompts, same per-request seeds and the same sampling params (temperature 1,
-   ``ignore_eos``, stop ids, ``max_tokens``, ``logprobs=0``, ``detokenize=False``); ours streams
-   deltas (``RequestOutputKind.DELTA``) and tags tokens with policy versions, the raw rows use
-   vLLM's default final-only outputs. Raw rows: ``vllm.LLM.generate`` (its own engine with the
+   ``ignore_eos``, stop ids, ``max_tokens``, ``logprobs=0``, ``detokenize=False``); ours asks for
+   final-only outputs with flat log-probs and reads each token's policy version from vLLM's
+   weight-version spans, the raw rows use vLLM's default outputs (``bench/bench_engine.py``
+   isolates this overhead). Raw rows: ``vllm.LLM.generate`` (its own engine with the
    same engine args minus our worker extension) and ``AsyncLLM.generate`` called directly on the
    very engine ours wraps. All three are warmed up, then run interleaved ``--gen-reps`` times;
    tokens/s is each one's best, and the token ids of the three must be identical.
@@ -301,7 +302,7 @@ def bench_generation(args, tiny_path: str) -> list[str]:
     params = SamplingParams(temperature=1.0, max_tokens=n_tokens, stop_token_ids=(tok.eos_token_id,))
     warm = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(tok.eos_token_id,))
 
-    def vsp(p: SamplingParams, seed: int) -> VSP:  # what VLLMGenerator._sample builds, minus DELTA
+    def vsp(p: SamplingParams, seed: int) -> VSP:  # what VLLMGenerator._sample builds, default outputs
         return VSP(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
                    seed=mix_seed(seed, 0), stop_token_ids=list(p.stop_token_ids), ignore_eos=True, logprobs=0,
                    detokenize=False, skip_special_tokens=False)

@@ -9,8 +9,11 @@ decodes.
   as with the HF engine, sample j of a prompt does not depend on the batch it was generated in.
   Behavior log-probs are vLLM's ``processed_logprobs`` of the sampled token (after temperature,
   top-k and top-p: the distribution the token was drawn from; Fu et al., AReaL, arXiv
-  2505.24298, sec. 4). Responses stream back (``RequestOutputKind.DELTA``) and each token is
-  tagged with the policy version that was loaded when it arrived.
+  2505.24298, sec. 4). Each request returns once, finished (``RequestOutputKind.FINAL_ONLY``,
+  flat log-probs): nothing is streamed or tagged per token here. Each token's policy version comes
+  from vLLM's weight-version spans: the engine core labels every step's outputs with the version
+  set by the last complete update (``finish_weight_update(str(version))``, set while generation
+  is paused), so a ``keep`` pause point splits a response into spans (``_versions``).
 * **Weights**: through vLLM's native RL interface (``pause_generation`` → ``start_weight_update``
   → ``update_weights`` → ``finish_weight_update`` → ``resume_generation``) with our own
   weight-transfer backend (``async_rl.generators.vllm_worker``), which receives ``async_rl.weight_sync``
@@ -180,7 +183,12 @@ class VLLMGenerator:
         )
         with _engine_environment(self._ipc_dir):
             try:
-                return AsyncLLM.from_engine_args(args)
+                # On self, not a local (see below); should labelling fail, ``close`` shuts it down.
+                self.engine = AsyncLLM.from_engine_args(args)
+                # Label the starting weights with our version (vLLM's is "default"); each complete
+                # update relabels them (``_receive``); every output token carries its label.
+                await self.engine.update_weight_version(str(self.policy_version))
+                return self.engine
             finally:
                 # Every process of the engine has bound or connected its sockets by now, and a
                 # Unix socket's connections outlive its file: removed now, nothing is left even if
@@ -241,34 +249,39 @@ class VLLMGenerator:
             await self._resumed.wait()
             self._check_usable()
             # A re-issued (aborted) sample cannot continue its old RNG stream: derive a new one.
+            # Final-only output (AsyncLLM's default is cumulative): one output per request, none per
+            # step; flat log-probs: plain float lists, no per-token dicts. Per-token versions come
+            # from vLLM's weight-version spans (``_versions``).
             sp = VSP(n=1, temperature=0.0 if params.greedy else params.temperature,
                      top_p=1.0 if params.greedy else params.top_p, top_k=0 if params.greedy else params.top_k,
                      max_tokens=params.max_tokens - len(tokens), seed=mix_seed(seed, len(tokens)) if tokens else seed,
                      stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
-                     skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+                     skip_special_tokens=False, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
             # Rendered here as vLLM asks (a raw prompt dict is deprecated and logs a warning per engine).
             (request,) = self.engine.renderer.render_cmpl(
                 [{"prompt_token_ids": prompt + tokens, "cache_salt": self._cache_salt()}])
             pauses_at_start = self._update_pauses
-            finish = None
+            final = None
             request_id = uuid.uuid4().hex
             self._active += 1
             self._requests.add(request_id)
             try:
-                async for out in self.engine.generate(request, sp, request_id=request_id,
-                                                      lora_request=self._lora_request):
-                    c = out.outputs[0]
-                    version = self.policy_version
-                    for tok, lp in zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)):
-                        tokens.append(int(tok))
-                        logprobs.append(float(lp[tok].logprob) if lp else 0.0)
-                        versions.append(version)
-                    finish = c.finish_reason
-                    if out.num_cached_tokens is not None and not cached:
-                        cached = out.num_cached_tokens
+                async for final in self.engine.generate(request, sp, request_id=request_id,
+                                                        lora_request=self._lora_request):
+                    pass
             finally:
                 self._active -= 1
                 self._requests.discard(request_id)
+            finish = None
+            if final is not None:
+                c = final.outputs[0]
+                finish = c.finish_reason
+                new = list(c.token_ids)
+                tokens += new
+                logprobs += _sampled_logprobs(c.logprobs, new)
+                versions += _versions(c.weight_versions, len(new))
+                if final.num_cached_tokens and not cached:
+                    cached = final.num_cached_tokens
             if finish == "abort":
                 self._check_usable()  # aborted because the update failed half-loaded
             if finish == "abort" and self._update_pauses > pauses_at_start and len(tokens) < params.max_tokens:
@@ -339,6 +352,7 @@ class VLLMGenerator:
                 if self.lora is not None:
                     # Adapter only: the base weights are untouched, no reload lifecycle.
                     await self.engine.collective_rpc("async_rl_load_lora", args=(plan, self.lora))
+                    await self.engine.update_weight_version(str(version))
                 else:
                     await self.engine.start_weight_update()
                     await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"plan": plan}))
@@ -432,6 +446,42 @@ class VLLMGenerator:
         if self.lora is not None:
             return self._call(self.engine.collective_rpc("async_rl_lora_names", args=(self.lora,)))[0], {}, {}
         return self._call(self.engine.collective_rpc("async_rl_weight_names"))[0]
+
+
+def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    """Behavior log-prob of each sampled token (float, nats), from a final output's ``logprobs``
+    (``logprobs=0``: each position holds the sampled token's entry only; ``FlatLogprobs`` when the
+    request asked for ``flat_logprobs``, else a list of ``{token id: Logprob}``).
+
+    Raises:
+        RuntimeError: not one log-prob per sampled token.
+    """
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: the sampled token is each position's first entry
+        flat = logprobs.logprobs if len(logprobs.logprobs) == len(token_ids) else \
+            [logprobs.logprobs[i] for i in logprobs.start_indices]
+    else:
+        flat = [float(lp[tok].logprob) for lp, tok in zip(logprobs or (), token_ids)]
+    if len(flat) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(flat)} log-probs for {len(token_ids)} sampled tokens")
+    return list(flat)
+
+
+def _versions(spans, num_tokens: int) -> list[int]:
+    """Policy version of each of a request's ``num_tokens`` output tokens, from vLLM's
+    ``CompletionOutput.weight_versions``: the engine core labels each step's outputs with the
+    weight version set last (``finish_weight_update(str(version))``, only while generation is
+    paused), and the output processor records where each label starts. Example: spans
+    ``[("3", 0, 5), ("4", 5, 7)]`` give ``[3, 3, 3, 3, 3, 4, 4]`` (a ``keep`` pause after token 5).
+
+    Raises:
+        RuntimeError: spans that do not cover the tokens exactly (tokens vLLM did not label).
+    """
+    versions: list[int] = []
+    for span in spans or ():
+        versions += [int(span.version)] * (span.end - span.start)
+    if len(versions) != num_tokens:
+        raise RuntimeError(f"vLLM labelled {len(versions)} of {num_tokens} output tokens with a weight version")
+    return versions
 
 
 SOCKET_PATH_MAX = 107

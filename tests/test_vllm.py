@@ -203,6 +203,11 @@ def test_unknown_name_fails_the_sync_and_leaves_the_engine_untouched(engine, tin
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_weights_arriving_mid_generation(engine, tiny_model_path, tiny_tokenizer, tmp_path, mode):
+    """Also, in ``keep`` mode: each token's version, derived from vLLM's weight-version spans
+    (the pause point), equals a per-token record of the version loaded when the engine's output
+    for that token was processed (what streaming each token and tagging it used to give)."""
+    from collections import defaultdict
+
     model, _ = _perturbed(tiny_model_path, tmp_path / mode, scale=0.02)
     engine.cfg.partial_rollout = mode
     old = engine.policy_version
@@ -212,16 +217,24 @@ def test_weights_arriving_mid_generation(engine, tiny_model_path, tiny_tokenizer
     out: list = []
     # The update must land after the first tokens came back and before the last: a fixed sleep
     # after submitting raced a busy machine's prefill (every sample then started after the update).
+    # Requests return only when finished, so tokens are watched where the engine's outputs are
+    # processed, each recorded with the version loaded at that moment.
     first_tokens = threading.Event()
-    generate = engine.engine.generate
+    processor = engine.engine.output_processor
+    process = processor.process_outputs
+    recorded: dict[str, list[int]] = {}
+    prompt_of: dict[str, tuple[int, ...]] = {}
 
-    async def watched(*args, **kwargs):
-        async for o in generate(*args, **kwargs):
-            if o.outputs[0].token_ids:
+    def recording(outputs, *args, **kwargs):
+        for o in outputs:
+            state = processor.request_states.get(o.request_id)
+            if state is not None and o.new_token_ids:
+                prompt_of[o.request_id] = tuple(state.prompt_token_ids)
+                recorded.setdefault(o.request_id, []).extend([engine.policy_version] * len(o.new_token_ids))
                 first_tokens.set()
-            yield o
+        return process(outputs, *args, **kwargs)
 
-    engine.engine.generate = watched
+    processor.process_outputs = recording
     th = threading.Thread(target=lambda: out.append(engine.generate(prompts, 2, params, seeds=list(range(96)))))
     reissued = engine.num_reissued
     th.start()
@@ -230,7 +243,7 @@ def test_weights_arriving_mid_generation(engine, tiny_model_path, tiny_tokenizer
         engine.update_weights(list(ModuleWeights(model).named_weights()), new)
         th.join(timeout=300)
     finally:
-        del engine.engine.generate
+        del processor.process_outputs
     samples = [s for g in out[0] for s in g]
     assert len(samples) == 192
     for s in samples:
@@ -240,7 +253,37 @@ def test_weights_arriving_mid_generation(engine, tiny_model_path, tiny_tokenizer
     assert mixed, "no response spans the update"
     if mode == "abort":
         assert engine.num_reissued > reissued
+    else:
+        by_prompt = defaultdict(list)
+        for request_id, versions in recorded.items():
+            by_prompt[prompt_of[request_id]].append(versions)
+        for prompt, group in zip(prompts, out[0]):
+            assert sorted(s.policy_version for s in group) == sorted(by_prompt[tuple(prompt)])
     engine.cfg.partial_rollout = "keep"
+
+
+def test_versions_from_weight_version_spans():
+    """``_versions`` expands vLLM's spans per token and refuses spans that miss tokens;
+    ``_sampled_logprobs`` reads flat and dict log-probs alike."""
+    from vllm.logprobs import FlatLogprobs, Logprob, append_logprobs_for_next_position
+    from vllm.outputs import WeightVersionSpan
+
+    from async_rl.generators.vllm import _sampled_logprobs, _versions
+
+    assert _versions([WeightVersionSpan("3", 0, 5), WeightVersionSpan("4", 5, 7)], 7) == [3] * 5 + [4] * 2
+    assert _versions([], 0) == []
+    with pytest.raises(RuntimeError, match="labelled 0 of 2"):
+        _versions(None, 2)
+    with pytest.raises(RuntimeError, match="labelled 5 of 7"):
+        _versions([WeightVersionSpan("3", 0, 5)], 7)
+    flat = FlatLogprobs()
+    for tok, lp in [(7, -0.5), (9, -1.25)]:
+        append_logprobs_for_next_position(flat, [tok], [lp], [None], 1, 0)
+    assert _sampled_logprobs(flat, [7, 9]) == [-0.5, -1.25]
+    as_dicts = [{7: Logprob(-0.5)}, {9: Logprob(-1.25)}]
+    assert _sampled_logprobs(as_dicts, [7, 9]) == [-0.5, -1.25]
+    with pytest.raises(RuntimeError, match="1 log-probs for 2"):
+        _sampled_logprobs(as_dicts[:1], [7, 9])
 
 
 # ---------------------------------------------------------------------------------------- all or nothing
