@@ -15,7 +15,9 @@ Layout under the run directory::
 A checkpoint is written into ``step_NNNNNN.tmp`` (the step, zero-padded to six digits:
 ``step_000300``) and renamed to ``step_NNNNNN`` only once every rank has
 finished, then ``latest`` is updated: a run killed mid-save leaves the previous checkpoint as
-the latest, and a save that fails with an error removes its ``.tmp`` directory. ``trainer.checkpoint.keep_last`` bounds how many are kept.
+the latest, and a save that fails with an error removes its ``.tmp`` directory. A SIGKILL cannot
+be caught, so its half-written ``.tmp`` stays until the run is continued (``trainer.resume``),
+which removes every ``.tmp`` in its ``checkpoints/`` first, saying so in one line. ``trainer.checkpoint.keep_last`` bounds how many are kept.
 
 ``trainer.resume``: ``auto`` continues from ``<output_dir>/<run_name>/checkpoints/latest`` when
 there is one (and starts fresh otherwise), a path resumes from that checkpoint directory (or a
@@ -196,8 +198,24 @@ class RunDirectory:
             # The outermost directory this run made: ``discard`` removes up to it while empty.
             self._made_from = missing[-1]
             break
+        if self._continuing:
+            self._remove_half_written_checkpoints()
         (self.path / "config.yaml").write_text(config_yaml)
         return self.path
+
+    def _remove_half_written_checkpoints(self) -> None:
+        # What a SIGKILLed save left (no handler runs then): never read as a checkpoint, since
+        # only complete ones are renamed, but it must not outlive the run that continues this one.
+        root = checkpoints_dir(self.path)
+        stale = sorted(root.glob("*.tmp")) if root.is_dir() else []
+        for path in stale:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if stale:
+            logger.warning("removed %s in %s: left half-written by a run that was killed while saving",
+                           ", ".join(p.name for p in stale), root)
 
     def discard(self) -> bool:
         """Remove the directory if this run made it (and the empty parents it made); returns

@@ -195,6 +195,26 @@ def test_dataset_epoch_boundary_resume(tiny_tokenizer, tmp_path):
     assert ds2.state_dict() == {"epoch": 1, "position": 3}
 
 
+def test_a_continued_run_removes_what_a_killed_save_left(tmp_path, caplog):
+    """A SIGKILLed save leaves its ``step_*.tmp`` (and maybe ``latest.tmp``): the run that
+    continues the directory removes them, in one line; a fresh run into a new name has none."""
+    from types import SimpleNamespace
+
+    from async_rl.checkpoint import RunDirectory
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    (ckpt / "step_000002").mkdir(parents=True)
+    (ckpt / "latest").write_text("step_000002")
+    (ckpt / "step_000004.tmp" / "learner").mkdir(parents=True)
+    (ckpt / "latest.tmp").write_text("step_000004")
+    t_cfg = SimpleNamespace(output_dir=str(tmp_path), run_name="run", resume="auto", overwrite=False)
+    with caplog.at_level("WARNING", logger="async_rl.checkpoint"):
+        RunDirectory(t_cfg).create("x: 1\n")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000002"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"removed latest.tmp, step_000004.tmp in {ckpt}: left half-written by a run that was killed while saving"]
+
+
 def test_resolve_resume(tmp_path):
     assert resolve_resume(None, str(tmp_path), "x") is None
     assert resolve_resume("auto", str(tmp_path), "x") is None  # nothing to resume yet: start fresh
