@@ -28,6 +28,7 @@ A user's own ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or ``OMP_NUM_THREADS`` alwa
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import MutableMapping
 
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -66,3 +67,19 @@ def user_num_threads(environ: MutableMapping[str, str] | None = None) -> int:
     value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "")
     first = value.split(",")[0].strip()
     return int(first) if first.isdigit() and int(first) > 0 else 0
+
+
+def thread_times() -> tuple[float, float]:
+    """The calling thread's CPU time and the time it spent runnable but waiting for a CPU (in a
+    run queue, behind other threads of its cores), since it started, in seconds: Linux's
+    ``/proc/thread-self/schedstat`` (its first two fields, ns; the kernel's
+    ``Documentation/scheduler/sched-stats.rst``). Elsewhere ``time.thread_time()`` and 0.0.
+
+    A phase's wall time minus the difference of both is what the thread spent blocked: waiting for
+    the GIL, a lock, I/O or a sleep."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0

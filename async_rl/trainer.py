@@ -35,7 +35,8 @@ from async_rl.evaluation import evaluate, warm_start
 from async_rl.inputs import check_inputs
 from async_rl.generators import make_generator
 from async_rl.generators.base import SamplingParams
-from async_rl.cluster import Cluster, PlacementConfig, pin_process
+from async_rl.cluster import (Cluster, PlacementConfig, cpus_restored, pin_process, split_learner_threads,
+                              started_on)
 from async_rl.learners.launch import LearnerRankDied, launch_learner, launched_by_torchrun
 from async_rl.loops.base import Loop, RunContext
 from async_rl.loops.sync import SyncLoop
@@ -66,6 +67,13 @@ def train(cfg: "Config") -> dict[str, Any]:
         LearnerRankDied: a follower learner rank died (a ``RuntimeError`` naming the rank, how it
             ended and the checkpoint ``trainer.resume=auto`` continues from).
     """
+    # Pinned roles move this process's threads between cores; they come back as they were.
+    with cpus_restored(bool(cfg.learner.cpu_affinity or cfg.generator.cpu_affinity)):
+        return _train(cfg)
+
+
+def _train(cfg: "Config") -> dict[str, Any]:
+    """``train``'s body (see there)."""
     resume_from, resumed = resume_point(cfg.trainer)
     run = RunDirectory(cfg.trainer)
     check_inputs(cfg)
@@ -93,8 +101,11 @@ def train(cfg: "Config") -> dict[str, Any]:
         except LearnerRankDied as e:
             raise LearnerRankDied(e.rank, f"{e}; {resume_point_note(ctx.run_dir, cfg.trainer)}") from e
         finally:
-            if loop is not None:
-                loop.close()
+            if loop is not None:  # the run failed: stop the loop without masking that failure
+                try:
+                    loop.close()
+                except Exception:  # noqa: BLE001 - a consequence; the run's own failure propagates
+                    logger.exception("closing the %s loop after the run failed", cfg.trainer.mode)
             ctx.publisher.close()
             ctx.generator.close()
             ctx.scorer.close()  # their reward worker processes
@@ -232,14 +243,26 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
         logger.warning("the train set has %d prompts, fewer than trainer.prompts_per_step=%d: each step repeats "
                        "prompts (every step still draws its full batch, crossing epochs)", len(train_ds),
                        t_cfg.prompts_per_step)
+    # Async mode keeps the learner's cores for the thread that trains (and torch's threads it
+    # starts): Ray, ZeroMQ, Arrow and the pipeline's threads run on the other cores. Before any
+    # parallel torch op (the reward model's, the learner's) starts torch's intra-op pool, after
+    # the datasets' readers started theirs. Sync mode moves the whole process per phase.
+    split = cfg.trainer.mode == "async" and bool(cfg.learner.cpu_affinity)
+    service = split_learner_threads(cfg.learner.cpu_affinity, "learner.cpu_affinity") if split else []
     # Sync mode scores with it; async mode only evaluates with it (the workers use the reward actor).
     reward_model = load_reward_model(cfg.reward) if cfg.reward.model else None
-    cluster = Cluster.start(cfg) if uses_ray(cfg) else None
+    with started_on(service):  # Ray's processes and this process's Ray threads
+        cluster = Cluster.start(cfg) if uses_ray(cfg) else None
     try:
-        # Once Ray's own processes have started (they would inherit the mask): rank 0 on its cores.
-        pin_process(cfg.learner.cpu_affinity, "learner.cpu_affinity")
+        if not split:
+            # Once Ray's own processes have started (they would inherit the mask): rank 0 on its cores.
+            pin_process(cfg.learner.cpu_affinity, "learner.cpu_affinity")
         if cfg.learner.cpu_affinity and not cfg.learner.num_threads:
             torch.set_num_threads(len(cfg.learner.cpu_affinity))
+        if split and torch.get_num_threads() > 1:
+            # OpenMP starts torch's intra-op threads at the first parallel op, with the mask of
+            # the thread that runs it: here, the learner's cores (not inside a started_on block).
+            torch.ones(1 << 20).add_(1)
         if cfg.trainer.mode == "async":
             # Reserved now, taken by the pool after the warm start: a cluster that cannot hold the
             # generators, or a loopback bind_host with one on another node, fails in seconds.
@@ -264,7 +287,7 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
             publisher=WeightPublisher(cfg.weight_sync, transport, learner, [LocalTarget(generator)],
                                       protocol=engine_protocol(cfg.generator.backend if cfg.trainer.mode == "sync" else "hf")),
             run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
-            agent=agent, cluster=cluster)
+            agent=agent, cluster=cluster, service_cores=service)
     except BaseException:
         # Nothing of a run that could not be built may outlive it: the engine, the learner's
         # ranks, and a Ray instance this run started (a later ray.init in this process would fail).
@@ -372,7 +395,9 @@ def make_loop(ctx: RunContext, resumed: dict[str, Any] | None) -> Loop:
         # Ray and the pool load only for async runs.
         from async_rl.loops.async_loop import AsyncLoop
 
-        loop: Loop = AsyncLoop(ctx, resume_state=state)
+        # Its receiver, dispatcher, ZeroMQ and Ray threads start on the service cores, if any.
+        with started_on(ctx.service_cores):
+            loop: Loop = AsyncLoop(ctx, resume_state=state)
     else:
         loop = SyncLoop(ctx, resume_state=state)
     if resumed is not None:

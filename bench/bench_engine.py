@@ -196,21 +196,24 @@ def bench_vllm(args, tiny_path: str, tok, prompts: list[list[int]]) -> list[str]
             gen.cfg.partial_rollout = mode
             return [s.response_ids for g in gen.generate(prompts, args.n, p, seeds=seeds) for s in g]
 
-        async def _raw_async(p: SamplingParams, flat: bool) -> list[list[int]]:
+        async def _raw_async(p: SamplingParams, flat: bool, salted: bool = False) -> list[list[int]]:
             async def one(q, s):
                 final = None
-                async for out in gen.engine.generate({"prompt_token_ids": q}, vsp(p, s, flat),
-                                                     request_id=uuid.uuid4().hex):
+                request = {"prompt_token_ids": q}
+                if salted:  # the request exactly as ours renders it: a cache salt, rendered first
+                    (request,) = gen.engine.renderer.render_cmpl([{**request, "cache_salt": gen._cache_salt()}])
+                async for out in gen.engine.generate(request, vsp(p, s, flat), request_id=uuid.uuid4().hex):
                     final = out
                 return list(final.outputs[0].token_ids)
 
             return list(await asyncio.gather(*(one(q, s) for q, s in requests)))
 
-        def run_raw(p: SamplingParams, flat: bool = False) -> list[list[int]]:
-            return gen._call(_raw_async(p, flat))
+        def run_raw(p: SamplingParams, flat: bool = False, salted: bool = False) -> list[list[int]]:
+            return gen._call(_raw_async(p, flat, salted))
 
         runs = {"raw AsyncLLM.generate (same engine)": run_raw,
                 "raw AsyncLLM.generate, flat_logprobs": lambda p: run_raw(p, True),
+                "raw AsyncLLM.generate, flat, salted as ours": lambda p: run_raw(p, True, True),
                 "ours VLLMGenerator.generate (keep)": lambda p: run_ours(p, "keep"),
                 "ours VLLMGenerator.generate (abort)": lambda p: run_ours(p, "abort")}
         if llm is not None:

@@ -20,8 +20,35 @@ What it measures (all on one host, CPU):
      re-processing of the weights (the CPU build repacks linears into oneDNN kernels).
 
    Each row: one "cold" push (first use of the slots or the group; printed, not in best or
-   median), then ``--reps`` timed pushes; best and median are printed, with the sender's packing
-   seconds of the best push (the rest is publishing, the engines' loads and the control plane).
+   median), then ``--reps`` timed pushes; best and median are printed.
+
+   **Copy bound.** Each row is also compared with what its copies allow: ``copies`` counts the
+   full passes over the model's bytes that the transport's code makes on a push's critical path
+   (``COPIES``, printed with the reasons), and the bound is memcpy GB/s / copies. Counted:
+   the sender's pack (learner tensor -> slot or broadcast buffer: 1); for ``broadcast``, one
+   socket write per receiver at the sender (gloo over loopback TCP; each receiver's read runs
+   at the same time as its write, on its own core, and is not counted again); the HF engine's
+   copy out of the bucket into its staging tensors (1; the two engines copy at the same time,
+   each on its own core: counted once) and its swap at a step boundary (``param.data =
+   staged``: 0); vLLM's layerwise reload: its loader's copy of the bucket's views into the
+   re-materialised layer (1) and the re-processing (1: the CPU build re-packs each linear into
+   a oneDNN kernel; other layers are copied back into their kernel tensors). So colocated 1,
+   shm into HF 2, broadcast into 2 HF 4, shm into vLLM 3, broadcast into vLLM 4. Not counted:
+   fresh memory (vLLM materialises each layer and its packed kernel anew per update, and pages
+   faulted in cost more than a copy on CPU), Python per tensor, the control plane. With two
+   slots the engines' copies of bucket i overlap the pack of bucket i+1, so a row may beat its
+   bound; on 2 cores the sender and two engines share two cores, so the bound is optimistic.
+   Targets (issue 20): shm into HF >= 0.7 of the bound; into vLLM >= 0.25x memcpy.
+
+   **Profile** of each row's fastest push (seconds): ``pack`` (``weight_sync/pack_s``, the
+   sender's timer), ``send`` (``send_s`` + ``slot_wait_s``: announcing a slot and waiting for
+   the engines to free one, or the broadcasts), ``e.load`` (the engine's copies out of the
+   bucket: the HF engine's ``engine_copy_s``; vLLM's ``engine_load_s`` + ``engine_own_s``),
+   ``e.proc`` (vLLM's re-processing, ``engine_process_s``), ``e.swap`` (the HF engine's
+   ``engine_apply_s``) and ``rest`` = best - those (control plane: Ray calls, plan checks,
+   vLLM's pause/resume, store round trips, waits; negative where copies overlapped). Engine
+   phases come from the engines' own timers (``last_weight_sync_metrics``), read after each push
+   outside the timed span; the slowest engine's are shown, and the whole set under each row.
    Correctness is checked once per receiver kind and transport after a push of perturbed
    weights: the HF engines' parameters must equal the learner's bit for bit (SHA-1 of every
    parameter) with the tie intact; the vLLM engine's greedy tokens and log-probs must match an
@@ -39,10 +66,11 @@ What it measures (all on one host, CPU):
 
 The machine has 2 cores and may be shared: the load average is printed with the results.
 
-Run (about 5 minutes on 2 cores; ``--quick`` about 3, with a ~10M model and one bucket size)::
+Run (about 5 minutes on 2 cores; ``--quick`` about 3, 2.5 with ``--skip-generation``: a ~10M
+model, 16 MB buckets so that every push spans several, one timed push per row)::
 
     ASYNC_RL_CACHE=/tmp/arl-cache python bench/bench_weight_sync.py [--quick]
-        [--buckets-mb 64,256,1024] [--reps 3] [--vllm-bucket-mb 256] [--skip-vllm]
+        [--buckets-mb 64,256,1024] [--reps 3] [--vllm-bucket-mb 256] [--skip-vllm] [--skip-generation]
 """
 
 from __future__ import annotations
@@ -128,6 +156,10 @@ class HFEngineActor:
     def receive_weights(self, plan: dict, version: int) -> float:
         return self.engine.receive_weights(plan, version)
 
+    def metrics(self) -> dict[str, float]:
+        """The engine's phase seconds of its last ``receive_weights``."""
+        return self.engine.last_weight_sync_metrics()
+
     def check(self) -> tuple[int, dict[str, str], bool]:
         """``(policy_version, parameter digests, whether lm_head is still the embedding)``."""
         m = self.engine.model
@@ -135,39 +167,102 @@ class HFEngineActor:
                 m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr())
 
 
-def time_pushes(pub, reps: int, version: int) -> tuple[float, list[float], dict[str, float]]:
+def time_pushes(pub, reps: int, version: int, probe=None) -> tuple[float, list[float], dict[str, float]]:
     """``(cold seconds, [timed seconds], metrics of the fastest timed push)`` of ``1 + reps``
-    pushes (versions ``version``...)."""
+    pushes (versions ``version``...). ``probe()``, called after each push (untimed), returns
+    the engines' own phase seconds of it (``last_weight_sync_metrics``), merged into its metrics."""
     times, metrics = [], []
     for k in range(1 + reps):
         t0 = time.perf_counter()
-        metrics.append(pub.push(version + k))
+        m = pub.push(version + k)
         times.append(time.perf_counter() - t0)
+        metrics.append({**m, **(probe() if probe is not None else {})})
     best = min(range(1, len(times)), key=times.__getitem__)
     return times[0], times[1:], metrics[best]
 
 
-class Table:
-    """One row per (transport, receivers, bucket size). ``pack s``: of the best push, the sender's
-    copies into the slots / broadcast buffer (``weight_sync/pack_s``); the rest of ``best s`` is
-    publishing, the receivers' loads and the control plane."""
+def max_metrics(per_engine: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's largest value over the engines (the slowest engine sets the push's pace)."""
+    keys = {k for m in per_engine for k in m}
+    return {k: max(m.get(k, 0.0) for m in per_engine) for k in keys}
 
-    HEAD = (f"{'transport':10s} {'receivers':22s} {'bucket MB':>9s} {'buckets':>7s} {'cold s':>7s} {'best s':>7s} "
-            f"{'median s':>8s} {'pack s':>7s} {'GB/s best':>9s} {'GB/s med':>8s} {'x memcpy':>8s}")
+
+COPIES = {
+    # (transport, engine kind): full passes over the model's bytes on a push's critical path.
+    # Copies that the two HF engines make at the same time, each on its own core, count once.
+    ("colocated", "hf"): (1, "learner param -> engine param (update_weights; same dtype, nothing staged)"),
+    ("shm", "hf"): (2, "pack: learner -> slot; engine: slot -> staging tensor; swap in: 0 bytes"),
+    ("broadcast", "hf"): (4, "pack: learner -> buffer; gloo: a socket write per engine at the sender "
+                             "(2, in turn; each engine's read overlaps its write); engine: buffer -> staging; swap in: 0"),
+    ("shm", "vllm"): (3, "pack: learner -> slot; load_weights: slot views -> the re-materialised layer; "
+                         "re-process: linears re-packed into oneDNN kernels, other layers copied back into theirs"),
+    ("broadcast", "vllm"): (4, "pack; gloo: one socket write (the engine's read overlaps it); load; re-pack/copy back"),
+}
+"""Copies per row of this code (see the module docstring); each row's copy bound is memcpy / copies."""
+
+TARGETS = {("shm", "hf"): ("bound", 0.7), ("shm", "vllm"): ("memcpy", 0.25), ("broadcast", "vllm"): ("memcpy", 0.25)}
+"""Issue 20's targets: shm >= 0.7 of the copy bound; into vLLM on CPU >= 0.25x memcpy."""
+
+PHASES = (  # (column, metric keys summed); engine keys are the slowest engine's
+    ("pack", ("weight_sync/pack_s",)),
+    ("send", ("weight_sync/send_s", "weight_sync/slot_wait_s")),
+    ("e.load", ("weight_sync/engine_copy_s", "weight_sync/engine_load_s", "weight_sync/engine_own_s")),
+    ("e.proc", ("weight_sync/engine_process_s",)),
+    ("e.swap", ("weight_sync/engine_apply_s",)),
+)
+
+
+class Table:
+    """One row per (transport, receivers, bucket size): times, GB/s, the copy bound and the
+    profile of the fastest push.
+
+    ``copies``: ``COPIES``; ``bound``: memcpy GB/s / copies; ``x bound``: the row's best GB/s over
+    its bound. Profile (seconds of the fastest push): ``pack`` the sender's copies into slots /
+    the broadcast buffer (``weight_sync/pack_s``), ``send`` announcing slots and waiting for one
+    to be free, or the broadcasts (``send_s + slot_wait_s``), ``e.load`` the engine's copies out
+    of the bucket (HF: into staging; vLLM: its ``load_weights`` less re-processing, plus the
+    copies of what the reload keeps), ``e.proc`` vLLM's re-processing (the oneDNN re-pack),
+    ``e.swap`` the HF engine's swap at a step boundary; ``rest`` = best - all of these: control
+    plane (Ray calls, plan checks, pause/resume, store round trips, waits); negative when the
+    engines' copies overlap the sender's packing (two slots)."""
+
+    HEAD = (f"{'transport':10s} {'receivers':16s} {'MB':>5s} {'bkts':>4s} {'cold s':>7s} {'best s':>7s} "
+            f"{'med s':>7s} {'GB/s':>6s} {'x memcpy':>8s} {'copies':>6s} {'bound':>6s} {'x bound':>7s} "
+            f"{'target':>19s} | " + " ".join(f"{name:>6s}" for name, _ in PHASES) + f" {'rest':>6s}")
 
     def __init__(self, model_bytes: int, memcpy: float) -> None:
         self.rows: list[str] = []
         self.model_bytes, self.memcpy = model_bytes, memcpy
 
-    def add(self, transport: str, receivers: str, bucket_mb, buckets, cold: float, timed: list[float],
+    def add(self, transport: str, receivers: str, kind: str, bucket_mb, buckets, cold: float, timed: list[float],
             metrics: dict[str, float]) -> None:
         best, med = min(timed), statistics.median(timed)
-        gb = self.model_bytes / 1e9
-        pack = f"{metrics['weight_sync/pack_s']:7.3f}" if "weight_sync/pack_s" in metrics else f"{'-':>7s}"
-        row = (f"{transport:10s} {receivers:22s} {str(bucket_mb):>9s} {str(buckets):>7s} {cold:7.3f} {best:7.3f} "
-               f"{med:8.3f} {pack} {gb / best:9.2f} {gb / med:8.2f} {gb / best / self.memcpy:8.3f}")
+        gbps = self.model_bytes / 1e9 / best
+        copies = COPIES[(transport, kind)][0]
+        bound = self.memcpy / copies
+        target = ""
+        if (transport, kind) in TARGETS:
+            ref, want = TARGETS[(transport, kind)]
+            got = gbps / bound if ref == "bound" else gbps / self.memcpy
+            target = f"{'ok' if got >= want else 'MISS'} >={want} {ref}"
+        phases = [sum(metrics.get(k, 0.0) for k in keys) for _, keys in PHASES]
+        cells = " ".join(f"{v:6.3f}" if any(k in metrics for k in keys) else f"{'-':>6s}"
+                         for v, (_, keys) in zip(phases, PHASES))
+        row = (f"{transport:10s} {receivers:16s} {str(bucket_mb):>5s} {str(buckets):>4s} {cold:7.3f} {best:7.3f} "
+               f"{med:7.3f} {gbps:6.2f} {gbps / self.memcpy:8.3f} {copies:6d} {bound:6.2f} {gbps / bound:7.2f} "
+               f"{target:>19s} | {cells} {best - sum(phases):6.3f}")
         self.rows.append(row)
         print(row, flush=True)
+        extra = {k: round(v, 4) for k, v in sorted(metrics.items()) if k.startswith("weight_sync/engine")
+                 or k.endswith("slot_wait_s")}
+        if extra:
+            self.rows.append(f"{'':12s}engine phases (slowest engine): {extra}")
+            print(self.rows[-1], flush=True)
+
+    @staticmethod
+    def legend() -> list[str]:
+        """How each row's copies were counted."""
+        return [f"  copies {n} = {t} {k}: {why}" for (t, k), (n, why) in COPIES.items()]
 
 
 # ---------------------------------------------------------------------------------------- part 2
@@ -186,7 +281,7 @@ def bench_hf(args, model, model_path: str, pad: int, table: Table, checks: list[
     perturb(model, seed=version)
     cold, timed, m = time_pushes(pub, args.reps, version)
     version += 1 + args.reps
-    table.add("colocated", "1 HF in-process", "-", "-", cold, timed, m)
+    table.add("colocated", "1 HF in-process", "hf", "-", "-", cold, timed, m)
     same = digests(local.model) == digests(model)
     tie = local.model.lm_head.weight.data_ptr() == local.model.model.embed_tokens.weight.data_ptr()
     checks.append(f"{'PASS' if same and tie else 'FAIL'}  colocated -> HF in-process: every parameter bit-equal "
@@ -208,10 +303,11 @@ def bench_hf(args, model, model_path: str, pad: int, table: Table, checks: list[
                 if verify:
                     perturb(model, seed=version)
                 nb = len(pub.sender.plan(list(learner.named_weights()), 0, learner.weight_aliases()).buckets)
-                cold, timed, m = time_pushes(pub, args.reps, version)
+                cold, timed, m = time_pushes(pub, args.reps, version,
+                                             lambda: max_metrics(ray.get([a.metrics.remote() for a in actors])))
                 last = version + args.reps
                 version += 1 + args.reps
-                table.add(transport, "2 HF Ray actors", mb, nb, cold, timed, m)
+                table.add(transport, "2 HF Ray actors", "hf", mb, nb, cold, timed, m)
                 if verify:
                     want = digests(model)
                     results = ray.get([a.check.remote() for a in actors])
@@ -262,9 +358,9 @@ def bench_vllm_sync(args, model, model_path: str, eos: int, table: Table, checks
             nb = len(pub.sender.plan(list(learner.named_weights()), 0, learner.weight_aliases()).buckets)
             perturb(model, seed=version)
             before = _hf_check(model, prompts, gen.generate(prompts, 1, greedy))
-            cold, timed, m = time_pushes(pub, args.vllm_reps, version)
+            cold, timed, m = time_pushes(pub, args.vllm_reps, version, gen.last_weight_sync_metrics)
             version += 1 + args.vllm_reps
-            table.add(transport, "1 vLLM engine", mb, nb, cold, timed, m)
+            table.add(transport, "1 vLLM engine", "vllm", mb, nb, cold, timed, m)
             after_groups = gen.generate(prompts, 1, greedy)
             after = _hf_check(model, prompts, after_groups)
             ok = after[0] < 1e-3 and after[1] < 1e-4 and before[0] > 1e-2 and gen.policy_version == version - 1 \
@@ -379,12 +475,14 @@ def bench_generation(args, tiny_path: str) -> list[str]:
 # ---------------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="~10M model, one bucket size, fewer prompts")
+    parser.add_argument("--quick", action="store_true",
+                        help="~10M model, 16 MB buckets (several per push), 1 timed push per row, fewer prompts")
     parser.add_argument("--buckets-mb", default=None, help="comma-separated bucket sizes in MiB (default 64,256,1024)")
     parser.add_argument("--reps", type=int, default=3, help="timed pushes per row, after one cold push")
     parser.add_argument("--vllm-bucket-mb", type=float, default=256.0)
     parser.add_argument("--vllm-reps", type=int, default=3)
     parser.add_argument("--skip-vllm", action="store_true", help="only memcpy and the HF rows")
+    parser.add_argument("--skip-generation", action="store_true", help="no generation part (part 3)")
     parser.add_argument("--gen-prompts", type=int, default=None, help="generation prompts (default 256)")
     parser.add_argument("--gen-tokens", type=int, default=None, help="max tokens per response (default 64)")
     parser.add_argument("--gen-reps", type=int, default=3)
@@ -392,12 +490,14 @@ def main() -> None:
     if min(args.reps, args.vllm_reps, args.gen_reps) < 1:
         parser.error("--reps, --vllm-reps and --gen-reps must be >= 1")
     as_mb = lambda x: int(x) if float(x) == int(float(x)) else float(x)  # noqa: E731  (64, not 64.0)
-    args.buckets_mb = [as_mb(x) for x in (args.buckets_mb or ("64" if args.quick else "64,256,1024")).split(",")]
+    args.buckets_mb = [as_mb(x) for x in (args.buckets_mb or ("16" if args.quick else "64,256,1024")).split(",")]
+    if args.quick and args.vllm_bucket_mb == parser.get_default("vllm_bucket_mb"):
+        args.vllm_bucket_mb = 16.0
     args.vllm_bucket_mb = as_mb(args.vllm_bucket_mb)
     args.gen_prompts = args.gen_prompts or (64 if args.quick else 256)
     args.gen_tokens = args.gen_tokens or (32 if args.quick else 64)
     if args.quick:
-        args.reps, args.vllm_reps, args.gen_reps = min(args.reps, 2), 1, 1
+        args.reps, args.vllm_reps, args.gen_reps = 1, 1, 1
 
     from async_rl.data.builtin import resolve
 
@@ -423,7 +523,8 @@ def main() -> None:
         bench_hf(args, model, work, tok.pad_token_id, table, checks)
         if not args.skip_vllm:
             bench_vllm_sync(args, model, work, tok.eos_token_id, table, checks)
-            gen_lines = bench_generation(args, tiny_path)
+            if not args.skip_generation:
+                gen_lines = bench_generation(args, tiny_path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -435,6 +536,10 @@ def main() -> None:
     print(Table.HEAD)
     for row in table.rows:
         print(row)
+    print(f"copy bound = memcpy {mem:.2f} GB/s / copies; copies counted on a push's critical path (copies the "
+          f"engines make at the same time, each on its own core, count once):")
+    for line in Table.legend():
+        print(line)
     for c in checks:
         print(c)
     for line in gen_lines:

@@ -42,8 +42,10 @@ minutes on one H200 without vLLM, never measured)::
 
 From a session: ``run(command="PYTHONUNBUFFERED=1 ASYNC_RL_CACHE=/tmp/arl python3
 bench/gpu_weight_sync.py 2>&1 | tee $OUT/gpu_weight_sync.log", timeout_s=540)``. Flags:
-``--small`` (a ~10M model), ``--skip-vllm``, ``--device cpu`` (a CPU smoke test of the
-torch-only plumbing: gloo instead of NCCL, no IPC).
+``--small`` (a ~10M model), ``--model-dir DIR`` (a Qwen2 directory to load instead),
+``--skip-vllm``, ``--skip-broadcast``, ``--device cpu`` (a CPU smoke test of the torch-only
+plumbing: gloo instead of NCCL, no IPC). ``bench/gpu_check.py`` runs this script as its
+``weight-sync-check`` stage (``--skip-vllm --skip-broadcast`` on its 0.5B model).
 
 What is untested (honestly): nothing here has run on a GPU yet. The torch-only plumbing
 (subprocess receivers, ``shm``, ``broadcast`` on gloo, ``colocated``, the bit-equality checks)
@@ -288,17 +290,15 @@ def _row(name: str, times: list[float], model_bytes: int) -> str:
 
 
 def publisher_on(cfg, learner, targets: list, device: str):
-    """A ``WeightPublisher`` whose sender runs on ``device``: ``WeightPublisher`` itself always
-    builds ``WeightSender(..., device="cpu")`` (gloo), so NCCL needs this detour."""
-    from async_rl.weight_sync import ModuleWeights, WeightPublisher, WeightSender
+    """A connected ``WeightPublisher`` over ``targets`` whose sender runs on ``device``
+    (``cuda``: ``broadcast`` goes over NCCL).
 
-    pub = WeightPublisher.__new__(WeightPublisher)
-    pub.cfg, pub.transport, pub.learner, pub.targets, pub.published_version = cfg, cfg.transport, learner, targets, None
-    pub.sender = WeightSender(cfg, len(targets), device=device)
-    handles = [t.connect(pub.sender.init_info(), r) for r, t in enumerate(targets)]
-    pub.sender.connect()
-    pub._wait(handles, None, "connecting")
-    return pub
+    Raises:
+        TimeoutError: a target did not connect within ``cfg.timeout_s``.
+    """
+    from async_rl.weight_sync import WeightPublisher
+
+    return WeightPublisher(cfg, cfg.transport, learner, targets, device=device)
 
 
 # ---------------------------------------------------------------------------------------- torch-only
@@ -577,6 +577,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="a ~10M model instead of ~0.5B")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--skip-broadcast", action="store_true",
+                        help="no torch broadcast row (with one GPU NCCL refuses it: bench/gpu_check.py skips it)")
+    parser.add_argument("--model-dir", help="load this Hugging Face Qwen2 directory (float32) instead of "
+                                            "building a random model (bench/gpu_check.py passes its 0.5B one)")
     parser.add_argument("--buckets-mb", default="256,1024", help="comma-separated bucket sizes (MiB)")
     parser.add_argument("--reps", type=int, default=2, help="timed pushes after the first (cold) one")
     parser.add_argument("--num-receivers", type=int, default=2)
@@ -605,8 +609,15 @@ def main() -> None:
         f"device {args.device} {gpus}; python {sys.version.split()[0]}")
     log(f"copy rates: {copy_rates(args.device)}")
 
-    work = tempfile.mkdtemp(prefix="gpu-weight-sync-")
-    model, tok = build_model(work, SMALL_MODEL if args.small else FULL_MODEL)
+    if args.model_dir:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        work = args.model_dir
+        model = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(work)
+    else:
+        work = tempfile.mkdtemp(prefix="gpu-weight-sync-")
+        model, tok = build_model(work, SMALL_MODEL if args.small else FULL_MODEL)
     model = model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -621,7 +632,12 @@ def main() -> None:
         result("SKIP", f"vLLM rows: vLLM is not importable here ({vllm_error[:200]})")
     else:
         vllm_part(args, model, work, tok.eos_token_id, model_bytes)
-    torch_broadcast(args, model, work, tok.pad_token_id, model_bytes, targets, version)
+    if args.skip_broadcast:
+        result("SKIP", "broadcast row (--skip-broadcast)")
+        for t in targets:
+            t.close()
+    else:
+        torch_broadcast(args, model, work, tok.pad_token_id, model_bytes, targets, version)
 
     log("\n==== summary " + "=" * 80)
     for r in RESULTS:

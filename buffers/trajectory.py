@@ -136,6 +136,26 @@ class Trajectory:
                 f"(response_ids {n}, behavior_logprobs {len(self.behavior_logprobs)}, "
                 f"loss_mask {len(self.loss_mask)}, policy_version {len(self.policy_version)})")
 
+    @classmethod
+    def from_checked(cls, trajectory_id: str, group_id: int, prompt_uid: str, prompt_ids: np.ndarray,
+                     response_ids: np.ndarray, behavior_logprobs: np.ndarray, loss_mask: np.ndarray,
+                     finish_reason: str, policy_version: np.ndarray, reward: float,
+                     reward_extras: dict[str, float], response_text: str, generator_id: int) -> "Trajectory":
+        """A trajectory from fields already in their held form, without ``__post_init__``'s checks.
+
+        For the wire decoder (``async_rl.buffers.transport``), which has checked every field's
+        type and the per-token lengths and made each array itself (1-D, of ``PER_TOKEN_DTYPES``);
+        skipping the re-check saves a few microseconds per received trajectory. Anything else
+        builds with ``Trajectory(...)``, which checks. Arguments: the attributes, in field order.
+        """
+        self = object.__new__(cls)
+        self.__dict__.update(
+            trajectory_id=trajectory_id, group_id=group_id, prompt_uid=prompt_uid, prompt_ids=prompt_ids,
+            response_ids=response_ids, behavior_logprobs=behavior_logprobs, loss_mask=loss_mask,
+            finish_reason=finish_reason, policy_version=policy_version, reward=reward,
+            reward_extras=reward_extras, response_text=response_text, generator_id=generator_id)
+        return self
+
     @property
     def min_version(self) -> int:
         """Oldest policy version that produced any token (the staleness reference)."""

@@ -94,6 +94,13 @@ class GeneratorConfig:
     partial_rollout: str = "keep"
     """New weights arriving mid-generation: ``keep`` continues in-flight responses on them (each
     token records its version), ``abort`` stops them and re-issues them with their partial tokens."""
+    compact_batches: float = 0.5
+    """HF engine: once at least this fraction of a decoding batch's rows has finished, the batch
+    stops and goes on with the unfinished rows only, their prompts extended by the tokens so far
+    (one prefill; each row's tokens still come from its own sampler, as after an ``abort``), so
+    finished rows stop costing a forward slot each step until the longest one ends. In (0, 1];
+    1 turns it off (a batch runs until its longest row ends, as ``model.generate`` does). vLLM
+    and SGLang batch continuously and ignore it."""
     num_workers: int = 2
     """Async mode: generator actors in the pool (>= 1), each with its own engine; at most the
     ``(trainer.max_staleness + 1) * trainer.prompts_per_step`` groups admission control lets be
@@ -150,6 +157,8 @@ class GeneratorConfig:
             raise ValueError(f"generator.max_response_tokens must be >= 1, got {self.max_response_tokens}")
         if self.max_batch_size < 1:
             raise ValueError(f"generator.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 0 < self.compact_batches <= 1:
+            raise ValueError(f"generator.compact_batches must be in (0, 1], got {self.compact_batches}")
         if self.partial_rollout not in PARTIAL_ROLLOUT_MODES:
             raise ValueError(f"generator.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {self.partial_rollout!r}")
         check_placement("generator", "worker", self.num_cpus_per_worker, self.num_gpus_per_worker,

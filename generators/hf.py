@@ -13,6 +13,9 @@ greedy mode so it simply appends the token the hook chose. The hook, once per de
   only it equals ``log_softmax(logits / T)``, exactly what the learner recomputes) and the policy
   version of the weights that computed the logits;
 * hands finished rows to an ``on_sample`` callback at once, so a pool can stream them;
+* stops the batch once ``generator.compact_batches`` of its rows have finished, and goes on
+  with the unfinished ones (prompt + tokens so far, one prefill): ``model.generate`` alone keeps
+  a finished row in every forward until the longest row ends;
 * applies weights staged by ``update_weights`` from another thread between two decoding steps
   (``partial_rollout: keep``: in-flight rows continue on the new weights, their KV cache keeps
   the old prefix, and later tokens carry the new version), or stops the batch
@@ -21,8 +24,9 @@ greedy mode so it simply appends the token the hook chose. The hook, once per de
   Both are the in-flight update modes of PipelineRL (arXiv 2509.19128) and AReaL (2505.24298).
 
 Weight updates are all or nothing (``async_rl.weight_sync``'s *All or nothing*): checked whole
-before any write, staged, then written at one step boundary; a write that fails midway (a device
-fault) leaves an engine that refuses to sample until a complete update succeeds.
+before any write, staged, then written (``update_weights``) or swapped in (``receive_weights``)
+at one step boundary; a write that fails midway (a device fault) leaves an engine that refuses
+to sample until a complete update succeeds.
 """
 
 from __future__ import annotations
@@ -150,6 +154,10 @@ class _Row:
     finish_reason: str = ""
 
 
+MIN_COMPACT_ROWS = 4
+"""Smallest decoding batch that ``generator.compact_batches`` restarts with its unfinished rows."""
+
+
 class _StepHook:
     """The last logits processor and the stopping criterion of one ``generate`` call (see the
     module docstring). ``rows`` are the live rows of the batch, in batch order."""
@@ -166,6 +174,13 @@ class _StepHook:
         if not params.greedy and params.top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(params.top_p))
         self.abort = False
+        self.compact = False
+        """Stop the batch to go on with its unfinished rows (``generator.compact_batches``)."""
+        # A batch of a few rows runs to its end: restarting it would cost a prefill to save
+        # almost nothing (a step's cost barely depends on so few rows).
+        self._compact_at = max(1, int(gen.cfg.compact_batches * len(rows) + 0.5)) \
+            if gen.cfg.compact_batches < 1 and len(rows) >= MIN_COMPACT_ROWS else len(rows)
+        self._num_done = sum(r.done for r in rows)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logits = scores.float()
@@ -198,7 +213,10 @@ class _StepHook:
             if tok in self.stops or len(r.tokens) >= self.params.max_tokens:
                 r.done = True
                 r.finish_reason = "stop" if tok in self.stops else "length"
+                self._num_done += 1
                 self.on_finish(r)
+        # Enough rows finished (and some still live): the rest go on in a smaller batch.
+        self.compact = self._compact_at <= self._num_done < len(self.rows)
         # Token t was computed with the weights of `version`; new weights apply from token t + 1.
         if self.gen._pending is not None:
             if self.gen.cfg.partial_rollout == "keep":
@@ -213,13 +231,15 @@ class _StepHook:
 
 
 class _AbortCriteria:
-    """Stopping criterion that ends the whole batch once the hook asked to abort for new weights."""
+    """Stopping criterion that ends the whole batch once the hook asked to abort for new weights,
+    or to compact it (``generator.compact_batches``)."""
 
     def __init__(self, hook: _StepHook) -> None:
         self.hook = hook
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.hook.abort, dtype=torch.bool, device=input_ids.device)
+        return torch.full((input_ids.shape[0],), self.hook.abort or self.hook.compact, dtype=torch.bool,
+                          device=input_ids.device)
 
 
 class HFGenerator:
@@ -266,6 +286,10 @@ class HFGenerator:
         self._unusable: str | None = None
         """Why the engine refuses to sample (an update failed after its first write), or None."""
         self._receiver = None
+        self._spare: dict[int, torch.Tensor] = {}
+        """Staging tensors of the next ``receive_weights`` by ``id(parameter)``: what the last
+        update swapped out."""
+        self._last_metrics: dict[str, float] = {}
         self.num_weight_updates_in_flight = 0
         """Weight updates applied between two decoding steps of a batch (``keep`` mode)."""
 
@@ -375,16 +399,22 @@ class HFGenerator:
         returns seconds until the new weights are in use.
 
         The whole plan is checked before any byte moves (``check_plan``). The buckets are then
-        received into a staged copy of the targeted parameters (generation goes on meanwhile)
-        and, once the last one arrived, written between two decoding steps. A failure before
-        that (the sender died or raised, a bucket timed out) drops the copy: the engine keeps its
-        old weights and version. Memory: one copy of the targeted parameters (the whole model, or
-        the adapters with LoRA) on the engine's device while the update is in flight.
+        copied, once each, into staging tensors (generation goes on meanwhile) and, once the last
+        one arrived, swapped in between two decoding steps: each targeted parameter takes its
+        staging tensor as its data (``param.data = staged``: no second copy, and the pause at the
+        step boundary costs no byte), and the tensor it held becomes a staging tensor of the next
+        update. A failure before the swap (the sender died or raised, a bucket timed out) leaves
+        every parameter untouched: the engine keeps its old weights and version. A tied
+        parameter's alias (``lm_head.weight`` riding on the embedding's bytes) is not copied
+        twice. Memory: one copy of the targeted parameters (the whole model, or the adapters
+        with LoRA) on the engine's device, kept between updates: fresh tensors each update would
+        cost more than the copy itself on CPU (every page faulted in anew). Phase seconds of the
+        last call: ``last_weight_sync_metrics``.
 
         Raises:
             KeyError, ValueError: the plan was refused (names, coverage, shapes, dtypes, ties).
             RuntimeError, TimeoutError: the transfer failed midway (the engine is unchanged), or
-                the final write failed (the engine is unusable until a complete update).
+                the final swap failed (the engine is unusable until a complete update).
         """
         import time
 
@@ -394,18 +424,60 @@ class HFGenerator:
         update = UpdatePlan.from_dict(plan)
         targets = self._targets()
         params = _param_table(targets)[0]
+        aliases = {m.name for b in update.buckets for m in b if m.alias_of is not None}
         staged: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
-        for bucket in self._receiver.receive(update, check=lambda _names: self.check_plan(update)):
-            try:
-                for name, t in bucket:
-                    p = params[name]
-                    # A copy: the bucket's memory is reused for the next one.
-                    staged[id(p)] = (p, t.to(dtype=p.dtype, device=p.device, copy=True))
-            except Exception as e:  # (out of memory): tell the sender why before leaving the loop
-                self._receiver.fail(update, f"staging a bucket failed: {type(e).__name__}: {e}")
-                raise
-        self._run_update(lambda: self._write(list(staged.values()), version), version)
-        return time.perf_counter() - t0
+        copy_s = 0.0
+        complete = False
+        try:
+            for bucket in self._receiver.receive(update, check=lambda _names: self.check_plan(update)):
+                t1 = time.perf_counter()
+                try:
+                    for name, t in bucket:
+                        p = params[name]
+                        if name in aliases and id(p) in staged:
+                            continue  # a tied parameter's alias: the same bytes, staged once
+                        # A copy: the bucket's memory is reused for the next one.
+                        buf = self._spare.pop(id(p), None)
+                        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+                            buf = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                        staged[id(p)] = (p, buf)
+                        buf.copy_(t)  # converts to the parameter's dtype
+                except Exception as e:  # (out of memory): tell the sender why before leaving the loop
+                    self._receiver.fail(update, f"staging a bucket failed: {type(e).__name__}: {e}")
+                    raise
+                copy_s += time.perf_counter() - t1
+            complete = True
+        finally:
+            if not complete:  # the staging tensors stay for the next update; the parameters are untouched
+                self._spare.update({k: buf for k, (_, buf) in staged.items()})
+        t2 = time.perf_counter()
+        self._run_update(lambda: self._swap(list(staged.values()), version), version)
+        t3 = time.perf_counter()
+        self._last_metrics = {"weight_sync/engine_s": t3 - t0, "weight_sync/engine_copy_s": copy_s,
+                              "weight_sync/engine_wait_s": t2 - t0 - copy_s, "weight_sync/engine_apply_s": t3 - t2}
+        return t3 - t0
+
+    def _swap(self, staged: list[tuple[torch.nn.Parameter, torch.Tensor]], version: int) -> None:
+        # Same shapes, dtypes and devices by construction: only a fault can stop it midway.
+        try:
+            with torch.no_grad():
+                for param, t in staged:
+                    old = param.data
+                    param.data = t
+                    self._spare[id(param)] = old
+        except BaseException as e:
+            self._unusable = (f"the HF engine refuses to sample: weight update v{version} failed while swapping in "
+                              f"({type(e).__name__}: {e}), so its weights mix two versions; a complete update must "
+                              f"succeed first")
+            raise
+        self._unusable = None
+
+    def last_weight_sync_metrics(self) -> dict[str, float]:
+        """Phase seconds of the last ``receive_weights`` (``{}`` before the first):
+        ``weight_sync/engine_s`` (the whole call), ``engine_wait_s`` (the plan check, waiting
+        for buckets and acknowledging them), ``engine_copy_s`` (bucket -> staging copies),
+        ``engine_apply_s`` (waiting for a decoding-step boundary and swapping the staged tensors in)."""
+        return dict(self._last_metrics)
 
     def close(self) -> None:
         """Nothing to release: the model is freed with the object (part of the ``Generator``
@@ -457,7 +529,8 @@ class HFGenerator:
                 while live:
                     self._check_usable()
                     self._decode(live, params, finish)
-                    # Rows cut short by an abort resume from their partial tokens on the new weights.
+                    # Rows cut short by an abort (or a compaction) resume from their partial tokens,
+                    # on the new weights after an abort.
                     self._apply_pending()
                     self._check_usable()
                     live = [r for r in live if not r.done]

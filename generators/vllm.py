@@ -116,6 +116,7 @@ class VLLMGenerator:
         self.num_cached_prompt_tokens = 0
         """Prompt tokens served from the prefix cache so far (summed over samples): what the
         per-version cache salt keeps at 0 right after an update."""
+        self._last_metrics: dict[str, float] = {}
         self._update_pauses = 0
         """Pauses for a weight update so far: a request aborted by one (``partial_rollout: abort``)
         sees the count move past the value it started with, however late its abort is noticed."""
@@ -337,6 +338,16 @@ class VLLMGenerator:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         # The whole plan first, while the model is untouched: a bad one fails here (and the sender is told).
+        phases: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            phases[f"weight_sync/engine_{name}_s"] = now - t
+            t = now
+
+        self._last_metrics = phases
         try:
             await self.engine.collective_rpc("async_rl_check_update", args=(plan, self.lora))
         except Exception as e:
@@ -346,17 +357,23 @@ class VLLMGenerator:
         in_flight = self._active > 0
         self._update_pauses += 1
         self._resumed.clear()
+        lap("check")
         await self.engine.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
+        lap("pause")
         try:
             try:
                 if self.lora is not None:
                     # Adapter only: the base weights are untouched, no reload lifecycle.
                     await self.engine.collective_rpc("async_rl_load_lora", args=(plan, self.lora))
                     await self.engine.update_weight_version(str(version))
+                    lap("update")
                 else:
                     await self.engine.start_weight_update()
+                    lap("start")
                     await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"plan": plan}))
+                    lap("update")
                     await self.engine.finish_weight_update(str(version))
+                    lap("finish")
             except Exception as e:
                 raise RuntimeError(await self._failed_update(version, e)) from e
             except BaseException:  # cancelled (shutting down): nothing can be unwound any more
@@ -369,6 +386,20 @@ class VLLMGenerator:
         finally:
             self._resumed.set()
             await self.engine.resume_generation()
+            lap("resume")
+
+    def last_weight_sync_metrics(self) -> dict[str, float]:
+        """Phase seconds of the last ``receive_weights`` (``{}`` before the first), as this
+        process saw them: ``weight_sync/engine_check_s`` (the plan check in the workers),
+        ``engine_pause_s``, ``engine_start_s`` (the layerwise reload set up), ``engine_update_s``
+        (receiving and loading every bucket), ``engine_finish_s`` (finalizing the reload),
+        ``engine_resume_s``; and, from the worker (one RPC, made here), the split of
+        ``engine_update_s`` and ``engine_finish_s``: ``async_rl_update_metrics`` of
+        ``vllm_worker.AsyncRLWorkerExtension`` (full-weight updates only)."""
+        out = dict(self._last_metrics)
+        if out and self.lora is None:
+            out.update(self._call(self.engine.collective_rpc("async_rl_update_metrics"))[0])
+        return out
 
     async def _failed_update(self, version: int, error: BaseException) -> str:
         # Unwind the update in the workers; unless no byte of it reached the model, nothing may be

@@ -12,8 +12,11 @@ follows vLLM's native RL weight-update lifecycle, driven from ``AsyncLLM``:
   module has all its weights, or at finalize; one update thus spans several buckets in one
   session, unlike separate ``reload_weights`` calls, which must not split a layer);
 * ``update_weights``: load bucket by bucket with the model's own ``load_weights`` (HF names; the
-  loader fuses q/k/v and gate/up and converts dtypes), from copies of the bucket (the reload may
-  keep tensors until finalize, while the bucket's memory is reused); the whole plan was checked
+  loader fuses q/k/v and gate/up and converts dtypes), straight from the bucket's views: a layer
+  whose weights are all in the bucket (every decoder layer: a plan never splits one) is loaded
+  and processed within the call; only the tensors the reload still holds afterwards (a layer
+  completed at finalize, such as a tied head or a padded embedding) are copied out of the bucket
+  before its memory is reused (``own_pending``); the whole plan was checked
   against the model (``check_update``: names, coverage, full shapes from ``engine_weight_specs``,
   dtypes, tied aliases) by ``async_rl_check_update`` before the reload began;
 * ``finish_weight_update``: finalize the layerwise reload.
@@ -45,8 +48,11 @@ failure inside the swap leaves the engine without a whole adapter.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
@@ -190,6 +196,13 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         self.specs = engine_weight_specs(self.model)
         self.num_updates = 0
         self.intact = True
+        self.metrics: dict[str, float] = {}
+        """Phase seconds of the last update (``AsyncRLWorkerExtension.async_rl_update_metrics``)."""
+        self._process_s = [0.0]
+        _time_processing(self.model, self._process_s)
+        self._views = _reload_internals()
+        """Load straight from the bucket's views (``own_pending`` then copies what the reload keeps),
+        or, where vLLM's reload internals differ, from copies of the whole bucket."""
 
     def init_transfer_engine(self, init_info: AsyncRLInitInfo) -> None:
         if self.receiver is not None:
@@ -218,25 +231,40 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         if self.receiver is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
         plan = UpdatePlan.from_dict(update_info.plan)
+        t0 = time.perf_counter()
+        load_s = own_s = 0.0
+        self._process_s[0] = 0.0
         # The plan was checked by ``async_rl_check_update`` before the reload began.
         for bucket in self.receiver.receive(plan):
             self.intact = False
             try:
-                # The layerwise reload may keep a module's tensors until finalize (a tied output
-                # head is only completed there), and the bucket's memory is reused by the next
-                # bucket: hand it copies. Measured: without them a multi-bucket update diverged
-                # from a fresh engine (tests/test_vllm.py).
-                self.model.load_weights([(name, t.clone()) for name, t in bucket])
+                t1 = time.perf_counter()
+                self.model.load_weights(bucket if self._views else [(n, t.clone()) for n, t in bucket])
+                t2 = time.perf_counter()
+                # The bucket's memory is reused by the next bucket: what the reload still holds
+                # of it must be copied first. Measured: with views left in the reload, a
+                # multi-bucket update diverged from a fresh engine (tests/test_vllm.py).
+                if self._views:
+                    own_pending(bucket)
+                load_s += t2 - t1
+                own_s += time.perf_counter() - t2
             except Exception as e:
                 self.receiver.fail(plan, f"loading a bucket failed: {type(e).__name__}: {e}")
                 raise
         self.num_updates += 1
+        self.metrics = {"weight_sync/engine_recv_s": time.perf_counter() - t0,
+                        "weight_sync/engine_load_s": load_s - self._process_s[0],
+                        "weight_sync/engine_process_s": self._process_s[0], "weight_sync/engine_own_s": own_s}
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        t0, before = time.perf_counter(), self._process_s[0]
         finalize_layerwise_reload(self.model, self.model_config)
         self.intact = True
+        self.metrics["weight_sync/engine_finalize_s"] = time.perf_counter() - t0
+        self.metrics["weight_sync/engine_process_s"] = self.metrics.get("weight_sync/engine_process_s", 0.0) + \
+            self._process_s[0] - before
 
     def abort_weight_update(self) -> bool:
         """Unwind a reload that will not be finished; returns ``intact``.
@@ -279,6 +307,64 @@ if BACKEND not in getattr(WeightTransferEngineFactory, "_registry", {}):
         WeightTransferEngineFactory.register_engine(BACKEND, AsyncRLWeightTransferEngine)
     except ValueError:  # already registered by an earlier import in this process
         pass
+
+
+def own_pending(bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy out of ``bucket`` the tensors vLLM's layerwise reload still holds after loading it;
+    returns the bytes copied.
+
+    The reload buffers a layer's tensors (the loader's arguments, views into the bucket) until
+    the layer has all its weights, then loads and processes it and drops them. A layer left
+    incomplete after a bucket (completed only at finalize: a tied output head, a padded
+    embedding) would otherwise read the next bucket's bytes. Every other layer was processed
+    inside ``load_weights`` and holds nothing of the bucket. Uses vLLM 0.32's layerwise-reload
+    internals (``LAYERWISE_INFO``; ``_reload_internals`` tells whether they are there: without
+    them the engine hands the loader copies of the whole bucket instead)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    storages = {t.untyped_storage().data_ptr() for _, t in bucket}
+    pending = [bound for info in list(LAYERWISE_INFO.values()) for _, bound in info.loaded_weights]
+    nbytes = 0
+    for bound in pending:
+        for key, value in bound.arguments.items():
+            if isinstance(value, torch.Tensor) and not value.is_meta and \
+                    value.untyped_storage().data_ptr() in storages:
+                bound.arguments[key] = value.clone()
+                nbytes += value.numel() * value.element_size()
+    return nbytes
+
+
+def _reload_internals() -> bool:
+    """Whether vLLM's layerwise reload buffers a layer's tensors where ``own_pending`` looks."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+    except ImportError:
+        return False
+    return hasattr(LAYERWISE_INFO, "values") and "loaded_weights" in getattr(LayerReloadingInfo,
+                                                                             "__dataclass_fields__", {})
+
+
+def _time_processing(model, total: list[float]) -> None:
+    # Each layer's quant method re-processes its weights after a (re)load (the CPU build packs
+    # linears into oneDNN kernels): time it, as an instance attribute over the bound method
+    # (the reload calls ``quant_method.process_weights_after_loading(layer)``).
+    seen: set[int] = set()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or id(method) in seen or not hasattr(method, "process_weights_after_loading"):
+            continue
+        seen.add(id(method))
+        inner = method.process_weights_after_loading
+
+        def timed(layer, _inner=inner):
+            t0 = time.perf_counter()
+            try:
+                return _inner(layer)
+            finally:
+                total[0] += time.perf_counter() - t0
+
+        method.process_weights_after_loading = timed
 
 
 def lora_request():
@@ -375,6 +461,15 @@ class AsyncRLWorkerExtension:
         self._weight_update_active = False
         eng.reset_weight_update_target()
         return eng.abort_weight_update()  # a LoRA update has no reload to unwind: just ``intact``
+
+    def async_rl_update_metrics(self) -> dict[str, float]:
+        """Phase seconds of this worker's last full-weight update: ``weight_sync/engine_recv_s``
+        (``update_weights``: waiting for buckets, loading, processing, copying what the reload
+        keeps), ``engine_load_s`` (the model's ``load_weights`` less the processing in it),
+        ``engine_process_s`` (the quant methods' re-processing, e.g. the oneDNN re-pack, during
+        the load and at finalize), ``engine_own_s`` (``own_pending``), ``engine_finalize_s``."""
+        eng = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(eng, "metrics", {}))
 
     def async_rl_num_updates(self) -> int:
         """Updates this worker's engine has loaded."""

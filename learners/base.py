@@ -158,9 +158,11 @@ class LearnerConfig:
     leave in async mode."""
     cpu_affinity: list[int] = field(default_factory=list)
     """CPU ids every learner rank may run on (``os.sched_setaffinity`` on all its threads,
-    Linux; ids >= 0, each once); empty = no pinning (default). The trainer process (rank 0, with
-    its dispatcher and receiver threads in async mode) is pinned once the run's Ray is up, ranks
-    1..N-1 as they start; ``num_threads: 0`` then means as many torch threads as cores listed.
+    Linux; ids >= 0, each once); empty = no pinning (default). The trainer process (rank 0) is
+    pinned once the run's Ray is up, ranks 1..N-1 as they start; ``num_threads: 0`` then means
+    as many torch threads as cores listed. In async mode only rank 0's training thread (and the
+    torch and gloo threads it starts) runs here: its receiver, dispatcher, ZeroMQ and Ray threads
+    and the Ray processes the run starts take the other cores (``cluster.split_learner_threads``).
     With ``generator.cpu_affinity`` it sets each role's cores apart (see there for sync mode)."""
     num_cpus_per_rank: float = 1.0
     """CPUs Ray reserves for each learner rank it places (ranks 1..N-1; >= 0, placement only:

@@ -199,3 +199,15 @@ def test_vllm_engine_in_sync_and_async_mode(tmp_path, ray_session, mode):
         assert all(s["mismatch/logprob_abs_diff"] < 1e-4 and s["staleness/max"] == 0 for s in steps)
     assert all(s["weight_sync/bytes"] > 0 for s in steps)
     assert summary["eval_final"] == summary["eval_final"]
+
+
+def test_engine_speed_counts_only_the_batches_whose_busy_time_it_divides_by():
+    """A step in which no batch ended reports the run's speed so far, not its tokens over ~0 s."""
+    from async_rl.loops.async_loop import engine_tokens_per_s
+
+    assert engine_tokens_per_s({"busy_s": 2.0, "served_tokens": 3000.0, "generated_tokens": 9000.0},
+                               {"busy_s": 10.0, "served_tokens": 12000.0}) == 1500.0
+    # One long batch still decoding: 4000 tokens counted, no busy time yet this step.
+    assert engine_tokens_per_s({"busy_s": 0.0, "served_tokens": 0.0, "generated_tokens": 4000.0},
+                               {"busy_s": 10.0, "served_tokens": 12000.0}) == 1200.0
+    assert engine_tokens_per_s({"generated_tokens": 4000.0}, {"generated_tokens": 4000.0}) is None

@@ -79,6 +79,46 @@ def test_pin_process_refuses_a_cpu_the_machine_lacks():
     assert got.startswith(f"generator.cpu_affinity=[{os.cpu_count() + 3}]: this machine has CPU ids 0..")
 
 
+def _split_in_child(learn_core: int, queue) -> None:
+    import torch
+
+    from async_rl.cluster import split_learner_threads, started_on
+
+    stop = threading.Event()
+    early = threading.Thread(target=stop.wait, daemon=True)  # as Ray's, before the split
+    early.start()
+    service = split_learner_threads([learn_core], "learner.cpu_affinity")
+    before_pool = set(os.listdir("/proc/self/task"))
+    torch.set_num_threads(2)
+    torch.ones(1 << 20).add_(1)  # starts torch's intra-op threads from the training thread
+    torch_threads = set(os.listdir("/proc/self/task")) - before_pool
+    with started_on(service):
+        late_service = threading.Thread(target=stop.wait, daemon=True)
+        late_service.start()
+    late_learner = threading.Thread(target=stop.wait, daemon=True)
+    late_learner.start()
+    tasks = _all_tasks_affinity()
+    queue.put({"service": service, "main": tasks[threading.get_native_id()], "early": tasks[early.native_id],
+               "torch": [tasks[int(t)] for t in torch_threads if int(t) in tasks],
+               "late_service": tasks[late_service.native_id], "late_learner": tasks[late_learner.native_id],
+               "main_after": sorted(os.sched_getaffinity(0))})
+    stop.set()
+
+
+@needs_linux
+def test_split_learner_threads_keeps_the_learner_cores_for_the_training_thread():
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two CPUs this process may use")
+    learn, service = cores[-1], cores[:-1]
+    got = _child(_split_in_child, learn)
+    assert got["service"] == service
+    assert got["main"] == [learn] and got["main_after"] == [learn]
+    assert got["early"] == service and got["late_service"] == service
+    assert got["late_learner"] == [learn]  # inherited from the thread that started it
+    assert got["torch"] and all(cpus == [learn] for cpus in got["torch"]), got
+
+
 def _worker_in_child(model_path: str, core: int, queue) -> None:
     from async_rl.generators.base import GeneratorConfig, SamplingParams
     from async_rl.loops.pool import GeneratorWorker
@@ -145,3 +185,89 @@ def test_sync_mode_generates_on_the_generator_cores_and_trains_on_the_learner_co
     gen, learn = cores[0], cores[1]
     seen = _child(_sync_phases_in_child, gen, learn)
     assert seen == [("generate", [gen], 1), ("train", [learn], 1)] * 2
+
+
+def _descendant_masks() -> dict[str, list[list[int]]]:
+    """Each process under this one (Ray's, the actors'), by ``name[pid]``: its threads' CPU ids."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            raw = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        names[int(p)] = raw[raw.index("(") + 1:raw.rindex(")")]
+        children.setdefault(int(raw.rsplit(")", 1)[1].split()[1]), []).append(int(p))
+    out, todo = {}, list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            out[f"{names[pid]}[{pid}]"] = [sorted(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:  # ended meanwhile
+            pass
+    return out
+
+
+def _async_threads_in_child(tmp: str, gen_core: int, learn_core: int, queue) -> None:
+    import torch
+
+    from async_rl.loops import async_loop
+    from async_rl.trainer import train
+    from tests.pipeline_helpers import small_run_cfg
+
+    seen: dict = {}
+    learn_on = async_loop.learn_on
+
+    def spying_learn_on(ctx, step, ro):
+        if step == 2:  # the pipeline has run a whole step: every thread it starts is up
+            seen.update(main=threading.get_native_id(), tasks=_all_tasks_affinity(),
+                        names={t.native_id: t.name for t in threading.enumerate()},
+                        comms={int(t): Path(f"/proc/self/task/{t}/comm").read_text().strip()
+                               for t in os.listdir("/proc/self/task")},
+                        processes=_descendant_masks(), torch_threads=torch.get_num_threads())
+        return learn_on(ctx, step, ro)
+
+    async_loop.learn_on = spying_learn_on
+    before = _all_tasks_affinity()
+    summary = train(small_run_cfg(tmp, "pinned", "trainer.mode=async", "generator.num_workers=1",
+                                  f"generator.cpu_affinity=[{gen_core}]", f"learner.cpu_affinity=[{learn_core}]",
+                                  "trainer.warm_start.steps=2", "data.val_files=[]"))
+    queue.put({"seen": seen, "trained": summary["pipeline/trained"], "before": before,
+               "after": _all_tasks_affinity()})
+
+
+@needs_linux
+def test_async_mode_keeps_the_learner_core_for_the_training_thread(tmp_path):
+    # The training thread (and torch's threads it starts) on the learner's core; the receiver,
+    # the dispatcher, ZeroMQ's and Ray's threads and Ray's processes on the other core.
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two CPUs this process may use")
+    gen, learn = cores[0], cores[1]
+    service = [c for c in cores if c != learn]
+    got = _child(_async_threads_in_child, str(tmp_path), gen, learn)
+    seen = got["seen"]
+    assert got["trained"] == 3 * 4 and seen, got
+    tasks, names, comms = seen["tasks"], seen["names"], seen["comms"]
+    assert tasks[seen["main"]] == [learn]
+    by_name = {name: tid for tid, name in names.items()}
+    assert tasks[by_name["receiver"]] == service and tasks[by_name["dispatcher"]] == service
+    zmq_threads = [tid for tid, comm in comms.items() if comm.startswith("ZMQbg")]
+    assert zmq_threads and all(tasks[tid] == service for tid in zmq_threads), (comms, tasks)
+    # Every thread that names itself (Ray's, gRPC's, ZeroMQ's, Arrow's, TCPStore's) or is a
+    # Python thread is on the service cores, except the learner's own: gloo's (its collectives)
+    # and tqdm's monitor (idle). Unnamed native threads are torch's (or idle libraries').
+    assert any(comm.startswith(("grpc", "worker.io", "client.poll")) for comm in comms.values()), comms
+    own = {"MainThread", "tqdm_monitor"}
+    for tid, cpus in tasks.items():
+        named = comms.get(tid) not in (None, comms[seen["main"]]) or tid in names
+        if named and names.get(tid) not in own and not comms.get(tid, "").startswith(("gloo", "pt_gloo")):
+            assert cpus == service, (tid, comms.get(tid), names.get(tid), cpus)
+    # Ray's own processes (started inside started_on) on the service cores; the generator actor
+    # pinned itself to its core.
+    assert seen["processes"], seen
+    for proc, masks in seen["processes"].items():
+        assert all(m == service or m == [gen] for m in masks), (proc, masks)
+    # The run leaves the process's CPU ids as it found them.
+    assert set(map(tuple, got["after"].values())) <= set(map(tuple, got["before"].values())), got

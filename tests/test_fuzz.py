@@ -8,9 +8,9 @@ Each door gets a few thousand generated inputs, mixed with valid ones, from ``SE
   numpy scalars, out-of-range ints, dicts with junk extras (``REWARD_CASES``, one row per case);
 - tool-call text (both parsers, then ``ToolExecutor``): truncated and nested tags, broken and
   deeply nested JSON, unicode, huge arguments, unknown tools, wrong argument types;
-- ZeroMQ messages (``decode_message``, then a real PUSH/PULL pair into a ``ReplayBuffer``):
+- ZeroMQ messages (``decode_messages``, then a real PUSH/PULL pair into a ``ReplayBuffer``):
   random bytes, bit flips, truncations, wrong frame counts, wrong msgpack types, absurd lengths,
-  NaN log-probs, negative token ids, duplicates;
+  NaN log-probs, negative token ids, duplicates, single trajectories and whole groups;
 
 and one real async run (slow) takes all four at once. The contract everywhere: nothing raises
 out of the pipeline, every rejection is counted under a known reason, and every accepted input
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -46,8 +47,9 @@ import zmq
 
 from async_rl.buffers.replay import ReplayBuffer
 from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, Trajectory
-from async_rl.buffers.transport import (SCHEMA_VERSION, GroupClosed, MalformedMessageError, ZmqTrajectoryReceiver,
-                                        decode_message, encode_message)
+from async_rl.buffers.transport import (SCHEMA_VERSION, GroupClosed, MalformedMessageError, TrajectoryGroup,
+                                        ZmqTrajectoryReceiver, decode_messages, encode_message, pack_frame,
+                                        split_frame)
 from async_rl.data.builtin import ARITHMETIC_DATA_SOURCE
 from async_rl.data.dataset import BAD_ROW_REASONS, BadRowError, PromptDataset
 from async_rl.rewards.scorer import REJECT_REASONS as REWARD_REJECT_REASONS
@@ -606,34 +608,52 @@ def _array(values: list, code: str) -> bytes:
     return struct.pack(f"<{len(values)}{code}", *values)
 
 
-def _packed(message: dict) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+_BODY = ["behavior_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask"]
+_P, _R = 8, 9  # where a trajectory header holds its prompt and response token counts
 
 
-def _semantic(rng: random.Random, message: dict) -> dict:
-    """A well-laid-out message holding a value the learner cannot train on."""
-    r = message["num_response_tokens"]
+def _split(frame: bytes) -> tuple[Any, dict[str, bytes]]:
+    """A valid frame's header and each body field's bytes (all trajectories' values of it)."""
+    header, body = split_frame(frame)
+    p = sum(e[_P] for e in header.get("trajectories", ()))
+    r = sum(e[_R] for e in header.get("trajectories", ()))
+    ends = list(itertools.accumulate([0, 8 * r, 8 * r, 4 * p, 4 * r, r]))
+    return header, {name: bytes(body[ends[i]:ends[i + 1]]) for i, name in enumerate(_BODY)}
+
+
+def _packed(header: Any, arrays: dict[str, Any] | None = None) -> bytes:
+    return pack_frame(header, [arrays[n] for n in _BODY] if arrays else [])
+
+
+def _semantic(rng: random.Random, header: dict, arrays: dict[str, bytes]) -> bytes:
+    """A well-laid-out message holding a value the learner cannot train on (in every trajectory
+    for an array, in one for a header field)."""
+    entry = rng.choice(header["trajectories"])
+    r = sum(e[_R] for e in header["trajectories"])
     kind = rng.randrange(9) if r else rng.choice([0, 5, 6, 7, 8])
     if kind == 0:
-        message["prompt_ids"], message["num_prompt_tokens"] = rng.choice([
-            (_array([-1] * 3, "i"), 3), (_array([], "i"), 0)])
+        old = entry[_P]
+        entry[_P] = rng.choice([3, 0])
+        start = sum(e[_P] for e in header["trajectories"][:header["trajectories"].index(entry)])
+        arrays["prompt_ids"] = (arrays["prompt_ids"][:4 * start] + _array([-1] * entry[_P], "i")
+                                + arrays["prompt_ids"][4 * (start + old):])
     elif kind == 1:
-        message["response_ids"] = _array([rng.randint(-2**31, -1)] * r, "i")
+        arrays["response_ids"] = _array([rng.randint(-2**31, -1)] * r, "i")
     elif kind == 2:
-        message["behavior_logprobs"] = _array([rng.choice([math.nan, math.inf])] * r, "d")
+        arrays["behavior_logprobs"] = _array([rng.choice([math.nan, math.inf])] * r, "d")
     elif kind == 3:
-        message["loss_mask"] = _array([rng.randint(2, 255)] * r, "B")
+        arrays["loss_mask"] = _array([rng.randint(2, 255)] * r, "B")
     elif kind == 4:
-        message["policy_version"] = _array([rng.randint(-2**63, -1)] * r, "q")
+        arrays["policy_version"] = _array([rng.randint(-2**63, -1)] * r, "q")
     elif kind == 5:
-        message["reward"] = rng.choice([math.nan, math.inf, -math.inf])
+        entry[5] = rng.choice([math.nan, math.inf, -math.inf])
     elif kind == 6:
-        message["reward_extras"] = rng.choice([{"acc": math.nan}, {"acc": -math.inf}, {"acc": "1"}, {1: 1.0}, {"acc": 1}])
+        entry[6] = rng.choice([{"acc": math.nan}, {"acc": -math.inf}, {"acc": "1"}, {1: 1.0}, {"acc": 1}])
     elif kind == 7:
-        message["trajectory_id"] = rng.choice(["", "7", "7/", "7/x", "7/-1", "7/1 ", "7/١"])
+        entry[0] = rng.choice(["", "7", "7/", "7/x", "7/-1", "7/1 ", "7/١"])
     else:
-        message["num_response_tokens"] = r + 1  # arrays one short
-    return message
+        entry[_R] += 1  # arrays one short
+    return _packed(header, arrays)
 
 
 def malformed_frames(rng: random.Random, valid: list[list[bytes]]) -> list[Any]:
@@ -656,47 +676,63 @@ def malformed_frames(rng: random.Random, valid: list[list[bytes]]) -> list[Any]:
         return rng.choice([[], [frame, frame], [frame, b""], [b"", b"", b""]])
     if kind == 5:
         return [_packed(_random_value(rng))]
-    message = msgpack.unpackb(frame, raw=False)
-    if kind == 6:  # one field replaced, deleted, or one added
-        key = rng.choice(sorted(message))
+    header, arrays = _split(frame)
+    entries = header.get("trajectories")
+    if kind == 6:  # one field of the header or of a trajectory's header replaced, deleted, or one added
+        if entries and rng.random() < 0.6:
+            entry = rng.choice(entries)
+            action, i = rng.randrange(3), rng.randrange(len(entry))
+            if action == 0:
+                entry[i] = _random_value(rng)
+            elif action == 1:
+                del entry[i]
+            else:
+                entry.insert(i, _random_value(rng))
+            return [_packed(header, arrays)]
+        key = rng.choice(sorted(header))
         action = rng.randrange(3)
         if action == 0:
-            message[key] = _random_value(rng)
+            header[key] = _random_value(rng)
         elif action == 1:
-            del message[key]
+            del header[key]
         else:
-            message[junk_text(rng, 6) or "x"] = _random_value(rng)
-        return [_packed(message)]
-    if "kind" in message:  # a GroupClosed: kinds 7-9 need a trajectory
-        message.update({"num_kept": rng.choice([-1, -2**63, True]), "group_id": rng.choice([1.5, "3", None, 3])})
-        return [_packed(message)]
+            header[junk_text(rng, 6) or "x"] = _random_value(rng)
+        return [_packed(header, arrays)]
+    if header["kind"] == "group_closed" or not entries:  # kinds 7-9 need a trajectory
+        header.update({"num_kept": rng.choice([-1, -2**63, True]), "group_id": rng.choice([1.5, "3", None, 3])})
+        return [_packed(header)]
     if kind == 7:  # absurd or mismatched lengths
-        key = rng.choice(["num_prompt_tokens", "num_response_tokens"])
-        message[key] = rng.choice([2**31, 2**63 - 1, 2**64 - 1, -1, message[key] + 1, max(0, message[key] - 1)])
-        return [_packed(message)]
-    if kind == 8:  # an array buffer truncated, grown, of another dtype's size, or not a bin (schema 2's ext)
-        name = rng.choice(["prompt_ids", "response_ids", "behavior_logprobs", "loss_mask", "policy_version"])
-        data = message[name]
-        message[name] = rng.choice([data[: rng.randrange(len(data))] if data else b"\x00",
-                                    data + bytes(rng.randint(1, 9)), data * 2 if data else b"\x01" * 3,
-                                    msgpack.ExtType(rng.randint(1, 4), data), list(data)])
-        return [_packed(message)]
-    return [_packed(_semantic(rng, message))]
+        entry, i = rng.choice(entries), rng.choice([_P, _R])
+        entry[i] = rng.choice([2**31, 2**63 - 1, 2**64 - 1, -1, entry[i] + 1, max(0, entry[i] - 1)])
+        return [_packed(header, arrays)]
+    if kind == 8:  # a field's bytes truncated, grown, doubled, or the header's fields as schema 3's map
+        name = rng.choice(_BODY)
+        data = arrays[name]
+        if rng.random() < 0.2:
+            header["trajectories"] = [dict(zip(range(10), e)) for e in entries]
+            return [_packed(header, arrays)]
+        arrays[name] = rng.choice([data[: rng.randrange(len(data))] if data else b"\x00",
+                                   data + bytes(rng.randint(1, 9)), data * 2 if data else b"\x01" * 3])
+        return [_packed(header, arrays)]
+    return [_semantic(rng, header, arrays)]
 
 
 # Every MalformedMessageError names its reason; these are the kinds, by the start of the text.
 MALFORMED_REASONS = [
     ("frames", r"message has \d+ frames"),
-    ("not_msgpack", r"message is not valid msgpack"),
-    ("not_a_map", r"message is a msgpack \w+, expected a map"),
+    ("too_short", r"message is \d+ bytes, too short for its header"),
+    ("not_msgpack", r"message header is not valid msgpack"),
+    ("not_a_map", r"message header is a msgpack \w+, expected a map"),
     ("schema", r"schema version"),
-    ("fields", r"fields missing"),
-    ("field_type", r"field '\w+' is \w+, expected"),
-    ("negative_count", r"field '\w+' is negative"),
+    ("kind", r"message kind .* with fields"),
+    ("trajectories", r"trajectories message has group_id"),
+    ("trajectory_header", r"trajectory header \d+ is a msgpack"),
+    ("field_type", r"field '\w+' of trajectory header \d+ is \w+, expected"),
+    ("negative_count", r"field 'num_prompt_tokens' or 'num_response_tokens' of trajectory header \d+ is negative"),
     ("reward_extras_type", r"reward_extras must map str -> float"),
-    ("array_size", r"trajectory .*: \w+ is \d+ bytes, expected \d+ bytes \(\d+ x \w+\)"),
+    ("body_size", r"message body is \d+ bytes, expected \d+ for \d+ trajectories"),
     ("trajectory_id", r"trajectory_id .* is not '<group>/<index in group>'"),
-    ("values", r"trajectory '.*': (no prompt token|\w+ holds|reward is|reward_extras .* are not finite)"),
+    ("values", r"trajectory '.*': (no prompt token|\w+ holds|reward is|reward_extras .* are not finite|group_id)"),
     ("group_closed", r"group_closed message has"),
 ]
 
@@ -722,17 +758,28 @@ def assert_trainable(msg: Any) -> None:
     assert not any(math.isnan(x) or x == math.inf for x in msg.behavior_logprobs.tolist())
     assert set(msg.loss_mask) <= {0, 1} and all(v >= 0 for v in msg.policy_version)
     assert math.isfinite(msg.reward) and all(math.isfinite(v) for v in msg.reward_extras.values())
+    assert all(type(k) is str and type(v) is float for k, v in msg.reward_extras.items())
     int(msg.trajectory_id.rsplit("/", 1)[1])  # how the learner orders a group
 
 
 def decode_outcome(frames: list[Any]) -> tuple[str, Any]:
-    """``("accepted", message)`` or ``("malformed", reason)``; anything else raised fails the test."""
+    """``("accepted", messages)``, ``("malformed", reason)`` (nothing of it accepted) or
+    ``("partly accepted", reason)`` (a group message with trajectories refused alone); anything
+    else raised fails the test."""
     try:
-        msg = decode_message(frames)
+        messages, rejected = decode_messages(frames)
     except MalformedMessageError as e:
         return "malformed", malformed_reason(e)
-    assert_trainable(msg)
-    return "accepted", msg
+    for msg in messages:
+        assert_trainable(msg)
+    if rejected:
+        return ("partly accepted" if messages else "malformed"), malformed_reason(rejected[0])
+    return "accepted", messages
+
+
+def random_group(rng: random.Random) -> TrajectoryGroup:
+    gid = rng.randint(0, 10**6)
+    return TrajectoryGroup(gid, [random_trajectory(rng, f"{gid}/{i}", gid) for i in range(rng.randint(0, 4))])
 
 
 def test_fuzz_decode_never_raises_anything_but_malformed(tmp_path):
@@ -741,12 +788,13 @@ def test_fuzz_decode_never_raises_anything_but_malformed(tmp_path):
     for seed in SEEDS:
         rng = random.Random(seed)
         valid = [encode_message(random_trajectory(rng)) for _ in range(40)]
+        valid += [encode_message(random_group(rng)) for _ in range(15)]
         valid += [encode_message(GroupClosed(rng.randint(0, 99), rng.randint(0, 8))) for _ in range(5)]
         for frames in valid:
             assert decode_outcome(frames)[0] == "accepted"
         for _ in range(2000):
             kind, what = decode_outcome(malformed_frames(rng, valid))
-            outcomes["accepted (still valid)" if kind == "accepted" else what] += 1
+            outcomes[{"accepted": "accepted (still valid)", "malformed": what}.get(kind, f"{kind}: {what}")] += 1
             num += 1
     # The generator reaches every reason (a reason never met would be an untested branch).
     assert {reason for reason, _ in MALFORMED_REASONS} <= set(outcomes)
@@ -885,10 +933,10 @@ class Injector:
             frames = recv_frames(timeout_s)
             if frames is not None and self.num_duplicates < NUM_INJECTED:
                 try:
-                    msg = decode_message(frames)
+                    msg = next((m for m in decode_messages(frames)[0] if isinstance(m, Trajectory)), None)
                 except MalformedMessageError:
                     msg = None
-                if isinstance(msg, Trajectory) and bytes(frames[0]) not in self._foreign_frames:
+                if msg is not None and bytes(frames[0]) not in self._foreign_frames:
                     if self.sock is None:
                         self.sock = zmq.Context.instance().socket(zmq.PUSH)
                         self.sock.connect(receiver.address)
@@ -897,7 +945,8 @@ class Injector:
                             self._foreign_frames.add(bytes(encoded[0]))  # not duplicated in turn
                             self.sock.send_multipart(encoded)
                             self.foreign[reason] += 1
-                    self.sock.send_multipart(list(frames))
+                    # The duplicate: one trajectory of the message (the run sends groups), alone.
+                    self.sock.send_multipart(encode_message(msg))
                     self.sock.send_multipart(self.malformed[self.num_malformed])
                     self.num_duplicates += 1
                     self.num_malformed += 1

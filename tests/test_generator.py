@@ -111,3 +111,39 @@ def test_update_weights_errors_name_the_problem(tiny_model_path, tiny_tokenizer)
         load_named_weights(gen.model, partial)
     with pytest.raises(ValueError, match="shape"):
         load_named_weights(gen.model, [("model.norm.weight", torch.zeros(3))])
+
+
+def test_compacting_a_batch_keeps_every_row_s_tokens_and_only_drops_finished_rows(tiny_model_path, tiny_tokenizer):
+    """``generator.compact_batches``: once half the rows of a long-tailed batch have finished, the
+    rest go on in a smaller batch; each row's tokens, log-probs and versions are those of the
+    uncompacted batch (its own sampler; log-probs up to float noise of the re-prefill)."""
+    # 10 stop ids of the random-init tiny model's ~262 tokens: geometric lengths (mean ~26), a long tail.
+    params = SamplingParams(temperature=1.0, max_tokens=96, stop_token_ids=tuple(range(100, 110)))
+    prompts = _prompts(tiny_tokenizer)
+    runs = {}
+    for fraction in (1.0, 0.5):
+        gen = HFGenerator(tiny_model_path, GeneratorConfig(max_batch_size=64, seed=3, compact_batches=fraction),
+                          tiny_tokenizer.pad_token_id)
+        widths = []
+        decode = gen._decode
+        gen._decode = lambda rows, p, finish, decode=decode, widths=widths: (widths.append(len(rows)),
+                                                                             decode(rows, p, finish))[1]
+        runs[fraction] = (gen.generate(prompts, 8, params, seeds=[5, 6, 7]), widths)
+    (plain, plain_widths), (compact, widths) = runs[1.0], runs[0.5]
+    assert plain_widths == [24]  # one batch, run until its longest row ended
+    # Compacted: each restart holds only unfinished rows, at most half the rows before it.
+    assert widths[0] == 24 and len(widths) >= 3
+    assert all(0 < b <= (a + 1) // 2 for a, b in zip(widths, widths[1:]))
+    lengths = sorted(len(s.response_ids) for g in plain for s in g)
+    assert lengths[-1] > 3 * lengths[len(lengths) // 2]  # the long tail the compaction is for
+    for g_plain, g_compact in zip(plain, compact):
+        for a, b in zip(g_plain, g_compact):
+            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+            assert a.policy_version == b.policy_version
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_compact_batches_out_of_range_is_refused():
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="generator.compact_batches must be in"):
+            GeneratorConfig(compact_batches=bad)

@@ -179,7 +179,7 @@ def test_async_generator_actor_never_sends_a_missing_reward(tiny_model_path, tmp
     from async_rl.generators.base import GeneratorConfig, SamplingParams
     from async_rl.loops.pool import GeneratorWorker
     from async_rl.rollout import GroupRequest
-    from async_rl.buffers.transport import GroupClosed
+    from async_rl.buffers.transport import TrajectoryGroup
 
     reward_file = tmp_path / "judge.py"
     reward_file.write_text("def judge(ds, text, gt, extra):\n    return None if len(text) % 2 else 1.0\n")
@@ -199,13 +199,14 @@ def test_async_generator_actor_never_sends_a_missing_reward(tiny_model_path, tmp
                                 ground_truth="", extra_info={}, n=8, seed=11)])
     worker.scorer.drain()  # scored in the actor's reward worker process, after sampling returned
     worker.scorer.close()
-    trajs = [m for m in sent if not isinstance(m, GroupClosed)]
-    closed = [m for m in sent if isinstance(m, GroupClosed)]
+    # The group travels as one message: its kept trajectories, closing it.
+    assert len(sent) == 1 and isinstance(sent[0], TrajectoryGroup) and sent[0].group_id == 3
+    trajs = list(sent[0].trajectories)
     stats = worker.get_stats()
     missing = stats["reward/no_reward"]
     assert missing >= 1, "some of the 8 sampled responses decode to an odd length"
     assert len(trajs) == 8 - missing and all(t.reward == 1.0 for t in trajs)
-    assert closed == [GroupClosed(group_id=3, num_kept=len(trajs))]
+    assert all(t.group_id == 3 and t.generator_id == 0 for t in trajs)
     assert stats["rejected_samples"] == missing == stats["reward/rejected"]
 
 

@@ -51,6 +51,35 @@ def test_broker_take_waits_for_a_request_until_its_timeout():
     assert [r.group_id for r in broker.take((0, 0), 4, 5.0)] == [7]
 
 
+def test_idle_workers_share_the_groups_dispatched_together():
+    """``put_many`` queues what admission allows at once: one idle worker takes it as one engine
+    batch, two idle workers split it, oldest first, instead of the first waking with one group."""
+    broker = RequestBroker()
+    broker.put_many([_request(g) for g in range(8)])
+    assert [r.group_id for r in broker.take((0, 0), 1000, 0)] == list(range(8))
+
+    taken: dict[int, list[int]] = {}
+
+    def take(worker: int) -> None:
+        taken[worker] = [r.group_id for r in broker.take((worker, 0), 1000, 10.0)]
+
+    threads = [threading.Thread(target=take, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while broker._takers < 2 and time.monotonic() < deadline:  # both wait inside take
+        time.sleep(0.001)
+    broker.put_many([_request(g) for g in range(8, 16)])
+    for t in threads:
+        t.join(10)
+    assert sorted(len(v) for v in taken.values()) == [4, 4]
+    assert sorted(taken[0] + taken[1]) == list(range(8, 16))
+    assert all(v == list(range(v[0], v[0] + 4)) for v in taken.values())  # each a run, in order
+    # A worker's engine batch still bounds its share.
+    broker.put_many([_request(g) for g in range(16, 24)])
+    assert [r.group_id for r in broker.take((0, 0), 8, 0)] == [16, 17]
+
+
 def test_generator_supervision_config_is_checked():
     from async_rl.generators.base import GeneratorConfig
 
@@ -115,9 +144,9 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
             disrupted.append((step, what[0], held))
         return original_step(self, step)
 
-    original_push = WeightPublisher.push
+    original_push, original_start_push = WeightPublisher.push, WeightPublisher.start_push
 
-    def push(self, version, watch=None):
+    def kill_in_push(self, version):
         loop = loops[0] if loops else None
         what = plan.get(version)  # the push after step k publishes version k
         if loop is not None and what is not None and what[0] == "kill_in_push" and self is loop.publisher \
@@ -126,7 +155,15 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
             held = _held_by(loop, what[1], timeout_s=0.0)
             os.kill(pid_of(loop, what[1]), signal.SIGKILL)
             disrupted.append((version, "kill_in_push", held))
+
+    def push(self, version, watch=None):
+        kill_in_push(self, version)
         return original_push(self, version, watch)
+
+    def start_push(self, version, watch=None, on_published=None, thread_cores=None):
+        # weight_sync.overlap_push (the default): the actor dies while the background push runs.
+        kill_in_push(self, version)
+        return original_start_push(self, version, watch, on_published, thread_cores)
 
     original_learn_on = async_loop.learn_on
 
@@ -137,6 +174,7 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
 
     monkeypatch.setattr(async_loop.AsyncLoop, "step", step)
     monkeypatch.setattr(WeightPublisher, "push", push)
+    monkeypatch.setattr(WeightPublisher, "start_push", start_push)
     monkeypatch.setattr(async_loop, "learn_on", learn_on)
     try:
         summary = train(_cfg(tmp_path, "chaos", "trainer.total_steps=7", "generator.heartbeat_timeout_s=20",

@@ -6,8 +6,10 @@ sender processes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import re
 import multiprocessing as mp
 import time
 
@@ -19,9 +21,9 @@ import zmq
 
 from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, Trajectory, collate
 from async_rl.buffers.transport import (
-    SCHEMA_VERSION, InProcTrajectoryReceiver, MalformedMessageError, SendTimeoutError, TrajectoryReceiver,
-    TrajectorySender, ZmqSenderFactory, ZmqTrajectoryReceiver, decode_message, decode_trajectory, encode_trajectory,
-    make_transport,
+    SCHEMA_VERSION, GroupClosed, InProcTrajectoryReceiver, MalformedMessageError, SendTimeoutError, TrajectoryGroup,
+    TrajectoryReceiver, TrajectorySender, ZmqSenderFactory, ZmqTrajectoryReceiver, decode_message, decode_messages,
+    decode_trajectory, encode_message, encode_trajectories, encode_trajectory, make_transport, pack_frame, split_frame,
 )
 
 
@@ -79,18 +81,34 @@ def test_codec_layout_is_the_documented_schema():
     traj = make_traj("a/0", num_prompt=3, num_response=4)
     frames = encode_trajectory(traj)
     assert len(frames) == 1
-    message = msgpack.unpackb(frames[0])
-    assert message["schema"] == SCHEMA_VERSION == 3
-    assert message["generator_id"] == traj.generator_id
-    assert (message["num_prompt_tokens"], message["num_response_tokens"]) == (3, 4)
-    arrays = {k: v for k, v in message.items() if isinstance(v, bytes)}
-    assert {k: len(v) for k, v in arrays.items()} == {
-        "prompt_ids": 3 * 4, "response_ids": 4 * 4, "behavior_logprobs": 4 * 8, "loss_mask": 4 * 1,
-        "policy_version": 4 * 8}
-    assert np.frombuffer(arrays["behavior_logprobs"], "<f8").tolist() == traj.behavior_logprobs.tolist()
-    assert np.frombuffer(arrays["prompt_ids"], "<i4").tolist() == traj.prompt_ids.tolist()
-    assert arrays["loss_mask"] == bytes(traj.loss_mask.tolist())
-    assert b"\x80\x04" not in frames[0] and b"\x80\x05" not in frames[0]  # no pickle protocol 4/5 stream
+    frame = frames[0]
+    head_len = int.from_bytes(frame[:4], "little")
+    header = msgpack.unpackb(frame[4:4 + head_len])
+    start = -(-(4 + head_len) // 8) * 8  # the body starts 8-byte aligned
+    assert start % 8 == 0 and frame[4 + head_len:start] == bytes(start - 4 - head_len)
+    assert header == {"schema": SCHEMA_VERSION, "kind": "trajectories", "group_id": None, "trajectories": [
+        ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0, "format": 0.5}, "x = 4", 3, 4]]}
+    assert SCHEMA_VERSION == 4
+    body = frame[start:]
+    assert len(body) == 4 * 8 + 4 * 8 + 3 * 4 + 4 * 4 + 4 * 1
+    assert np.frombuffer(body, "<f8", 4, 0).tolist() == traj.behavior_logprobs.tolist()
+    assert np.frombuffer(body, "<i8", 4, 32).tolist() == traj.policy_version.tolist()
+    assert np.frombuffer(body, "<i4", 3, 64).tolist() == traj.prompt_ids.tolist()
+    assert np.frombuffer(body, "<i4", 4, 76).tolist() == traj.response_ids.tolist()
+    assert body[92:] == bytes(traj.loss_mask.tolist())
+    assert b"\x80\x04" not in frame and b"\x80\x05" not in frame  # no pickle protocol 4/5 stream
+
+
+def test_group_layout_puts_each_field_of_all_trajectories_together():
+    """A group's body: every trajectory's log-probs, then versions, prompt ids, response ids, masks."""
+    group = TrajectoryGroup(3, [make_traj("3/0", 3, num_prompt=2, num_response=3, seed=1),
+                                make_traj("3/1", 3, num_prompt=1, num_response=2, seed=2)])
+    header, body = split_frame(encode_message(group)[0])
+    assert header["group_id"] == 3 and [e[0] for e in header["trajectories"]] == ["3/0", "3/1"]
+    a, b = group.trajectories
+    expected = b"".join(np.concatenate([getattr(a, n), getattr(b, n)]).tobytes() for n in
+                        ("behavior_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask"))
+    assert bytes(body) == expected
 
 
 def test_codec_int_reward_extras_become_float():
@@ -111,13 +129,34 @@ def test_encode_rejects_values_the_wire_cannot_carry(kw, match):
         encode_trajectory(make_traj("a/0", **kw))
 
 
+_ENTRY_FIELDS = ["trajectory_id", "group_id", "prompt_uid", "generator_id", "finish_reason", "reward",
+                 "reward_extras", "response_text", "num_prompt_tokens", "num_response_tokens"]
+_BODY = ["behavior_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask"]
+
+
+def _parts(frame: bytes) -> tuple[dict, dict[str, bytes]]:
+    """A one-trajectory frame as its header and its five arrays' bytes."""
+    header, body = split_frame(frame)
+    p, r = header["trajectories"][0][8:10]
+    ends = np.cumsum([0, 8 * r, 8 * r, 4 * p, 4 * r, r]).tolist()
+    return header, {name: bytes(body[ends[i]:ends[i + 1]]) for i, name in enumerate(_BODY)}
+
+
 def _message(**changes) -> bytes:
-    """A valid encoded message with fields replaced (``...`` deletes one)."""
-    message = msgpack.unpackb(encode_trajectory(make_traj("a/0"))[0])
-    message.update(changes)
-    for k in [k for k, v in changes.items() if v is ...]:
-        del message[k]
-    return msgpack.packb(message)
+    """A valid encoded message with header, trajectory-header or array fields replaced (``...`` deletes one)."""
+    header, arrays = _parts(encode_trajectory(make_traj("a/0"))[0])
+    entry = header["trajectories"][0]
+    for key, value in changes.items():
+        if key in _ENTRY_FIELDS:
+            entry[_ENTRY_FIELDS.index(key)] = value
+        elif key in arrays:
+            arrays[key] = value
+        else:
+            header[key] = value
+    if "trajectories" not in changes:
+        header["trajectories"][0] = [v for v in entry if v is not ...]
+    return pack_frame({k: v for k, v in header.items() if v is not ...},
+                      [arrays[n] for n in _BODY if arrays[n] is not ...])
 
 
 def _encoded(**kw) -> bytes:
@@ -126,30 +165,39 @@ def _encoded(**kw) -> bytes:
 
 
 _GOOD = encode_trajectory(make_traj("a/0"))[0]
-_LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"]
+_LOGPROBS = _parts(_GOOD)[1]["behavior_logprobs"]
 
 
 @pytest.mark.parametrize("frames, match", [
-    ([], "0 frames, schema 3 has 1"),
+    ([], "0 frames, schema 4 has 1"),
     ([_GOOD, b""], "2 frames"),
-    ([_GOOD[:-3]], "not valid msgpack"),
-    ([b"\xc1\xc1garbage"], "not valid msgpack"),
-    ([_GOOD + b"\x00"], "not valid msgpack: ExtraData"),
-    ([msgpack.packb([1, 2])], "msgpack list, expected a map"),
-    ([_message(schema=2)], "schema version 2, this decoder reads version 3"),
+    ([_GOOD[:-3]], r"message body is 164 bytes, expected 167 for 1 trajectories \(5 prompt and 7 response tokens\)"),
+    ([b"\xc1\xc1garbage"], "too short for its header"),
+    ([b"\x01\x00"], r"message is 2 bytes, too short for its header \(no length\)"),
+    ([b"\x03\x00\x00\x00\xc1\xc1\xc1\x00"], "message header is not valid msgpack"),
+    ([_GOOD + b"\x00"], "message body is 168 bytes, expected 167"),
+    ([pack_frame([1, 2])], "message header is a msgpack list, expected a map"),
+    ([_message(schema=2)], "schema version 2, this decoder reads version 4"),
     ([_message(schema=...)], "schema version None"),
-    ([_message(reward=...)], r"missing \['reward'\]"),
-    ([_message(behavior_logprobs=...)], r"missing \['behavior_logprobs'\]"),
-    ([_message(extra_field=1)], r"unexpected \['extra_field'\]"),
-    ([_message(group_id="7")], "'group_id' is str"),
-    ([_message(num_response_tokens=True)], "'num_response_tokens' is bool"),
-    ([_message(loss_mask=[1, 0, 1, 1, 0, 1, 1])], "'loss_mask' is list"),
+    ([_message(kind="trajectory")], "message kind 'trajectory'"),
+    ([_message(extra_field=1)], r"message kind 'trajectories' with fields \['extra_field'"),
+    ([_message(group_id="7")], "field 'group_id' of trajectory header 0 is str, expected int"),
+    ([pack_frame({"schema": 4, "kind": "trajectories", "group_id": "7", "trajectories": []})],
+     "trajectories message has group_id '7'"),
+    ([_message(trajectories=[])], "non-empty unless a group id closes it"),
+    ([_message(trajectories={"a/0": 1})], "trajectories message has group_id None and trajectories dict"),
+    ([_message(reward=...)], "trajectory header 0 is a msgpack list of 9 items, expected an array of 10"),
+    ([_message(trajectories=[{"trajectory_id": "a/0"}])], "trajectory header 0 is a msgpack dict"),
+    ([pack_frame({"schema": 4, "kind": "trajectories", "group_id": None, "trajectories": [1]})],
+     "trajectory header 0 is a msgpack int of \\? items"),
+    ([_message(prompt_uid=7)], "field 'prompt_uid' of trajectory header 0 is int, expected str"),
+    ([_message(num_response_tokens=True)], "'num_response_tokens' of trajectory header 0 is bool"),
     ([_message(num_response_tokens=-1)], "negative"),
     ([_message(reward_extras={"acc": "1"})], "reward_extras must map"),
-    ([_message(behavior_logprobs=_LOGPROBS[:-1])],
-     r"trajectory a/0: behavior_logprobs is 55 bytes, expected 56 bytes \(7 x float64\)"),
-    ([_message(behavior_logprobs=msgpack.ExtType(2, _LOGPROBS))], "'behavior_logprobs' is ExtType, expected bytes"),
-    ([_message(num_prompt_tokens=6)], r"prompt_ids is 20 bytes, expected 24 bytes \(6 x int32\)"),
+    ([_message(behavior_logprobs=_LOGPROBS[:-1])], r"message body is 166 bytes, expected 167"),
+    ([_message(num_prompt_tokens=6)], r"message body is 167 bytes, expected 171 for 1 trajectories \(6 prompt"),
+    ([pack_frame({"schema": 4, "kind": "group_closed", "group_id": 1, "num_kept": 1}, [b"x"])],
+     "group_closed message has fields .* and a 1-byte body"),
     # Well-formed layouts holding values the learner cannot train on (found by tests/test_fuzz.py).
     ([_encoded(trajectory_id="a")], "trajectory_id 'a' is not '<group>/<index in group>'"),
     ([_encoded(trajectory_id="a/x")], "is not '<group>/<index in group>'"),
@@ -161,6 +209,7 @@ _LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"]
     ([_encoded(loss_mask=[0, 1, 2, 1, 1, 1, 1])], r"loss_mask holds 2 \(0 or 1 only\)"),
     ([_encoded(loss_mask=[255] * 7)], "loss_mask holds 255"),
     ([_encoded(policy_version=[-1] * 7)], r"policy_version holds -1 \(versions are >= 0\)"),
+    ([_encoded(policy_version=[-(2**63)] * 7)], r"policy_version holds -9223372036854775808"),
     ([_encoded(reward=math.nan)], "reward is nan"),
     ([_encoded(reward=-math.inf)], "reward is -inf"),
     ([_encoded(reward_extras={"acc": 1.0, "x": math.inf})], r"reward_extras \['x'\] are not finite"),
@@ -168,6 +217,13 @@ _LOGPROBS = msgpack.unpackb(_GOOD)["behavior_logprobs"]
 def test_decode_rejects_malformed_messages_with_a_clear_error(frames, match):
     with pytest.raises(MalformedMessageError, match=match):
         decode_trajectory(frames)
+
+
+def test_versions_past_int32_take_the_exact_check_and_pass():
+    """The message-wide check reads versions as int32 words: one >= 2^31 must still be accepted."""
+    for version in (2**31, 2**32 - 1, 2**40, 2**63 - 1):
+        traj = make_traj("a/0", policy_version=[version] * 7)
+        assert decode_trajectory(encode_trajectory(traj)) == traj
 
 
 # ------------------------------------------------------------------------------ both transports
@@ -218,6 +274,38 @@ def _send_many(factory: ZmqSenderFactory, rank: int, num: int) -> None:
     for i in range(num):
         sender.send(make_traj(f"{rank}/{i}", group_id=rank, seed=rank * 1000 + i))
     sender.close()  # lingers until everything is delivered
+
+
+def _send_groups_and_exit(factory, num: int) -> None:
+    """Send ``num`` groups of 8 trajectories (frames of ~200 KB, over pyzmq's 64 KiB zero-copy
+    threshold), close the sender, and let the process end."""
+    base = [make_traj(f"0/{i}", 0, num_prompt=100, num_response=1000, seed=i) for i in range(8)]
+    groups = [TrajectoryGroup(g, [dataclasses.replace(t, trajectory_id=f"{g}/{i}", group_id=g)
+                                  for i, t in enumerate(base)]) for g in range(num)]
+    sender = factory()
+    for group in groups:  # faster than the receiver decodes: messages are still queued at the end
+        sender.send(group)
+    sender.close()  # no Context.term(): a process that just ends, as an actor's may
+
+
+def test_zmq_groups_sent_just_before_a_process_exits_all_arrive():
+    """Frames over 64 KiB (a group) queued when the sending process exits are still delivered:
+    the sender hands ZeroMQ a copy, flushed during its linger (a zero-copy frame was lost)."""
+    num = 200
+    receiver, factory = make_transport("zmq", hwm=64)
+    proc = mp.get_context("spawn").Process(target=_send_groups_and_exit, args=(factory, num))
+    proc.start()
+    got = []
+    try:
+        while len(got) < num * 9:
+            batch = receiver.recv_many(512, timeout_s=30.0)
+            assert batch, f"receiver starved after {len(got)} messages"
+            got += batch
+    finally:
+        proc.join(timeout=60)
+        receiver.close()
+    assert proc.exitcode == 0
+    assert [m for m in got if isinstance(m, GroupClosed)] == [GroupClosed(g, 8) for g in range(num)]
 
 
 def test_zmq_two_sender_processes_deliver_exactly_once():
@@ -297,7 +385,7 @@ def test_zmq_receiver_counts_logs_and_skips_malformed_messages(caplog):
         with caplog.at_level(logging.WARNING, logger="async_rl.buffers.transport"):
             assert receiver.recv(timeout_s=5.0) == good
         assert (receiver.num_malformed, receiver.num_received) == (3, 1)
-        assert "schema version 99" in caplog.text and "not valid msgpack" in caplog.text
+        assert "schema version 99" in caplog.text and "too short for its header" in caplog.text
         assert "message has 2 frames" in caplog.text
     finally:
         raw.close(linger=0)
@@ -310,7 +398,7 @@ def test_group_closed_travels_with_trajectories():
     assert decode_message(encode_message(GroupClosed(7, 3))) == GroupClosed(7, 3)
     with pytest.raises(ValueError, match="num_kept"):
         encode_message(GroupClosed(7, -1))
-    with pytest.raises(TypeError, match="only Trajectory and GroupClosed"):
+    with pytest.raises(TypeError, match="only Trajectory, TrajectoryGroup and GroupClosed"):
         encode_message({"group_id": 7})
     receiver, make_sender = make_transport("inproc")
     sender = make_sender()
@@ -318,7 +406,7 @@ def test_group_closed_travels_with_trajectories():
     assert receiver.recv(1.0) == GroupClosed(1, 0)
 
 
-# ------------------------------------------------------------------ schema 3: arrays as arrays
+# ------------------------------------------------------------------------------- arrays as arrays
 @pytest.mark.parametrize("num_prompt, num_response", [(1, 0), (5, 7), (100, 1000), (3, 32_768)])
 def test_every_field_round_trips_bit_for_bit_with_its_dtype(num_prompt, num_response):
     rng = np.random.default_rng(num_response)
@@ -375,29 +463,31 @@ def test_collate_from_arrays_matches_hand_layout():
 
 
 def _garbled(rng: np.random.Generator) -> list[bytes]:
-    """A schema-3 message whose array buffers are truncated, padded or garbled; each is malformed."""
-    message = msgpack.unpackb(encode_trajectory(make_traj("g/0", num_prompt=4, num_response=6))[0])
-    name = ["prompt_ids", "response_ids", "behavior_logprobs", "loss_mask", "policy_version"][rng.integers(5)]
-    data = message[name]
+    """A schema-4 message whose array bytes are truncated, padded or garbled, or whose trajectory
+    header is schema 3's map; each is malformed."""
+    header, arrays = _parts(encode_trajectory(make_traj("g/0", num_prompt=4, num_response=6))[0])
+    name = _BODY[rng.integers(5)]
+    data = arrays[name]
     kind = rng.integers(4)
     if kind == 0:
-        message[name] = data[: rng.integers(len(data))]  # truncated
+        arrays[name] = data[: rng.integers(len(data))]  # truncated
     elif kind == 1:
-        message[name] = data + bytes(int(rng.integers(1, 8)))  # trailing bytes
+        arrays[name] = data + bytes(int(rng.integers(1, 8)))  # trailing bytes
     elif kind == 2:  # garbled bytes of the right size, made invalid for the field
-        message[name] = {"prompt_ids": b"\xff" * 16, "response_ids": b"\xff" * 24,
-                         "behavior_logprobs": np.full(6, np.nan).tobytes(), "loss_mask": b"\x07" * 6,
-                         "policy_version": b"\xff" * 48}[name]
-    else:
-        message[name] = msgpack.ExtType(1, data)  # schema 2's encoding of an array
-    return [msgpack.packb(message, use_bin_type=True)]
+        arrays[name] = {"prompt_ids": b"\xff" * 16, "response_ids": b"\xff" * 24,
+                        "behavior_logprobs": np.full(6, np.nan).tobytes(), "loss_mask": b"\x07" * 6,
+                        "policy_version": b"\xff" * 48}[name]
+    else:  # the trajectory's fields as a map, as schema 3 sent them
+        header["trajectories"] = [dict(zip(_ENTRY_FIELDS, header["trajectories"][0]))]
+    return [pack_frame(header, [arrays[n] for n in _BODY])]
 
 
 def test_truncated_or_garbled_array_buffers_are_refused_and_counted_once_each(caplog):
     rng = np.random.default_rng(0)
     bad = [_garbled(rng) for _ in range(40)]
     for frames in bad:
-        with pytest.raises(MalformedMessageError, match=r"trajectory 'g/0'|trajectory g/0: \w+ is \d+ bytes|is ExtType"):
+        with pytest.raises(MalformedMessageError,
+                           match=r"trajectory 'g/0'|message body is \d+ bytes|trajectory header 0 is a msgpack dict"):
             decode_trajectory(frames)
     receiver, make_sender = make_transport("inproc", hwm=64)
     good = make_traj("ok/0")
@@ -410,13 +500,107 @@ def test_truncated_or_garbled_array_buffers_are_refused_and_counted_once_each(ca
     assert caplog.text.count("rejected malformed message") == len(bad)
 
 
-def test_a_schema_2_message_is_refused_with_one_line_naming_both_versions():
-    """What a generator of the previous release sends (per-token fields as msgpack ext types)."""
+@pytest.mark.parametrize("kind", ["trajectory", "group_closed"])
+def test_a_schema_3_message_is_refused_with_one_line_naming_both_versions(kind):
+    """What a generator of the previous release sends: one msgpack map, arrays as bin fields."""
     traj = make_traj("a/0")
-    old = {"schema": 2, **{k: v for k, v in msgpack.unpackb(encode_trajectory(traj)[0]).items() if k != "schema"}}
-    for code, name in enumerate(PER_TOKEN_DTYPES, start=1):
-        old[name] = msgpack.ExtType(min(code, 4), old[name])
+    old = ({"schema": 3, "kind": "group_closed", "group_id": 1, "num_kept": 2} if kind == "group_closed" else
+           {"schema": 3, **dict(zip(_ENTRY_FIELDS, _parts(encode_trajectory(traj)[0])[0]["trajectories"][0])),
+            **{name: getattr(traj, name).tobytes() for name in PER_TOKEN_DTYPES}})
     with pytest.raises(MalformedMessageError) as e:
-        decode_trajectory([msgpack.packb(old, use_bin_type=True)])
-    assert str(e.value) == ("schema version 2, this decoder reads version 3 "
+        decode_message([msgpack.packb(old, use_bin_type=True)])
+    assert str(e.value) == ("schema version 3, this decoder reads version 4 "
                             "(sender and receiver run different async-rl versions?)")
+
+
+# --------------------------------------------------------------------------------- group messages
+def _group(gid: int, k: int, **bad) -> TrajectoryGroup:
+    """Group ``gid`` of ``k`` trajectories; ``bad`` replaces fields of its sample 1."""
+    trajs = [make_traj(f"{gid}/{i}", gid, num_prompt=3 + i, num_response=5 + 2 * i, seed=i) for i in range(k)]
+    if bad:
+        trajs[1] = make_traj(f"{gid}/1", bad.pop("group_id", gid), num_prompt=4, num_response=7, seed=1, **bad)
+    return TrajectoryGroup(gid, trajs)
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_a_group_message_arrives_as_its_trajectories_then_its_closure(k):
+    group = _group(9, k)
+    messages, rejected = decode_messages(encode_message(group))
+    assert rejected == [] and messages == [*group.trajectories, GroupClosed(9, k)]
+    for got, sent in zip(messages, group.trajectories):
+        for name, dtype in PER_TOKEN_DTYPES.items():
+            assert getattr(got, name).dtype == dtype and getattr(got, name).tobytes() == getattr(sent, name).tobytes()
+    if k:
+        with pytest.raises(MalformedMessageError, match=f"message carries {k + 1} messages, expected one"):
+            decode_message(encode_message(group))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(behavior_logprobs=[-1.0, math.nan] + [-1.0] * 5), r"trajectory '9/1': behavior_logprobs holds NaN"),
+    (dict(loss_mask=[3] * 7), r"trajectory '9/1': loss_mask holds 3"),
+    (dict(policy_version=[-1] * 7), r"trajectory '9/1': policy_version holds -1"),
+    (dict(response_ids=[5, -2] + [1] * 5), r"trajectory '9/1': response_ids holds a negative token id \(-2\)"),
+    (dict(prompt_ids=[]), r"trajectory '9/1': no prompt token"),
+    (dict(reward=math.inf), r"trajectory '9/1': reward is inf"),
+    (dict(group_id=8), r"trajectory '9/1': group_id 8 in a message of group 9"),
+])
+def test_a_bad_trajectory_of_a_group_is_refused_alone_and_the_rest_kept(bad, match, caplog):
+    """Values are per trajectory: the one that cannot be trained on is counted and logged, the
+    others and the closure arrive (the buffer then waits for a sample that never comes, as when
+    that trajectory travelled alone and was refused)."""
+    group = _group(9, 4)
+    frames = encode_trajectories([*group.trajectories[:1], _group(9, 4, **bad).trajectories[1],
+                                  *group.trajectories[2:]])
+    header, body = split_frame(frames[0])
+    header["group_id"] = 9  # what a sender that does not check (another implementation) would send
+    frames = [pack_frame(header, [body])]
+    messages, rejected = decode_messages(frames)
+    assert [str(e) for e in rejected] and re.match(match, str(rejected[0])) and len(rejected) == 1
+    assert messages == [group.trajectories[0], *group.trajectories[2:], GroupClosed(9, 4)]
+    receiver, make_sender = make_transport("inproc", hwm=8)
+    receiver._channel.queue.put(frames)
+    with caplog.at_level(logging.WARNING, logger="async_rl.buffers.transport"):
+        got = receiver.recv_many(16, timeout_s=5.0)
+    assert got == messages and (receiver.num_malformed, receiver.num_received) == (1, 4)
+    assert caplog.text.count("rejected malformed message") == 1 and "9/1" in caplog.text
+
+
+def test_a_group_with_a_broken_layout_is_refused_whole_and_counted_once(caplog):
+    """A size that disagrees with the body voids every offset in it: nothing of it is trusted."""
+    header, body = split_frame(encode_message(_group(9, 4))[0])
+    header["trajectories"][2][9] += 1  # one response token more than the body holds
+    receiver, make_sender = make_transport("inproc", hwm=8)
+    receiver._channel.queue.put([pack_frame(header, [body])])
+    make_sender().send(GroupClosed(5, 0))
+    with caplog.at_level(logging.WARNING, logger="async_rl.buffers.transport"):
+        assert receiver.recv_many(16, timeout_s=5.0) == [GroupClosed(5, 0)]
+    assert (receiver.num_malformed, receiver.num_received) == (1, 1)
+    assert "message body is" in caplog.text
+
+
+def test_encode_refuses_a_group_holding_another_groups_trajectory_or_an_empty_batch():
+    with pytest.raises(ValueError, match="trajectory 9/1 of group 8 sent in group 9"):
+        encode_message(_group(9, 3, group_id=8))
+    with pytest.raises(ValueError, match="no trajectory to send"):
+        encode_trajectories([])
+
+
+def test_zmq_groups_and_single_trajectories_interleave_in_order():
+    receiver, make_sender = make_transport("zmq", hwm=4)
+    sender = make_sender()
+    try:
+        sent = [_group(1, 3), make_traj("2/0", 2), _group(3, 0), _group(4, 8)]
+        for msg in sent:
+            sender.send(msg)
+        expected = []
+        for msg in sent:
+            expected += [*msg.trajectories, GroupClosed(msg.group_id, len(msg.trajectories))] if isinstance(
+                msg, TrajectoryGroup) else [msg]
+        got = []
+        deadline = time.monotonic() + 30  # only against a hang
+        while len(got) < len(expected) and time.monotonic() < deadline:
+            got += receiver.recv_many(5, timeout_s=1.0)
+        assert got == expected and receiver.num_received == len(expected) and receiver.num_malformed == 0
+    finally:
+        sender.close()
+        receiver.close()

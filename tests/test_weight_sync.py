@@ -206,6 +206,43 @@ def test_hf_engine_loads_every_transport_exactly(hf_engine, tiny_model_path, tra
     assert hf_engine.model.lm_head.weight.data_ptr() == hf_engine.model.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.parametrize("transport", ["shm", "broadcast"])
+def test_hf_engine_copies_each_update_once_into_reused_staging_and_swaps_it_in(tiny_model_path, tiny_tokenizer,
+                                                                                 transport):
+    # receive_weights stages into the tensors the previous update swapped out: the parameters'
+    # storage alternates between two sets (no fresh memory per update), the learner's bytes land
+    # exactly, the tie holds, and the engine reports each phase it timed.
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.generators.base import GeneratorConfig
+    from async_rl.generators.hf import HFGenerator
+
+    engine = HFGenerator(tiny_model_path, GeneratorConfig(), tiny_tokenizer.pad_token_id)
+    src = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    pub = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=0.5), transport, ModuleWeights(src),
+                          [LocalTarget(engine)])
+    ptrs = lambda: [p.data_ptr() for p in engine.model.parameters()]  # noqa: E731
+    seen = [ptrs()]
+    try:
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for p in src.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+            pub.push(version)
+            seen.append(ptrs())
+            for (n, a), (_, b) in zip(engine.model.named_parameters(), src.named_parameters()):
+                assert torch.equal(a, b), (version, n)
+            assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    finally:
+        pub.close()
+    assert seen[2] == seen[0] and seen[3] == seen[1] and not set(seen[0]) & set(seen[1])
+    assert engine.policy_version == 3
+    metrics = engine.last_weight_sync_metrics()
+    assert set(metrics) == {"weight_sync/engine_s", "weight_sync/engine_copy_s", "weight_sync/engine_wait_s",
+                            "weight_sync/engine_apply_s"}
+    assert metrics["weight_sync/engine_copy_s"] > 0
+
+
 def test_hf_engine_refuses_an_unknown_name_and_stays_untouched(hf_engine):
     before = {n: p.detach().clone() for n, p in hf_engine.model.named_parameters()}
     learner = WithExtraWeight(hf_engine.model, "model.layers.0.mlp.gate_prj.weight", torch.zeros(3), offset=1.0)

@@ -191,7 +191,16 @@ def build_tokenizer(out_dir: Path, tools: bool = False):
     return fast
 
 
-def _build_tiny_qwen2(out_dir: Path, spec: dict[str, Any] = TINY_QWEN2_SPEC) -> None:
+def build_qwen2(out_dir: Path, spec: dict[str, Any] = TINY_QWEN2_SPEC) -> None:
+    """Write a randomly initialised ``Qwen2ForCausalLM`` of ``spec``'s shape, its generation
+    config and the project's tokenizer (``build_tokenizer``) to ``out_dir``.
+
+    ``spec`` holds ``Qwen2Config`` fields plus ``seed`` (of the initialisation), optionally
+    ``variant: "tools"`` (the tool-use tokenizer) and ``vocab_size``: absent, the tokenizer's
+    length (262); larger, an embedding padded past the tokenizer as real checkpoints are (Qwen2.5
+    has 151,936 rows for 151,665 tokens; ids the tokenizer lacks decode to ``""``), which gives a
+    test model a real model's embedding and head sizes (``bench/gpu_check.py``).
+    """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -199,8 +208,11 @@ def _build_tiny_qwen2(out_dir: Path, spec: dict[str, Any] = TINY_QWEN2_SPEC) -> 
     seed = spec.pop("seed")
     spec.pop("template_sha", None)
     tokenizer = build_tokenizer(out_dir, tools=spec.pop("variant", None) == "tools")
+    vocab_size = spec.pop("vocab_size", len(tokenizer))
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -332,8 +344,8 @@ def _build_calc(out_dir: Path) -> None:
 
 
 _BUILDERS = {
-    "tiny-qwen2": (TINY_QWEN2_SPEC, _build_tiny_qwen2),
-    "tiny-qwen2-tools": (TINY_QWEN2_TOOLS_SPEC, lambda out: _build_tiny_qwen2(out, TINY_QWEN2_TOOLS_SPEC)),
+    "tiny-qwen2": (TINY_QWEN2_SPEC, build_qwen2),
+    "tiny-qwen2-tools": (TINY_QWEN2_TOOLS_SPEC, lambda out: build_qwen2(out, TINY_QWEN2_TOOLS_SPEC)),
     "tiny-qwen2-reward": (TINY_QWEN2_REWARD_SPEC, _build_tiny_qwen2_reward),
     "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
     "calc": (CALC_SPEC, _build_calc),

@@ -20,7 +20,13 @@
 * **Publication**: after a training step the weights go to every worker through the weight sync
   layer (``async_rl.weight_sync``: shared-memory buckets on one host, or a gloo/NCCL broadcast
   group); each engine loads them between decoding steps (HF) or paused (vLLM), and the version
-  counts as published, for admission, only once all workers hold it.
+  counts as published, for admission, only once all workers hold it. With
+  ``weight_sync.overlap_push`` (the default) the learner only copies its weights into a staging
+  buffer and starts its next step while a background thread pushes that copy
+  (``WeightPublisher.start_push``); one push at a time: the next push, a checkpoint, an
+  evaluation's engine sync and ``close`` collect the pending one first, and its failure is
+  raised on the learner's thread (at the latest at the next push) and handled as a blocking
+  push's would be.
 * **Exactly once**: every dispatched group ends trained, rejected (all samples rejected by the
   reward), dropped by dynamic sampling, evicted as stale or abandoned, each counted; whatever is
   still in flight at shutdown is counted too (``pipeline/*`` in the summary, checked to add up).
@@ -56,7 +62,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_rl.buffers.replay import AdmissionController, ReplayBuffer
 from async_rl.buffers.transport import GroupClosed, make_transport
-from async_rl.cluster import Cluster, PlacementConfig, is_loopback
+from async_rl.cluster import Cluster, PlacementConfig, is_loopback, started_on
 from async_rl.cpu_threads import available_cores, user_num_threads
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
@@ -82,6 +88,19 @@ def probe_difference(reference: dict, probe: dict) -> dict[str, Any]:
         diff = max([diff] + [abs(a - b) for a, b in zip(lp_a[:same], lp_b[:same])])
     return {"tokens_equal": reference["response_ids"] == probe["response_ids"], "max_abs_logprob_diff": diff,
             "same_version": reference["policy_version"] == probe["policy_version"]}
+
+
+def engine_tokens_per_s(delta: dict[str, float], total: dict[str, float]) -> float | None:
+    """The pool's engines' busy speed for one step's metrics, in tokens per busy second: the
+    tokens of the batches that ended (``served_tokens``) over the seconds they took (``busy_s``),
+    from this step's counters ``delta`` or, when no batch ended during the step (one long batch),
+    from the run's so far ``total``; ``None`` before any batch ended. (A step's tokens over a busy
+    time that does not hold them read as billions per second.)"""
+    for counters in (delta, total):
+        busy = counters.get("busy_s", 0.0)
+        if busy > 0:
+            return counters.get("served_tokens", 0.0) / busy
+    return None
 
 
 def buffer_bound(cfg) -> dict[str, int] | None:
@@ -190,7 +209,13 @@ class AsyncLoop:
             self.cluster.record("reward_model", [self.reward_actor])
         self.publisher = None
         self.published_version = -1
-        self._connect_pool()
+        self.overlap = cfg.weight_sync.overlap_push
+        # Background pushes' metrics, collected on the learner's thread, reported with its next step.
+        self._push_metrics: dict[str, float] = {}
+        # The heartbeat probes (``_hung_workers``) run on the learner's thread and, through
+        # ``_watch_pool``, on a background push's.
+        self._supervision_lock = threading.RLock()
+        self._connect_pool(supervised=False)  # supervision starts with the runs
         # The warm-started (or resumed) weights; not yet supervised (that starts with the runs).
         self.publisher.push(self.ctx.learner.version)
         self.published_version = self.ctx.learner.version
@@ -263,9 +288,11 @@ class AsyncLoop:
     def _active(self) -> list[int]:
         return [i for i, w in enumerate(self.workers) if w is not None]
 
-    def _connect_pool(self) -> None:
+    def _connect_pool(self, supervised: bool = True) -> None:
         """(Re)build the weight publisher over the live actors: per actor, shared memory on the
-        trainer's node and a broadcast group to the others (``transports_for_targets``)."""
+        trainer's node and a broadcast group to the others (``transports_for_targets``).
+        ``supervised``: the pool is watched while the actors connect (``_watch_pool``), so one
+        that hangs meanwhile fails the connection instead of holding it to the timeout."""
         cfg, g_cfg = self.ctx.cfg, self.ctx.cfg.generator
         if self.publisher is not None:
             self.publisher.close()
@@ -276,7 +303,8 @@ class AsyncLoop:
                                                  [self.cluster.on_driver_node(e) for e in spots])
         self.publisher = WeightPublisher(cfg.weight_sync, self.transports, self.ctx.learner,
                                          [RayTarget(self.workers[i]) for i in active],
-                                         protocol=engine_protocol(g_cfg.backend), host=self.cluster.bind_host)
+                                         protocol=engine_protocol(g_cfg.backend), host=self.cluster.bind_host,
+                                         watch=self._watch_pool if supervised else None)
         self.transport = self.publisher.transport_name
         for entry, transport in zip(spots, self.transports):
             entry["weight_transport"] = transport  # saved in placement.json
@@ -297,8 +325,9 @@ class AsyncLoop:
     def _dispatch_loop(self) -> None:
         seed = self.ctx.cfg.trainer.seed
 
-        def admitted() -> bool:
-            return self.admission.can_start(self.num_dispatched, max(self.published_version, 0), self._num_discarded())
+        def admitted(extra: int = 0) -> bool:
+            return self.admission.can_start(self.num_dispatched + extra, max(self.published_version, 0),
+                                            self._num_discarded())
 
         while not self._stop.is_set():
             with self._admission_changed:
@@ -308,16 +337,21 @@ class AsyncLoop:
             if self._stop.is_set():
                 break
             with self._dispatch_lock:
-                gid = self.num_dispatched
-                if self._reissue:
-                    request = dataclasses.replace(self._reissue.popleft(), group_id=gid, seed=group_seed(seed, gid))
-                else:
-                    request = GroupRequest.of(self.ctx.train_ds.next_batch(1)[0], gid, self.n, group_seed(seed, gid))
-                self._outstanding[gid] = request
+                # Every group admission allows now, in one call: a worker waiting for requests
+                # then takes them as one engine batch rather than waking with the first alone.
+                batch: list[GroupRequest] = []
+                while not batch or admitted(len(batch)):
+                    gid = self.num_dispatched + len(batch)
+                    if self._reissue:
+                        request = dataclasses.replace(self._reissue.popleft(), group_id=gid, seed=group_seed(seed, gid))
+                    else:
+                        request = GroupRequest.of(self.ctx.train_ds.next_batch(1)[0], gid, self.n, group_seed(seed, gid))
+                    self._outstanding[gid] = request
+                    batch.append(request)
                 # Blocking: the broker serves calls on several threads, so only waiting keeps
                 # the queue in dispatch order.
-                ray.get(self.broker.put.remote(request))
-                self.num_dispatched += 1
+                ray.get(self.broker.put_many.remote(batch))
+                self.num_dispatched += len(batch)
 
     def _route(self, msg) -> None:
         """Hand one decoded message to the buffer, or refuse it (counted in
@@ -379,6 +413,7 @@ class AsyncLoop:
     def _check_health(self) -> None:
         if self._errors:
             raise RuntimeError(f"async pipeline thread failed: {self._errors[0]!r}") from self._errors[0]
+        self._settle_push(block=False)
         self._supervise()
 
     # ------------------------------------------------------------------ supervision
@@ -392,7 +427,14 @@ class AsyncLoop:
         if dead is None:
             self._hung_workers()
             dead = self._dead_workers()
+        if dead:
+            with started_on(self.ctx.service_cores):  # the new publisher's threads (TCPStore)
+                self._replace_dead(dead)
+
+    def _replace_dead(self, dead: list[tuple[int, str]]) -> None:
+        """``_supervise``'s work once some actors are gone (see there)."""
         while dead:
+            self._drop_pending_push()
             for i, reason in dead:
                 self._replace_worker(i, reason)
             try:
@@ -428,7 +470,8 @@ class AsyncLoop:
             except Exception as e:  # the actor's end, as Ray reports it
                 text = str(e).strip()
                 reason = f"died ({type(e).__name__}: {text.splitlines()[0][:300] if text else ''})"
-            out.append((i, self._killed.pop(i, reason)))
+            with self._supervision_lock:
+                out.append((i, self._killed.pop(i, reason)))
         return out
 
     def _hung_workers(self) -> list[tuple[int, str]]:
@@ -436,6 +479,11 @@ class AsyncLoop:
         progress, or did not answer, for ``generator.heartbeat_timeout_s`` is killed (its run
         then ends; ``_dead_workers`` reports it with this reason) and returned. Replacements
         still loading are not probed: their calls queue behind the constructor."""
+        with self._supervision_lock:
+            return self._probe_heartbeats()
+
+    def _probe_heartbeats(self) -> list[tuple[int, str]]:
+        # ``_hung_workers``'s body, under its lock.
         timeout = self.ctx.cfg.generator.heartbeat_timeout_s
         now = time.monotonic()
         hung = []
@@ -518,28 +566,78 @@ class AsyncLoop:
             self._starting.add(i)
 
     def _watch_pool(self) -> None:
-        # Called while a push waits on the engines: a hung actor would hold it to the deadline.
+        # Called while a push waits on the engines (on the learner's thread, or on a background
+        # push's): a hung actor would hold it to the deadline.
         hung = self._hung_workers()
         if hung:
             raise RuntimeError(f"generator actor {hung[0][0]} {hung[0][1]}")
 
-    def _publish(self) -> dict[str, float]:
-        metrics = self.publisher.push(self.ctx.learner.version, watch=self._watch_pool)
-        self.published_version = self.ctx.learner.version
+    def _on_published(self, version: int) -> None:
+        # Every actor holds ``version`` (called from a background push's thread, or this one).
+        self.published_version = version
         self._wake_dispatcher()
+
+    def _publish(self, background: bool = False) -> dict[str, float]:
+        """Push the learner's current weights to every actor. A pending push is collected first
+        (its failure raises here). ``background``: return once the weights are staged
+        (``WeightPublisher.start_push``), the version published later from the push's thread;
+        else once every actor loaded them. ``timing/weight_sync_s``: seconds this thread was
+        held, the wait for a pending push included."""
+        t0 = time.perf_counter()
+        self._push_metrics.update(self.publisher.wait())
+        version = self.ctx.learner.version
+        if background:
+            # The push's thread copies into the slots and waits on the engines: off the learner's cores.
+            metrics = self.publisher.start_push(version, watch=self._watch_pool, on_published=self._on_published,
+                                                thread_cores=self.ctx.service_cores)
+        else:
+            metrics = self.publisher.push(version, watch=self._watch_pool)
+            self._on_published(version)
+        metrics["timing/weight_sync_s"] = time.perf_counter() - t0
         return metrics
 
-    def _publish_supervised(self) -> dict[str, float]:
-        """``_publish``; when it fails because an actor died (found within a few seconds), the
-        actor is replaced, which pushes the weights again."""
+    def _supervised(self, push) -> dict[str, float]:
+        """``push()``; when it fails because an actor died (found within a few seconds), the
+        actor is replaced, which pushes the weights again (returns ``weight_sync/retried``).
+
+        Raises:
+            Exception: ``push``'s failure when no actor died (an engine's refusal, a timeout)."""
         try:
-            return self._publish()
+            return push()
         except Exception:
             dead = self._dead_workers(timeout_s=5.0)
             if not dead:
                 raise
             self._supervise([(i, reason + " during a weight update") for i, reason in dead])
             return {"weight_sync/retried": 1.0}
+
+    def _publish_supervised(self) -> dict[str, float]:
+        """``_publish`` (in the background with ``weight_sync.overlap_push``), supervised: the
+        previous background push's failure surfaces here too, handled alike."""
+        return self._supervised(lambda: self._publish(background=self.overlap))
+
+    def _settle_push(self, block: bool = True) -> None:
+        """Collect a pending background push (only one that has ended, unless ``block``), its
+        failure handled as ``_publish_supervised`` handles one (a dead actor is replaced and the
+        weights pushed again; any other failure raises). Before what must see the pool's
+        weights settled: a checkpoint, an evaluation, the exit probe, ``close``."""
+        if self.publisher is None or self.publisher.pending_version is None:
+            return
+        if block or self.publisher.pending_done():
+            self._push_metrics.update(self._supervised(self.publisher.wait))
+
+    def _drop_pending_push(self) -> None:
+        # Supervision rebuilds the publisher and pushes to every actor again: a pending push is
+        # waited for first (it reads the publisher's transport), and its failure, most likely
+        # the death being handled, is superseded by that push.
+        if self.publisher is None:
+            return
+        version = self.publisher.pending_version
+        try:
+            self._push_metrics.update(self.publisher.wait())
+        except Exception as e:  # noqa: BLE001 - superseded: supervision pushes the weights again
+            logger.warning("weight push v%s failed (%s: %s); supervision pushes the weights again",
+                           version, type(e).__name__, e)
 
     def _take_groups(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:
         """B complete groups for this step; with dynamic sampling each round takes the missing
@@ -601,11 +699,15 @@ class AsyncLoop:
         return total
 
     def step(self, step: int) -> dict[str, float]:
-        """Wait for B groups, train on them, publish the new weights; returns the step's metrics.
+        """Wait for B groups, train on them, publish the new weights (with
+        ``weight_sync.overlap_push``: start publishing them); returns the step's metrics, with
+        those of the background pushes collected during it (``weight_sync/publish_lag_s``, ...).
 
         Raises:
             ValueError: the reward function failed on every call of the loop's first step.
             RuntimeError: a generator actor died, or no data arrived for ``stall_timeout_s``.
+            Exception: the previous step's background push failed in a way supervision does not
+                repair (an engine's refusal, a timeout): its own error.
         """
         t0 = time.perf_counter()
         groups, metrics = self._take_groups(step)
@@ -621,6 +723,8 @@ class AsyncLoop:
             self.trained_by_generator[t.generator_id] = self.trained_by_generator.get(t.generator_id, 0) + 1
         self._forget_finished()
         metrics.update(self._publish_supervised())
+        metrics.update(self._push_metrics)  # background pushes collected since the last step
+        self._push_metrics = {}
         self._wake_dispatcher()  # evictions and dynamic-sampling drops of this step
         now = time.perf_counter()
         stats = self._worker_stats()
@@ -632,7 +736,6 @@ class AsyncLoop:
             # Pool-wide: per second of wall time since the previous step ended, and per second
             # the actors' engines spent sampling and scoring (summed over actors).
             "perf/gen_tokens_per_s": delta.get("generated_tokens", 0.0) / max(now - self._last_t, 1e-9),
-            "perf/engine_tokens_per_s": delta.get("generated_tokens", 0.0) / max(busy, 1e-9),
             "perf/generator_busy_frac": busy / max(busy + idle, 1e-9),
             "rollout/rejected_samples": float(ro.num_rejected_samples),
             "pipeline/dispatched_groups": float(self.num_dispatched),
@@ -641,6 +744,9 @@ class AsyncLoop:
             "pipeline/in_flight_weight_updates": stats.get("in_flight_updates", 0.0),
             "timing/step_s": now - t0,
         })
+        speed = engine_tokens_per_s(delta, stats)
+        if speed is not None:
+            metrics["perf/engine_tokens_per_s"] = speed
         # Training rollouts are scored in the actors: their counters, not the trainer's scorer.
         metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/"))})
         self._last_stats, self._last_t = stats, now
@@ -663,7 +769,9 @@ class AsyncLoop:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue the pipeline (taken between two learner steps):
         the replay buffer's contents and counters, the dispatch counters, the dataset position,
-        and the requests of groups dispatched but not complete, all consistent with each other."""
+        and the requests of groups dispatched but not complete, all consistent with each other.
+        A pending weight push is settled first (``_settle_push``; its failure raises)."""
+        self._settle_push()
         with self._dispatch_lock:
             self._outstanding = {g: r for g, r in self._outstanding.items() if not self.buffer.is_finished(g)}
             return {
@@ -698,7 +806,9 @@ class AsyncLoop:
                            len(self._reissue))
 
     def sync_eval_engine(self) -> None:
-        """Push the learner's weights into the colocated engine used for evaluation."""
+        """Push the learner's weights into the colocated engine used for evaluation, once a
+        pending push to the pool is settled (``_settle_push``; its failure raises)."""
+        self._settle_push()
         self.ctx.publisher.push(self.ctx.learner.version)
 
     def _probe_engines(self, num_prompts: int = 4, max_tokens: int = 16) -> dict[str, float]:
@@ -752,9 +862,17 @@ class AsyncLoop:
 
     def close(self) -> dict[str, Any]:
         """Stop the dispatcher, the workers and the receiver; returns ``pipeline/*`` summary entries
-        and the actors' reward call totals (``reward/*``, ``reward/first_error``)."""
+        and the actors' reward call totals (``reward/*``, ``reward/first_error``).
+
+        A pending weight push is settled first (``_settle_push``); if it failed beyond
+        supervision's repair, everything is still stopped, then its failure raises."""
         if self._closed:
             return {}
+        push_error = None
+        try:
+            self._settle_push()
+        except Exception as e:  # noqa: BLE001 - raised once the pool is stopped
+            push_error = e
         self._closed = True
         self._stop.set()
         self._wake_dispatcher()
@@ -804,7 +922,8 @@ class AsyncLoop:
             ray.get([self.workers[i].close.remote() for i in active], timeout=60)
         except Exception as e:
             logger.warning("generator engine shutdown: %s", e)
-        self.publisher.close()
+        if self.publisher is not None:  # None: a supervised reconnection failed
+            self.publisher.close()
         for i in active:
             ray.kill(self.workers[i])
         ray.kill(self.broker)
@@ -812,4 +931,6 @@ class AsyncLoop:
             ray.kill(self.reward_actor)
         if self._own_cluster:
             self.cluster.close()
+        if push_error is not None:
+            raise push_error
         return summary

@@ -173,6 +173,9 @@ class RunContext:
         agent: the ``AgentLoop`` of multi-turn tool rollouts (``agent.tools`` set), else ``None``.
         cluster: the run's Ray ``async_rl.cluster.Cluster`` (async mode, Ray-placed learner
             ranks), else ``None``.
+        service_cores: async mode with ``learner.cpu_affinity``: the CPU ids of the trainer's
+            threads that do not train (``cluster.split_learner_threads``); threads the loop
+            starts (receiver, dispatcher, ZeroMQ's, Ray's) are started on them. Else empty.
     """
 
     cfg: Any
@@ -191,6 +194,7 @@ class RunContext:
     log: Any
     agent: Any = None
     cluster: Any = None
+    service_cores: list[int] = field(default_factory=list)
 
 
 class Loop(Protocol):

@@ -12,6 +12,7 @@ from async_rl.algorithms.dapo import fill_groups_with_spread
 from async_rl.batch import make_batch
 from async_rl.buffers.replay import staleness as staleness_of
 from async_rl.buffers.trajectory import Trajectory
+from async_rl.cpu_threads import thread_times
 from async_rl.evaluation import accuracy_of
 from async_rl.loops.base import RunContext
 from async_rl.rollout import RolloutResult
@@ -70,11 +71,12 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult) -> dict[str, float]:
     if max(staleness) > cfg.trainer.max_staleness:
         raise RuntimeError(f"step {step}: a sample is {max(staleness)} policy versions old, more than "
                            f"trainer.max_staleness={cfg.trainer.max_staleness}")
-    t1 = time.perf_counter()
+    t1, (cpu1, queued1) = time.perf_counter(), thread_times()
     batch, metrics = make_batch(trajs, cfg.algorithm, ctx.tokenizer.pad_token_id,
                                 cfg.generator.max_response_tokens, learner)
     train_metrics = learner.train_step(batch)
     t_train = time.perf_counter() - t1
+    cpu2, queued2 = thread_times()
     for k, v in train_metrics.items():
         # The loss returns its mismatch metrics under loss/; they belong to their own namespace.
         metrics[k.replace("loss/mismatch_", "mismatch/")] = v
@@ -86,6 +88,10 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult) -> dict[str, float]:
         "policy/version": float(learner.version),
         "perf/train_tokens_per_s": float(batch.attention_mask.sum()) / max(t_train, 1e-9),
         "timing/train_s": t_train,
+        # Where train_s went on the training thread: its CPU time, its wait for a core (other
+        # threads or processes on the learner's cores), and the rest blocked (GIL, locks, I/O).
+        "timing/train_cpu_s": cpu2 - cpu1,
+        "timing/train_runqueue_s": queued2 - queued1,
     })
     return metrics
 

@@ -5,19 +5,22 @@
     AsyncLoop ──GroupRequest──> RequestBroker ──take (claimed)──> GeneratorWorker k (own engine)
                                                                │ each sample as it finishes:
                                                                │ decode, submit to its reward
-                                                               │ workers; scored: Trajectory
+                                                               │ workers; scored: Trajectory,
+                                                               │ kept until its group is closed
                                                                v
-                        ReplayBuffer <── receiver thread <── ZMQ PULL <── PUSH (one per worker)
-                                                               ^
-                                       GroupClosed(g, kept) ───┘ once all n samples of g are scored
+    ReplayBuffer <── receiver thread <── ZMQ PULL <── PUSH (one per worker) <── TrajectoryGroup(g, kept
+    (trajectories, then GroupClosed)                      trajectories) once all n samples of g are scored
 
-Each worker pulls as many queued groups as fit its engine batch (blocking for the first), samples
-them with per-group seeds (so which worker samples a group does not change its tokens), and sends
-each accepted trajectory the moment its reward is in (scored in the actor's own reward worker
-processes while its engine decodes on); a sample rejected by the reward
-is counted and announced through ``GroupClosed`` with the group's number of kept samples, so the
-buffer can complete groups with rejections. Ray carries only control (requests, weights, stats);
-trajectories travel over ZeroMQ as msgpack.
+The dispatcher queues every group admission allows at once (``RequestBroker.put_many``). Each
+worker pulls as many queued groups as fit its engine batch (blocking for the first), idle workers
+splitting what is queued, samples them with per-group seeds (so which worker samples a group
+does not change its tokens), scores each sample the moment it finishes (in the actor's own
+reward worker processes while its engine decodes on), and once all ``n`` samples of a group are
+scored sends the group's kept trajectories as one ``TrajectoryGroup`` message, which the receiver
+hands on as the trajectories and a ``GroupClosed`` with the group's number of kept samples (a
+sample rejected by the reward is counted and left out), so the buffer can complete groups with
+rejections. Ray carries only control (requests, weights, stats); trajectories travel over
+ZeroMQ as msgpack.
 
 New weights arrive through ``receive_weights`` (the weight sync layer, ``async_rl.weight_sync``)
 on a second actor thread while ``run`` decodes in the first; the engine loads them between
@@ -43,7 +46,7 @@ import torch
 from transformers import AutoTokenizer
 
 from async_rl.agent import AgentLoop
-from async_rl.buffers.transport import GroupClosed
+from async_rl.buffers.transport import TrajectoryGroup
 from async_rl.cluster import group_ip, pin_process, use_node_interface, where
 from async_rl.generators import make_generator
 from async_rl.rewards.config import RewardConfig
@@ -59,6 +62,9 @@ class WorkerStats(SampleCounts):
 
     busy_s: float = 0.0
     idle_s: float = 0.0
+    served_tokens: int = 0
+    """Tokens of the batches ``busy_s`` counts (those whose ``_serve`` returned): the numerator of
+    an engine's busy speed (``generated_tokens`` also counts the batch still decoding)."""
     weight_updates: int = 0
     weight_update_s: float = 0.0
 
@@ -80,27 +86,43 @@ class RequestBroker:
         self._dead: set[tuple[int, int]] = set()
         self._cond = threading.Condition()
         self._closed = False
+        self._takers = 0
+        """Workers inside ``take`` now (waiting for requests, or woken and not yet served)."""
 
     def put(self, request: GroupRequest) -> None:
         """Queue one request (``GroupRequest``) behind the others."""
+        self.put_many([request])
+
+    def put_many(self, requests: list[GroupRequest]) -> None:
+        """Queue ``requests`` behind the others, in order, at once: workers waiting in ``take``
+        then see them together and share them, instead of the first waking with only the first
+        (a batch of one group that decodes to its longest row on its own)."""
         with self._cond:
-            self._queue.append(request)
-            self._cond.notify()
+            self._queue.extend(requests)
+            self._cond.notify_all()
 
     def take(self, worker: tuple[int, int], max_samples: int, timeout_s: float) -> list[GroupRequest]:
         """Claim queued requests for ``worker`` (index, incarnation): the first (waiting up to ``timeout_s`` seconds
-        for one), then more while the claimed samples (``n`` each) are fewer than ``max_samples``.
+        for one), then more while the claimed samples (``n`` each) are fewer than ``max_samples``
+        and the requests fewer than this worker's share of the queue: its length divided by the
+        workers inside ``take`` (those idle now), rounded up, so idle workers split what is queued
+        and a busy worker's share is not left waiting.
 
         Returns:
             The claimed requests, oldest first; empty if none came in time, the broker closed, or
             ``worker`` was reclaimed.
         """
         with self._cond:
-            ready = self._cond.wait_for(lambda: self._queue or self._closed, timeout=timeout_s)
-            if not ready or self._closed or worker in self._dead:
-                return []
+            self._takers += 1
+            try:
+                ready = self._cond.wait_for(lambda: self._queue or self._closed, timeout=timeout_s)
+                if not ready or self._closed or worker in self._dead:
+                    return []
+                share = -(-len(self._queue) // self._takers)
+            finally:
+                self._takers -= 1
             batch = [self._queue.popleft()]
-            while self._queue and sum(r.n for r in batch) < max_samples:
+            while self._queue and len(batch) < share and sum(r.n for r in batch) < max_samples:
                 batch.append(self._queue.popleft())
             claims = self._claims.setdefault(worker, {})
             for r in batch:
@@ -195,6 +217,7 @@ class GeneratorWorker:
         self.scorer = make_scorer(reward_cfg, on_error, reward_model and (
             lambda items: ray.get(reward_model.score.remote(items))))
         self.sender = sender()
+        self._unsent: dict[int, list] = {}  # group id -> its kept trajectories until the group is closed
         self.stats = WorkerStats()
         self._stop = threading.Event()
         self._max_groups = max(1, gen_cfg.max_batch_size)
@@ -270,9 +293,10 @@ class GeneratorWorker:
             if not batch:
                 continue
             self._beat()
-            t1 = time.perf_counter()
+            t1, n0 = time.perf_counter(), self.stats.generated_tokens
             self._serve(batch)
             self.stats.busy_s += time.perf_counter() - t1
+            self.stats.served_tokens += self.stats.generated_tokens - n0
         self.scorer.drain()  # the last batch's samples are scored and go out before the sender closes
         self.sender.close()
         return self.get_stats()
@@ -287,15 +311,24 @@ class GeneratorWorker:
 
         return {"since_progress_s": time.monotonic() - self._last_progress, "pid": float(os.getpid())}
 
-    def _send(self, traj) -> None:
+    def _keep(self, traj) -> None:
         traj.generator_id = self.worker_id  # which actor (and so which node) sampled it
-        self.sender.send(traj)
+        self._unsent.setdefault(traj.group_id, []).append(traj)
+        self._beat()
+
+    def _send_group(self, request, kept: int) -> None:
+        # The whole group as one message (its kept trajectories, closing it): the buffer admits a
+        # group only once it is complete, so holding its samples here until the last is scored
+        # delays nothing the learner sees, and the wire pays one message's fixed cost per group
+        # instead of n + 1 (bench/bench_transport.py).
+        trajectories = self._unsent.pop(request.group_id, [])
+        assert len(trajectories) == kept, (request.group_id, len(trajectories), kept)
+        self.sender.send(TrajectoryGroup(request.group_id, trajectories))
         self._beat()
 
     def _serve(self, batch: list[GroupRequest]) -> None:
         # The one rollout road of both modes (async_rl.rollout): here each kept trajectory is
         # streamed the moment its sample is scored, and each group closed once all n are.
         sample_groups(self.engine, batch, self.params, self.tokenizer, self.scorer, self.agent,
-                      on_trajectory=self._send,
-                      on_group_closed=lambda r, kept: self.sender.send(GroupClosed(r.group_id, kept)),
+                      on_trajectory=self._keep, on_group_closed=self._send_group,
                       counts=self.stats, wait_scored=False)

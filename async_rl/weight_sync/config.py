@@ -30,6 +30,17 @@ class WeightSyncConfig:
     (the engine converts to its own dtype when loading)."""
     timeout_s: float = 300.0
     """A sync (all buckets to every generator, loaded) that takes longer fails with a diagnostic."""
+    overlap_push: bool = True
+    """Async mode: the next training step starts while the previous version is pushed. The
+    learner copies its weights into a staging buffer (one extra copy of the weights it sends, on
+    their device; with LoRA only the adapters) and a background thread streams that copy to
+    every engine; the version counts as published, for admission and staleness, only once every
+    engine has loaded it. At most one push is in flight: the next one, a checkpoint, an
+    evaluation, the exit probe and the end of the run wait for it first, and its failure is raised
+    on the learner's thread at the next step. ``timing/weight_sync_s`` is then the learner's
+    blocking seconds (the staging copy plus any wait for the previous push) and
+    ``weight_sync/publish_lag_s`` the seconds until published. ``false``: every push blocks the
+    learner until every engine has loaded it. Sync mode always pushes in place and ignores it."""
     probe_at_exit: bool = False
     """Async mode: at the end of the run every generator actor and the trainer's own engine
     (holding the learner's weights) greedily decode the same few prompts; tokens, log-probs and
@@ -46,6 +57,8 @@ class WeightSyncConfig:
             raise ValueError(f"weight_sync.num_slots must be >= 1, got {self.num_slots}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"weight_sync.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if not isinstance(self.overlap_push, bool):
+            raise ValueError(f"weight_sync.overlap_push must be true or false, got {self.overlap_push!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"weight_sync.timeout_s must be > 0, got {self.timeout_s}")
 

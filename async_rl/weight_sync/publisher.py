@@ -3,16 +3,22 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from async_rl.cluster import LOOPBACK
+from async_rl.cluster import LOOPBACK, started_on
 from async_rl.weight_sync.config import WeightSyncConfig, replace_transport
 from async_rl.weight_sync.plan import UpdatePlan
-from async_rl.weight_sync.sources import WeightSource
+from async_rl.weight_sync.sources import NamedTensors, WeightSource
 from async_rl.weight_sync.wire import WeightSender
+
+logger = logging.getLogger(__name__)
 
 
 class WeightTarget(Protocol):
@@ -218,16 +224,20 @@ class BucketTransport:
         protocol: the engines' bucket protocol (``config.engine_protocol``): ``async_rl`` or ``sglang``.
         host: the address engines reach the sender's store (and broadcast group) at: this host's
             address on the network they share (``127.0.0.1`` when all run here).
+        watch: called about every 0.25 s (0.5 s while a broadcast group forms) while the
+            receivers connect (the pool's supervision: an engine that hangs must not hold the
+            connection to the timeout); what it raises fails the connection.
 
     Raises:
         ValueError: a transport other than ``shm``/``broadcast``, a list whose length is not the
             number of targets, or a mixed list with ``protocol="sglang"``.
         TimeoutError: a receiver did not connect within ``cfg.timeout_s``.
         RuntimeError: a receiver failed to connect (its error, within a second of it).
+        Exception: what ``watch`` raised.
     """
 
     def __init__(self, cfg: WeightSyncConfig, transport: str | Sequence[str], targets: list, device: str = "cpu",
-                 protocol: str = "async_rl", host: str = LOOPBACK) -> None:
+                 protocol: str = "async_rl", host: str = LOOPBACK, watch: Callable[[], None] | None = None) -> None:
         transports = _per_target(transport, targets)
         self.cfg, self.targets = cfg, targets
         single = transport if isinstance(transport, str) else (transports[0] if len(set(transports)) == 1 else None)
@@ -235,12 +245,22 @@ class BucketTransport:
                                    device=device, protocol=protocol, receiver_transports=transports)
         self.name = self.sender.name
         handles = [t.connect(self.sender.init_info(), r) for r, t in enumerate(targets)]
-        self._form_group(handles)  # broadcast: the group forms here, with every broadcast receiver joining
-        _wait(targets, handles, cfg.timeout_s, f"weight sync ({self.name}) timed out after {cfg.timeout_s:.0f} s "
-                                               f"connecting")
+        self._form_group(handles, watch)  # broadcast: the group forms here, with every broadcast receiver joining
+        deadline = time.monotonic() + cfg.timeout_s
+        while True:  # in slices: a receiver's own failure, and what watch finds, end the wait at once
+            try:
+                _wait(targets, handles, min(0.25, max(0.0, deadline - time.monotonic())), "")
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"weight sync ({self.name}) timed out after {cfg.timeout_s:.0f} s "
+                                       f"connecting") from None
+            self._raise_failed(handles, "failed to connect")
+            if watch is not None:
+                watch()
         self.sender.unlink_slots()
 
-    def _form_group(self, handles: list) -> None:
+    def _form_group(self, handles: list, watch: Callable[[], None] | None = None) -> None:
         # Forming the group blocks until every broadcast receiver joins; a receiver that failed
         # to connect (a bad interface, an engine that died) would leave it waiting out the whole
         # timeout with a store error that names no one. Form it on a helper thread and watch the
@@ -260,6 +280,8 @@ class BucketTransport:
         threading.Thread(target=form, name="weight-sync-group", daemon=True).start()
         while not done.wait(0.5):
             self._raise_failed(handles, "failed to connect")
+            if watch is not None:
+                watch()
         if errors:
             raise errors[0]
 
@@ -294,7 +316,8 @@ class BucketTransport:
         about every 0.25 s while waiting on the engines; what it raises fails the update.
 
         Returns:
-            ``weight_sync/bytes``, ``weight_sync/pack_s``, ``weight_sync/send_s``.
+            ``weight_sync/bytes``, ``weight_sync/pack_s``, ``weight_sync/send_s``, ``weight_sync/slot_wait_s``
+            (``WeightSender.send``).
 
         Raises:
             RuntimeError: an engine refused the update (the message names the weights) or failed
@@ -353,7 +376,7 @@ def _per_target(transport: str | Sequence[str], targets: list) -> list[str]:
 
 
 def make_transport(cfg: WeightSyncConfig, transport: str | Sequence[str], targets: list, device: str = "cpu",
-                   protocol: str = "async_rl", host: str = LOOPBACK) -> Transport:
+                   protocol: str = "async_rl", host: str = LOOPBACK, watch: Callable[[], None] | None = None) -> Transport:
     """The transport object of a resolved ``transport`` over ``targets``: a ``ColocatedTransport``
     or a (connected) ``BucketTransport`` speaking ``protocol``.
 
@@ -362,6 +385,7 @@ def make_transport(cfg: WeightSyncConfig, transport: str | Sequence[str], target
             (``transports_for_targets``); a list of equal entries is that single name, a mixed
             one may hold only ``shm`` and ``broadcast``.
         host: the sender's address as the engines reach it (``BucketTransport``).
+        watch: called while the engines connect (``BucketTransport``).
 
     Raises:
         ValueError: ``auto`` or an unknown name; ``colocated`` with targets not in this process
@@ -376,14 +400,17 @@ def make_transport(cfg: WeightSyncConfig, transport: str | Sequence[str], target
     if unresolved:
         raise ValueError(f"not a resolved weight_sync transport: {unresolved[0]!r} (resolve_transport first"
                          f"{'; colocated cannot mix with shm or broadcast' if unresolved == ['colocated'] else ''})")
-    return BucketTransport(cfg, transports, targets, device, protocol, host)
+    return BucketTransport(cfg, transports, targets, device, protocol, host, watch)
 
 
 class WeightPublisher:
     """The learner's driver: one call of ``push`` moves one policy version into every generator.
 
     Every push goes through here (sync rollouts, async pool, the evaluation engine, a resume):
-    the transport object (``make_transport``) decides how the tensors travel.
+    the transport object (``make_transport``) decides how the tensors travel. ``push`` blocks
+    until every engine has loaded the version; ``start_push`` (async mode's
+    ``weight_sync.overlap_push``) returns once the weights are staged and finishes the push on a
+    background thread, collected by ``wait``. At most one push is pending at a time.
 
     Args:
         cfg: weight-sync settings.
@@ -395,6 +422,8 @@ class WeightPublisher:
         device: where the learner's tensors live: ``cuda`` makes ``broadcast`` use NCCL.
         protocol: the engines' bucket protocol (``config.engine_protocol(generator.backend)``).
         host: the address engines on other hosts reach the sender at (``127.0.0.1``: all on this host).
+        watch: called while the engines connect, here and when a broken broadcast group is
+            rebuilt (``BucketTransport``); what it raises fails the connection.
 
     Raises:
         ValueError: ``colocated`` with targets that are not in this process, an unresolved
@@ -403,11 +432,15 @@ class WeightPublisher:
     """
 
     def __init__(self, cfg: WeightSyncConfig, transport: str | Sequence[str], learner: WeightSource, targets: list,
-                 device: str = "cpu", protocol: str = "async_rl", host: str = LOOPBACK) -> None:
+                 device: str = "cpu", protocol: str = "async_rl", host: str = LOOPBACK,
+                 watch: Callable[[], None] | None = None) -> None:
         self.cfg, self.transport, self.learner, self.targets = cfg, transport, learner, targets
         self.published_version: int | None = None
-        self._where = (device, protocol, host)
-        self._transport = make_transport(cfg, transport, targets, device, protocol, host)
+        self._where = (device, protocol, host, watch)
+        self._transport = make_transport(cfg, transport, targets, device, protocol, host, watch)
+        self._pending: Future | None = None  # start_push's background push, until wait() collects it
+        self._pending_version: int | None = None
+        self._staging: dict[str, torch.Tensor] = {}  # start_push's copy of the weights, reused
 
     @property
     def transport_name(self) -> str:
@@ -425,6 +458,8 @@ class WeightPublisher:
         ``shm``/``broadcast``, called about every 0.25 s while the engines are waited on (the
         pool's supervision: it raises when an actor hangs); what it raises fails the push.
 
+        A push still pending (``start_push``) is collected first, and its failure raised.
+
         A failed push publishes nothing: each engine either refused the update before any write
         (unchanged), dropped its staged copy (HF: old weights and version), or is marked unusable
         until a complete update (vLLM, after a failure past its first loaded bucket). See the
@@ -433,8 +468,8 @@ class WeightPublisher:
         engine again.
 
         Returns:
-            ``timing/weight_sync_s`` and, for shm/broadcast, bytes moved, pack/send seconds and
-            ``weight_sync/gb_per_s``.
+            ``timing/weight_sync_s`` (= ``weight_sync/publish_lag_s``: the caller waits for every
+            engine) and, for shm/broadcast, bytes moved, pack/send seconds and ``weight_sync/gb_per_s``.
 
         Raises:
             RuntimeError: a generator rejected the update (the message names the weights and what
@@ -446,17 +481,164 @@ class WeightPublisher:
                 an engine did not reconnect in that time when the transport was rebuilt.
         """
         t0 = time.perf_counter()
-        sender = self._transport.sender
-        if sender is not None and sender.broken is not None:
-            self._transport.close()
-            self._transport = make_transport(self.cfg, self.transport, self.targets, *self._where)
+        self.wait()  # a pending push first (its failure raises here): one push at a time
+        self._repair()
         metrics = self._transport.push(self.learner, version, watch)
         self.published_version = version
-        metrics["timing/weight_sync_s"] = time.perf_counter() - t0
+        metrics["timing/weight_sync_s"] = metrics["weight_sync/publish_lag_s"] = time.perf_counter() - t0
         if metrics.get("weight_sync/bytes"):
             metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / metrics["timing/weight_sync_s"]
         return metrics
 
+    @property
+    def can_overlap(self) -> bool:
+        """Whether ``start_push`` finishes in the background: ``shm``/``broadcast``, whose sender
+        reads a staged copy. ``colocated`` hands the learner's own tensors to the engine by
+        reference, so its pushes always block."""
+        return self._transport.sender is not None
+
+    @property
+    def pending_version(self) -> int | None:
+        """The version ``start_push`` is pushing (or pushed, not yet collected by ``wait``), or ``None``."""
+        return None if self._pending is None else self._pending_version
+
+    def pending_done(self) -> bool:
+        """Whether a pending push has ended (``wait`` then returns or raises without blocking);
+        ``False`` when none is pending."""
+        return self._pending is not None and self._pending.done()
+
+    def start_push(self, version: int, watch: Callable[[], None] | None = None,
+                   on_published: Callable[[int], None] | None = None,
+                   thread_cores: list[int] | None = None) -> dict[str, float]:
+        """Push the learner's current weights as ``version`` without waiting for the engines:
+        returns as soon as the learner may change its parameters again.
+
+        On the caller's thread: the pending push, if any, is collected first (``wait``; its
+        failure raises here, before anything else), a broken broadcast group is rebuilt, and
+        ``named_weights`` is drained into a staging copy (``_stage``: collective on a multi-rank
+        learner, so every rank gathers in the same order on its main thread). A background thread
+        then plans, streams the copy and waits until every engine has loaded it, calling
+        ``watch`` as ``push`` does (from that thread); only then is ``published_version = version``
+        and ``on_published(version)`` called (from that thread). ``wait`` collects its metrics or
+        raises its failure. With ``colocated`` (``can_overlap`` false) this is ``push``, followed
+        by ``on_published``. ``thread_cores``: the CPU ids the background thread runs on (the
+        async pipeline's service cores, off the learner's; empty or ``None``: the caller's).
+
+        Returns:
+            ``timing/weight_sync_s`` (seconds the caller was held: the staging copy, or the whole
+            push when it blocks), ``weight_sync/stage_s`` and ``weight_sync/bytes`` (the update's
+            size on the wire, from its plan); the background push's metrics
+            (``weight_sync/publish_lag_s``: seconds from this call until every engine had the
+            version, bytes, pack/send seconds, ``weight_sync/gb_per_s`` over the background
+            seconds) come from ``wait``.
+
+        Raises:
+            Exception: the previous pending push's failure (as ``wait``), or what ``push`` raises
+                with ``colocated``, or what ``named_weights`` raised while staging.
+            TimeoutError: an engine did not reconnect within ``weight_sync.timeout_s`` while a
+                broken broadcast group was rebuilt.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        if not self.can_overlap:
+            metrics = self.push(version, watch)
+            if on_published is not None:
+                on_published(version)
+            return metrics
+        self._repair()
+        staged = self._stage()
+        held_s = time.perf_counter() - t0
+        transport = self._transport
+
+        def finish() -> dict[str, float]:
+            t1 = time.perf_counter()
+            metrics = transport.push(staged, version, watch)
+            self.published_version = version
+            if on_published is not None:
+                on_published(version)
+            now = time.perf_counter()
+            metrics["weight_sync/publish_lag_s"] = now - t0
+            if metrics.get("weight_sync/bytes"):
+                metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / max(now - t1, 1e-9)
+            return metrics
+
+        with started_on(thread_cores or []):
+            self._pending, self._pending_version = _in_background(finish, f"weight-push-v{version}"), version
+        # The update's size is known now: each step reports the bytes of the push it started
+        # (the background push's own figures arrive with ``wait``, in a later step).
+        plan = transport.sender.plan_shapes(staged.weight_metadata(), version, staged.weight_aliases())
+        return {"timing/weight_sync_s": held_s, "weight_sync/stage_s": held_s,
+                "weight_sync/bytes": float(plan.total_bytes)}
+
+    def wait(self) -> dict[str, float]:
+        """Block until the pending push (``start_push``) ends, and collect it.
+
+        Returns:
+            Its background metrics (see ``start_push``), ``{}`` when none is pending.
+
+        Raises:
+            Exception: the push's failure, the very exception ``push`` would have raised (an
+                engine's refusal naming the weights, a receiver that died, ``TimeoutError``, what
+                ``watch`` raised), once: the push then counts as collected.
+        """
+        pending = self._pending
+        if pending is None:
+            return {}
+        try:
+            metrics = pending.result()
+        except Exception:
+            self._pending = None
+            raise
+        self._pending = None
+        return metrics
+
+    def _repair(self) -> None:
+        # A failed push with a broadcast group dropped the group: connect every engine anew.
+        sender = self._transport.sender
+        if sender is not None and sender.broken is not None:
+            self._transport.close()
+            self._transport = make_transport(self.cfg, self.transport, self.targets, *self._where)
+
+    def _stage(self) -> NamedTensors:
+        """The learner's weights copied into the staging buffers (full tensors, in
+        ``named_weights`` order, on the learner's device and in its dtype), so that the next
+        optimizer step may change the parameters while the copy is being sent. The buffers are
+        allocated once and reused; at most one push reads them (``start_push`` collects the
+        pending one first)."""
+        named = []
+        for name, tensor in self.learner.named_weights():
+            # A sharded parameter is gathered here, on the caller's thread (it is collective).
+            tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            buf = self._staging.get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype or buf.device != tensor.device:
+                buf = self._staging[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            buf.copy_(tensor)
+            named.append((name, buf))
+        return NamedTensors(named, self.learner.weight_aliases())
+
     def close(self) -> None:
-        """Release the transport (shm slots)."""
+        """Wait for a pending push (its failure is logged: a caller that needs it calls ``wait``
+        first), then release the transport (shm slots) and the staging buffers."""
+        version = self.pending_version
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - closing: the owner has collected what it needs
+            logger.warning("weight push v%s failed before close: %s", version, e)
+        self._staging.clear()
         self._transport.close()
+
+
+def _in_background(fn: Callable[[], Any], name: str) -> Future:
+    """``fn()`` on a daemon thread of its own; its result or exception in the returned future.
+    (Not a thread pool: a push stuck until its timeout must not hold the interpreter at exit.)"""
+    future: Future = Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of wait()
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

@@ -106,6 +106,7 @@ class WeightSender:
         self.group = None
         self.broken: str | None = None
         self.num_updates = 0
+        self._bcast_buf: torch.Tensor | None = None
         if self._shm:
             self._alloc_slots(cfg.bucket_bytes)
         import atexit
@@ -194,7 +195,10 @@ class WeightSender:
                 instead of at the deadline.
 
         Returns:
-            ``{"weight_sync/bytes", "weight_sync/pack_s", "weight_sync/send_s"}``.
+            ``weight_sync/bytes``; seconds: ``weight_sync/pack_s`` (copying the learner's
+            tensors into the slots or the broadcast buffer, cast to the wire dtype),
+            ``weight_sync/send_s`` (announcing a slot; the broadcasts), ``weight_sync/slot_wait_s``
+            (``shm``: waiting for the receivers to release a slot before reusing it).
 
         Raises:
             RuntimeError: a receiver reported an error (its message, e.g. an unknown weight name),
@@ -242,9 +246,8 @@ class WeightSender:
     def _send(self, plan: UpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]], deadline: float,
               watch: Callable[[], None] | None) -> dict[str, float]:
         it = iter(tensors)
-        pack_s = send_s = 0.0
+        pack_s = send_s = wait_s = 0.0
         nslots = len(self.slots)
-        bcast_buf = None
         for i, metas in enumerate(plan.buckets):
             if i and self.store.check([f"{plan.update_id}/error"]):
                 # A receiver gave up (its loader failed): broadcast receivers would leave the next
@@ -263,6 +266,8 @@ class WeightSender:
             if self._shm:
                 if i >= nslots:  # slot reuse: every receiver must be done with bucket i - nslots
                     self._wait_count(plan, f"ack{i - nslots}", self.num_receivers, deadline, watch)
+                wait_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
                 buf = self.slots[i % nslots][: plan.bucket_nbytes[i]]
                 pack_bucket(buf, metas, got)
                 t1 = time.perf_counter()
@@ -273,9 +278,11 @@ class WeightSender:
                     self.group.broadcast(buf if buf.device.type == torch.device(self.device).type
                                          else buf.to(self.device), 0).wait()
             else:
-                if bcast_buf is None or bcast_buf.numel() < plan.bucket_nbytes[i]:
-                    bcast_buf = torch.empty(max(plan.bucket_nbytes), dtype=torch.uint8, device=self.device)
-                buf = bcast_buf[: plan.bucket_nbytes[i]]
+                # Kept across updates: a fresh buffer would fault every page in again, each update.
+                if self._bcast_buf is None or self._bcast_buf.numel() < plan.bucket_nbytes[i]:
+                    self._bcast_buf = None
+                    self._bcast_buf = torch.empty(max(plan.bucket_nbytes), dtype=torch.uint8, device=self.device)
+                buf = self._bcast_buf[: plan.bucket_nbytes[i]]
                 pack_bucket(buf, metas, got)
                 t1 = time.perf_counter()
                 self.group.broadcast(buf, 0).wait()
@@ -283,7 +290,8 @@ class WeightSender:
             send_s += time.perf_counter() - t1
             del got
         self.num_updates += 1
-        return {"weight_sync/bytes": float(plan.total_bytes), "weight_sync/pack_s": pack_s, "weight_sync/send_s": send_s}
+        return {"weight_sync/bytes": float(plan.total_bytes), "weight_sync/pack_s": pack_s, "weight_sync/send_s": send_s,
+                "weight_sync/slot_wait_s": wait_s}
 
     def _forget_previous(self, plan: UpdatePlan) -> None:
         # The previous update is complete (its caller waited for every engine): drop its keys so
@@ -320,8 +328,10 @@ class WeightSender:
                 f"{what}: {ready}/{self.num_receivers} receivers ready; acknowledgements per bucket {acks}")
 
     def close(self) -> None:
-        """Release the slots (the files are unlinked; receivers' mappings stay valid until closed)."""
+        """Release the slots (the files are unlinked; receivers' mappings stay valid until closed)
+        and the broadcast buffer."""
         self._free_slots()
+        self._bcast_buf = None
 
 
 def _first_line(e: BaseException) -> str:
@@ -384,7 +394,9 @@ class WeightReceiver:
         self.group = None
         self.broken: str | None = None
         self._maps: dict[str, torch.Tensor] = {}
-        self._buf: torch.Tensor | None = None
+        self._bufs: list[torch.Tensor] = []
+        """``broadcast``: two receive buffers of the largest bucket, kept across updates (bucket
+        i + 1 arrives in one while the loader reads bucket i from the other)."""
 
     def connect(self) -> None:
         """Map the shm slots, or join the broadcast group (blocks until the sender and all
@@ -420,7 +432,9 @@ class WeightReceiver:
                 the error propagates.
 
         A yielded bucket's views are valid only until the next one is requested: the loader must
-        consume (or copy) them before asking for the next. If the loader stops early (it raised,
+        consume (or copy) them before asking for the next. A ``broadcast`` receiver posts the
+        next bucket's receive before yielding one, into its other buffer, so the transfer of
+        bucket i + 1 overlaps the loading of bucket i (memory: two buffers of the largest bucket). If the loader stops early (it raised,
         or closed this iterator) the sender is told, so it stops instead of waiting for
         acknowledgements; a loader that ``fail``s with its own message inside the loop, before
         leaving it, has that message reach the sender instead.
@@ -443,9 +457,17 @@ class WeightReceiver:
         except Exception as e:
             self.fail(plan, f"{type(e).__name__}: {e}")
             raise
-        self.store.add(f"{plan.update_id}/ready", 1)
         i, complete = 0, False
+        pending = None  # broadcast: the one receive posted and not yet waited for
+        if self.transport == "broadcast" and plan.buckets:
+            largest = max(plan.bucket_nbytes)
+            if len(self._bufs) < 2 or self._bufs[0].numel() < largest:
+                self._bufs = []
+                self._bufs = [torch.empty(largest, dtype=torch.uint8, device=self.info["device"]) for _ in range(2)]
+        self.store.add(f"{plan.update_id}/ready", 1)
         try:
+            if self.transport == "broadcast" and plan.buckets:
+                pending = self._post(plan, 0)
             for i, metas in enumerate(plan.buckets):
                 if self.transport == "shm":
                     key = f"{plan.update_id}/bucket{i}"
@@ -453,10 +475,10 @@ class WeightReceiver:
                     path, nbytes = self._store_call(plan, self.store.get, key).decode().rsplit(":", 1)
                     buf = self._slot(path, int(nbytes))[: plan.bucket_nbytes[i]]
                 else:
-                    if self._buf is None or self._buf.numel() < plan.bucket_nbytes[i]:
-                        self._buf = torch.empty(max(plan.bucket_nbytes), dtype=torch.uint8, device=self.info["device"])
-                    buf = self._buf[: plan.bucket_nbytes[i]]
-                    self._wait_broadcast(plan, i, self.group.broadcast(buf, 0))
+                    buf, work = pending
+                    self._wait_broadcast(plan, i, work)
+                    # The next bucket arrives in the other buffer while the loader reads this one.
+                    pending = self._post(plan, i + 1) if i + 1 < len(plan.buckets) else None
                 yield unpack_bucket(buf, metas)
                 self._store_call(plan, self.store.add, f"{plan.update_id}/ack{i}", 1)
             complete = True
@@ -467,7 +489,13 @@ class WeightReceiver:
                 except Exception:  # noqa: BLE001 - the store may be gone with the sender; the cause propagates
                     pass
                 if self.group is not None:  # this receiver left the group's sequence of collectives
-                    self._leave_group(plan, None)
+                    self._leave_group(plan, pending[1] if pending is not None else None)
+
+    def _post(self, plan: UpdatePlan, i: int) -> tuple[torch.Tensor, Any]:
+        # Bucket i's receive, into buffer i % 2: the bucket before it (the other buffer) may still
+        # be in the loader's hands, the one two back is not (the loader asked for the next).
+        buf = self._bufs[i % 2][: plan.bucket_nbytes[i]]
+        return buf, self.group.broadcast(buf, 0)
 
     def _wait_key(self, plan: UpdatePlan, key: str) -> None:
         deadline = time.monotonic() + float(self.info["timeout_s"])
@@ -530,7 +558,7 @@ class WeightReceiver:
         # receive buffer goes with it (the pending op may still write into it). NCCL: abort the
         # communicator, which also frees a collective kernel stuck on the device.
         self.broken = f"update v{plan.version} failed mid-stream, which dropped the broadcast group"
-        group, buf, self.group, self._buf = self.group, self._buf, None, None
+        group, buf, self.group, self._bufs = self.group, self._bufs, None, []
         if group is None:
             return
         if str(self.info["device"]).startswith("cuda"):
@@ -557,6 +585,6 @@ class WeightReceiver:
         return self._maps[path]
 
     def close(self) -> None:
-        """Drop the slot mappings and the receive buffer."""
+        """Drop the slot mappings and the receive buffers."""
         self._maps.clear()
-        self._buf = None
+        self._bufs = []
