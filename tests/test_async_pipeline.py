@@ -211,3 +211,22 @@ def test_engine_speed_counts_only_the_batches_whose_busy_time_it_divides_by():
     assert engine_tokens_per_s({"busy_s": 0.0, "served_tokens": 0.0, "generated_tokens": 4000.0},
                                {"busy_s": 10.0, "served_tokens": 12000.0}) == 1200.0
     assert engine_tokens_per_s({"generated_tokens": 4000.0}, {"generated_tokens": 4000.0}) is None
+
+
+def test_a_worker_refuses_to_send_a_group_short_of_what_the_rollout_kept():
+    """The generator sends a group as one message (wire schema 4); if the trajectories it holds
+    for the group are fewer than the rollout kept, it raises naming both counts rather than
+    sending the group short (a raise, so ``python -O`` keeps the check)."""
+    from types import SimpleNamespace
+
+    from async_rl.loops.pool import GeneratorWorker
+
+    sent: list = []
+    worker = SimpleNamespace(_unsent={"g7": ["t0", "t1"]}, sender=SimpleNamespace(send=sent.append),
+                             _beat=lambda: None)
+    with pytest.raises(RuntimeError, match=r"group g7: 2 trajectories held for sending, but the rollout kept 3"):
+        GeneratorWorker._send_group(worker, SimpleNamespace(group_id="g7"), 3)
+    assert sent == []
+    worker._unsent = {"g8": ["t0", "t1"]}
+    GeneratorWorker._send_group(worker, SimpleNamespace(group_id="g8"), 2)
+    assert len(sent) == 1 and sent[0].group_id == "g8" and len(sent[0].trajectories) == 2

@@ -322,13 +322,17 @@ class GeneratorWorker:
         # delays nothing the learner sees, and the wire pays one message's fixed cost per group
         # instead of n + 1 (bench/bench_transport.py).
         trajectories = self._unsent.pop(request.group_id, [])
-        assert len(trajectories) == kept, (request.group_id, len(trajectories), kept)
+        if len(trajectories) != kept:
+            # An internal invariant (the rollout road counted what it handed to _keep); a raise,
+            # not an assert, so that `python -O` cannot send a group short without a word.
+            raise RuntimeError(f"group {request.group_id}: {len(trajectories)} trajectories held for sending, "
+                               f"but the rollout kept {kept}")
         self.sender.send(TrajectoryGroup(request.group_id, trajectories))
         self._beat()
 
     def _serve(self, batch: list[GroupRequest]) -> None:
         # The one rollout road of both modes (async_rl.rollout): here each kept trajectory is
-        # streamed the moment its sample is scored, and each group closed once all n are.
+        # held the moment its sample is scored, and the group sent as one message once all n are.
         sample_groups(self.engine, batch, self.params, self.tokenizer, self.scorer, self.agent,
                       on_trajectory=self._keep, on_group_closed=self._send_group,
                       counts=self.stats, wait_scored=False)
