@@ -307,3 +307,38 @@ def test_without_overlap_the_loop_publishes_before_the_step_returns():
     assert loop.published_version == 1 and loop.publisher.pending_version is None
     assert metrics["weight_sync/publish_lag_s"] >= 0 and "weight_sync/bytes" in metrics
     loop.publisher.close()
+
+
+def test_a_layer_larger_than_a_bucket_grows_the_slots_before_the_background_push_starts(monkeypatch):
+    """Planning a push whose largest layer exceeds the bucket grows the shm slots. ``start_push``
+    plans on the caller's thread (for the step's ``weight_sync/bytes``) and the background push
+    plans again: the caller's plan must come first, so that two threads never resize the slots
+    while one of them sends through them. The big layer then arrives intact."""
+    import async_rl.weight_sync.publisher as publisher_mod
+
+    log: list = []
+    engines = [_GatedEngine(log, "a")]
+    learner = _Learner()
+    learner.named.append(("model.big.w", torch.randn(64, 64, generator=torch.Generator().manual_seed(1))))
+    pub = _publisher(learner, engines)
+    big_bytes = 64 * 64 * 4
+    sender = pub._transport.sender
+    assert sender._slot_bytes < big_bytes  # 0.004 MB buckets: the layer cannot fit as they are
+    started_with: list[int] = []
+    real = publisher_mod._in_background
+
+    def record(fn, name):
+        started_with.append(sender._slot_bytes)
+        return real(fn, name)
+
+    monkeypatch.setattr(publisher_mod, "_in_background", record)
+    learner.optimizer_step()
+    sent = {n: t.clone() for n, t in learner.named}
+    metrics = pub.start_push(learner.version)
+    assert started_with and started_with[0] >= big_bytes
+    assert metrics["weight_sync/bytes"] == sum(t.numel() * t.element_size() for t in sent.values())
+    engines[0].gate.set()
+    pub.wait()
+    assert engines[0].weights.keys() == sent.keys()
+    assert all(torch.equal(engines[0].weights[n], sent[n]) for n in sent)
+    pub.close()

@@ -562,11 +562,12 @@ class WeightPublisher:
                 metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / max(now - t1, 1e-9)
             return metrics
 
+        # The update's size is known now: each step reports the bytes of the push it started
+        # (the background push's own figures arrive with ``wait``, in a later step). Planned
+        # before the thread starts: planning may grow the shm slots, which the push then uses.
+        plan = transport.sender.plan_shapes(staged.weight_metadata(), version, staged.weight_aliases())
         with started_on(thread_cores or []):
             self._pending, self._pending_version = _in_background(finish, f"weight-push-v{version}"), version
-        # The update's size is known now: each step reports the bytes of the push it started
-        # (the background push's own figures arrive with ``wait``, in a later step).
-        plan = transport.sender.plan_shapes(staged.weight_metadata(), version, staged.weight_aliases())
         return {"timing/weight_sync_s": held_s, "weight_sync/stage_s": held_s,
                 "weight_sync/bytes": float(plan.total_bytes)}
 
