@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None, end_process: bool = False) -> int:
             console script and ``python -m async_rl.cli`` set it; in-process callers get the status.
     """
     # First: torch's OpenMP reads its wait policy once, when torch is imported (async_rl.cpu_threads).
-    from async_rl.cpu_threads import passive_openmp_wait
+    from async_rl.cpu_threads import openmp_wait_defaults
 
-    passive_openmp_wait(os.environ)
+    openmp_wait_defaults(os.environ)
     args = _parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("ASYNC_RL_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -27,27 +27,38 @@ A user's own ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or ``OMP_NUM_THREADS`` alwa
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import MutableMapping
+from typing import Callable
 
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 """Variables that choose how OpenMP threads wait; if the user set either, the wait is theirs."""
 
 
-def passive_openmp_wait(environ: MutableMapping[str, str]) -> dict[str, str]:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` unless ``OMP_WAIT_POLICY`` or
+SPIN_COUNT = 10_000
+"""libgomp's spin count of the run's processes (``GOMP_SPINCOUNT``): how many iterations a thread
+that waits for work spins before it sleeps on a futex; libgomp's own default is 300,000 (a few
+ms) and ``OMP_WAIT_POLICY=PASSIVE`` makes it 0. Chosen on the default job by
+``bench/bench_shared_cores.py`` and ``bench/bench_time_to_accuracy.py`` (figures in the module
+docstring)."""
+
+
+def openmp_wait_defaults(environ: MutableMapping[str, str]) -> dict[str, str]:
+    """Set ``GOMP_SPINCOUNT=SPIN_COUNT`` in ``environ`` unless ``OMP_WAIT_POLICY`` or
     ``GOMP_SPINCOUNT`` is already there; returns the variables it set (``{}`` when none).
 
-    ``PASSIVE`` makes libgomp's spin count 0 (threads sleep on a futex as soon as they wait) and is
-    read by LLVM's and Intel's OpenMP runtimes too, so ``GOMP_SPINCOUNT`` is not needed. It acts
-    on a process only if set before that process loads OpenMP (``import torch``); children started
-    later inherit it either way.
+    A short spin keeps torch's thousands of small parallel regions per step from paying a futex
+    wake each (the passive wait's cost on a quiet machine), and ``SharedCoreGovernor`` drops the
+    threads that would spin beside a busy process. It acts on a process only if set before that
+    process loads OpenMP (``import torch``); children started later inherit it either way.
+    LLVM's and Intel's OpenMP runtimes read ``KMP_BLOCKTIME`` instead and keep their own default.
     """
     if any(name in environ for name in WAIT_POLICY_VARS):
         return {}
-    environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+    environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    return {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
 
 
 def available_cores() -> int:
@@ -83,3 +94,89 @@ def thread_times() -> tuple[float, float]:
         return int(run_ns) / 1e9, int(wait_ns) / 1e9
     except (OSError, ValueError):
         return time.thread_time(), 0.0
+
+
+def _proc_stat_busy_s(cores: set[int]) -> float | None:
+    """CPU seconds the CPUs in ``cores`` have spent running tasks at normal or higher priority
+    since boot (``/proc/stat``: user + system + irq + softirq + steal, in ``USER_HZ`` ticks; the
+    ``nice`` column, tasks that yield to us, is left out); ``None`` where there is no
+    ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cores:
+            continue
+        user, _nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+        ticks += user + system + irq + softirq + steal
+    return ticks / hz
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds (user + system) of this process, every thread."""
+    t = os.times()
+    return t.user + t.system
+
+
+class SharedCoreGovernor:
+    """Chooses this process's torch thread count from the share of its cores other processes use.
+
+    Why: OpenMP threads that spin while they wait (``openmp_wait_defaults``) make a quiet run
+    fast, but beside a busy process the thread that shares a core with it makes every parallel
+    region end a scheduler tick late, and each waiting teammate burns the slice it needs. One
+    thread has no teammates to wait for. So before each step the governor measures, over the time
+    since its last look, how many of the process's cores other tasks kept busy (``/proc/stat``
+    over the affinity mask, minus this process's own CPU time; ``nice``d tasks, which yield to
+    us, are not counted) and uses ``round(cores - others)`` threads, between 1 and
+    ``max_threads``: all of them on a quiet machine, one beside a process that spins on one of
+    two cores.
+
+    Args:
+        max_threads: the thread count on a quiet machine (>= 1).
+        cores: the CPU ids the process may run on (default: its affinity mask).
+        set_threads: applies a count (default ``torch.set_num_threads``).
+        min_interval_s: a look sooner than this after the previous one keeps the count (seconds);
+            shorter windows are dominated by the ``USER_HZ`` tick (10 ms).
+
+    Raises:
+        ValueError: ``max_threads < 1``.
+    """
+
+    def __init__(self, max_threads: int, cores: list[int] | None = None,
+                 set_threads: Callable[[int], None] | None = None, min_interval_s: float = 0.25) -> None:
+        if max_threads < 1:
+            raise ValueError(f"SharedCoreGovernor: max_threads must be >= 1, got {max_threads}")
+        if cores is None:
+            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        if set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
+        self.max_threads, self.cores, self.set_threads = max_threads, set(cores), set_threads
+        self.min_interval_s = min_interval_s
+        self.threads = max_threads
+        self.others_cores = 0.0
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float | None, float]:
+        return time.perf_counter(), _proc_stat_busy_s(self.cores), _own_cpu_s()
+
+    def update(self) -> int:
+        """Measure since the previous look, set and return the thread count (unchanged when the
+        window is shorter than ``min_interval_s`` or ``/proc/stat`` is missing)."""
+        now = self._sample()
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        if busy0 is None or busy1 is None or t1 - t0 < self.min_interval_s:
+            return self.threads
+        self._last = now
+        self.others_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+        threads = max(1, min(self.max_threads, math.floor(len(self.cores) - self.others_cores + 0.5)))
+        if threads != self.threads:
+            self.set_threads(threads)
+            self.threads = threads
+        return threads

@@ -12,14 +12,18 @@ process on 2 cores leaves the job half the CPU, so about 2x, plus some room).
 
 Variants (``--variants``, comma-separated):
 
-* ``new``: the defaults as shipped: the CLI sets ``OMP_WAIT_POLICY=PASSIVE``
+* ``new``: the defaults as shipped: the CLI sets a short OpenMP spin (``GOMP_SPINCOUNT``) and
+  the sync loop's ``SharedCoreGovernor`` picks the thread count from the cores' load
   (``async_rl.cpu_threads``).
-* ``old``: the behaviour before: ``GOMP_SPINCOUNT=300000``, libgomp's own spin count when
+* ``old``: the behaviour before issue 20: ``GOMP_SPINCOUNT=300000``, libgomp's own spin count when
   ``OMP_WAIT_POLICY`` is unset; the CLI leaves the wait to a user who set that variable, so this
   is exactly OpenMP's default wait. (The default job's thread counts did not change: one process,
   affinity = all cores.)
 * ``KEY=VAL+KEY=VAL``: ``new`` with these environment variables set in the job, e.g.
-  ``OMP_WAIT_POLICY=ACTIVE`` or ``OMP_NUM_THREADS=1``.
+  ``OMP_WAIT_POLICY=ACTIVE`` or ``OMP_NUM_THREADS=1``; a dotted key is a config override, e.g.
+  ``OMP_WAIT_POLICY=PASSIVE+learner.num_threads=2`` (the defaults before the shared-core
+  governor: passive wait, two threads whatever the load; a thread count the user chose turns
+  the governor off).
 
 ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` are removed
 from the job's environment (thread defaults are what is measured) unless a variant sets them.
@@ -33,6 +37,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +56,9 @@ BUSY = {
 
 
 def variant_setup(name: str) -> tuple[list[str], dict[str, str]]:
-    """The config overrides and environment variables of a variant name (see the module docstring).
+    """The config overrides and environment variables of a variant name (see the module docstring):
+    in ``KEY=VAL+KEY=VAL`` a dotted key (``learner.num_threads``) is a config override, any other
+    an environment variable.
 
     Raises:
         ValueError: a name that is neither ``new``, ``old`` nor ``KEY=VAL+...``.
@@ -63,10 +70,10 @@ def variant_setup(name: str) -> tuple[list[str], dict[str, str]]:
     pairs = [p.split("=", 1) for p in name.split("+")]
     if not all(len(p) == 2 and p[0] for p in pairs):
         raise ValueError(f"--variants: {name!r} is not new, old or KEY=VAL+KEY=VAL")
-    return [], dict(pairs)
+    return [f"{k}={v}" for k, v in pairs if "." in k], {k: v for k, v in pairs if "." not in k}
 
 
-def run_job(steps: int, overrides: list[str], env_extra: dict[str, str], out: Path) -> tuple[list[float], float]:
+def run_job(steps: int, overrides: list[str], env_extra: dict[str, str], out: Path) -> tuple[list[float], float, str]:
     """One run of the default job; returns ``timing/step_s`` of steps 2..steps (s) and the CPU
     time (user + system, s) the job's process used per second of its wall time: about 2 on 2
     cores for a job whose waiting threads spin, lower when they sleep.
@@ -87,12 +94,15 @@ def run_job(steps: int, overrides: list[str], env_extra: dict[str, str], out: Pa
     if done.returncode:
         raise RuntimeError(f"job failed ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / "bench" / "metrics.jsonl").read_text().splitlines()]
-    return [r["timing/step_s"] for r in rows if "timing/step_s" in r and r["step"] >= 2], cpu / wall
+    timed = [r for r in rows if "timing/step_s" in r and r["step"] >= 2]
+    # The sync loop's SharedCoreGovernor logs the threads it chose per step (absent: none chosen).
+    threads = " ".join(str(int(r["perf/torch_threads"])) for r in timed if "perf/torch_threads" in r)
+    return [r["timing/step_s"] for r in timed], cpu / wall, threads
 
 
-def trial(steps: int, variant: str, busy: str | None) -> tuple[float, float]:
-    """Median step time (s) of one job run, beside a fresh ``busy`` process when given, and the
-    job's CPU time per wall second (``run_job``)."""
+def trial(steps: int, variant: str, busy: str | None) -> tuple[float, float, str]:
+    """Median step time (s) of one job run, beside a fresh ``busy`` process when given, the
+    job's CPU time per wall second and the governor's thread counts per step (``run_job``)."""
     overrides, env_extra = variant_setup(variant)
     proc = None
     if busy is not None:
@@ -101,8 +111,8 @@ def trial(steps: int, variant: str, busy: str | None) -> tuple[float, float]:
         time.sleep(2.0 if busy == "torch" else 0.2)  # torch's import, so the job starts beside a busy process
     try:
         with tempfile.TemporaryDirectory(prefix="bench_shared_cores_") as tmp:
-            step_s, cpu_per_s = run_job(steps, overrides, env_extra, Path(tmp))
-            return statistics.median(step_s), cpu_per_s
+            step_s, cpu_per_s, threads = run_job(steps, overrides, env_extra, Path(tmp))
+            return statistics.median(step_s), cpu_per_s, threads
     finally:
         if proc is not None:
             proc.kill()
@@ -111,6 +121,8 @@ def trial(steps: int, variant: str, busy: str | None) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # A SIGTERM ends the bench through its finally blocks, which kill the busy process it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser.add_argument("--steps", type=int, default=5, help="training steps per job (>= 2; step 1 is not timed)")
     parser.add_argument("--reps", type=int, default=3, help="alone/busy pairs per variant and busy kind")
     parser.add_argument("--busy", default="spin,torch", help="busy processes to try: spin, torch")
@@ -130,10 +142,11 @@ def main() -> None:
         for busy in busies:
             for variant in variants:
                 for kind in ("alone", busy):
-                    t, cpu_per_s = trial(args.steps, variant, None if kind == "alone" else busy)
+                    t, cpu_per_s, threads = trial(args.steps, variant, None if kind == "alone" else busy)
                     times.setdefault((variant, f"{busy}:{kind}"), []).append(t)
                     print(f"  rep {rep + 1} {variant:>12} {busy:>5} {kind:>5}: {t:7.2f} s/step  "
-                          f"(job CPU {cpu_per_s:4.2f} s per wall s)", flush=True)
+                          f"(job CPU {cpu_per_s:4.2f} s per wall s{'; threads ' + threads if threads else ''})",
+                          flush=True)
     print(f"\n{'variant':>24} {'busy':>6} {'alone s':>8} {'busy s':>8} {'ratio':>6}  target <= {TARGET}x")
     for variant in variants:
         for busy in busies:

@@ -42,16 +42,21 @@ sys.path.insert(0, str(ROOT))
 CONTENDERS = ("trl", "sync", "async")
 
 
-def default_config(overrides=()):
-    """The default job's ``Config`` with ``overrides`` (dotlist strings)."""
+DEFAULT_CONFIG = ROOT / "configs/default.yaml"
+
+
+def default_config(overrides=(), config: Path = DEFAULT_CONFIG):
+    """The ``Config`` of the job file ``config`` (the default job unless given) with ``overrides``
+    (dotlist strings)."""
     from async_rl.config import load_config
 
-    return load_config(ROOT / "configs/default.yaml", list(overrides))
+    return load_config(config, list(overrides))
 
 
-def warm_started_model(out_dir: Path) -> Path:
-    """The default job's warm start, once: ``trainer.warm_start`` steps of the project's supervised
-    warm start on the built-in model, exported to ``out_dir/warm`` (reused if already there)."""
+def warm_started_model(out_dir: Path, config: Path = DEFAULT_CONFIG, overrides=()) -> Path:
+    """The job's warm start, once: ``trainer.warm_start`` steps of the project's supervised warm
+    start on the job's model (``config`` with ``overrides``), exported to ``out_dir/warm`` (reused
+    if already there)."""
     target = out_dir / "warm"
     if (target / "config.json").exists():
         return target
@@ -63,7 +68,7 @@ def warm_started_model(out_dir: Path) -> Path:
     from async_rl.learners.launch import launch_learner
     from async_rl.trainer import learner_args
 
-    cfg = default_config()
+    cfg = default_config(overrides, config)
     t_cfg = cfg.trainer
     model_path = resolve(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -92,7 +97,7 @@ class HeldOut:
     """Greedy held-out accuracy of any Hugging Face model directory or in-memory model, through
     our evaluation path (``async_rl.evaluation.evaluate`` on the HF generator)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, config: Path = DEFAULT_CONFIG, overrides=()) -> None:
         from transformers import AutoTokenizer
 
         from async_rl.data.builtin import resolve
@@ -101,7 +106,7 @@ class HeldOut:
         from async_rl.generators.base import SamplingParams
         from async_rl.rollout import make_scorer, stop_token_ids
 
-        self.cfg = cfg = default_config([f"model.path={model_dir}"])
+        self.cfg = cfg = default_config([*overrides, f"model.path={model_dir}"], config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.val_ds = PromptDataset([resolve(f) for f in cfg.data.val_files], self.tokenizer,
                                     cfg.data.max_prompt_tokens, cfg.trainer.seed, False)
@@ -179,53 +184,67 @@ def run_ours(mode: str, warm: Path, args, out: Path) -> dict:
     return summary
 
 
-def run_trl(warm: Path, args, out: Path) -> dict:
-    """TRL's ``GRPOTrainer`` on the same model, data, reward and optimisation settings.
+def trl_trainer(warm: Path, cfg, steps: int, out_dir: Path, callbacks=()):
+    """TRL's ``GRPOTrainer`` on the model in ``warm`` with our job ``cfg``'s data, reward and
+    optimisation settings, for ``steps`` of our steps (``cfg.trainer.seed`` seeds it).
 
     One TRL generation round of ``prompts x group`` completions feeds ``num_mini_batches``
     optimizer steps of ``prompts x group / num_mini_batches`` completions each
     (``steps_per_generation``), as our step's mini-batches do; ``beta=0`` (no KL, as our GRPO
     preset); ``loss_type="dapo"``: the token mean over the optimizer step's completions, our
     ``token-mean`` aggregation (TRL's ``"grpo"`` would average per sequence first); rewards scaled
-    by the group's std and PPO clip 0.2 as ours; ``num_iterations=1`` (one pass, on-policy), the same LR, warm-up in optimizer steps,
-    constant schedule, AdamW betas, gradient clip, temperature and completion length.
+    by the group's std and PPO clip as ours; ``num_iterations=1`` (one pass, on-policy), the same
+    LR, warm-up in optimizer steps, constant schedule, AdamW betas, gradient clip, temperature and
+    completion length. The reward is the one our runs use for each row's ``data_source``
+    (``async_rl.rewards.registry.default_reward_for``), on the completion's text.
     """
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from async_rl.data.builtin import resolve
     from async_rl.data.dataset import read_rows
-    from async_rl.rewards.arithmetic import arithmetic_reward
+    from async_rl.rewards.registry import default_reward_for
 
-    cfg = default_config()
-    lc = cfg.learner
+    lc, t_cfg = cfg.learner, cfg.trainer
     rows = [r for f in cfg.data.train_files for r in read_rows(resolve(f))]
-    train = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"])}
-                               for r in rows])
+    train = Dataset.from_list([{"prompt": r["prompt"], "data_source": r["data_source"],
+                                "ground_truth": str(r["reward_model"]["ground_truth"])} for r in rows])
 
-    def reward(completions, ground_truth, **_):
+    def reward(completions, ground_truth, data_source, **_):
         # Conversational prompts give conversational completions: the assistant message's text.
         texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return [arithmetic_reward("async_rl/arithmetic", t, g, None)["score"] for t, g in zip(texts, ground_truth)]
+        return [default_reward_for(s)(s, t, g, None)["score"] for t, g, s in zip(texts, ground_truth, data_source)]
 
-    held_out = HeldOut(warm)
-    per_step = args.prompts * args.group
+    per_step = t_cfg.prompts_per_step * t_cfg.samples_per_prompt
     optimizer_steps_per_step = lc.num_mini_batches
     grpo = GRPOConfig(
-        output_dir=str(out / f"trl-{time.strftime('%Y%m%d-%H%M%S')}"), use_cpu=True, seed=cfg.trainer.seed, report_to=[], save_strategy="no",
+        output_dir=str(out_dir), use_cpu=True, seed=t_cfg.seed, report_to=[], save_strategy="no",
         logging_steps=optimizer_steps_per_step * 1000, disable_tqdm=True,
-        max_steps=args.steps * optimizer_steps_per_step,
+        max_steps=steps * optimizer_steps_per_step,
         per_device_train_batch_size=per_step // optimizer_steps_per_step, gradient_accumulation_steps=1,
-        steps_per_generation=optimizer_steps_per_step, num_generations=args.group, num_iterations=1,
+        steps_per_generation=optimizer_steps_per_step, num_generations=t_cfg.samples_per_prompt, num_iterations=1,
         max_completion_length=cfg.generator.max_response_tokens, temperature=cfg.generator.temperature,
-        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=cfg.algorithm.clip_ratio_low, learning_rate=lc.lr, lr_scheduler_type="constant_with_warmup",
+        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=cfg.algorithm.clip_ratio_low,
+        epsilon_high=cfg.algorithm.clip_ratio_high, learning_rate=lc.lr, lr_scheduler_type="constant_with_warmup",
         warmup_steps=lc.warmup_steps, adam_beta1=lc.betas[0], adam_beta2=lc.betas[1], adam_epsilon=lc.eps,
         weight_decay=lc.weight_decay, max_grad_norm=lc.grad_clip, dataloader_num_workers=0,
     )
     model = AutoModelForCausalLM.from_pretrained(str(warm), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(warm))
+    return GRPOTrainer(model=model, reward_funcs=reward, args=grpo, train_dataset=train,
+                       processing_class=tokenizer, callbacks=list(callbacks))
+
+
+def run_trl(warm: Path, args, out: Path) -> dict:
+    """TRL's ``GRPOTrainer`` (``trl_trainer``) on the default job from ``warm``, evaluated every
+    ``args.eval_every`` steps; evaluation time is taken off its wall time."""
+    from transformers import TrainerCallback
+
+    cfg = default_config()
+    optimizer_steps_per_step = cfg.learner.num_mini_batches
+    held_out = HeldOut(warm)
     state = {"eval_s": 0.0, "eval_cpu_s": 0.0, "curve": []}
 
     class EvalEvery(TrainerCallback):
@@ -240,10 +259,10 @@ def run_trl(warm: Path, args, out: Path) -> dict:
                 state["eval_cpu_s"] += time.process_time() - c0
                 state["curve"].append((step, time.perf_counter() - state["t0"] - state["eval_s"], acc))
 
+    per_step = args.prompts * args.group
     try:
         start_acc = held_out.accuracy()
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=grpo, train_dataset=train,
-                              processing_class=tokenizer, callbacks=[EvalEvery()])
+        trainer = trl_trainer(warm, cfg, args.steps, out / f"trl-{time.strftime('%Y%m%d-%H%M%S')}", [EvalEvery()])
         state["t0"], c0 = time.perf_counter(), time.process_time()
         trainer.train()
         wall = time.perf_counter() - state["t0"] - state["eval_s"]

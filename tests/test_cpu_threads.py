@@ -6,26 +6,29 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 
-from async_rl.cpu_threads import available_cores, passive_openmp_wait, user_num_threads
+from async_rl import cpu_threads
+from async_rl.cpu_threads import SPIN_COUNT, SharedCoreGovernor, available_cores, openmp_wait_defaults, user_num_threads
 from async_rl.learners.base import LearnerConfig
 from async_rl.learners.launch import _follower_threads
 from async_rl.loops.async_loop import thread_budget
 
 
-def test_passive_wait_is_set_where_the_user_chose_no_wait():
+def test_a_short_spin_is_set_where_the_user_chose_no_wait():
     env = {"PATH": "/bin"}
-    assert passive_openmp_wait(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_wait_defaults(env) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    assert env == {"PATH": "/bin", "GOMP_SPINCOUNT": "10000"}
 
 
 @pytest.mark.parametrize("user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"},
                                   {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "10"}])
 def test_a_users_wait_policy_wins(user):
     env = dict(user)
-    assert passive_openmp_wait(env) == {}
+    assert openmp_wait_defaults(env) == {}
     assert env == user
 
 
@@ -41,12 +44,12 @@ try:
     main(["--version"])
 except SystemExit:
     pass
-print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
+print(os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"), "torch" in sys.modules)
 """
 
 
-@pytest.mark.parametrize("extra, expected", [({}, "PASSIVE False"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE False"),
-                                             ({"GOMP_SPINCOUNT": "300000"}, "None False")])
+@pytest.mark.parametrize("extra, expected", [({}, "None 10000 False"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE None False"),
+                                             ({"GOMP_SPINCOUNT": "300000"}, "None 300000 False")])
 def test_the_cli_sets_the_wait_before_torch_loads_openmp(extra, expected):
     # libgomp reads the variable once, when torch loads it: the CLI must set it before any import
     # of torch, and every process the run starts inherits it from there.
@@ -92,3 +95,66 @@ def test_follower_threads_config_then_pinned_cores_then_affinity(monkeypatch):
     assert _follower_threads(LearnerConfig(world_size=2)) == 4
     assert _follower_threads(LearnerConfig(world_size=2, cpu_affinity=[2, 3, 5])) == 3
     assert _follower_threads(LearnerConfig(world_size=2, num_threads=2, cpu_affinity=[2, 3, 5])) == 2
+
+
+class _FakeClock:
+    """Stands in for ``/proc/stat``, the process's CPU time and the clock: ``advance`` moves them."""
+
+    def __init__(self, monkeypatch):
+        self.t = self.busy = self.own = 0.0
+        monkeypatch.setattr(cpu_threads, "_proc_stat_busy_s", lambda cores: self.busy)
+        monkeypatch.setattr(cpu_threads, "_own_cpu_s", lambda: self.own)
+        monkeypatch.setattr(cpu_threads, "time", types.SimpleNamespace(perf_counter=lambda: self.t))
+
+    def advance(self, seconds: float, ours: float, others: float) -> None:
+        """``seconds`` pass; this process uses ``ours`` cores and other tasks ``others`` cores."""
+        self.t += seconds
+        self.own += ours * seconds
+        self.busy += (ours + others) * seconds
+
+
+@pytest.mark.parametrize("cores, others, threads", [(2, 0.0, 2), (2, 0.1, 2), (2, 0.45, 2), (2, 0.6, 1), (2, 1.0, 1),
+                                                    (2, 1.9, 1), (4, 1.0, 3), (4, 2.6, 1), (8, 0.3, 8)])
+def test_the_governor_leaves_the_cores_others_keep_busy(monkeypatch, cores, others, threads):
+    clock, applied = _FakeClock(monkeypatch), []
+    gov = SharedCoreGovernor(cores, cores=list(range(cores)), set_threads=applied.append)
+    clock.advance(1.0, ours=min(cores - others, 2.0), others=others)
+    assert gov.update() == threads
+    assert gov.others_cores == pytest.approx(others)
+    # A count is applied only when it changes.
+    assert applied == ([] if threads == cores else [threads])
+
+
+def test_the_governor_comes_back_when_the_other_job_ends_and_ignores_short_windows(monkeypatch):
+    clock, applied = _FakeClock(monkeypatch), []
+    gov = SharedCoreGovernor(2, cores=[0, 1], set_threads=applied.append)
+    clock.advance(1.0, ours=1.0, others=1.0)
+    assert gov.update() == 1
+    clock.advance(0.1, ours=1.0, others=0.0)  # shorter than min_interval_s: too coarse to judge
+    assert gov.update() == 1
+    clock.advance(1.0, ours=2.0, others=0.0)
+    assert gov.update() == 2
+    assert applied == [1, 2]
+
+
+def test_the_governor_refuses_zero_threads():
+    with pytest.raises(ValueError, match="max_threads must be >= 1"):
+        SharedCoreGovernor(0, cores=[0], set_threads=lambda n: None)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux's /proc/stat and 2 cores")
+def test_the_governor_sees_a_real_busy_process_on_its_cores():
+    # A process spinning on one of two cores: whatever else the machine runs, the governor must
+    # count at least most of that core as taken and use one thread.
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    applied = []
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cores[0]}}})\nwhile True: pass"])
+    try:
+        gov = SharedCoreGovernor(2, cores=cores, set_threads=applied.append, min_interval_s=0.0)
+        time.sleep(1.0)
+        assert gov.update() == 1, gov.others_cores
+        assert gov.others_cores > 0.6
+    finally:
+        spinner.kill()
+        spinner.wait()

@@ -31,6 +31,7 @@ import torch
 
 from async_rl.algorithms.dapo import rewards_have_spread
 from async_rl.cluster import pin_process
+from async_rl.cpu_threads import SharedCoreGovernor, user_num_threads
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.rewards import check_rewards_work
@@ -85,6 +86,19 @@ def collect_step_rollouts(cfg, train_ds, generator, scorer, tokenizer, params, f
     return RolloutResult(trajectories, totals["samples"], totals["groups"], totals["tokens"]), metrics, totals["used"]
 
 
+def shared_core_governor(cfg) -> SharedCoreGovernor | None:
+    """The ``SharedCoreGovernor`` of a sync run whose one process does all the work on all the
+    cores it may use (HF engine, one learner rank) with torch's default thread count; ``None``
+    where the user or the placement chose the threads (``learner.num_threads``,
+    ``OMP_NUM_THREADS``, a ``cpu_affinity``) or other processes of the run share the cores (vLLM
+    or SGLang engine processes, follower learner ranks), whose CPU time the governor would count
+    as another job's."""
+    chosen = cfg.learner.num_threads or user_num_threads() or cfg.learner.cpu_affinity or cfg.generator.cpu_affinity
+    if chosen or cfg.generator.backend != "hf" or cfg.learner.world_size > 1 or torch.get_num_threads() < 2:
+        return None
+    return SharedCoreGovernor(torch.get_num_threads())
+
+
 class SyncLoop:
     """Sync (hybrid engine) mode: each step generates with the colocated engine, trains, and
     copies the new weights into the engine in place (a ``Loop``).
@@ -100,6 +114,7 @@ class SyncLoop:
         # use) and with how many torch threads: it returns there after each generation phase.
         self._home = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
                       torch.get_num_threads())
+        self.governor = shared_core_governor(ctx.cfg)
         self.next_group = 0
         self._rewards_checked = False
         self._last_t = time.perf_counter()
@@ -117,6 +132,7 @@ class SyncLoop:
         c = self.ctx
         gen_cores = c.cfg.generator.cpu_affinity
         t0 = time.perf_counter()
+        threads = self.governor.update() if self.governor is not None else None
         try:
             if gen_cores:  # the generation phase on the generator's cores, as in async mode
                 pin_process(gen_cores, "generator.cpu_affinity")
@@ -147,6 +163,9 @@ class SyncLoop:
         metrics.update(c.publisher.push(c.learner.version))
         now = time.perf_counter()
         metrics["timing/step_s"] = now - t0
+        if threads is not None:
+            metrics["perf/torch_threads"] = float(threads)
+            metrics["perf/others_busy_cores"] = self.governor.others_cores
         # Per second of wall time since the previous step ended (evaluation and checkpoints
         # included), as in async mode, so the two modes' figures compare.
         metrics["perf/gen_tokens_per_s"] = ro.num_generated_tokens / max(now - self._last_t, 1e-9)
