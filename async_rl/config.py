@@ -186,10 +186,15 @@ def _cross_validate(cfg: Config) -> None:
         # and with A < 0 PPO's clip leaves that term unbounded. Dual clip bounds it (Ye et al.
         # 2020, arXiv 1912.09729; verl's default 3.0).
         cfg.algorithm.clip_ratio_c = ASYNC_CLIP_RATIO_C
-    cfg.algorithm.apply_preset()
     if cfg.trainer.max_staleness is None:
         # Async without staleness would idle the generators while the learner trains.
         cfg.trainer.max_staleness = 0 if cfg.trainer.mode == "sync" else 1
+    if cfg.algorithm.bypass_proximal is None:
+        # One-step off-policy data: clipping against the policy that sampled learned as much per
+        # sample as sync mode on the default job, the recomputed proximal policy less, and its
+        # pass costs a forward per step (AlgorithmConfig.bypass_proximal has the figures).
+        cfg.algorithm.bypass_proximal = cfg.trainer.mode == "async" and cfg.trainer.max_staleness == 1
+    cfg.algorithm.apply_preset()
     if cfg.algorithm.loss_horizon_tokens is None:
         # Dr.GRPO's constant horizon: the longest response the generator may produce.
         cfg.algorithm.loss_horizon_tokens = cfg.generator.max_response_tokens

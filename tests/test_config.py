@@ -271,6 +271,23 @@ def test_dual_clip_defaults_on_in_async_mode_only(tmp_path, overrides, want):
     assert load_config(path, []).algorithm.clip_ratio_c == want
 
 
+@pytest.mark.parametrize("overrides, want", [
+    ((), False),                                                                   # sync: recompute
+    (("trainer.mode=async",), True),                                               # one-step off-policy
+    (("trainer.mode=async", "trainer.max_staleness=0"), False),                    # reproduces sync
+    (("trainer.mode=async", "trainer.max_staleness=2"), False),                    # decoupled PPO
+    (("trainer.mode=async", "algorithm.bypass_proximal=false"), False),            # the user's choice wins
+    (("algorithm.bypass_proximal=true",), True),
+])
+def test_bypass_proximal_defaults_on_for_one_step_off_policy_only(tmp_path, overrides, want):
+    cfg = _load(*overrides)
+    assert cfg.algorithm.bypass_proximal is want
+    assert cfg.algorithm.off_policy_correction().bypass_proximal is want
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path, []).algorithm.bypass_proximal is want
+
+
 def test_dual_clip_bound_at_or_below_one_is_refused():
     for bad in ("1", "0.5", "nan"):
         with pytest.raises(ConfigError, match="algorithm.clip_ratio_c must be > 1"):
