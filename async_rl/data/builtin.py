@@ -11,6 +11,10 @@ loading code that reads a user's model directory or verl parquet reads them too:
   layout (``prompt`` as chat messages, ``data_source``, ``reward_model.ground_truth``,
   ``extra_info``) holding short addition problems such as ``"37+45="`` with answer ``"82"``.
   The held-out split holds operand pairs that never occur in the train split.
+- ``builtin:chainsum/train`` and ``builtin:chainsum/test``: the same layout, sums of 2 to 24
+  single-digit terms such as ``"3+8+5+1="`` whose worked answer is the chain of running sums
+  ``"11 16 17"``; the number of terms is long-tailed (``CHAINSUM_SPEC``), so are the answers'
+  lengths. The held-out split holds prompts that never occur in the train split.
 - ``builtin:tiny-qwen2-reward``: the same tiny Qwen2 with a scalar head
   (``Qwen2ForSequenceClassification``, one label), a reward model for ``reward.model``.
 
@@ -25,6 +29,7 @@ Run ``python -m async_rl.data.builtin`` to build them and print their paths.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -58,6 +63,33 @@ ARITHMETIC_SPEC: dict[str, Any] = {
 }
 
 ARITHMETIC_DATA_SOURCE = "async_rl/arithmetic"
+
+# The long-tailed worked-answer task: k single-digit terms, k drawn from a truncated Zipf law
+# P(k) ~ (k - min_terms + 1) ** -term_exponent on min_terms..max_terms. With exponent 1.2 about
+# half the problems have 2-3 terms, and the train split's worked answers (running sums, one
+# character per token, plus EOS) measure median 8 and p99 70 tokens (p99/median 9, mean 15): most
+# responses are short, a few run long, as reasoning traces do, so a synchronous step waits on its
+# longest samples. A heavier tail than a geometric law's (ratio 0.75: p99 48) on purpose: long
+# answers are what make decoding, not training, the larger share of a step. 24 terms bound the
+# longest answer at 82 tokens with EOS (sums up to 216) and the longest prompt at 56 tokens with
+# the chat template: both fit the tiny model's 256 positions.
+CHAINSUM_SPEC: dict[str, Any] = {
+    "min_terms": 2,
+    "max_terms": 24,
+    "term_exponent": 1.2,
+    # Share of the problem space (by a seeded hash of the prompt text) held out for the test
+    # split: large enough that the test split has several distinct 2-term problems (about 10 of
+    # the 81), small enough that train keeps most of the short problems to learn from.
+    "test_fraction": 0.125,
+    # A few thousand train rows: the warm start and RL draw from them with replacement, and the
+    # short problems recur (only 81 two-term problems exist), as easy problems do in real data.
+    # 256 test rows: an eval with a +-3 point standard error that the CPU job can afford.
+    "num_train": 4000,
+    "num_test": 256,
+    "seed": 0,
+}
+
+CHAINSUM_DATA_SOURCE = "async_rl/chainsum"
 
 # The tool-use variant: the same architecture, a longer context, and a Qwen2.5-style (Hermes)
 # chat template that renders tool schemas, assistant tool calls and tool responses.
@@ -291,6 +323,78 @@ def _build_arithmetic(out_dir: Path) -> None:
         pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{split}.parquet")
 
 
+def chainsum_terms(rng: random.Random, spec: dict[str, Any] = CHAINSUM_SPEC) -> list[int]:
+    """Draw one chain-sum problem: ``k`` terms in 1..9, ``k`` from the spec's truncated Zipf law
+    (``P(k)`` proportional to ``(k - min_terms + 1) ** -term_exponent`` on ``min_terms..max_terms``).
+
+    Raises:
+        ValueError: a spec with ``min_terms < 2``, ``max_terms < min_terms`` or ``term_exponent < 0``.
+    """
+    lo, hi, exponent = spec["min_terms"], spec["max_terms"], spec["term_exponent"]
+    if lo < 2 or hi < lo or exponent < 0:
+        raise ValueError(f"chainsum spec needs 2 <= min_terms <= max_terms and term_exponent >= 0, got {spec}")
+    k = rng.choices(range(lo, hi + 1), weights=[(k - lo + 1) ** -exponent for k in range(lo, hi + 1)])[0]
+    return [rng.randint(1, 9) for _ in range(k)]
+
+
+def _chainsum_prompt(terms: list[int]) -> str:
+    return "+".join(map(str, terms)) + "="
+
+
+def make_chainsum_row(terms: list[int], split: str, index: int) -> dict[str, Any]:
+    """One verl-layout row for the chain sum of ``terms`` (two or more single-digit numbers).
+
+    The worked answer is the running sum after each added term, separated by single spaces; it
+    is both ``extra_info.answer`` (the supervised warm start's target) and
+    ``reward_model.ground_truth`` (the chainsum reward wants the whole chain). Example:
+    ``make_chainsum_row([3, 8, 5, 1], "train", 0)`` gives ``prompt`` =
+    ``[{"role": "user", "content": "3+8+5+1="}]``, ``reward_model.ground_truth`` = ``"11 16 17"``,
+    ``extra_info.answer`` = ``"11 16 17"`` and ``extra_info.total`` = ``17``.
+
+    Raises:
+        ValueError: fewer than two terms, or a term outside 1..9.
+    """
+    if len(terms) < 2 or any(not 1 <= t <= 9 for t in terms):
+        raise ValueError(f"a chain sum needs two or more terms in 1..9, got {terms}")
+    sums = list(itertools.accumulate(terms))[1:]
+    answer = " ".join(map(str, sums))
+    return {
+        "prompt": [{"role": "user", "content": _chainsum_prompt(terms)}],
+        "data_source": CHAINSUM_DATA_SOURCE,
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer, "total": sums[-1]},
+    }
+
+
+def chainsum_held_out(prompt: str, spec: dict[str, Any] = CHAINSUM_SPEC) -> bool:
+    """Whether the problem ``prompt`` (e.g. ``"3+8+5+1="``) belongs to the test split: a seeded
+    hash of the text, below ``test_fraction``. Deterministic across processes and Python versions
+    (sha256, not ``hash``), so the splits never share a problem."""
+    digest = hashlib.sha256(f"{spec['seed']}:{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < spec["test_fraction"] * 2**64
+
+
+def _build_chainsum(out_dir: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = CHAINSUM_SPEC
+    rng = random.Random(spec["seed"])
+    want = {"train": spec["num_train"], "test": spec["num_test"]}
+    splits: dict[str, list[list[int]]] = {"train": [], "test": []}
+    # Draw from the one law and route each problem by its hash: both splits follow the same
+    # length law, and a problem (repeats included) lands in one split only.
+    while any(len(splits[name]) < n for name, n in want.items()):
+        terms = chainsum_terms(rng, spec)
+        split = "test" if chainsum_held_out(_chainsum_prompt(terms), spec) else "train"
+        if len(splits[split]) < want[split]:
+            splits[split].append(terms)
+    for split, problems in splits.items():
+        rows = [make_chainsum_row(terms, split, i) for i, terms in enumerate(problems)]
+        pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{split}.parquet")
+
+
 def calc_problem(rng: random.Random, spec: dict[str, Any] = CALC_SPEC) -> tuple[str, int]:
     """One two-step problem ``a*b+c`` (or ``a*b-c`` when ``spec["ops"]`` has ``-``) and its
     value: too hard for the tiny model to compute itself, easy with the calculator."""
@@ -348,6 +452,7 @@ _BUILDERS = {
     "tiny-qwen2-tools": (TINY_QWEN2_TOOLS_SPEC, lambda out: build_qwen2(out, TINY_QWEN2_TOOLS_SPEC)),
     "tiny-qwen2-reward": (TINY_QWEN2_REWARD_SPEC, _build_tiny_qwen2_reward),
     "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
+    "chainsum": (CHAINSUM_SPEC, _build_chainsum),
     "calc": (CALC_SPEC, _build_calc),
 }
 
@@ -355,8 +460,9 @@ _BUILDERS = {
 def resolve(uri: str) -> str:
     """Map a ``builtin:`` URI to a local path, building the artefact on first use.
 
-    ``builtin:tiny-qwen2`` -> model directory; ``builtin:arithmetic/train`` (or ``/test``) ->
-    parquet file. Any other string is returned unchanged, so callers can pass user paths through.
+    ``builtin:tiny-qwen2`` -> model directory; ``builtin:arithmetic/train`` (or ``/test``,
+    likewise ``builtin:chainsum/...`` and ``builtin:calc/...``) -> parquet file. Any other string
+    is returned unchanged, so callers can pass user paths through.
 
     Raises:
         ValueError: for an unknown built-in name or split, listing the valid ones.

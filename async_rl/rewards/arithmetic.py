@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["arithmetic_reward", "canonical_integer"]
+__all__ = ["arithmetic_reward", "canonical_integer", "strip_end_markers"]
 
 # End-of-turn / end-of-sequence markers that detokenizers leave in the text when special tokens
 # are not skipped (ChatML, Llama 3, Gemma, SentencePiece models). Several may be chained.
@@ -27,6 +27,26 @@ _INTEGER = re.compile(r"([+-]?)([0-9]+)", re.ASCII)
 
 _CORRECT = {"score": 1.0, "acc": 1.0}
 _WRONG = {"score": 0.0, "acc": 0.0}
+
+
+def strip_end_markers(text: str) -> str:
+    """Return ``text`` without trailing whitespace and trailing end-of-turn markers.
+
+    Removes any chain of ChatML-style ``<|...|>`` tokens, ``</s>``, ``<eos>`` and
+    ``<end_of_turn>`` at the end, with the whitespace around them ("12 <|im_end|>\\n<|endoftext|>"
+    -> "12"); markers elsewhere in the text are kept. Shared by the rule-based rewards whose
+    answer is the whole response (arithmetic, chainsum).
+
+    Args:
+        text: decoded model response.
+
+    Returns:
+        The response with its end stripped; leading whitespace is kept.
+    """
+    text = text.rstrip()
+    if text.endswith(">"):  # cheap test first: most responses carry no marker
+        text = _TRAILING_MARKERS.sub("", text)
+    return text
 
 
 def canonical_integer(text: str) -> str | None:
@@ -78,8 +98,5 @@ def arithmetic_reward(
         raise ValueError(
             f"arithmetic ground_truth must be an integer literal, got {ground_truth!r}"
         )
-    text = response_text.rstrip()
-    if text.endswith(">"):  # cheap test first: most responses carry no marker
-        text = _TRAILING_MARKERS.sub("", text)
-    answer = canonical_integer(text)
+    answer = canonical_integer(strip_end_markers(response_text))
     return dict(_CORRECT if answer == expected else _WRONG)

@@ -14,7 +14,7 @@ class RewardConfig:
     """Which reward function and/or reward model scores responses, and what happens when it fails."""
 
     fn: str | None = None
-    """A built-in name (``arithmetic``, ``gsm8k``, ``math``), ``pkg.module:function`` or
+    """A built-in name (``arithmetic``, ``chainsum``, ``gsm8k``, ``math``), ``pkg.module:function`` or
     ``path/to/file.py:function``; ``None`` picks the built-in for each row's ``data_source``
     (with ``model`` set: no function, the reward is the model's alone)."""
     on_error: str = "zero"

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from async_rl.registry import Registry
 from async_rl.rewards.arithmetic import arithmetic_reward
+from async_rl.rewards.chainsum import chainsum_reward
 from async_rl.rewards.math_rewards import gsm8k_reward, math_reward
 
 __all__ = [
@@ -47,6 +48,7 @@ REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", help=_SIGNATU
 spec form, ``get_reward_fn(spec)``."""
 
 REWARD_FUNCTIONS.register("arithmetic", arithmetic_reward)
+REWARD_FUNCTIONS.register("chainsum", chainsum_reward)
 REWARD_FUNCTIONS.register("gsm8k", gsm8k_reward)
 REWARD_FUNCTIONS.register("math", math_reward)
 
@@ -67,6 +69,7 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 DATA_SOURCE_REWARDS: dict[str, str] = {
     "async_rl/arithmetic": "arithmetic",
     "async_rl/calc": "arithmetic",
+    "async_rl/chainsum": "chainsum",
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "math",
     "DigitalLearningGmbH/MATH-lighteval": "math",
