@@ -1,7 +1,10 @@
-"""What the tests of the real async pipeline share: a small run of the default job."""
+"""What the tests of the real async pipeline share: a small run of the default job; the bench
+scripts as modules."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 from async_rl.config import load_config
@@ -22,3 +25,14 @@ def small_run(tmp_path, name: str, *extra: str) -> list[str]:
 def small_run_cfg(tmp_path, name: str, *extra: str):
     """The default config with ``small_run``'s overrides, loaded."""
     return load_config(ROOT / "configs/default.yaml", small_run(tmp_path, name, *extra))
+
+
+def bench_module(name: str):
+    """The script ``bench/<name>.py`` imported as module ``name`` (registered in ``sys.modules``
+    first: its dataclasses look their module up), once per test session."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

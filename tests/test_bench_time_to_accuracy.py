@@ -5,7 +5,6 @@ two seeds of sync and async; it checks the machinery, not the figures)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -17,16 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline_helpers import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    if "bench_time_to_accuracy" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_time_to_accuracy", ROOT / "bench" / "bench_time_to_accuracy.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_time_to_accuracy"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bench_time_to_accuracy"]
+    return bench_module("bench_time_to_accuracy")
 
 
 def _curve(accs, dt=10.0, every=10):

@@ -4,13 +4,14 @@ run; on a GPU (``gpu``-marked) the real check passes."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from pipeline_helpers import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["env", "config", "model", "learner", "sync", "async", "weight-sync-check"]
@@ -20,13 +21,8 @@ FIGURES = ["generation tokens/s (sync, engine time)", "generation tokens/s (asyn
 
 
 def _gpu_check():
-    """``bench/gpu_check.py`` as a module (registered first: its dataclasses look their module up)."""
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_check"]
+    """``bench/gpu_check.py`` as a module."""
+    return bench_module("gpu_check")
 
 
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
