@@ -190,9 +190,9 @@ def _cross_validate(cfg: Config) -> None:
         # Async without staleness would idle the generators while the learner trains.
         cfg.trainer.max_staleness = 0 if cfg.trainer.mode == "sync" else 1
     if cfg.algorithm.bypass_proximal is None:
-        # One-step off-policy data: clipping against the policy that sampled learned as much per
-        # sample as sync mode on the default job, the recomputed proximal policy less, and its
-        # pass costs a forward per step (AlgorithmConfig.bypass_proximal has the figures).
+        # One-step off-policy data: clipping against the policy that sampled learned more per
+        # sample than the recomputed proximal policy on the default job's same seeds, and saves
+        # that pass, a forward per step (AlgorithmConfig.bypass_proximal has the figures).
         cfg.algorithm.bypass_proximal = cfg.trainer.mode == "async" and cfg.trainer.max_staleness == 1
     cfg.algorithm.apply_preset()
     if cfg.algorithm.loss_horizon_tokens is None:

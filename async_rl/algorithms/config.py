@@ -89,10 +89,11 @@ class AlgorithmConfig:
     """Use the behavior log-probs as proximal log-probs (skips the learner's recompute pass; the
     clip then bounds the update against the policy that sampled). ``None`` = on for one-step
     off-policy training (``trainer.mode=async`` with ``max_staleness`` 1, the async default),
-    off otherwise: on the default job over 3 seeds it learned as much per sample as sync mode
-    (held-out last-quarter accuracy 0.723 +- 0.008 against sync's 0.721 +- 0.010; the decoupled
-    recompute 0.707 +- 0.015, its curve swinging by up to 10 points) in 25% less time
-    (``bench/bench_time_to_accuracy.py``). Staler data keeps the decoupled objective of AReaL
+    off otherwise. On the default job (``bench/bench_time_to_accuracy.py``, seeds 0-2, the same
+    seeds for both) it ended with a held-out last-quarter accuracy of 0.723 +- 0.008 against the
+    recomputed proximal policy's 0.707 +- 0.015 (greedy 0.805 against 0.770) in 25% less RL
+    time; over seeds 0-4 it was 1.7 points (greedy 0.9) below sync mode's 0.724 +- 0.006, one
+    seed's curve swinging by 20 points. Staler data keeps the decoupled objective of AReaL
     (arXiv 2505.24298), built for it; staleness 0 keeps sync mode's pass."""
     kl_coef: float = 0.0
     """Weight of the KL-to-reference term (>= 0); 0 disables it (and the reference model)."""
