@@ -168,7 +168,8 @@ def _sync_phases_in_child(gen_core: int, learn_core: int, queue) -> None:
     sync.collect_step_rollouts, sync.learn_on = collect, learn_on
     scorer = types.SimpleNamespace(pop_metrics=lambda: {"reward/scored": 1.0, "reward/errors": 0.0}, first_error=None)
     publisher = types.SimpleNamespace(push=lambda version: {})
-    cfg = types.SimpleNamespace(generator=types.SimpleNamespace(cpu_affinity=[gen_core]))
+    cfg = types.SimpleNamespace(generator=types.SimpleNamespace(cpu_affinity=[gen_core], backend="hf"),
+                                learner=types.SimpleNamespace(cpu_affinity=[learn_core], num_threads=0, world_size=1))
     ctx = types.SimpleNamespace(cfg=cfg, scorer=scorer, publisher=publisher, agent=None, train_ds=None,
                                 generator=None, tokenizer=None, params=None, learner=types.SimpleNamespace(version=1))
     loop = sync.SyncLoop(ctx)

@@ -158,3 +158,31 @@ def test_the_governor_sees_a_real_busy_process_on_its_cores():
     finally:
         spinner.kill()
         spinner.wait()
+
+
+@pytest.mark.parametrize("change, governed", [
+    ({}, True),                                                  # one process, torch's default threads
+    ({"backend": "vllm"}, False),                                # engine processes share the cores
+    ({"world_size": 2}, False),                                  # follower learner ranks share them
+    ({"num_threads": 2}, False),                                 # the user chose the threads
+    ({"learner_cores": [0]}, False), ({"generator_cores": [1]}, False),
+    ({"env": "2"}, False),                                       # OMP_NUM_THREADS
+    ({"torch_threads": 1}, False),                               # nothing to drop
+])
+def test_a_sync_run_is_governed_only_where_it_owns_the_cores_and_chose_no_threads(monkeypatch, change, governed):
+    import torch
+
+    from async_rl.loops.sync import shared_core_governor
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: change.get("torch_threads", 2))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if "env" in change:
+        monkeypatch.setenv("OMP_NUM_THREADS", change["env"])
+    cfg = types.SimpleNamespace(
+        generator=types.SimpleNamespace(backend=change.get("backend", "hf"), cpu_affinity=change.get("generator_cores", [])),
+        learner=types.SimpleNamespace(num_threads=change.get("num_threads", 0), world_size=change.get("world_size", 1),
+                                      cpu_affinity=change.get("learner_cores", [])))
+    gov = shared_core_governor(cfg)
+    assert (gov is not None) is governed
+    if governed:
+        assert gov.max_threads == 2
