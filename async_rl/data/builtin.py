@@ -79,7 +79,9 @@ CHAINSUM_SPEC: dict[str, Any] = {
     "term_exponent": 1.2,
     # Share of the problem space (by a seeded hash of the prompt text) held out for the test
     # split: large enough that the test split has several distinct 2-term problems (about 10 of
-    # the 81), small enough that train keeps most of the short problems to learn from.
+    # the 81), small enough that train keeps most of the short problems to learn from. Each
+    # split repeats problems as the law draws them (the test split: 165 distinct prompts in 256
+    # rows), so its accuracy weighs the problems as training sees them.
     "test_fraction": 0.125,
     # A few thousand train rows: the warm start and RL draw from them with replacement, and the
     # short problems recur (only 81 two-term problems exist), as easy problems do in real data.
