@@ -476,7 +476,7 @@ def vllm_part(args, model, model_path: str, eos: int, model_bytes: int) -> None:
     # (1) raw AsyncLLM with vLLM's built-in ipc engine, fed by vLLM's own trainer side.
     class AliasedSource(WeightSource):
         """``named_parameters(remove_duplicate=False)``: the tied ``lm_head.weight`` is sent too
-        (without it vLLM's CPU build keeps the old head; ../shared/MEASURED.md)."""
+        (without it vLLM's CPU build keeps the old head, with only a log warning)."""
 
         def metadata(self):
             return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]

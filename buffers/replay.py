@@ -7,7 +7,7 @@ Where it sits in the async pipeline (who waits on whom)::
     receiver thread ──add(traj) / close_group(gid, n)──> ReplayBuffer ──get_groups(k, v)──> learner
                                                         (lock + condition)   waits up to timeout_s
 
-Staleness is bounded twice (STYLE.md 8): ``AdmissionController`` stops generators from *starting*
+Staleness is bounded twice: ``AdmissionController`` stops generators from *starting*
 groups that would be too old by the time the learner reaches them (pace, don't discard), and
 ``ReplayBuffer.get_groups`` evicts, with a counted reason, any group that still came out too old.
 Staleness itself is defined once, in ``staleness``.

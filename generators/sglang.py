@@ -45,7 +45,7 @@ the owning process, so ``generate`` and ``receive_weights`` may come from differ
   weights go out as version 0 again), so no request reuses KV computed under older weights (``keep``'s frozen requests keep their own KV: that is what keep
   means); ``abort`` updates also ``flush_cache``.
 * **CPU**: SGLang has no supported CPU wheel; ``envs/sglang-cpu/build.sh`` builds the test venv
-  (``../shared/MEASURED.md``). On CPU the engine runs fp32 with ``attention_backend=torch_native``.
+  (``--no-deps`` install beside the +cpu torch, with two stand-ins; see that script). On CPU the engine runs fp32 with ``attention_backend=torch_native``.
 """
 
 from __future__ import annotations

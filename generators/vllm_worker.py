@@ -93,7 +93,7 @@ def engine_weight_names(model) -> tuple[list[str], dict[str, list[str]], dict[st
 
     A model whose output head is tied to its input embedding (``tie_word_embeddings``) has no
     ``lm_head.weight`` of its own; the HF name is accepted as an alias of the embedding (and is
-    required: without it vLLM's CPU build keeps the old head, see ``../shared/MEASURED.md``).
+    required: without it vLLM's CPU build silently keeps the old head, logging only a warning).
     """
     names = [n for n, _ in model.named_parameters()]
     packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
@@ -213,7 +213,7 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
     def check(self, plan: UpdatePlan) -> None:
         """Raise unless ``plan`` loads whole into this model (``check_update``: names, coverage,
         full shapes, dtypes, tied aliases), and carries the tied head (vLLM's CPU build keeps the
-        old head otherwise, ``../shared/MEASURED.md``)."""
+        old head otherwise, with only a log warning)."""
         metas = [m for b in plan.buckets for m in b]
         check_update([(m.name, m.dtype, m.shape, m.alias_of) for m in metas], self.names, self.packed, self.tied,
                      self.specs)

@@ -34,7 +34,7 @@ For example a TP=2 policy stores ``policy.decoder.layers.self_attention.linear_q
 a global ``[num_layers, qkv_rows, hidden]`` tensor (layers stacked by global number, TP shards at
 their row offsets), and its first moment as ``optimizer.state.exp_avg.policy.decoder.layers...``.
 
-CPU: beyond the learner's three adjustments for building a ``GPTModel`` (``/work/shared/MEASURED.md``),
+CPU: beyond the learner's three adjustments for building a ``GPTModel`` (seeding, ``torch.cuda.current_device`` and the causal mask; see ``learners/megatron.py``),
 megatron's ``torch_dist`` save calls ``torch.cuda.synchronize()`` (raises without CUDA) and makes a
 flag tensor on ``torch.cuda.current_device()``; ``cpu_cuda_calls`` covers both, only while a save
 or load runs and only when CUDA is absent. Cost: the first save in a process starts a

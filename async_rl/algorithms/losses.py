@@ -1,6 +1,6 @@
 """Policy losses with off-policy (behaviour) correction, chosen by name from `POLICY_LOSSES`.
 
-Three log-probs of the same sampled tokens enter every loss (house naming, see STYLE.md):
+Three log-probs of the same sampled tokens enter every loss (each named by where it came from):
 
     logprobs            pi_theta,  current learner policy, carries grad
     proximal_logprobs   pi_prox,   learner policy before this optimizer step (recomputed)

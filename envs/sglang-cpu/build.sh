@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the SGLang CPU venv (default: .venv-sglang at the repository root) in which
 # generator.backend=sglang runs and its tests run. SGLang has no supported CPU wheel: its registry
-# metadata pins a CUDA torch and the CUDA-only sglang-kernel. This is the route measured in
-# ../shared/MEASURED.md, made reproducible: the project and torch 2.13.0+cpu as in README command 1,
+# metadata pins a CUDA torch and the CUDA-only sglang-kernel. This is a route measured to work on a
+# 2-core CPU machine, made reproducible: the project and torch 2.13.0+cpu as in README command 1,
 # sglang==0.5.23 with --no-deps, its Python dependencies pinned (requirements.txt), and two
 # adjustments (adjust.py): a stand-in for sglang-kernel's import-time names, each of which raises
 # if called, and torchvision's fake-op registrations made to skip the ops its CUDA build cannot load.

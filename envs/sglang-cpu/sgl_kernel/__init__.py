@@ -3,7 +3,7 @@
 ``sglang-kernel`` ships CUDA-only wheels; SGLang's CPU kernels are built from a source checkout
 for Intel AMX. SGLang imports a few names from it at module load even on the dense fp32 path
 that runs here (``attention_backend=torch_native``), where none of them is called
-(``../shared/MEASURED.md``). This module provides exactly those names, and each raises
+(checked on the tiny Qwen2: greedy output matched HF token for token). This module provides exactly those names, and each raises
 ``NotImplementedError`` naming itself if it is ever called, so no test can pass through it.
 Installed by ``envs/sglang-cpu/build.sh``; never installed beside a real ``sglang-kernel``.
 """
