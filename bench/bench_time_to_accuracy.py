@@ -41,6 +41,8 @@ a plot of the mean curves against RL time and against steps to ``<out>/time_to_a
     python bench/bench_time_to_accuracy.py --config configs/longtail.yaml --seeds 5
     python bench/bench_time_to_accuracy.py --short               # CI's form: 2 seeds, 4 steps (checks the machinery)
     python bench/bench_time_to_accuracy.py --async-overrides algorithm.bypass_proximal=true
+    python bench/bench_time_to_accuracy.py --out DIR --first-seed 5 --seeds 3   # 3 more seeds into DIR
+    python bench/bench_time_to_accuracy.py --out DIR --report                    # summarize every run in DIR
 """
 
 from __future__ import annotations
@@ -361,6 +363,8 @@ def parse_args(argv=None):
                    help="a dotlist override for the async runs only (repeatable)")
     p.add_argument("--short", action="store_true", help="CI's form: 2 seeds, 4 steps, a 20-step warm start")
     p.add_argument("--out", type=Path, default=None, help="output directory (the warm-started model is reused)")
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: summarize every run already in --out (all its invocations' seeds)")
     p.add_argument("--child", choices=CONTENDERS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--warm", type=Path, default=None, help=argparse.SUPPRESS)
@@ -373,12 +377,60 @@ def parse_args(argv=None):
     return args
 
 
+def saved_runs(out: Path) -> dict[str, list[dict]]:
+    """Every run result in ``out/runs`` (``<contender>-seed<N>.json``, from any number of
+    invocations), per contender in ``CONTENDERS`` order and by seed.
+
+    Raises:
+        SystemExit: ``out/runs`` holds no result.
+    """
+    runs: dict[str, list[dict]] = {}
+    for path in sorted((out / "runs").glob("*-seed*.json")):
+        r = json.loads(path.read_text())
+        runs.setdefault(r["contender"], []).append(r)
+    if not runs:
+        raise SystemExit(f"--report: no run results (<contender>-seed<N>.json) in {out / 'runs'}")
+    return {c: sorted(runs[c], key=lambda r: r["seed"]) for c in CONTENDERS if c in runs}
+
+
+def finish(runs: dict[str, list[dict]], args, out: Path) -> dict:
+    """Summarize ``runs``, print the report, write the JSON and the plot; returns the summary."""
+    summary = summarize(runs, args.steps, args.metric, args.target)
+    print_report(summary, args)
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}; out: {out}")
+    (out / "time_to_accuracy.json").write_text(json.dumps({"summary": summary, "runs": runs, "argv": sys.argv[1:]},
+                                                          indent=1))
+    plot(runs, args.metric, out / "time_to_accuracy.png")
+    return summary
+
+
+def report(args) -> dict:
+    """``--report``: the summary of every run saved in ``args.out``; the steps and seeds are the
+    runs' own (every run must have the same number of steps).
+
+    Raises:
+        SystemExit: no saved run, or runs of different lengths.
+    """
+    runs = saved_runs(args.out)
+    lengths = {r["curve"][-1]["step"] for results in runs.values() for r in results}
+    if len(lengths) != 1:
+        raise SystemExit(f"--report: the runs in {args.out} have different lengths {sorted(lengths)}; "
+                         f"summarize runs of one length")
+    args.steps = lengths.pop()
+    args.seeds = max(len(results) for results in runs.values())
+    return finish(runs, args, args.out)
+
+
 def main(argv=None) -> dict:
     """Run the bench; returns the summary (also written to ``<out>/time_to_accuracy.json``)."""
     args = parse_args(argv)
     if args.child is not None:
         child(args)
         return {}
+    if args.report:
+        if args.out is None:
+            raise SystemExit("--report needs --out: the directory of the runs to summarize")
+        return report(args)
     from bench_vs_trl import default_config, warm_started_model
 
     if args.steps is None:
@@ -405,13 +457,7 @@ def main(argv=None) -> dict:
             last = r["curve"][-1]
             print(f"  {name:5s} seed {seed}: RL {r['rl_s']:6.1f} s, final greedy {last['greedy']:.3f} sampled "
                   f"{last['sampled']:.3f} (child {r['child_wall_s']:.0f} s)", flush=True)
-    summary = summarize(runs, args.steps, args.metric, args.target)
-    print_report(summary, args)
-    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}; out: {out}")
-    (out / "time_to_accuracy.json").write_text(json.dumps({"summary": summary, "runs": runs, "argv": sys.argv[1:]},
-                                                          indent=1))
-    plot(runs, args.metric, out / "time_to_accuracy.png")
-    return summary
+    return finish(runs, args, out)
 
 
 if __name__ == "__main__":

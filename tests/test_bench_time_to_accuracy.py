@@ -79,6 +79,33 @@ def test_summarize_targets_sync_minus_three_points_and_counts_misses_as_the_whol
     assert async_["tail"][0] == pytest.approx(0.65)
 
 
+def test_report_summarizes_the_runs_of_several_invocations(tmp_path, capsys):
+    b = _bench()
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    # Seeds 0 and 1 of sync from one invocation, seed 2 from a later one (--first-seed 2), and
+    # async's seed 0: --report summarizes them all, by contender and seed.
+    for name, seed, curve in [("sync", 2, [0.5, 0.6, 0.7, 0.8, 0.9]), ("sync", 0, [0.5, 0.6, 0.7, 0.8, 0.8]),
+                              ("sync", 1, [0.5, 0.6, 0.7, 0.8, 0.6]), ("async", 0, [0.5, 0.7, 0.8, 0.8, 0.8])]:
+        (runs / f"{name}-seed{seed}.json").write_text(json.dumps(
+            {"contender": name, "seed": seed, "rl_s": 40.0, "curve": _curve(curve)}))
+    s = b.main(["--out", str(tmp_path), "--report"])
+    assert list(s["contenders"]) == ["sync", "async"]
+    assert s["contenders"]["sync"]["seeds"] == [0, 1, 2]
+    # sync's last quarter (step 40): 0.8, 0.6, 0.9 -> mean 0.7667; the target 3 points below.
+    assert s["contenders"]["sync"]["tail"][0] == pytest.approx(0.7667, abs=1e-4)
+    assert s["target"] == pytest.approx(0.7367, abs=1e-4)
+    assert "40 steps" in capsys.readouterr().out
+    assert (tmp_path / "time_to_accuracy.json").exists() and (tmp_path / "time_to_accuracy.png").exists()
+    # Runs of different lengths are not averaged together.
+    (runs / "async-seed1.json").write_text(json.dumps(
+        {"contender": "async", "seed": 1, "rl_s": 30.0, "curve": _curve([0.5, 0.6, 0.7])}))
+    with pytest.raises(SystemExit, match="different lengths"):
+        b.main(["--out", str(tmp_path), "--report"])
+    with pytest.raises(SystemExit, match="no run results"):
+        b.main(["--out", str(tmp_path / "empty"), "--report"])
+
+
 def test_the_rl_clock_leaves_the_snapshot_copies_out():
     b = _bench()
     snaps = b.Snapshots()
