@@ -8,7 +8,8 @@ given) with the same batch, learning rate and loss, once per seed:
 
 * ``sync``: ``trainer.mode=sync`` (the hybrid engine);
 * ``async``: ``trainer.mode=async`` with its defaults (or the ``--async-overrides`` given);
-* ``trl``: TRL's ``GRPOTrainer`` (``bench_vs_trl.trl_trainer``; optional ``bench`` extra).
+* ``trl``: TRL's ``GRPOTrainer`` (``bench_vs_trl.trl_trainer``; optional ``bench`` extra), in
+  float32 as ours (``--trl-defaults``: with TRL's default bf16 autocast and gradient checkpointing).
 
 Each run is a fresh child process (its own OpenMP runtime, Ray session and memory), started with
 the thread defaults the ``async-rl`` CLI sets (``async_rl.cpu_threads``) for our contenders and
@@ -270,7 +271,9 @@ def run_trl_child(warm: Path, args, run_dir: Path, snaps: Snapshots) -> None:
             if state.global_step % per_step == 0 and (step % args.eval_every == 0 or step == args.steps):
                 snaps.take(step, model.named_parameters())
 
-    trainer = trl_trainer(warm, cfg, args.steps, run_dir, [Snapshot()])
+    # --trl-defaults: TRL's own precision defaults (bf16 autocast, gradient checkpointing).
+    extra = {"bf16": True, "gradient_checkpointing": True} if args.trl_defaults else None
+    trainer = trl_trainer(warm, cfg, args.steps, run_dir, [Snapshot()], extra)
     snaps.start()
     trainer.train()
     snaps.rl_s = snaps.elapsed()
@@ -337,7 +340,8 @@ def run_child(contender: str, seed: int, args, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", contender, "--seed", str(seed), "--warm", str(args.warm),
            "--result", str(result), "--config", str(args.config), "--steps", str(args.steps),
            "--eval-every", str(args.eval_every), "--eval-samples", str(args.eval_samples),
-           *[f"--async-overrides={o}" for o in args.async_override], *args.override]
+           *[f"--async-overrides={o}" for o in args.async_override], *(["--trl-defaults"] if args.trl_defaults else []),
+           *args.override]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=child_env(contender), capture_output=True, text=True)
     if done.returncode:
@@ -361,6 +365,8 @@ def parse_args(argv=None):
     p.add_argument("--target", type=float, default=None, help="target accuracy (default: sync's last quarter - 3 points)")
     p.add_argument("--async-overrides", dest="async_override", action="append", default=[],
                    help="a dotlist override for the async runs only (repeatable)")
+    p.add_argument("--trl-defaults", action="store_true",
+                   help="TRL with its own bf16 autocast and gradient checkpointing (default: float32 like ours)")
     p.add_argument("--short", action="store_true", help="CI's form: 2 seeds, 4 steps, a 20-step warm start")
     p.add_argument("--out", type=Path, default=None, help="output directory (the warm-started model is reused)")
     p.add_argument("--report", action="store_true",

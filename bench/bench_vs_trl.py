@@ -184,7 +184,7 @@ def run_ours(mode: str, warm: Path, args, out: Path) -> dict:
     return summary
 
 
-def trl_trainer(warm: Path, cfg, steps: int, out_dir: Path, callbacks=()):
+def trl_trainer(warm: Path, cfg, steps: int, out_dir: Path, callbacks=(), extra: dict | None = None):
     """TRL's ``GRPOTrainer`` on the model in ``warm`` with our job ``cfg``'s data, reward and
     optimisation settings, for ``steps`` of our steps (``cfg.trainer.seed`` seeds it).
 
@@ -197,6 +197,13 @@ def trl_trainer(warm: Path, cfg, steps: int, out_dir: Path, callbacks=()):
     LR, warm-up in optimizer steps, constant schedule, AdamW betas, gradient clip, temperature and
     completion length. The reward is the one our runs use for each row's ``data_source``
     (``async_rl.rewards.registry.default_reward_for``), on the completion's text.
+
+    Precision and recomputation match ours too: ``bf16=False`` (TRL's config turns bf16 mixed
+    precision on by default, on a CPU as well: accelerate then runs sampling, the old-log-prob
+    pass and training under a bfloat16 autocast, where our learner and engine compute in float32)
+    and ``gradient_checkpointing=False`` (TRL's default on; our learner does not recompute
+    activations). ``extra`` overrides any ``GRPOConfig`` field (``{"bf16": True}`` gives TRL's
+    defaults back).
     """
     import torch
     from datasets import Dataset
@@ -230,6 +237,7 @@ def trl_trainer(warm: Path, cfg, steps: int, out_dir: Path, callbacks=()):
         epsilon_high=cfg.algorithm.clip_ratio_high, learning_rate=lc.lr, lr_scheduler_type="constant_with_warmup",
         warmup_steps=lc.warmup_steps, adam_beta1=lc.betas[0], adam_beta2=lc.betas[1], adam_epsilon=lc.eps,
         weight_decay=lc.weight_decay, max_grad_norm=lc.grad_clip, dataloader_num_workers=0,
+        bf16=False, gradient_checkpointing=False, **(extra or {}),
     )
     model = AutoModelForCausalLM.from_pretrained(str(warm), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(warm))
