@@ -189,6 +189,9 @@ def _cross_validate(cfg: Config) -> None:
     if cfg.trainer.max_staleness is None:
         # Async without staleness would idle the generators while the learner trains.
         cfg.trainer.max_staleness = 0 if cfg.trainer.mode == "sync" else 1
+    if cfg.learner.seed is None:
+        # One key seeds the run: the mini-batch order was the same for every trainer.seed.
+        cfg.learner.seed = cfg.trainer.seed
     if cfg.algorithm.bypass_proximal is None:
         # One-step off-policy data: clipping against the policy that sampled learned more per
         # sample than the recomputed proximal policy on the default job's same seeds, and saves

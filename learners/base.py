@@ -150,8 +150,10 @@ class LearnerConfig:
     LR-scheduler step, and counted in ``actor/skipped_mini_batches``."""
     num_epochs: int = 1
     """Passes over the step's batch (>= 1)."""
-    seed: int = 0
-    """Seed for model-side randomness."""
+    seed: int | None = None
+    """Seed of the learner's randomness: model initialisation, and the order in which a step's
+    samples are dealt into mini-batches (``num_mini_batches > 1``). ``None`` (the default): the
+    run's ``trainer.seed``, so runs of different seeds differ there too."""
     num_threads: int = 0
     """Torch CPU threads of the learner process (>= 0); 0 = ``OMP_NUM_THREADS`` where the user
     set it, else torch's default in sync mode and the cores (CPU affinity) the generator actors
@@ -190,6 +192,12 @@ class LearnerConfig:
         if self.backend != "megatron":
             return self.world_size
         return self.world_size // (self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size)
+
+    @property
+    def rng_seed(self) -> int:
+        """``seed`` as resolved by the run's config (``trainer.seed`` when unset), or 0 for a
+        ``LearnerConfig`` built directly with none."""
+        return 0 if self.seed is None else self.seed
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -299,7 +299,7 @@ class LearnerCore:
     def _split(self, n: int, parts: int, epoch: int) -> list[torch.Tensor]:
         if parts == 1:
             return [torch.arange(n)]
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed + 7919 * self.version + epoch))
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.rng_seed + 7919 * self.version + epoch))
         return list(order.tensor_split(parts))
 
     @collective

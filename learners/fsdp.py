@@ -94,7 +94,7 @@ class FSDPLearner(LearnerCore):
         from torch.distributed.device_mesh import init_device_mesh
 
         self._setup(cfg, algo, model_path, temperature, total_optimizer_steps)
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.rng_seed)
         # fully_shard moves each module's parameters and buffers to the mesh's device.
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         self.model = self._load_policy(model_path)

@@ -88,8 +88,8 @@ class MegatronLearner(LearnerCore):
             # process group that has been destroyed since: build them anew.
             ps.destroy_model_parallel()
         m = cfg.megatron
-        init_model_parallel(m.tensor_parallel_size, m.pipeline_parallel_size, cfg.seed, self.device)
-        torch.manual_seed(cfg.seed)
+        init_model_parallel(m.tensor_parallel_size, m.pipeline_parallel_size, cfg.rng_seed, self.device)
+        torch.manual_seed(cfg.rng_seed)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.vocab_size = self.hf_config.vocab_size
         self.model = self._build(model_path)

@@ -288,6 +288,22 @@ def test_bypass_proximal_defaults_on_for_one_step_off_policy_only(tmp_path, over
     assert load_config(path, []).algorithm.bypass_proximal is want
 
 
+@pytest.mark.parametrize("overrides, want", [
+    ((), 0),                                                     # trainer.seed's default
+    (("trainer.seed=3",), 3),                                    # one key seeds the run
+    (("trainer.seed=3", "learner.seed=7"), 7),                   # the user's choice wins
+    (("trainer.seed=3", "learner.seed=0"), 0),
+])
+def test_learner_seed_follows_the_run_seed_unless_set(tmp_path, overrides, want):
+    # The learner's mini-batch order was seeded by learner.seed (0) whatever trainer.seed said,
+    # so runs of seeds 0-4 dealt every step's samples into the same mini-batches.
+    cfg = _load(*overrides)
+    assert cfg.learner.seed == want and cfg.learner.rng_seed == want
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path, []).learner.seed == want
+
+
 def test_dual_clip_bound_at_or_below_one_is_refused():
     for bad in ("1", "0.5", "nan"):
         with pytest.raises(ConfigError, match="algorithm.clip_ratio_c must be > 1"):

@@ -190,3 +190,19 @@ def test_one_fp32_rank_trains_unwrapped_with_the_fsdp2_update(tiny_model_path, t
     # bf16 mixed precision is an FSDP2 policy: such a rank is still wrapped.
     _, _, bf16 = _step(tiny_model_path, mixed_precision="bf16")
     assert all(isinstance(p, DTensor) for p in bf16.model.parameters())
+
+
+def test_the_mini_batch_order_follows_the_learner_seed(tiny_model_path):
+    from async_rl.learners.fsdp import FSDPLearner
+
+    algo = AlgorithmConfig(name="grpo", loss_horizon_tokens=16).apply_preset()
+
+    def order(**kw):
+        learner = FSDPLearner(LearnerConfig(num_mini_batches=4, **kw), algo, tiny_model_path, 1.0, 4)
+        return [part.tolist() for part in learner._split(256, 4, epoch=0)]
+
+    # A LearnerConfig built without a run's config (seed None) keeps the order of seed 0.
+    assert order() == order(seed=0)
+    assert order(seed=1) == order(seed=1)
+    assert order(seed=1) != order(seed=0)
+    assert sorted(sum(order(seed=1), [])) == list(range(256))  # every sample once
