@@ -237,7 +237,7 @@ def trl_trainer(warm: Path, cfg, steps: int, out_dir: Path, callbacks=(), extra:
         epsilon_high=cfg.algorithm.clip_ratio_high, learning_rate=lc.lr, lr_scheduler_type="constant_with_warmup",
         warmup_steps=lc.warmup_steps, adam_beta1=lc.betas[0], adam_beta2=lc.betas[1], adam_epsilon=lc.eps,
         weight_decay=lc.weight_decay, max_grad_norm=lc.grad_clip, dataloader_num_workers=0,
-        bf16=False, gradient_checkpointing=False, **(extra or {}),
+        **{"bf16": False, "gradient_checkpointing": False, **(extra or {})},
     )
     model = AutoModelForCausalLM.from_pretrained(str(warm), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(warm))

@@ -144,3 +144,17 @@ def test_the_short_form_runs_sync_and_async_over_two_seeds(tmp_path):
     assert len(starts) == 1, starts
     assert set(data["summary"]["contenders"]) == {"sync", "async"}
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
+
+
+def test_trl_runs_in_float32_like_ours_unless_asked_for_its_defaults(tmp_path, tiny_model_path):
+    # TRL's config turns bf16 autocast on by default, on a CPU too: its sampling and training
+    # then ran in bfloat16 against our float32, and learned about a point more late in the run.
+    pytest.importorskip("trl")
+    vs_trl = bench_module("bench_vs_trl")
+    cfg = vs_trl.default_config()
+    matched = vs_trl.trl_trainer(Path(tiny_model_path), cfg, 1, tmp_path / "a")
+    assert matched.args.bf16 is False and matched.args.gradient_checkpointing is False
+    assert matched.args.learning_rate == cfg.learner.lr and matched.args.max_grad_norm == cfg.learner.grad_clip
+    own = vs_trl.trl_trainer(Path(tiny_model_path), cfg, 1, tmp_path / "b",
+                             extra={"bf16": True, "gradient_checkpointing": True})
+    assert own.args.bf16 is True and own.args.gradient_checkpointing is True
