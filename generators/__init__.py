@@ -30,7 +30,7 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
             from async_rl.generators.sglang import SGLangGenerator
         except ImportError as e:
             raise ImportError(f"generator.backend=sglang needs SGLang: on CPU build its venv with "
-                              f"envs/sglang-cpu/build.sh and run from it ({e})") from e
+                              f"envs/sglang-cpu/build.sh of the async-rl repository and run from it ({e})") from e
         if device is None:
             import torch
 

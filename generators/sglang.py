@@ -44,7 +44,7 @@ the owning process, so ``generate`` and ``receive_weights`` may come from differ
   updates so far, since a version can be pushed twice with different weights: the warm start's
   weights go out as version 0 again), so no request reuses KV computed under older weights (``keep``'s frozen requests keep their own KV: that is what keep
   means); ``abort`` updates also ``flush_cache``.
-* **CPU**: SGLang has no supported CPU wheel; ``envs/sglang-cpu/build.sh`` builds the test venv
+* **CPU**: SGLang has no supported CPU wheel; the repository's ``envs/sglang-cpu/build.sh`` builds the test venv
   (``--no-deps`` install beside the +cpu torch, with two stand-ins; see that script). On CPU the engine runs fp32 with ``attention_backend=torch_native``.
 """
 
@@ -114,7 +114,7 @@ class SGLangGenerator:
             the adapter matrices, over ``colocated`` or ``shm``. ``None`` = no LoRA.
 
     Raises:
-        ImportError: SGLang is not installed (on CPU: ``envs/sglang-cpu/build.sh``).
+        ImportError: SGLang is not installed (on CPU: the async-rl repository's ``envs/sglang-cpu/build.sh``).
         RuntimeError: the engine failed to start (its error).
     """
 

@@ -4,7 +4,7 @@ Transports (``weight_sync.transport``):
 
 * ``colocated``: the engine lives in the learner's process (HF engine in sync mode); the learner
   hands it its full tensors by name, nothing is copied in between. (On GPU the same role is played
-  by CUDA IPC handles; see ``bench/gpu_weight_sync.py``.)
+  by CUDA IPC handles; see the repository's ``bench/gpu_weight_sync.py``.)
 * ``shm``: same host. The learner owns ``num_slots`` reusable shared-memory slots of
   ``bucket_size_mb`` (files under ``/dev/shm``, mapped once by every receiver); it copies bucket
   i into slot ``i % num_slots`` and announces it; receivers load straight from the slot and
