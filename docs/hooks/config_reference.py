@@ -5,8 +5,6 @@ into the repository: the page exists only in the build."""
 
 from __future__ import annotations
 
-from mkdocs.structure.files import File, Files
-
 PAGE = "reference/config.md"
 
 
@@ -45,6 +43,9 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def on_files(files: Files, config) -> Files:
+def on_files(files, config):
+    """MkDocs' ``on_files`` event: add the page, generated, to the build's files."""
+    from mkdocs.structure.files import File
+
     files.append(File.generated(config, PAGE, content=render()))
     return files
