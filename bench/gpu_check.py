@@ -38,8 +38,7 @@ not reached FAIL as such)::
 
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out-dir $OUT 2>&1 | tee $OUT/gpu_check.log
 
-``--out-dir`` keeps each stage's log there. From a session: ``run(command="PYTHONUNBUFFERED=1
-python3 bench/gpu_check.py --out-dir $OUT 2>&1 | tee $OUT/gpu_check.log", timeout_s=540)``.
+``--out-dir`` keeps each stage's log there (``$OUT``: any directory of yours).
 Smaller or larger: ``--steps``, ``--prompts``, ``--samples``, ``--response-tokens``.
 
 CPU dry-run (CI runs it: ``tests/test_gpu_check.py``)::

@@ -40,8 +40,7 @@ minutes on one H200 without vLLM, never measured)::
 
     PYTHONUNBUFFERED=1 python3 bench/gpu_weight_sync.py 2>&1 | tee $OUT/gpu_weight_sync.log
 
-From a session: ``run(command="PYTHONUNBUFFERED=1 ASYNC_RL_CACHE=/tmp/arl python3
-bench/gpu_weight_sync.py 2>&1 | tee $OUT/gpu_weight_sync.log", timeout_s=540)``. Flags:
+Flags:
 ``--small`` (a ~10M model), ``--model-dir DIR`` (a Qwen2 directory to load instead),
 ``--skip-vllm``, ``--skip-broadcast``, ``--device cpu`` (a CPU smoke test of the torch-only
 plumbing: gloo instead of NCCL, no IPC). ``bench/gpu_check.py`` runs this script as its
