@@ -55,6 +55,21 @@ def test_readme_is_short_and_its_links_resolve():
     assert not missing, f"README.md links to files that do not exist: {missing}"
 
 
+def test_readme_commands_are_the_ones_ci_runs():
+    """The README's install and test commands and ``.ci/run`` agree: CI installs every extra the README's
+    command does, and runs the README's test command."""
+    readme, ci = README.read_text(), (ROOT / ".ci" / "run").read_text()
+    install = re.search(r"pip install -c constraints-cpu.txt -e '\.\[([\w,-]+)\]'", readme)
+    ci_install = re.search(r"pip install -q -c constraints-cpu.txt -e '\.\[([\w,-]+)\]'", ci)
+    assert install and ci_install
+    assert set(install.group(1).split(",")) <= set(ci_install.group(1).split(",")) | {"docs"}
+    assert "docs" in ci_install.group(1).split(","), ".ci/run must install the docs extra to build the site"
+    assert "async-rl train --config configs/default.yaml" in readme and (ROOT / "configs" / "default.yaml").exists()
+    test_command = re.search(r"# 2\. run the test suite.*\n(.*)", readme).group(1)
+    assert test_command.endswith("python -m pytest -q") and "\npython -m pytest -q\n" in ci
+    assert "mkdocs build --strict" in ci
+
+
 def test_no_tracked_file_points_outside_the_repository():
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout: no list of tracked files")
