@@ -52,11 +52,9 @@ nothing and are marked so.
 What the GPU needs installed: torch with CUDA and transformers (the model, learner and
 weight-sync-check stages need nothing else), omegaconf (the config stage and both runs), vLLM
 built for that torch (both runs), Ray, pyzmq and msgpack (the async run), flash-attn (optional).
-This workplace's H200 image has torch 2.11, transformers and msgpack but neither omegaconf, pyzmq,
-vLLM, Ray nor flash-attn (``.library/device/KINDS.md``): omegaconf, its antlr4-python3-runtime
-4.9.3 and pyzmq can travel as wheels (the device README's recipe); vLLM's and Ray's wheels are
-above what a call carries. There the sync and async stages FAIL naming the missing module, and
-the env, model, learner and weight-sync-check stages still give their figures.
+On a GPU image with torch, transformers and msgpack but neither omegaconf, pyzmq, vLLM, Ray nor
+flash-attn, the sync and async stages FAIL naming the missing module, and the env, model, learner
+and weight-sync-check stages still give their figures.
 """
 
 from __future__ import annotations
