@@ -308,8 +308,8 @@ def _check_token_budgets(cfg: Config) -> None:
 
 
 def _check_specs(cfg: Config) -> None:
-    """Resolve every part the config names by spec (loss, estimator, reward), so a bad one stops
-    at load with its key, before a model loads or a run directory is made."""
+    """Resolve every part the config names by spec (loss, estimator, reward) and build the loss's
+    options, so a bad one stops at load with its key, before a model loads or a run directory is made."""
     checks = [("algorithm.policy_loss", lambda: cfg.algorithm.policy_loss_fn),
               ("algorithm.advantage_estimator", lambda: cfg.algorithm.estimator)]
     if cfg.reward.fn:
@@ -319,6 +319,10 @@ def _check_specs(cfg: Config) -> None:
             resolve_spec()
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
+    try:  # the loss's typed options: a bad loss_kwargs key or value, named in the message itself
+        cfg.algorithm.loss_options()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_lora(cfg: Config) -> None:

@@ -34,11 +34,11 @@ from async_rl.data.dataset import PromptDataset
 from async_rl.evaluation import evaluate, warm_start
 from async_rl.inputs import check_inputs
 from async_rl.generators import make_generator
-from async_rl.generators.base import SamplingParams
+from async_rl.generators.base import Generator, SamplingParams
 from async_rl.cluster import (Cluster, PlacementConfig, cpus_restored, pin_process, split_learner_threads,
                               started_on)
-from async_rl.learners.launch import LearnerRankDied, launch_learner, launched_by_torchrun
-from async_rl.loops.base import Loop, RunContext
+from async_rl.learners.launch import LearnerHandle, LearnerRankDied, launch_learner, launched_by_torchrun
+from async_rl.loops.base import Loop, RunContext, TrainerConfig
 from async_rl.loops.sync import SyncLoop
 from async_rl.metrics import MetricsLogger
 from async_rl.rewards import check_rewards_work, default_reward_for, failure_summary
@@ -176,7 +176,7 @@ class Progress:
 
 
 # ------------------------------------------------------------------------------------------ build
-def resume_point(t_cfg) -> tuple[Path | None, dict[str, Any] | None]:
+def resume_point(t_cfg: TrainerConfig) -> tuple[Path | None, dict[str, Any] | None]:
     """``(checkpoint path, its trainer state)`` to continue from, or ``(None, None)``.
 
     Raises:
@@ -204,7 +204,7 @@ WARM_START_HINT = ("the warm start's reference response: set trainer.warm_start.
 """Ends the error of a train row without a reference response while a warm start is configured."""
 
 
-def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, Any]:
+def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     """Seed, load the tokenizer, data and reward, make the run directory (``run.create``), launch
     the learner and build the colocated engine with its weight publisher.
 
@@ -318,7 +318,7 @@ def learner_args(cfg: "Config", model_path: str) -> tuple:
             cfg.trainer.total_steps * steps_per_train_step)
 
 
-def colocated_engine(cfg: "Config", model_path: str, pad_token_id: int) -> tuple[Any, str]:
+def colocated_engine(cfg: "Config", model_path: str, pad_token_id: int) -> tuple[Generator, str]:
     """The engine of the trainer process and the weight transport into it.
 
     Sync mode: the rollout engine (hybrid engine), reached by ``weight_sync.transport`` (``auto``:

@@ -131,7 +131,7 @@ class LearnerCore:
     A subclass's constructor calls ``_setup`` (settings, device, process group, ``version``),
     then sets ``model``, ``ref_model`` (or ``None``), ``critic`` (an object with ``model``,
     ``values``, ``backward``, ``optimizer_step``; or ``None``), ``policy_loss``, ``correction`` and
-    ``loss_params``, and calls ``reset_optimizer``.
+    ``loss_options`` (``AlgorithmConfig.loss_options()``), and calls ``reset_optimizer``.
     """
 
     version: int = 0
@@ -388,7 +388,7 @@ class LearnerCore:
         logprobs, entropy = self._forward(mb, with_entropy=True)
         inputs = PolicyLossInputs(logprobs, mb_prox, mb.behavior_logprobs, mb.advantages, mb.loss_mask,
                                   agg_mode=a.loss_agg_mode, **agg)
-        loss, metrics = self.policy_loss(inputs, self.correction, **self.loss_params)
+        loss, metrics = self.policy_loss(inputs, self.correction, self.loss_options)
         metrics = {f"loss/{k}": v for k, v in metrics.items()}
         acc.pg_losses.append(loss.detach())
         total = loss

@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor
 
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
-from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.buffers.trajectory import TrainBatch
 from async_rl.learners.base import (LearnerConfig, clip_and_step, copy_matching_parameters, save_hf_model)
 from async_rl.learners.batching import pack_rows, unpack_labels
@@ -100,8 +99,8 @@ class FSDPLearner(LearnerCore):
         self.model = self._load_policy(model_path)
         if cfg.packing:
             self._check_packing()
-        self.policy_loss = POLICY_LOSSES.get(algo.policy_loss)
-        self.correction, self.loss_params = algo.off_policy_correction(), algo.loss_params()
+        self.policy_loss = algo.policy_loss_fn
+        self.correction, self.loss_options = algo.off_policy_correction(), algo.loss_options()
         self.ref_model: torch.nn.Module | None = None
         self.critic: FSDPCritic | None = None
         if self.algo.needs_critic:

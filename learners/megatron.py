@@ -46,7 +46,6 @@ import torch.distributed as dist
 from torch import nn
 
 from async_rl.algorithms.config import AlgorithmConfig
-from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.buffers.trajectory import TrainBatch
 from async_rl.learners.base import LearnerConfig, save_hf_model
 from async_rl.learners.batching import unpack_labels
@@ -93,8 +92,8 @@ class MegatronLearner(LearnerCore):
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.vocab_size = self.hf_config.vocab_size
         self.model = self._build(model_path)
-        self.policy_loss = POLICY_LOSSES.get(algo.policy_loss)
-        self.correction, self.loss_params = algo.off_policy_correction(), algo.loss_params()
+        self.policy_loss = algo.policy_loss_fn
+        self.correction, self.loss_options = algo.off_policy_correction(), algo.loss_options()
         self.ref_model: nn.Module | None = None
         self.critic: MegatronCritic | None = None
         if self.algo.needs_critic:

@@ -18,10 +18,12 @@ def _t(x):
 
 def policy_loss(name, logprobs, proximal, behavior, advantages, mask, *, agg_mode, num_global_tokens,
                 num_global_seqs, horizon=None, behavior_correction="none", bypass=False, **params):
-    """The loss call with the tensors spelled out: one inputs object, one correction config."""
+    """The loss call with the tensors spelled out: one inputs object, one correction config, the
+    loss's own options type built from ``params``."""
     inputs = PolicyLossInputs(logprobs, proximal, behavior, advantages, mask, agg_mode=agg_mode,
                               num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs, horizon=horizon)
-    return resolve_and_call(name, inputs, OffPolicyCorrection(behavior_correction, bypass_proximal=bypass), **params)
+    options = POLICY_LOSSES.get(name).options_type(**params)
+    return resolve_and_call(name, inputs, OffPolicyCorrection(behavior_correction, bypass_proximal=bypass), options)
 
 
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())

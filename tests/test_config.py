@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from async_rl.algorithms import PPOClipOptions
 from async_rl.config import Config, ConfigError, load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,7 +265,7 @@ def test_vllm_context_fits_prompt_and_response(max_model_len, ok):
 def test_dual_clip_defaults_on_in_async_mode_only(tmp_path, overrides, want):
     cfg = _load(*overrides)
     assert cfg.algorithm.clip_ratio_c == want
-    assert cfg.algorithm.loss_params()["clip_ratio_c"] == want
+    assert cfg.algorithm.loss_options().clip_ratio_c == want
     # The resolved config.yaml a run writes loads back to the same bound (inf included).
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
@@ -314,7 +315,7 @@ def test_dual_clip_bound_at_or_below_one_is_refused():
 def test_every_spec_of_ppo_clip_gets_the_configured_clip_bounds(spec):
     # The spec string is not the loss: builtin:ppo_clip once lost clip_ratio_high=0.28 silently.
     cfg = load_config(ROOT / "configs/default.yaml", [f"algorithm.policy_loss={spec}", "algorithm.clip_ratio_high=0.28"])
-    assert cfg.algorithm.loss_params() == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": None}
+    assert cfg.algorithm.loss_options() == PPOClipOptions(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
 
 
 @pytest.mark.parametrize("override,key", [("algorithm.policy_loss=nosuch", "algorithm.policy_loss"),

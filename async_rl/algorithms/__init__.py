@@ -8,7 +8,8 @@ Nothing here calls a model or syncs with `.item()` inside a loss; every function
     adv, ret = ADVANTAGE_ESTIMATORS.get("grpo")(AdvantageInputs(rewards, mask, group_ids))
     inputs = PolicyLossInputs(logprobs, proximal, behavior, adv, mask, agg_mode="token-mean",
                               num_global_tokens=n_tok, num_global_seqs=n_seq)
-    loss, metrics = POLICY_LOSSES.get("ppo_clip")(inputs, OffPolicyCorrection("tis"), clip_ratio_high=0.28)
+    loss, metrics = POLICY_LOSSES.get("ppo_clip")(inputs, OffPolicyCorrection("tis"),
+                                                  PPOClipOptions(clip_ratio_high=0.28))
 
 Run the tests with `pytest tests/test_algorithms_*.py`.
 """
@@ -38,12 +39,14 @@ from async_rl.algorithms.logprobs import (
     masked_mean,
     masked_sum,
 )
+from async_rl.algorithms.loss_options import CISPOOptions, GSPOOptions, LossOptions, PolicyLoss, PPOClipOptions
 from async_rl.algorithms.losses import (
     BEHAVIOR_CORRECTIONS,
     POLICY_LOSSES,
     OffPolicyCorrection,
     PolicyLossInputs,
     policy_loss,
+    register_policy_loss,
 )
 from async_rl.registry import Registry
 
@@ -51,11 +54,16 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageInputs",
     "BEHAVIOR_CORRECTIONS",
+    "CISPOOptions",
     "DynamicSamplingResult",
     "EstimatorSpec",
+    "GSPOOptions",
     "LOSS_AGG_MODES",
+    "LossOptions",
     "OffPolicyCorrection",
     "POLICY_LOSSES",
+    "PPOClipOptions",
+    "PolicyLoss",
     "PolicyLossInputs",
     "Registry",
     "aggregate_loss",
@@ -77,5 +85,6 @@ __all__ = [
     "overlong_reward_shaping",
     "policy_loss",
     "register_estimator",
+    "register_policy_loss",
     "value_loss",
 ]

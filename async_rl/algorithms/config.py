@@ -21,8 +21,10 @@ frozen reference policy. What an estimator needs (critic, per-token rewards, gro
 fields become its keyword arguments is declared by the estimator itself (``EstimatorSpec`` in
 ``async_rl.algorithms.advantages``), not listed here.
 
-The checks in ``AlgorithmConfig.__post_init__`` are the one place parameter ranges are checked;
-the losses and the ``OffPolicyCorrection`` built from this config trust them.
+The checks in ``AlgorithmConfig.__post_init__`` check this section's fields at load; the policy
+loss's options (``loss_options()``: one frozen ``LossOptions`` per loss, from these fields and
+``loss_kwargs``, ``async_rl.algorithms.loss_options``) check their own ranges when built, naming
+the key. The losses and the ``OffPolicyCorrection`` built from this config trust both.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from typing import Any
 from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorSpec
 from async_rl.algorithms.aggregation import LOSS_AGG_MODES
 from async_rl.algorithms.kl import K3_CLAMP, KL_KINDS
-from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, POLICY_LOSSES, OffPolicyCorrection, ppo_clip_loss
+from async_rl.algorithms.loss_options import LossOptions, PolicyLoss
+from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, POLICY_LOSSES, OffPolicyCorrection
 
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": {"advantage_estimator": "grpo", "policy_loss": "ppo_clip", "loss_agg_mode": "token-mean"},
@@ -128,7 +131,9 @@ class AlgorithmConfig:
     overlong_filter: bool = False
     """DAPO overlong filtering: truncated samples (finish reason ``length``) get no loss."""
     loss_kwargs: dict[str, float] = field(default_factory=dict)
-    """Extra keyword arguments for the policy loss (for example GSPO's clip range), passed as given."""
+    """Options of the policy loss by name, over its defaults and the ``algorithm.*`` fields it reads
+    (for example GSPO's ``clip_ratio_low``/``clip_ratio_high``, which ``algorithm.clip_ratio_*``
+    does not set); a key the loss does not take stops the run at load, naming it."""
 
     def __post_init__(self) -> None:
         # Presets are applied by apply_preset(), not here: omegaconf instantiates this class to
@@ -213,9 +218,10 @@ class AlgorithmConfig:
         return ADVANTAGE_ESTIMATORS.get(self.require_resolved().advantage_estimator)
 
     @property
-    def policy_loss_fn(self):
+    def policy_loss_fn(self) -> PolicyLoss:
         """The policy loss function of this config (``policy_loss`` resolved: a built-in name,
-        ``builtin:<name>``, an import path or a file).
+        ``builtin:<name>``, an import path or a file), called ``fn(inputs, correction, options)``
+        with ``options`` from ``loss_options()``.
 
         Raises:
             ValueError: the spec cannot be resolved (see ``async_rl.registry``), or the preset has
@@ -238,21 +244,18 @@ class AlgorithmConfig:
         """Whether a frozen reference policy is needed (a KL term with ``kl_coef > 0``)."""
         return self.kl_coef > 0
 
-    def loss_params(self) -> dict[str, Any]:
-        """Keyword arguments for the chosen policy loss.
-
-        ``ppo_clip`` gets the clip bounds of this config, whichever spec names it (``ppo_clip``,
-        ``builtin:ppo_clip``, its import path); GSPO and CISPO keep their papers' defaults (their
-        ratios live on other scales) unless ``loss_kwargs`` sets them.
+    def loss_options(self) -> LossOptions:
+        """The options of the chosen policy loss, an instance of its ``options_type``
+        (``LossOptions.from_algorithm``): its defaults, then the fields of this config it reads
+        (``ppo_clip``: the clip bounds, whichever spec names it), then ``loss_kwargs``. Built once
+        per learner.
 
         Raises:
-            ValueError: the loss spec cannot be resolved.
+            ValueError: the loss spec cannot be resolved, the preset has not been applied, or one
+                line naming the key: a ``loss_kwargs`` key the loss does not take, a value out of
+                range.
         """
-        params: dict[str, Any] = {}
-        if self.policy_loss_fn is ppo_clip_loss:
-            params = {"clip_ratio_low": self.clip_ratio_low, "clip_ratio_high": self.clip_ratio_high,
-                      "clip_ratio_c": self.clip_ratio_c}
-        return {**params, **self.loss_kwargs}
+        return self.policy_loss_fn.options_type.from_algorithm(self)
 
     def advantage_params(self) -> dict[str, Any]:
         """Keyword arguments for the chosen advantage estimator, as its ``EstimatorSpec.params``

@@ -15,18 +15,21 @@ and the off-policyness `pi_prox / mu` is a detached weight that is truncated (TI
 
     per-token loss = w_behavior * l(ratio, A)       then aggregate_loss(..., agg_mode, N_tok, N_seq)
 
-Every loss has the same call, one inputs object, one off-policy-correction config, and its own
-keyword parameters (for a user loss named by import path too):
+Every loss has the same call: one inputs object, one off-policy-correction config, and its own
+typed options (`fn.options_type`, a frozen `LossOptions` subclass; `async_rl.algorithms.loss_options`):
 
     inputs = PolicyLossInputs(logprobs, proximal_logprobs, behavior_logprobs, advantages, loss_mask,
                               agg_mode="token-mean", num_global_tokens=N_tok, num_global_seqs=N_seq)
     correction = OffPolicyCorrection("tis", tis_cap=2.0)        # or algo.off_policy_correction()
-    loss, metrics = POLICY_LOSSES.get(name)(inputs, correction, **loss_params)
+    options = PPOClipOptions(clip_ratio_high=0.28)              # or algo.loss_options()
+    loss, metrics = POLICY_LOSSES.get("ppo_clip")(inputs, correction, options)
     # loss: 0-dim float32 with grad; metrics: dict of detached 0-dim tensors
 
-Range checks of the parameters live in `AlgorithmConfig` (the user-facing check); a loss called
-directly checks only what cannot be a config mistake (shapes, a missing proximal pass), the
-correction's name and the dual-clip bound.
+The options check their own ranges when built (one line naming the field, or the config key when
+built by `AlgorithmConfig.loss_options()`); a loss checks what only the call can get wrong
+(shapes, a missing proximal pass, options of another loss). A loss of your own registers with
+`register_policy_loss(name, options_type)`, or is a plain `fn(inputs, correction, **params)`
+whose keyword parameters become its options (`keyword_loss`).
 
 All per-token tensors are `[B, T]` float32. Masked slots may hold anything (NaN, inf): they are
 selected out before any arithmetic, so they add 0 to the loss and 0 to every gradient, while a
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -50,14 +54,35 @@ from torch import Tensor
 from async_rl.algorithms.aggregation import aggregate_loss
 from async_rl.algorithms.kl import LOG_RATIO_CLAMP
 from async_rl.algorithms.logprobs import masked_max, masked_mean, masked_sum
+from async_rl.algorithms.loss_options import (CISPOOptions, GSPOOptions, LossOptions, PolicyLoss, PPOClipOptions,
+                                              as_policy_loss, check_options)
 from async_rl.registry import Registry
 
-__all__ = ["BEHAVIOR_CORRECTIONS", "OffPolicyCorrection", "POLICY_LOSSES", "PolicyLossInputs", "policy_loss"]
+__all__ = ["BEHAVIOR_CORRECTIONS", "OffPolicyCorrection", "POLICY_LOSSES", "PolicyLossInputs", "policy_loss",
+           "register_policy_loss"]
 
-POLICY_LOSSES: Registry = Registry(
-    "policy loss",
-    help="A policy loss is fn(inputs: PolicyLossInputs, correction: OffPolicyCorrection, **params) "
-         "-> (loss, metrics).")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry(
+    "policy loss", coerce=as_policy_loss,
+    help="A policy loss is fn(inputs: PolicyLossInputs, correction: OffPolicyCorrection, options) -> (loss, metrics) "
+         "with fn.options_type its LossOptions class, or fn(inputs, correction, **params).")
+
+
+def register_policy_loss(name: str, options_type: type[LossOptions]) -> Callable[[Callable], Callable]:
+    """Decorator that sets ``fn.options_type = options_type``, registers ``fn`` in
+    ``POLICY_LOSSES`` under ``name`` and returns ``fn`` (called as ``fn(inputs, correction, options)``).
+
+    Raises:
+        ValueError: as ``Registry.register`` (taken or malformed name); ``options_type`` is not a
+            ``LossOptions`` subclass.
+    """
+    if not (isinstance(options_type, type) and issubclass(options_type, LossOptions)):
+        raise ValueError(f"policy loss {name!r}: options_type must be a LossOptions subclass, got {options_type!r}")
+
+    def decorator(fn: Callable) -> Callable:
+        fn.options_type = options_type  # type: ignore[attr-defined]
+        return POLICY_LOSSES.register(name, fn)
+
+    return decorator
 
 BEHAVIOR_CORRECTIONS: tuple[str, ...] = ("none", "tis", "icepop", "seq_tis", "seq_icepop")
 
@@ -126,18 +151,21 @@ class OffPolicyCorrection:
 
 
 def policy_loss(name: str, inputs: PolicyLossInputs, correction: OffPolicyCorrection | None = None,
-                **params) -> tuple[Tensor, dict[str, Tensor]]:
+                options: LossOptions | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Resolve policy loss `name` (a registered name or a spec, see `async_rl.registry`) and call
-    it as `fn(inputs, correction, **params)`; `correction` None = no correction.
+    it as `fn(inputs, correction, options)`; `correction` None = no correction, `options` None =
+    the loss's defaults (`fn.options_type()`).
 
     Returns:
         `(loss, metrics)`: 0-dim loss with grad, dict of detached 0-dim metric tensors.
 
     Raises:
         ValueError: unknown name, or the loss's own errors.
+        TypeError: `options` is not of the loss's options type.
     """
     fn = POLICY_LOSSES.get(name)
-    return fn(inputs, correction if correction is not None else OffPolicyCorrection(), **params)
+    return fn(inputs, correction if correction is not None else OffPolicyCorrection(),
+              options if options is not None else fn.options_type())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,10 +277,9 @@ _NO_CORRECTION = OffPolicyCorrection()
 # losses
 
 
-@POLICY_LOSSES.register("ppo_clip")
-def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION, *,
-                  clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                  clip_ratio_c: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+@register_policy_loss("ppo_clip", PPOClipOptions)
+def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION,
+                  options: PPOClipOptions = PPOClipOptions()) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate loss with decoupled ratio, clip-higher and optional dual clip.
 
     With `r = pi_theta / pi_prox` and `w` the detached behaviour weight:
@@ -268,9 +295,9 @@ def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _N
     Args:
         inputs: the `[B, T]` tensors and the aggregation (see `PolicyLossInputs`).
         correction: the behaviour weight (see `OffPolicyCorrection`); default none.
-        clip_ratio_low, clip_ratio_high: eps_low in (0, 1], eps_high > 0 (checked by
-            `AlgorithmConfig`).
-        clip_ratio_c: dual-clip bound c > 1; None or ``inf`` for no dual clip.
+        options: `PPOClipOptions`: eps_low in (0, 1], eps_high > 0 (`clip_ratio_low`,
+            `clip_ratio_high`), the dual-clip bound c > 1 (`clip_ratio_c`; None or ``inf`` for no
+            dual clip); ranges checked when the options are built.
 
     Returns:
         `(loss, metrics)`: 0-dim loss; metrics as in the module docstring. A token counts as
@@ -278,17 +305,17 @@ def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _N
         A < 0 or, with dual clip, r > c with A < 0.
 
     Raises:
-        ValueError: shape mismatch, `clip_ratio_c <= 1`, unknown agg_mode, or proximal_logprobs
-            None without bypass.
+        ValueError: shape mismatch, unknown agg_mode, or proximal_logprobs None without bypass.
+        TypeError: `options` is not a `PPOClipOptions`.
 
     Example (eps 0.2): tokens (r, A) = (1.5, +1), (1.5, -1), (0.5, -1) -> clip_frac 2/3,
     clip_frac_high 1/3, clip_frac_low 1/3.
     """
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
+    opts = check_options(options, PPOClipOptions, "ppo_clip_loss")
+    clip_ratio_c = opts.clip_ratio_c
     prep = _prepare(inputs, correction)
     ratio, adv = torch.exp(prep.log_ratio), prep.advantages
-    per_token, high, low = _clipped_surrogate(ratio, adv, clip_ratio_low, clip_ratio_high)
+    per_token, high, low = _clipped_surrogate(ratio, adv, opts.clip_ratio_low, opts.clip_ratio_high)
     if clip_ratio_c is not None and math.isfinite(clip_ratio_c):
         negative = adv < 0
         per_token = torch.where(negative, torch.minimum(per_token, -adv * clip_ratio_c), per_token)
@@ -296,9 +323,9 @@ def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _N
     return _finish(per_token, prep, high & prep.mask, low & prep.mask, inputs)
 
 
-@POLICY_LOSSES.register("gspo")
-def gspo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION, *,
-              clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4) -> tuple[Tensor, dict[str, Tensor]]:
+@register_policy_loss("gspo", GSPOOptions)
+def gspo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION,
+              options: GSPOOptions = GSPOOptions()) -> tuple[Tensor, dict[str, Tensor]]:
     """Group Sequence Policy Optimization: PPO clipping on a sequence-level ratio.
 
     `s_i = exp(mean_t log(pi_theta / pi_prox))` (geometric mean of the token ratios over the
@@ -311,9 +338,10 @@ def gspo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CO
     sequence ratio, its clipped objective, and the GSPO-token variant; defaults eps_low 3e-4,
     eps_high 4e-4 are the paper's. The mean log-ratio is clamped to +-`LOG_RATIO_CLAMP`.
 
-    Args / Returns / Raises: as `ppo_clip_loss` (no dual clip). The clip decision is per
-    sequence, so all valid tokens of a sequence are clipped together.
+    Args / Returns / Raises: as `ppo_clip_loss`, with `GSPOOptions` (no dual clip). The clip
+    decision is per sequence, so all valid tokens of a sequence are clipped together.
     """
+    opts = check_options(options, GSPOOptions, "gspo_loss")
     prep = _prepare(inputs, correction)
     mask = prep.mask
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
@@ -324,15 +352,15 @@ def gspo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CO
     seq_log_ratio = masked_mean(token_log_ratio.detach(), mask, dim=-1)
     seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).unsqueeze(-1)
     ratio = torch.exp(lp - lp.detach() + seq_log_ratio)
-    per_token, high, low = _clipped_surrogate(ratio, prep.advantages, clip_ratio_low, clip_ratio_high)
+    per_token, high, low = _clipped_surrogate(ratio, prep.advantages, opts.clip_ratio_low, opts.clip_ratio_high)
     prep.metrics["ratio_mean"] = masked_mean(ratio.detach(), mask)
     prep.metrics["ratio_max"] = masked_max(ratio.detach(), mask)
     return _finish(per_token, prep, high & mask, low & mask, inputs)
 
 
-@POLICY_LOSSES.register("cispo")
-def cispo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION, *,
-               clip_ratio_low: float = 1.0, clip_ratio_high: float = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
+@register_policy_loss("cispo", CISPOOptions)
+def cispo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION,
+               options: CISPOOptions = CISPOOptions()) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: REINFORCE with a clipped, detached importance weight; no token is dropped.
 
         l = -w * sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta,   r = pi_theta / pi_prox
@@ -343,13 +371,15 @@ def cispo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_C
     Source: MiniMax 2025, "MiniMax-M1" (arXiv 2506.13585), eqs. 4-5. The paper leaves the lower
     bound off, hence the default `clip_ratio_low = 1.0` (weight floor 0); tune `clip_ratio_high`.
 
-    Args / Raises: as `ppo_clip_loss` (no dual clip).
+    Args / Raises: as `ppo_clip_loss`, with `CISPOOptions` (no dual clip).
 
     Returns:
         `(loss, metrics)`. The loss value is a surrogate (its gradient is the policy gradient);
         "high"/"low" clip fractions count tokens whose weight was truncated above / below,
         whatever the advantage sign, since the truncation scales the gradient for both signs.
     """
+    opts = check_options(options, CISPOOptions, "cispo_loss")
+    clip_ratio_low, clip_ratio_high = opts.clip_ratio_low, opts.clip_ratio_high
     prep = _prepare(inputs, correction)
     mask = prep.mask
     ratio = torch.exp(prep.log_ratio.detach())

@@ -11,9 +11,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from async_rl.checkpoint import CheckpointConfig
+
+if TYPE_CHECKING:
+    # Annotations only: ``Config`` is a layer above (it imports this module's ``TrainerConfig``), and
+    # the components stay unimported until the trainer builds them.
+    from transformers import PreTrainedTokenizerBase
+
+    from async_rl.agent import AgentLoop
+    from async_rl.cluster import Cluster
+    from async_rl.config import Config
+    from async_rl.data.dataset import PromptDataset
+    from async_rl.generators.base import Generator, SamplingParams
+    from async_rl.learners.base import Learner
+    from async_rl.metrics import MetricsLogger
+    from async_rl.rewards.scorer import RewardScorer
+    from async_rl.weight_sync.publisher import WeightPublisher
 
 TRAINER_MODES = ("sync", "async")
 
@@ -156,17 +171,22 @@ class TrainerConfig:
 class RunContext:
     """Everything one run's loops share (built by ``async_rl.trainer``).
 
+    The types are named for annotations only (``if TYPE_CHECKING``): ``Config`` lives a layer
+    above, and a field that holds one of several implementations is typed with their protocol
+    (``Learner``, ``Generator``).
+
     Attributes:
         cfg: the resolved ``Config``.
-        tokenizer: the policy's tokenizer.
+        tokenizer: the policy's tokenizer (a ``PreTrainedTokenizerBase``, pad token set).
         model_path: Hugging Face directory of the starting weights.
         train_ds, val_ds: the train ``PromptDataset`` and the held-out one (or ``None``).
         scorer: the training ``RewardScorer``; eval_scorer: its own counters for evaluation.
         params, eval_params: ``SamplingParams`` of rollouts and of evaluation.
-        learner: the ``Learner``.
-        generator: the colocated engine: sync-mode rollouts, and evaluation in both modes (async
-            mode with ``backend: vllm`` evaluates on a colocated HF engine, leaving the pool's
-            engines to rollouts).
+        learner: the ``Learner`` (``FSDPLearner`` or ``MegatronLearner``; on N ranks, rank 0's).
+        generator: the colocated engine (a ``Generator``: ``HFGenerator``, ``VLLMGenerator`` or
+            ``SGLangGenerator``): sync-mode rollouts, and evaluation in both modes (async mode with
+            ``backend: vllm`` evaluates on a colocated HF engine, leaving the pool's engines to
+            rollouts).
         publisher: the ``WeightPublisher`` into ``generator`` (every push to it goes through it).
         run_dir: the run directory.
         log: the ``MetricsLogger``.
@@ -178,22 +198,22 @@ class RunContext:
             starts (receiver, dispatcher, ZeroMQ's, Ray's) are started on them. Else empty.
     """
 
-    cfg: Any
-    tokenizer: Any
+    cfg: Config
+    tokenizer: PreTrainedTokenizerBase
     model_path: str
-    train_ds: Any
-    val_ds: Any
-    scorer: Any
-    eval_scorer: Any
-    params: Any
-    eval_params: Any
-    learner: Any
-    generator: Any
-    publisher: Any
+    train_ds: PromptDataset
+    val_ds: PromptDataset | None
+    scorer: RewardScorer
+    eval_scorer: RewardScorer
+    params: SamplingParams
+    eval_params: SamplingParams
+    learner: Learner
+    generator: Generator
+    publisher: WeightPublisher
     run_dir: Path
-    log: Any
-    agent: Any = None
-    cluster: Any = None
+    log: MetricsLogger
+    agent: AgentLoop | None = None
+    cluster: Cluster | None = None
     service_cores: list[int] = field(default_factory=list)
 
 
