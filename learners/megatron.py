@@ -245,7 +245,8 @@ class MegatronLearner(LearnerCore):
         """Write the whole training state under directory ``path`` (every rank): a megatron-core
         distributed checkpoint of the policy, the critic and the reference policy with their AdamW
         state (each rank writes its slices), plus ``learner_state.msgpack`` (rank 0: version, LR
-        schedules, parallel layout; ``checkpoint_format``, nothing pickled). ``load_checkpoint`` reads it at any tensor-parallel size."""
+        schedules, parallel layout; ``checkpoint_format``, nothing pickled). ``load_checkpoint``
+        reads it at any tensor-parallel size."""
         from async_rl.learners.megatron_checkpoint import save_sharded
 
         models, optimizers = self._sharded_parts()
