@@ -20,6 +20,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cpu_only)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the weight-sync slot files that processes these tests SIGKILLed left (a sender
+    killed before its engines mapped them), as the next run's start would, without waiting for
+    them to age: only files whose owning process is gone (``async_rl.leftovers``)."""
+    from async_rl.leftovers import sweep_weight_slots
+
+    sweep_weight_slots(min_age_s=0)
+
+
 @pytest.fixture(autouse=True)
 def _ray_auth_mode():
     """Each test gets ``RAY_AUTH_MODE`` back: the CLI's ``main`` chooses it for the whole process
