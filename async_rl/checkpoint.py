@@ -123,8 +123,8 @@ def resolve_resume(resume: str | None, output_dir: str, run_name: str | None) ->
         return path
     found = latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"trainer.resume={resume}: neither a checkpoint directory (with {STATE_NAME}.msgpack) "
-                                "nor a run directory with a complete checkpoint")
+        raise FileNotFoundError(f"trainer.resume={resume}: neither a checkpoint directory (with "
+                                f"{STATE_NAME}.msgpack) nor a run directory with a complete checkpoint")
     return found
 
 
@@ -320,8 +320,8 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: ``path`` is not a checkpoint.
-        checkpoint_format.CheckpointFormatError (a ``ValueError``): a format-1 checkpoint (the one line says what to
-            do), or another ``format_version`` than ``FORMAT_VERSION``.
+        checkpoint_format.CheckpointFormatError (a ``ValueError``): a format-1 checkpoint (the one
+            line says what to do), or another ``format_version`` than ``FORMAT_VERSION``.
     """
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path}: not a checkpoint (no {STATE_NAME}.msgpack)")
