@@ -82,6 +82,22 @@ def test_a_format_1_checkpoint_is_refused_in_one_line_without_running_its_pickle
     assert not marker.exists()
 
 
+def test_resuming_a_format_1_checkpoint_is_one_line_from_the_cli(tmp_path, capsys):
+    from async_rl.cli import main
+
+    marker = tmp_path / "ran"
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True)
+    torch.save({"format": 1, "step": 1, "rng": _Payload(marker)}, ckpt / "trainer_state.pt")
+    (ckpt.parent / "latest").write_text(ckpt.name)
+    rc = main(["train", "--config", str(ROOT / "configs/default.yaml"), f"trainer.output_dir={tmp_path}",
+               "trainer.run_name=run", "trainer.resume=auto"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert err[0].startswith(f"async-rl: error: {ckpt}: a checkpoint in format 1 (trainer_state.pt, a pickle)"), err
+    assert not marker.exists()
+
+
 def _dcp_checkpoint(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
