@@ -21,12 +21,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Remove the weight-sync slot files that processes these tests SIGKILLed left (a sender
-    killed before its engines mapped them), as the next run's start would, without waiting for
-    them to age: only files whose owning process is gone (``async_rl.leftovers``)."""
+    """Remove what processes these tests SIGKILLed left, as the next run's start (or engine
+    start) would, without waiting for it to age: weight-sync slot files (a sender killed before
+    its engines mapped them) and vLLM socket directories (an engine killed while it started).
+    Only entries whose owning process is gone (``async_rl.leftovers``)."""
+    import tempfile
+
+    from async_rl.generators.vllm import _sweep_socket_dirs
     from async_rl.leftovers import sweep_weight_slots
 
     sweep_weight_slots(min_age_s=0)
+    for base in {os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir(), "/tmp"}:
+        _sweep_socket_dirs(base, min_age_s=0)
 
 
 @pytest.fixture(autouse=True)
