@@ -180,14 +180,15 @@ def load_learner_state(path: str | Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ DCP without unpickling code
 def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
-    """What DCP's ``.metadata`` pickle may name: DCP's metadata dataclasses, the file reader's
-    ``_StorageInfo``, ``torch.Size``, the dtype/layout/memory-format constants, ``OrderedDict``
+    """What DCP's ``.metadata`` pickle may name: DCP's metadata and plan dataclasses, the file
+    reader's ``_StorageInfo``, ``torch.Size``, the dtype/layout/memory-format constants, ``OrderedDict``
     and ``PosixPath`` (what torch 2.13 writes, read off a saved index).
     Every one is plain data; none runs code when built."""
     import collections
 
     import torch.distributed.checkpoint.filesystem as fs
     import torch.distributed.checkpoint.metadata as md
+    import torch.distributed.checkpoint.planner as pl
 
     allowed: dict[tuple[str, str], Any] = {
         (md.__name__, n): getattr(md, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
@@ -195,6 +196,11 @@ def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
                                                    "StorageMeta", "_MEM_FORMAT_ENCODING")
         if hasattr(md, n)}
     allowed[(fs.__name__, "_StorageInfo")] = fs._StorageInfo
+    # megatron-core keeps the save plans it cached in the index (``Metadata.mcore_data``): DCP's
+    # plan dataclasses and enums, plain data too.
+    allowed.update({(pl.__name__, n): getattr(pl, n) for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                                               "TensorWriteData", "LoadPlan", "ReadItem",
+                                                               "LoadItemType") if hasattr(pl, n)})
     allowed[("torch", "Size")] = torch.Size
     # A layout pickles as ``_get_layout("torch.strided")`` (a lookup among torch's layouts), and
     # ``StorageMeta.checkpoint_id`` as the path it was saved to.
