@@ -142,6 +142,14 @@ def test_dcp_loads_through_the_safe_reader_and_refuses_code_in_its_index(tmp_pat
     with pytest.raises(BaseException, match=refused):
         _dcp_load(tmp_path / "bad", fresh, fresh_opt)
     assert not marker.exists()
+    # A non-tensor entry that would run code (DCP stores it with torch.save) is refused too.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"extra": _Payload(marker)}, checkpoint_id=str(tmp_path / "bytes"))
+    reader, planner = dcp_reader_and_planner(str(tmp_path / "bytes"))
+    with pytest.raises(BaseException, match="Weights only load failed"):
+        dcp.load({"extra": None}, storage_reader=reader, planner=planner)
+    assert not marker.exists()
     # megatron-core builds its own reader: the context swaps in the same one.
     from torch.distributed.checkpoint import FileSystemReader
 
