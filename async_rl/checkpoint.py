@@ -6,10 +6,12 @@ Layout under the run directory::
         step_000003/                  one complete checkpoint, taken after training step 3
             learner/                  torch.distributed.checkpoint shards (FSDPLearner.save_checkpoint):
                                       policy + AdamW, critic + AdamW, reference policy, schedulers, version
-            trainer_state.pt          step, RNG states, dataset position, loop state (sync: next group
-                                      id; async: replay buffer contents, dispatch counters, prompts in
+            trainer_state.msgpack     step, RNG states, dataset position, loop state (sync: next group
+            trainer_state.safetensors id; async: replay buffer contents, dispatch counters, prompts in
                                       flight), summary so far, the run's elapsed seconds
-                                      (``elapsed_s``; absent in older checkpoints, read as 0)
+                                      (``elapsed_s``; absent in older checkpoints, read as 0); plain
+                                      data in msgpack, tensors (RNG states) in safetensors
+                                      (``async_rl.checkpoint_format``: nothing is unpickled)
         latest                        text file naming the newest complete checkpoint
 
 A checkpoint is written into ``step_NNNNNN.tmp`` (the step, zero-padded to six digits:
@@ -48,9 +50,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from async_rl.checkpoint_format import has_state, load_state, save_state
+
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = 1
+STATE_NAME = "trainer_state"
+"""Stem of the trainer state's files in a checkpoint (``trainer_state.msgpack``, ``.safetensors``)."""
+OLD_STATE_FILE = "trainer_state.pt"
+"""The trainer state of a format-1 checkpoint (a ``torch.save`` pickle): found, and refused."""
 
 
 @dataclass
@@ -76,13 +83,19 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint directory: this format's trainer state, or a format-1
+    ``trainer_state.pt`` (found so that loading it says why it is refused)."""
+    return has_state(path, STATE_NAME) or (Path(path) / OLD_STATE_FILE).exists()
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run directory, or ``None`` if it has none."""
     marker = checkpoints_dir(run_dir) / "latest"
     if not marker.exists():
         return None
     path = checkpoints_dir(run_dir) / marker.read_text().strip()
-    return path if (path / "trainer_state.pt").exists() else None
+    return path if is_checkpoint(path) else None
 
 
 def resolve_resume(resume: str | None, output_dir: str, run_name: str | None) -> Path | None:
@@ -106,12 +119,12 @@ def resolve_resume(resume: str | None, output_dir: str, run_name: str | None) ->
                              "<output_dir>/<run_name>")
         return latest_checkpoint(Path(output_dir) / run_name)
     path = Path(resume)
-    if (path / "trainer_state.pt").exists():
+    if is_checkpoint(path):
         return path
     found = latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"trainer.resume={resume}: neither a checkpoint directory (with trainer_state.pt) "
-                                "nor a run directory with a complete checkpoint")
+        raise FileNotFoundError(f"trainer.resume={resume}: neither a checkpoint directory (with "
+                                f"{STATE_NAME}.msgpack) nor a run directory with a complete checkpoint")
     return found
 
 
@@ -235,7 +248,13 @@ class RunDirectory:
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch (CPU and CUDA) RNG states of this process."""
+    """Python, NumPy and torch (CPU and CUDA) RNG states of this process.
+
+    ``python``: ``random.getstate()``, a tuple ``(3, <625 ints>, None)``; ``numpy``:
+    ``np.random.get_state()``, ``("MT19937", uint32 [624], pos, has_gauss, cached_gaussian)``;
+    ``torch``: uint8 ``[5056]``; ``cuda``: one uint8 tensor per device. ``save_state`` stores
+    all of them exactly (tuples stay tuples, arrays and tensors go to safetensors).
+    """
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -260,11 +279,15 @@ def save_checkpoint(run_dir: str | Path, step: int, learner, trainer_state: dict
         run_dir: the run directory.
         step: the training step just finished (>= 0).
         learner: the learner (``save_checkpoint(path)``, a collective call on every rank).
-        trainer_state: picklable trainer-side state (see the module docstring).
+        trainer_state: trainer-side state (see the module docstring): plain data, tuples,
+            tensors and NumPy arrays (``checkpoint_format.save_state``).
         keep_last: complete checkpoints to keep, counting this one.
 
     Returns:
         ``<run_dir>/checkpoints/step_<step, zero-padded to 6 digits>`` (``step_000300``).
+
+    Raises:
+        TypeError: ``trainer_state`` holds another type (an object the format does not store).
     """
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -274,7 +297,7 @@ def save_checkpoint(run_dir: str | Path, step: int, learner, trainer_state: dict
     tmp.mkdir()
     try:
         learner.save_checkpoint(str(tmp / "learner"))
-        torch.save({"format": STATE_FORMAT, "step": step, **trainer_state}, tmp / "trainer_state.pt")
+        save_state(tmp, STATE_NAME, {"step": step, **trainer_state})
     except BaseException:
         # A save that failed (a learner rank died in it, a full disk) leaves no partial directory.
         shutil.rmtree(tmp, ignore_errors=True)
@@ -293,17 +316,16 @@ def save_checkpoint(run_dir: str | Path, step: int, learner, trainer_state: dict
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
     """The trainer-side state of checkpoint ``path`` (``step`` and what ``save_checkpoint`` got).
 
+    Nothing is unpickled: a format-1 checkpoint (``trainer_state.pt``) is refused, not read.
+
     Raises:
-        FileNotFoundError: no ``trainer_state.pt`` in ``path``.
-        ValueError: a format this code does not read.
+        FileNotFoundError: ``path`` is not a checkpoint.
+        checkpoint_format.CheckpointFormatError (a ``ValueError``): a format-1 checkpoint (the one
+            line says what to do), or another ``format_version`` than ``FORMAT_VERSION``.
     """
-    file = Path(path) / "trainer_state.pt"
-    if not file.exists():
-        raise FileNotFoundError(f"{path}: not a checkpoint (no trainer_state.pt)")
-    state = torch.load(file, weights_only=False)
-    if state.get("format") != STATE_FORMAT:
-        raise ValueError(f"{file}: checkpoint format {state.get('format')!r}, this code reads {STATE_FORMAT}")
-    return state
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"{path}: not a checkpoint (no {STATE_NAME}.msgpack)")
+    return load_state(path, STATE_NAME, old_file=OLD_STATE_FILE)
 
 
 _forced_stop_signal: int | None = None

@@ -66,14 +66,14 @@ class PolicySource:
 def find_policy(spec: str | None, cfg: Config) -> PolicySource:
     """Resolve ``--model`` (``None``: the config's ``model.path``) to a ``PolicySource``.
 
-    A directory with ``trainer_state.pt`` is a checkpoint; one with ``config.json`` a Hugging Face
+    A directory with a trainer state (``checkpoint.is_checkpoint``) is a checkpoint; one with ``config.json`` a Hugging Face
     model; a run directory stands for its ``final_model/`` or, without one, its latest checkpoint.
 
     Raises:
         FileNotFoundError: ``spec`` is none of these.
         ValueError: an unknown ``builtin:`` name.
     """
-    from async_rl.checkpoint import latest_checkpoint
+    from async_rl.checkpoint import is_checkpoint, latest_checkpoint
     from async_rl.data.builtin import resolve
 
     if spec is None:
@@ -81,7 +81,7 @@ def find_policy(spec: str | None, cfg: Config) -> PolicySource:
     if spec.startswith("builtin:"):
         return PolicySource(resolve(spec), "hf", spec)
     path = Path(spec)
-    if (path / "trainer_state.pt").exists():
+    if is_checkpoint(path):
         return PolicySource(str(path), "checkpoint", f"{path} (checkpoint)")
     if (path / "config.json").exists():
         return PolicySource(str(path), "hf", str(path))
@@ -91,7 +91,7 @@ def find_policy(spec: str | None, cfg: Config) -> PolicySource:
     if ckpt is not None:
         return PolicySource(str(ckpt), "checkpoint", f"{ckpt} (the run's latest checkpoint)")
     raise FileNotFoundError(f"--model {spec}: neither a model directory (config.json), a checkpoint "
-                            "(checkpoints/step_NNNNNN with trainer_state.pt) nor a run directory with final_model/ "
+                            "(checkpoints/step_NNNNNN with trainer_state.msgpack) nor a run directory with final_model/ "
                             "or a checkpoint")
 
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from async_rl.buffers.trajectory import TrainBatch
+from async_rl.checkpoint_format import LEARNER_STATE, dcp_reader_and_planner, load_learner_state, save_state
 from async_rl.learners.base import (LearnerConfig, clip_and_step, copy_matching_parameters, save_hf_model)
 from async_rl.learners.batching import pack_rows, unpack_labels
 from async_rl.learners.core import LearnerCore
@@ -322,11 +323,10 @@ class FSDPLearner(LearnerCore):
 
         Sharded with ``torch.distributed.checkpoint`` (each rank writes its own shards, no
         gather): policy weights and AdamW state, the critic's weights and optimizer state, the
-        frozen reference policy; plus ``learner_state.pt`` (rank 0) with the policy version and
-        the LR schedulers' positions. ``load_checkpoint`` restores it on any world size.
+        frozen reference policy; plus ``learner_state.msgpack`` (rank 0; ``checkpoint_format``,
+        nothing pickled) with the policy version and the LR schedulers' positions.
+        ``load_checkpoint`` restores it on any world size.
         """
-        import os
-
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self._checkpoint_state(), checkpoint_id=path)
@@ -335,7 +335,7 @@ class FSDPLearner(LearnerCore):
                     "critic_scheduler": self.critic.scheduler.state_dict() if self.critic is not None else None,
                     "has_ref": self.ref_model is not None,
                     "ref_adapters_off": isinstance(self.ref_model, lora.AdapterDisabled)}
-            torch.save(meta, os.path.join(path, "learner_state.pt"))
+            save_state(path, LEARNER_STATE, meta)
         dist.barrier()
 
     @collective
@@ -343,20 +343,19 @@ class FSDPLearner(LearnerCore):
         """Restore what ``save_checkpoint`` wrote (instead of ``begin_rl``: the reference policy,
         optimizer and schedules come from the checkpoint).
 
+        Nothing is unpickled as code: the DCP index and non-tensor entries are read with
+        ``checkpoint_format.dcp_reader_and_planner``.
+
         Raises:
             FileNotFoundError: ``path`` holds no learner checkpoint.
             ValueError: the checkpoint's contents do not fit this learner (a critic or reference
-                policy on one side only; parameter names or shapes differ).
+                policy on one side only; parameter names or shapes differ); a format-1 checkpoint
+                (``learner_state.pt``, refused in one line) or an index naming code.
         """
-        import os
-
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        meta_path = os.path.join(path, "learner_state.pt")
-        if not os.path.exists(meta_path):
-            raise FileNotFoundError(f"{path}: no learner checkpoint (learner_state.pt is missing)")
-        meta = torch.load(meta_path, weights_only=False)
+        meta = load_learner_state(path)
         if (meta["critic_scheduler"] is not None) != (self.critic is not None):
             raise ValueError(f"{path}: the checkpoint {'has' if meta['critic_scheduler'] is not None else 'has no'} "
                              "critic but this run's algorithm "
@@ -371,7 +370,8 @@ class FSDPLearner(LearnerCore):
         if not meta["has_ref"]:
             state.pop("ref_model", None)
         try:
-            dcp.load(state, checkpoint_id=path)
+            reader, planner = dcp_reader_and_planner(path)
+            dcp.load(state, storage_reader=reader, planner=planner)
         except Exception as e:  # DCP reports missing keys / size mismatches as CheckpointException
             raise ValueError(f"{path}: the learner checkpoint does not fit this model: {e}") from e
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

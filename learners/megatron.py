@@ -47,6 +47,7 @@ from torch import nn
 
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.buffers.trajectory import TrainBatch
+from async_rl.checkpoint_format import LEARNER_STATE, load_learner_state, save_state
 from async_rl.learners.base import LearnerConfig, save_hf_model
 from async_rl.learners.batching import unpack_labels
 from async_rl.learners.core import LearnerCore
@@ -242,8 +243,9 @@ class MegatronLearner(LearnerCore):
     def save_checkpoint(self, path: str) -> None:
         """Write the whole training state under directory ``path`` (every rank): a megatron-core
         distributed checkpoint of the policy, the critic and the reference policy with their AdamW
-        state (each rank writes its slices), plus ``learner_state.pt`` (rank 0: version, LR
-        schedules, parallel layout). ``load_checkpoint`` reads it at any tensor-parallel size."""
+        state (each rank writes its slices), plus ``learner_state.msgpack`` (rank 0: version, LR
+        schedules, parallel layout; ``checkpoint_format``, nothing pickled). ``load_checkpoint``
+        reads it at any tensor-parallel size."""
         from async_rl.learners.megatron_checkpoint import save_sharded
 
         models, optimizers = self._sharded_parts()
@@ -254,7 +256,7 @@ class MegatronLearner(LearnerCore):
                     "critic_scheduler": self.critic.scheduler.state_dict() if self.critic is not None else None,
                     "has_ref": self.ref_model is not None, "backend": "megatron",
                     "tensor_parallel_size": self.cfg.megatron.tensor_parallel_size}
-            torch.save(meta, os.path.join(path, "learner_state.pt"))
+            save_state(path, LEARNER_STATE, meta)
         dist.barrier()
 
     @collective
@@ -264,14 +266,12 @@ class MegatronLearner(LearnerCore):
         Raises:
             FileNotFoundError: ``path`` holds no learner checkpoint.
             ValueError: a checkpoint of the FSDP2 learner, or one whose critic, reference policy or
-                weights do not fit this run.
+                weights do not fit this run; a format-1 checkpoint (``learner_state.pt``, refused
+                in one line).
         """
         from async_rl.learners.megatron_checkpoint import load_sharded
 
-        meta_path = os.path.join(path, "learner_state.pt")
-        if not os.path.exists(meta_path):
-            raise FileNotFoundError(f"{path}: no learner checkpoint (learner_state.pt is missing)")
-        meta = torch.load(meta_path, weights_only=False)
+        meta = load_learner_state(path)
         if meta.get("backend") != "megatron":
             raise ValueError(f"{path}: a learner.backend=fsdp2 checkpoint; resume it with learner.backend=fsdp2 "
                              "(or start the Megatron run from its exported Hugging Face weights)")

@@ -14,6 +14,9 @@
   and the ``param_groups`` hyperparameters (``lr`` as the LR schedule left it, betas, weight decay)
   go into the common part (rank 0 writes it, every rank reads it).
 
+``common.pt`` is read by megatron with ``torch.load``'s default ``weights_only=True`` (torch >= 2.6)
+and the DCP index under ``checkpoint_format.safe_dcp_reads``: loading unpickles no code.
+
 ``load_sharded`` builds the same structure at the current layout (zero Adam state first, for a fresh
 optimizer) and lets megatron cut the stored global tensors for it. Tested on CPU/gloo
 (tests/test_megatron_checkpoint.py): exact resume at TP=2; TP 2 -> 1, TP 1 -> 2, PP 2 -> (TP 2, PP 1)
@@ -58,6 +61,8 @@ from contextlib import contextmanager
 
 import torch
 
+from async_rl.checkpoint_format import safe_dcp_reads
+
 FORMAT = "async_rl.megatron_checkpoint/1"
 
 
@@ -76,7 +81,8 @@ def cpu_cuda_calls() -> Iterator[None]:
     attributes): run saves and loads from one thread per process.
 
     Source: megatron-core 0.16 ``dist_checkpointing/strategies/filesystem_async.py`` and
-    ``state_dict_saver.py`` (read on this machine; the docs do not list device requirements).
+    ``state_dict_saver.py`` (the source of the installed package; its docs do not list device
+    requirements).
     """
     if torch.cuda.is_available():
         yield
@@ -277,7 +283,8 @@ def load_sharded(path: str, models: dict[str, torch.nn.Module], optimizers: dict
     for key in models:
         _check_same_keys(path, key, saved["keys"][key], state["meta"]["keys"][key])
     try:
-        with cpu_cuda_calls(), warnings.catch_warnings():
+        # safe_dcp_reads: DCP's index and non-tensor entries are read without unpickling code.
+        with cpu_cuda_calls(), safe_dcp_reads(), warnings.catch_warnings():
             # torch's DCP flags ShardedTensor and load_state_dict as deprecated on every load; megatron
             # 0.16 uses both. Nothing for our callers to act on.
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)\.")

@@ -20,6 +20,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cpu_only)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Remove what processes these tests SIGKILLed left, as the next run's start (or engine
+    start) would, without waiting for it to age: weight-sync slot files (a sender killed before
+    its engines mapped them) and vLLM socket directories (an engine killed while it started).
+    Only entries whose owning process is gone (``async_rl.leftovers``)."""
+    import tempfile
+
+    from async_rl.generators.vllm import _sweep_socket_dirs
+    from async_rl.leftovers import sweep_weight_slots
+
+    sweep_weight_slots(min_age_s=0)
+    for base in {os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir(), "/tmp"}:
+        _sweep_socket_dirs(base, min_age_s=0)
+
+
 @pytest.fixture(autouse=True)
 def _ray_auth_mode():
     """Each test gets ``RAY_AUTH_MODE`` back: the CLI's ``main`` chooses it for the whole process

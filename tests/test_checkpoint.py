@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_rl.checkpoint import CheckpointConfig, StopRequest, latest_checkpoint, resolve_resume
+from async_rl.checkpoint import CheckpointConfig, StopRequest, latest_checkpoint, load_trainer_state, resolve_resume
+from async_rl.checkpoint_format import save_state
 from async_rl.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +85,7 @@ def test_six_steps_equal_three_plus_three_resumed(tmp_path, monkeypatch, signum)
     assert not (tmp_path / "split" / "final_model").exists()
     ckpt = latest_checkpoint(tmp_path / "split")
     assert ckpt is not None and ckpt.name == "step_000003"
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state = load_trainer_state(ckpt)
     # 3 steps of 4 prompts: the dataset position and the next group id are where step 4 starts.
     assert state["loop"]["next_group"] == 12 and state["loop"]["dataset"] == {"epoch": 0, "position": 12}
     assert state["elapsed_s"] > 0
@@ -119,10 +120,10 @@ def test_ppo_with_critic_and_kl_resumes_exactly(tmp_path, monkeypatch):
         first = train(_cfg(tmp_path, "split", *extra))
     assert first["interrupted"] == "SIGTERM" and first["last_step"] == 2
     # A checkpoint from before the run's clock was saved still resumes (its clock starts at 0).
-    state_file = latest_checkpoint(tmp_path / "split") / "trainer_state.pt"
-    state = torch.load(state_file, weights_only=False)
+    ckpt = latest_checkpoint(tmp_path / "split")
+    state = load_trainer_state(ckpt)
     del state["elapsed_s"]
-    torch.save(state, state_file)
+    save_state(ckpt, "trainer_state", state)
     train(_cfg(tmp_path, "split", *extra, "trainer.resume=auto"))
     a, b = _steps(tmp_path / "full"), _steps(tmp_path / "split")
     for step in (3, 4):
@@ -152,11 +153,11 @@ def test_async_resume_restores_buffer_and_reissues_in_flight_groups(tmp_path, mo
         m.setattr(AsyncLoop, "step", step)
         first = train(_cfg(tmp_path, "run", *extra))
     assert first["interrupted"] == "SIGTERM"
-    state = torch.load(latest_checkpoint(tmp_path / "run") / "trainer_state.pt", weights_only=False)["loop"]
+    state = load_trainer_state(latest_checkpoint(tmp_path / "run"))["loop"]
     # With max_staleness 2 the pool runs ahead of the learner: something was dispatched beyond
     # the 8 trained groups, and it is either in the saved buffer or in the re-issue list.
     ready = [g["group_id"] for g in state["buffer"]["ready"]]
-    outstanding = [r.group_id for r in state["outstanding"]]
+    outstanding = [r["group_id"] for r in state["outstanding"]]
     assert state["num_trained_groups"] == 8
     assert ready or outstanding, "the pool should have run ahead of the learner"
     assert state["num_dispatched"] == 8 + len(ready) + len(outstanding) + first["pipeline/rejected"]

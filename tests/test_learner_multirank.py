@@ -156,7 +156,7 @@ def test_torchrun_launch(tmp_path, backend):
          "data.val_max_prompts=4", "learner.world_size=2", "logging.progress=false", *backend],
         cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.msgpack").exists()
     assert (tmp_path / "run" / "final_model" / "config.json").exists()
 
 

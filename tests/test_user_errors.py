@@ -180,7 +180,7 @@ def test_a_reused_run_name_is_refused_unless_resumed_or_overwritten(tmp_path, ca
     run = tmp_path / "run"
     assert _train(capsys, tmp_path)[0] == 0
     before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    assert Path("checkpoints/step_000001/trainer_state.pt") in before and Path("summary.json") in before
+    assert Path("checkpoints/step_000001/trainer_state.msgpack") in before and Path("summary.json") in before
 
     # The same name again: refused before anything loads, the first run untouched.
     rc, err = _train(capsys, tmp_path)

@@ -783,7 +783,8 @@ class AsyncLoop:
                 "num_reissued": self.num_reissued,
                 "trained_by_generator": dict(self.trained_by_generator),
                 "last_rejected_samples": self._last_rejected_samples,
-                "outstanding": list(self._outstanding.values()) + list(self._reissue),
+                # As plain dicts: a checkpoint stores data, never objects (async_rl.checkpoint_format).
+                "outstanding": [dataclasses.asdict(r) for r in [*self._outstanding.values(), *self._reissue]],
             }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
@@ -795,7 +796,8 @@ class AsyncLoop:
         self.num_reissued = int(state.get("num_reissued", 0))
         self.trained_by_generator = {int(k): int(v) for k, v in state.get("trained_by_generator", {}).items()}
         self._last_rejected_samples = int(state["last_rejected_samples"])
-        for request in state["outstanding"]:
+        for fields in state["outstanding"]:
+            request = GroupRequest(**fields)
             # Its samples in this run's engines are gone; partial ones in the buffer are dropped
             # (counted as abandoned) and the prompt starts over as a new group.
             self.buffer.abandon_group(request.group_id)

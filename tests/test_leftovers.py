@@ -1,0 +1,71 @@
+"""A SIGKILLed weight sender's slot files are removed by the next start's sweep; a live owner's
+files and a dead owner's young ones (another pid namespace may own them) are kept."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from async_rl.leftovers import MIN_AGE_S, SLOT_NAME, slot_dirs, sweep_weight_slots
+
+SENDER = """
+from async_rl.weight_sync.config import WeightSyncConfig
+from async_rl.weight_sync.wire import WeightSender
+sender = WeightSender(WeightSyncConfig(transport="shm", bucket_size_mb=1.0), num_receivers=1)
+print("\\n".join(p for p, _ in sender.init_info()["slots"]), flush=True)
+import time
+time.sleep(600)
+"""
+
+
+def _age(path: Path, seconds: float) -> None:
+    old = time.time() - seconds
+    os.utime(path, (old, old))
+
+
+def test_the_start_sweep_removes_a_killed_senders_slots_and_keeps_a_live_owners(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SENDER], stdout=subprocess.PIPE, text=True)
+    try:
+        slots = [Path(proc.stdout.readline().strip()) for _ in range(2)]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert all(p.exists() and SLOT_NAME.fullmatch(p.name) for p in slots), slots  # what a SIGKILL leaves
+    assert {str(p.parent) for p in slots} == set(slot_dirs())
+    directory = slots[0].parent
+    live = directory / f"async-rl-{os.getpid()}-0123abcd-1048576-slot0"  # this test process: alive
+    young = directory / f"async-rl-{proc.pid}-89abcdef-1048576-slot0"  # dead owner, but just made
+    live.write_bytes(b""), young.write_bytes(b"")
+    try:
+        for p in (*slots, live):
+            _age(p, MIN_AGE_S + 60)
+        removed = sweep_weight_slots()
+        assert sorted(str(p) for p in slots) == [p for p in removed if p in {str(s) for s in slots}]
+        assert not any(p.exists() for p in slots)
+        assert live.exists() and young.exists()
+        assert str(live) not in removed and str(young) not in removed
+    finally:
+        for p in (*slots, live, young):
+            p.unlink(missing_ok=True)
+
+
+def test_the_trainer_sweeps_at_start(monkeypatch):
+    """The sweep is wired into the run's start, before anything loads."""
+    from async_rl import trainer
+
+    class Swept(Exception):
+        pass
+
+    def sweep():
+        raise Swept
+
+    monkeypatch.setattr(trainer, "sweep_weight_slots", sweep)
+    try:
+        trainer._train(None)
+    except Swept:
+        return
+    raise AssertionError("trainer._train did not sweep before it started")
