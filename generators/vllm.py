@@ -154,6 +154,19 @@ class VLLMGenerator:
             self._lora_request = lora_request()
 
     # ------------------------------------------------------------------ plumbing
+    @classmethod
+    def check_model(cls, hf_config: dict[str, Any], model_path: str = "the model") -> None:
+        """Refuse, before any engine starts, a model this engine cannot serve on this platform
+        (``model_support.check_vllm_model``: a head size vLLM's CPU attention does not run, a
+        Gemma2 with an untied head). ``hf_config``: the model's ``config.json`` as a dict.
+
+        Raises:
+            UnservableModelError: (a ``ValueError``) one line naming the engine, the value and what would work.
+        """
+        from async_rl.generators.model_support import check_vllm_model
+
+        check_vllm_model(hf_config, model_path, cpu=not torch.cuda.is_available())
+
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 

@@ -1,0 +1,121 @@
+"""What models each engine serves on this platform, and the weight names it really holds.
+
+Two things an engine knows and the rest of the system must ask it, before anything starts or
+any byte moves:
+
+* **Whether it serves a model here** (``check_model``, called at start by
+  ``async_rl.inputs.check_inputs``): vLLM's CPU attention runs only some head sizes
+  (``VLLM_CPU_HEAD_SIZES``); a model outside them used to start the engine, die in its worker with
+  ``Unsupported CPU attention configuration: head_dim=16`` and end the run in an
+  ``EngineDeadError`` traceback. vLLM's ``Gemma2ForCausalLM`` always computes its logits from the
+  input embedding, so a Gemma2 checkpoint with an untied head would be served with another head
+  than the learner trains. Both are refused in one line naming the engine, the value and what
+  would work.
+* **Which names it holds** (``unloaded_aliases``): a tied head (``lm_head.weight``) is accepted
+  by the whole-update check as an alias of the embedding (``vllm_worker.engine_weight_names``), but
+  a model with no head module at all (vLLM's Gemma2) cannot load it: its ``load_weights`` raises
+  on the name. The engine's receiver drops such aliases before loading (their bytes are the
+  embedding's, which the update carries under its own name).
+* **Why an engine died** (``root_cause``): vLLM reports a dead engine core as ``EngineDeadError``
+  ("EngineCore encountered an issue. See stack trace (above) for the root cause."); the cause is
+  the ``__cause__``/``__context__`` chain or, when the core died in another process, the last
+  error line of the engine's log, which the run's one-line error then quotes.
+
+Nothing here imports vLLM: the checks run in the trainer before any engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention serves: ``CPUAttentionBackend.get_supported_head_sizes()`` of
+``vllm/v1/attention/backends/cpu_attn.py`` (vLLM 0.32; ``tests/test_architectures.py`` compares
+it with the installed vLLM). Any other size dies in the engine core at the first forward."""
+
+VLLM_HEAD_IS_EMBEDDING = ("Gemma2ForCausalLM",)
+"""vLLM model classes with no output-head module: logits come from the input embedding whatever
+``tie_word_embeddings`` says (``vllm/model_executor/models/gemma2.py``'s ``compute_logits``)."""
+
+
+class UnservableModelError(ValueError):
+    """A model an engine cannot serve on this platform, refused before any engine starts; the
+    message is one line naming the engine, the value and what would work."""
+
+
+def read_hf_config(model_path: str) -> dict[str, Any]:
+    """The ``config.json`` of a local Hugging Face model directory as a dict (``{}`` where the
+    directory has none, e.g. a hub id not yet fetched: the engine then finds out itself)."""
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def head_size(hf_config: dict[str, Any]) -> int | None:
+    """Attention head size of a config dict: ``head_dim`` where set (Gemma2, Qwen3, Mistral),
+    else ``hidden_size // num_attention_heads``; ``None`` if neither is known (the text
+    config of a multimodal model is looked up under ``text_config``)."""
+    cfg = hf_config.get("text_config") or hf_config
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return None
+
+
+def check_vllm_model(hf_config: dict[str, Any], model_path: str = "the model", cpu: bool = True) -> None:
+    """Refuse a model vLLM would not serve correctly here (see the module docstring).
+
+    Args:
+        hf_config: the model's ``config.json`` as a dict.
+        model_path: for the message.
+        cpu: vLLM runs on its CPU build here (its CPU attention's head sizes apply).
+
+    Raises:
+        UnservableModelError: a head size outside ``VLLM_CPU_HEAD_SIZES`` on CPU, or a Gemma2 whose
+            config unties its head (vLLM would serve the embedding as its head).
+    """
+    size = head_size(hf_config)
+    if cpu and size is not None and size not in VLLM_CPU_HEAD_SIZES:
+        sizes = ", ".join(map(str, VLLM_CPU_HEAD_SIZES))
+        raise UnservableModelError(
+            f"generator.backend=vllm cannot serve {model_path}: head_dim={size}; vLLM's CPU attention supports "
+            f"head_dim in {{{sizes}}}; use generator.backend=hf or a model whose head size is one of those")
+    arch = (hf_config.get("architectures") or [""])[0]
+    if arch in VLLM_HEAD_IS_EMBEDDING and hf_config.get("tie_word_embeddings") is False:
+        raise UnservableModelError(
+            f"generator.backend=vllm cannot serve {model_path}: tie_word_embeddings=false, but vLLM's {arch} always "
+            f"uses the input embedding as its output head; use generator.backend=hf or a {arch} with tied embeddings")
+
+
+def unloaded_aliases(model, tied: dict[str, str]) -> set[str]:
+    """The tied aliases (``{alias: target}`` of ``vllm_worker.engine_weight_names``) that
+    ``model.load_weights`` cannot take: a head alias of a model with no head module (vLLM's
+    Gemma2). Their bytes are the target's, which the update carries under its own name."""
+    return {alias for alias in tied if alias.split(".")[0] == "lm_head" and getattr(model, "lm_head", None) is None}
+
+
+_LOG_ERROR = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:\s*\S.*)$")
+
+
+def root_cause(error: BaseException, log_text: str = "") -> str:
+    """One line naming why an engine died: the innermost exception of ``error``'s
+    ``__cause__``/``__context__`` chain that is not vLLM's ``EngineDeadError`` wrapper
+    (``"ValueError: ..."``), else the last ``SomeError: message`` line of ``log_text`` (the engine
+    core died in its own process and logged its traceback), else ``error`` itself."""
+    chain, seen = [], set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in reversed(chain):
+        if type(e).__name__ != "EngineDeadError" and str(e):
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
+    for line in reversed(log_text.splitlines()):
+        m = _LOG_ERROR.search(line.strip())
+        if m and "EngineDeadError" not in m.group(1):
+            return m.group(1).strip()
+    return f"{type(error).__name__}: {error}"
