@@ -1,0 +1,211 @@
+"""Models of other architectures on every engine (issue 31, acceptance 5).
+
+The built-in tiny models of Llama, Qwen3, Mistral, Gemma2, Phi3 and OLMo2
+(``async_rl.data.architectures``) train with the HF and the vLLM engine, and a weight push
+reaches every parameter each engine really holds (tied heads, fused projections, vLLM's Gemma2
+whose head is its embedding). A model an engine cannot serve here is refused at start, in one
+line, before any engine starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from async_rl.data.architectures import ARCH_SPECS
+from async_rl.data.builtin import resolve
+from async_rl.generators.model_support import (VLLM_CPU_HEAD_SIZES, UnservableModelError, check_vllm_model,
+                                               head_size, root_cause)
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = sorted(ARCH_SPECS)
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+
+
+def _model_with_head_dim(tmp_path: Path, head_dim: int, arch: str = "tiny-llama") -> Path:
+    """A copy of a built-in model whose config claims another head size (its weights then no
+    longer load: whatever reads them would fail loudly, so a check that lets it through shows)."""
+    out = tmp_path / f"{arch}-head{head_dim}"
+    shutil.copytree(resolve(f"builtin:{arch}"), out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["head_dim"] = head_dim
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_builtin_architecture_is_what_its_name_says_with_a_head_size_vllm_serves(arch):
+    cfg = json.loads((Path(resolve(f"builtin:{arch}")) / "config.json").read_text())
+    assert cfg["architectures"] == [ARCH_SPECS[arch]["model"]]
+    assert head_size(cfg) == 32 and head_size(cfg) in VLLM_CPU_HEAD_SIZES
+    check_vllm_model(cfg)  # served: no error
+
+
+def test_head_size_16_on_vllm_is_refused_at_start_in_one_line(tmp_path, capsys, monkeypatch):
+    from async_rl.cli import main
+    from async_rl.generators.vllm import VLLMGenerator
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started")
+
+    monkeypatch.setattr(VLLMGenerator, "__init__", no_engine)
+    model = _model_with_head_dim(tmp_path, 16)
+    rc = main(["train", "--config", str(ROOT / "configs/default.yaml"), f"model.path={model}",
+               "generator.backend=vllm", f"trainer.output_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    sizes = ", ".join(map(str, VLLM_CPU_HEAD_SIZES))
+    assert rc == 1
+    assert err == [f"async-rl: error: generator.backend=vllm cannot serve {model}: head_dim=16; vLLM's CPU attention "
+                   f"supports head_dim in {{{sizes}}}; use generator.backend=hf or a model whose head size is one "
+                   f"of those"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_gemma2_with_an_untied_head_is_refused_for_vllm_and_head_sizes_for_hf_are_not_checked():
+    cfg = json.loads((Path(resolve("builtin:tiny-gemma2")) / "config.json").read_text())
+    with pytest.raises(UnservableModelError, match="tie_word_embeddings=false.*Gemma2ForCausalLM always uses"):
+        check_vllm_model({**cfg, "tie_word_embeddings": False}, "m")
+    # Only the CPU build's attention has the head-size limit.
+    check_vllm_model({**cfg, "head_dim": 16}, "m", cpu=False)
+    from async_rl.generators import check_model
+    from async_rl.generators.base import GeneratorConfig
+
+    check_model(GeneratorConfig(backend="hf"), str(Path(resolve("builtin:tiny-gemma2"))))
+
+
+@needs_vllm
+def test_vllm_cpu_head_sizes_are_the_installed_vllms():
+    from async_rl.generators.vllm_logging import use_quiet_config
+
+    use_quiet_config()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
+
+
+def test_root_cause_of_a_dead_engine_is_one_line():
+    class EngineDeadError(Exception):
+        pass
+
+    try:
+        try:
+            raise ValueError("Unsupported CPU attention configuration: head_dim=16\n(while running layer 0)")
+        except ValueError as inner:
+            raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.") \
+                from inner
+    except EngineDeadError as e:
+        assert root_cause(e) == "ValueError: (while running layer 0)"
+    dead = EngineDeadError("")
+    log = ("INFO something\nERROR 12-04 [core.py:1] EngineCore failed\n"
+           "RuntimeError: Unsupported CPU attention configuration: head_dim=16\nINFO shutting down\n")
+    assert root_cause(dead, log) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    assert root_cause(dead, "") == "EngineDeadError: "
+
+
+# ------------------------------------------------------------------ weight pushes
+
+
+def _perturbed(path: str, scale: float = 0.05):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return model.eval()
+
+
+def _hf_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+    return logp[torch.arange(len(response)), torch.tensor(response)].tolist()
+
+
+def _push_and_compare(gen, path: str) -> None:
+    """Push perturbed weights through the one weight path (``WeightPublisher``, ``shm``) and check
+    the engine then samples what the perturbed model computes (and no longer what it started with)."""
+    from async_rl.generators.base import SamplingParams
+    from async_rl.weight_sync import LocalTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
+
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
+    params = SamplingParams(greedy=True, max_tokens=6, stop_token_ids=())
+    model = _perturbed(path)
+    pub = WeightPublisher(WeightSyncConfig(transport="shm"), "shm", ModuleWeights(model), [LocalTarget(gen)])
+    try:
+        pub.push(1)
+    finally:
+        pub.close()
+    assert gen.policy_version == 1
+    for prompt, samples in zip(prompts, gen.generate(prompts, 1, params)):
+        s = samples[0]
+        assert s.logprobs == pytest.approx(_hf_logprobs(model, prompt, s.response_ids), abs=2e-3)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_weights_pushed_through_the_hf_engine_reach_every_parameter(arch):
+    from async_rl.generators.base import GeneratorConfig
+    from async_rl.generators.hf import HFGenerator
+
+    path = resolve(f"builtin:{arch}")
+    gen = HFGenerator(path, GeneratorConfig(backend="hf", max_batch_size=8), pad_token_id=0)
+    try:
+        _push_and_compare(gen, path)
+    finally:
+        gen.close()
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_weights_pushed_through_the_vllm_engine_reach_every_parameter(arch):
+    from async_rl.generators.base import GeneratorConfig
+    from async_rl.generators.vllm import VLLMGenerator
+
+    path = resolve(f"builtin:{arch}")
+    gen = VLLMGenerator(path, GeneratorConfig(backend="vllm", max_batch_size=8), num_threads=1)
+    try:
+        _push_and_compare(gen, path)
+    finally:
+        gen.close()
+
+
+# ------------------------------------------------------------------ training
+
+
+def _train(tmp_path: Path, arch: str, backend: str) -> list[dict]:
+    from async_rl.config import load_config
+    from async_rl.trainer import train
+
+    train(load_config(ROOT / "configs/default.yaml", [
+        f"model.path=builtin:{arch}", f"generator.backend={backend}", f"trainer.output_dir={tmp_path}",
+        "trainer.run_name=run", "trainer.total_steps=2", "trainer.prompts_per_step=2",
+        "trainer.samples_per_prompt=2", "trainer.eval_every_steps=0", "trainer.warm_start.steps=2",
+        "trainer.warm_start.batch_size=4", "data.val_max_prompts=2", "logging.progress=false",
+        "trainer.export_model=false", "trainer.checkpoint.every_steps=0"]))
+    lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [l for l in lines if l["step"] >= 1]
+    assert [l["policy/version"] for l in steps] == [1, 2]
+    # The engine samples with the learner's weights (the warm start's, pushed before step 1).
+    assert all(l["mismatch/logprob_abs_diff"] < 2e-3 for l in steps), [l["mismatch/logprob_abs_diff"] for l in steps]
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_architecture_trains_with_the_hf_engine(tmp_path, arch):
+    _train(tmp_path, arch, "hf")
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_architecture_trains_with_the_vllm_engine(tmp_path, arch):
+    _train(tmp_path, arch, "vllm")
