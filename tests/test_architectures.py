@@ -136,7 +136,10 @@ def _push_and_compare(gen, path: str) -> None:
     from async_rl.weight_sync import LocalTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
 
     prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
-    params = SamplingParams(greedy=True, max_tokens=6, stop_token_ids=())
+    params = SamplingParams(greedy=True, max_tokens=6, stop_token_ids=(1,))
+    from transformers import AutoModelForCausalLM
+
+    before = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = _perturbed(path)
     pub = WeightPublisher(WeightSyncConfig(transport="shm"), "shm", ModuleWeights(model), [LocalTarget(gen)])
     try:
@@ -147,6 +150,8 @@ def _push_and_compare(gen, path: str) -> None:
     for prompt, samples in zip(prompts, gen.generate(prompts, 1, params)):
         s = samples[0]
         assert s.logprobs == pytest.approx(_hf_logprobs(model, prompt, s.response_ids), abs=2e-3)
+        # The perturbation is far larger than the tolerance: a parameter left behind would show.
+        assert s.logprobs != pytest.approx(_hf_logprobs(before, prompt, s.response_ids), abs=2e-2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
