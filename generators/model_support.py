@@ -41,6 +41,17 @@ VLLM_HEAD_IS_EMBEDDING = ("Gemma2ForCausalLM",)
 ``tie_word_embeddings`` says (``vllm/model_executor/models/gemma2.py``'s ``compute_logits``)."""
 
 
+ERROR_FILE_ENV = "ASYNC_RL_ENGINE_ERROR_FILE"
+"""Environment variable naming the file an engine's processes write the root cause of a fatal
+error to (``record_fatal``, from the log filter every vLLM process installs); set by the engine
+for the processes it starts, read by ``root_cause`` when the engine reports itself dead."""
+
+
+class EngineDied(RuntimeError):
+    """An engine that died mid-run; the message is one line naming the engine and the root cause
+    (``root_cause``), not vLLM's "See stack trace (above)"."""
+
+
 class UnservableModelError(ValueError):
     """A model an engine cannot serve on this platform, refused before any engine starts; the
     message is one line naming the engine, the value and what would work."""
@@ -98,6 +109,43 @@ def unloaded_aliases(model, tied: dict[str, str]) -> set[str]:
 
 
 _LOG_ERROR = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:\s*\S.*)$")
+
+
+def record_fatal(exc: BaseException, environ=None) -> None:
+    """In an engine's own process: append ``exc``'s root cause (``root_cause``, one line) to the
+    file ``$ASYNC_RL_ENGINE_ERROR_FILE`` names, if set; the file exists only once an engine failed.
+    Never raises: it runs inside logging."""
+    import os
+
+    path = (environ if environ is not None else os.environ).get(ERROR_FILE_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(root_cause(exc) + "\n")
+    except Exception:  # noqa: BLE001 - a log filter must not fail the log call
+        pass
+
+
+def is_engine_dead(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it was raised from) is vLLM's ``EngineDeadError``."""
+    e, seen = error, set()
+    while e is not None and id(e) not in seen:
+        if type(e).__name__ == "EngineDeadError":
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def engine_died(engine: str, error: BaseException, error_file: str | None) -> EngineDied:
+    """The one-line ``EngineDied`` for ``error``: the first root cause the engine's processes
+    recorded in ``error_file`` (``record_fatal``), else ``root_cause(error)``."""
+    recorded = ""
+    if error_file and Path(error_file).is_file():
+        recorded = Path(error_file).read_text()
+    first = next((line for line in recorded.splitlines() if line.strip()), "")
+    return EngineDied(f"the {engine} engine died: {first or root_cause(error)}")
 
 
 def root_cause(error: BaseException, log_text: str = "") -> str:

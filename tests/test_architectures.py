@@ -214,3 +214,43 @@ def test_each_architecture_trains_with_the_hf_engine(tmp_path, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_architecture_trains_with_the_vllm_engine(tmp_path, arch):
     _train(tmp_path, arch, "vllm")
+
+
+def _head16_model(tmp_path: Path) -> Path:
+    """A real (loadable) Llama with head size 16: 8 heads of 16 in a hidden size of 128."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from async_rl.data.builtin import build_tokenizer
+
+    out = tmp_path / "llama-head16"
+    tok = build_tokenizer(out)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                      bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_vllm_engine_that_dies_is_reported_in_one_line_with_its_root_cause(tmp_path):
+    # The start check is bypassed on purpose (the engine is made directly): what the run sees
+    # when an engine dies of a cause nothing checked beforehand.
+    import tempfile
+
+    from async_rl.generators.base import GeneratorConfig, SamplingParams
+    from async_rl.generators.model_support import EngineDied
+    from async_rl.generators.vllm import VLLMGenerator
+
+    before = set(Path(tempfile.gettempdir()).glob("async-rl-vllm-error-*"))
+    with pytest.raises(EngineDied) as info:
+        gen = VLLMGenerator(str(_head16_model(tmp_path)), GeneratorConfig(backend="vllm", max_batch_size=4),
+                            num_threads=1)
+        try:
+            gen.generate([[5, 6, 7]], 1, SamplingParams(max_tokens=4, stop_token_ids=(1,)))
+        finally:
+            gen.close()
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith("the vLLM engine died: ") and "head_dim=16" in message, message
+    assert set(Path(tempfile.gettempdir()).glob("async-rl-vllm-error-*")) == before  # nothing left behind
