@@ -132,21 +132,22 @@ def _hf_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
 def _push_and_compare(gen, path: str) -> None:
     """Push perturbed weights through the one weight path (``WeightPublisher``, ``shm``) and check
     the engine then samples what the perturbed model computes (and no longer what it started with)."""
+    from transformers import AutoModelForCausalLM
+
     from async_rl.generators.base import SamplingParams
     from async_rl.weight_sync import LocalTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
 
     prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
     params = SamplingParams(greedy=True, max_tokens=6, stop_token_ids=(1,))
-    from transformers import AutoModelForCausalLM
-
     before = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = _perturbed(path)
+    version = gen.policy_version + 1
     pub = WeightPublisher(WeightSyncConfig(transport="shm"), "shm", ModuleWeights(model), [LocalTarget(gen)])
     try:
-        pub.push(1)
+        pub.push(version)
     finally:
         pub.close()
-    assert gen.policy_version == 1
+    assert gen.policy_version == version
     for prompt, samples in zip(prompts, gen.generate(prompts, 1, params)):
         s = samples[0]
         assert s.logprobs == pytest.approx(_hf_logprobs(model, prompt, s.response_ids), abs=2e-3)
@@ -154,66 +155,63 @@ def _push_and_compare(gen, path: str) -> None:
         assert s.logprobs != pytest.approx(_hf_logprobs(before, prompt, s.response_ids), abs=2e-2)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_weights_pushed_through_the_hf_engine_reach_every_parameter(arch):
-    from async_rl.generators.base import GeneratorConfig
-    from async_rl.generators.hf import HFGenerator
-
-    path = resolve(f"builtin:{arch}")
-    gen = HFGenerator(path, GeneratorConfig(backend="hf", max_batch_size=8), pad_token_id=0)
-    try:
-        _push_and_compare(gen, path)
-    finally:
-        gen.close()
-
-
-@needs_vllm
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-def test_weights_pushed_through_the_vllm_engine_reach_every_parameter(arch):
-    from async_rl.generators.base import GeneratorConfig
-    from async_rl.generators.vllm import VLLMGenerator
-
-    path = resolve(f"builtin:{arch}")
-    gen = VLLMGenerator(path, GeneratorConfig(backend="vllm", max_batch_size=8), num_threads=1)
-    try:
-        _push_and_compare(gen, path)
-    finally:
-        gen.close()
-
-
-# ------------------------------------------------------------------ training
-
-
-def _train(tmp_path: Path, arch: str, backend: str) -> list[dict]:
+def _train_keeping_the_engine(tmp_path: Path, arch: str, backend: str, monkeypatch):
+    """Train ``arch`` two steps (after a two-step warm start) on ``backend`` in sync mode; returns
+    the run's step metrics and the run's own engine, kept open for one more push (one engine start
+    serves both checks: vLLM's take a minute)."""
+    import async_rl.trainer as trainer
     from async_rl.config import load_config
-    from async_rl.trainer import train
 
-    train(load_config(ROOT / "configs/default.yaml", [
-        f"model.path=builtin:{arch}", f"generator.backend={backend}", f"trainer.output_dir={tmp_path}",
-        "trainer.run_name=run", "trainer.total_steps=2", "trainer.prompts_per_step=2",
-        "trainer.samples_per_prompt=2", "trainer.eval_every_steps=0", "trainer.warm_start.steps=2",
-        "trainer.warm_start.batch_size=4", "data.val_max_prompts=2", "logging.progress=false",
-        "trainer.export_model=false", "trainer.checkpoint.every_steps=0"]))
+    kept = []
+    make = trainer.make_generator
+
+    def keep(*args, **kwargs):
+        gen = make(*args, **kwargs)
+        kept.append((gen, gen.close))
+        gen.close = lambda: None  # the run's own close; the test closes it after its push
+        return gen
+
+    monkeypatch.setattr(trainer, "make_generator", keep)
+    try:
+        trainer.train(load_config(ROOT / "configs/default.yaml", [
+            f"model.path=builtin:{arch}", f"generator.backend={backend}", f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=run", "trainer.total_steps=2", "trainer.prompts_per_step=2",
+            "trainer.samples_per_prompt=2", "trainer.eval_every_steps=0", "trainer.warm_start.steps=2",
+            "trainer.warm_start.batch_size=4", "data.val_max_prompts=2", "logging.progress=false",
+            "trainer.export_model=false"]))
+    except BaseException:
+        for gen, close in kept:
+            close()
+        raise
+    (gen, close), = kept
+    gen.close = close
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [l for l in lines if l["step"] >= 1]
-    assert [l["policy/version"] for l in steps] == [1, 2]
-    # The engine samples with the learner's weights (the warm start's, pushed before step 1).
-    assert all(l["mismatch/logprob_abs_diff"] < 2e-3 for l in steps), [l["mismatch/logprob_abs_diff"] for l in steps]
-    return steps
+    return [l for l in lines if l["step"] >= 1], gen
+
+
+def _trains_and_takes_a_push(tmp_path: Path, arch: str, backend: str, monkeypatch) -> None:
+    steps, gen = _train_keeping_the_engine(tmp_path, arch, backend, monkeypatch)
+    try:
+        assert [l["policy/version"] for l in steps] == [1, 2]
+        # The engine samples with the learner's weights (pushed after the warm start and each step).
+        assert all(l["mismatch/logprob_abs_diff"] < 2e-3 for l in steps), [l["mismatch/logprob_abs_diff"]
+                                                                          for l in steps]
+        _push_and_compare(gen, resolve(f"builtin:{arch}"))
+    finally:
+        gen.close()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_each_architecture_trains_with_the_hf_engine(tmp_path, arch):
-    _train(tmp_path, arch, "hf")
+def test_each_architecture_trains_and_takes_a_weight_push_on_the_hf_engine(tmp_path, arch, monkeypatch):
+    _trains_and_takes_a_push(tmp_path, arch, "hf", monkeypatch)
 
 
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_each_architecture_trains_with_the_vllm_engine(tmp_path, arch):
-    _train(tmp_path, arch, "vllm")
+def test_each_architecture_trains_and_takes_a_weight_push_on_the_vllm_engine(tmp_path, arch, monkeypatch):
+    _trains_and_takes_a_push(tmp_path, arch, "vllm", monkeypatch)
 
 
 def _head16_model(tmp_path: Path) -> Path:
