@@ -151,7 +151,7 @@ def engine_died(engine: str, error: BaseException, error_file: str | None) -> En
 def root_cause(error: BaseException, log_text: str = "") -> str:
     """One line naming why an engine died: the innermost exception of ``error``'s
     ``__cause__``/``__context__`` chain that is not vLLM's ``EngineDeadError`` wrapper
-    (``"ValueError: ..."``), else the last ``SomeError: message`` line of ``log_text`` (the engine
+    (``"ValueError: <first line of its message>"``), else the last ``SomeError: message`` line of ``log_text`` (the engine
     core died in its own process and logged its traceback), else ``error`` itself."""
     chain, seen = [], set()
     e: BaseException | None = error
@@ -161,7 +161,7 @@ def root_cause(error: BaseException, log_text: str = "") -> str:
         e = e.__cause__ or e.__context__
     for e in reversed(chain):
         if type(e).__name__ != "EngineDeadError" and str(e):
-            return f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
     for line in reversed(log_text.splitlines()):
         m = _LOG_ERROR.search(line.strip())
         if m and "EngineDeadError" not in m.group(1):

@@ -100,12 +100,27 @@ def test_root_cause_of_a_dead_engine_is_one_line():
             raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.") \
                 from inner
     except EngineDeadError as e:
-        assert root_cause(e) == "ValueError: (while running layer 0)"
+        assert root_cause(e) == "ValueError: Unsupported CPU attention configuration: head_dim=16"
     dead = EngineDeadError("")
     log = ("INFO something\nERROR 12-04 [core.py:1] EngineCore failed\n"
            "RuntimeError: Unsupported CPU attention configuration: head_dim=16\nINFO shutting down\n")
     assert root_cause(dead, log) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
     assert root_cause(dead, "") == "EngineDeadError: "
+
+
+def test_an_engine_death_ends_the_cli_run_in_one_line(tmp_path, capsys, monkeypatch):
+    import async_rl.trainer as trainer
+    from async_rl.cli import main
+    from async_rl.generators.model_support import EngineDied
+
+    def dies(cfg):
+        raise EngineDied("the vLLM engine died: RuntimeError: out of KV-cache blocks")
+
+    monkeypatch.setattr(trainer, "train", dies)
+    rc = main(["train", "--config", str(ROOT / "configs/default.yaml"), f"trainer.output_dir={tmp_path}"])
+    assert rc == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "async-rl: error: the vLLM engine died: RuntimeError: out of KV-cache blocks"]
 
 
 # ------------------------------------------------------------------ weight pushes
