@@ -177,8 +177,9 @@ class VLLMGenerator:
             from async_rl.generators.model_support import engine_died, is_engine_dead
 
             # One line with the cause its processes logged, not vLLM's "see stack trace above";
-            # also for a start that failed ("Engine core initialization failed").
-            if is_engine_dead(e) or os.path.isfile(self._error_file):
+            # also for a start that failed ("Engine core initialization failed"). Other errors
+            # (a refused update) stay as they are.
+            if is_engine_dead(e) or (self.engine is None and os.path.isfile(self._error_file)):
                 raise engine_died("vLLM", e, self._error_file) from e
             raise
 
