@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from async_rl.data.builtin import BUILTIN_PREFIX, resolve
+from async_rl.data.builtin import BUILTIN_PREFIX
 from async_rl.generators import check_model as engine_check_model
 
 HUB_TIMEOUT_S = 10.0
@@ -50,7 +50,7 @@ def check_inputs(cfg: Any) -> None:
     if cfg.model.tokenizer_path:
         check_model("model.tokenizer_path", cfg.model.tokenizer_path, needs_config=False)
     # The engine's own verdict on the model (head sizes it runs here...), before any engine starts.
-    engine_check_model(cfg.generator, resolve(cfg.model.path))
+    engine_check_model(cfg.generator, cfg.model.path)
 
 
 def check_data_files(files_by_key: dict[str, list[str]]) -> None:
