@@ -79,16 +79,6 @@ def test_gemma2_with_an_untied_head_is_refused_for_vllm_and_head_sizes_for_hf_ar
     check_model(GeneratorConfig(backend="hf"), str(Path(resolve("builtin:tiny-gemma2"))))
 
 
-@needs_vllm
-def test_vllm_cpu_head_sizes_are_the_installed_vllms():
-    from async_rl.generators.vllm_logging import use_quiet_config
-
-    use_quiet_config()
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
-
-
 def test_root_cause_of_a_dead_engine_is_one_line():
     class EngineDeadError(Exception):
         pass
@@ -246,7 +236,7 @@ def _head16_model(tmp_path: Path) -> Path:
 
 @needs_vllm
 @pytest.mark.slow
-def test_a_vllm_engine_that_dies_is_reported_in_one_line_with_its_root_cause(tmp_path):
+def test_a_vllm_engine_that_dies_is_reported_in_one_line_with_its_root_cause_and_head_sizes_are_vllms(tmp_path):
     # The start check is bypassed on purpose (the engine is made directly): what the run sees
     # when an engine dies of a cause nothing checked beforehand.
     import tempfile
@@ -267,3 +257,7 @@ def test_a_vllm_engine_that_dies_is_reported_in_one_line_with_its_root_cause(tmp
     assert len(message.splitlines()) == 1
     assert message.startswith("the vLLM engine died: ") and "head_dim=16" in message, message
     assert set(Path(tempfile.gettempdir()).glob("async-rl-vllm-error-*")) == before  # nothing left behind
+    # The start check's list is the installed vLLM's (here, where vLLM is imported anyway).
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == VLLM_CPU_HEAD_SIZES
