@@ -17,9 +17,10 @@ any byte moves:
   on the name. The engine's receiver drops such aliases before loading (their bytes are the
   embedding's, which the update carries under its own name).
 * **Why an engine died** (``root_cause``): vLLM reports a dead engine core as ``EngineDeadError``
-  ("EngineCore encountered an issue. See stack trace (above) for the root cause."); the cause is
-  the ``__cause__``/``__context__`` chain or, when the core died in another process, the last
-  error line of the engine's log, which the run's one-line error then quotes.
+  ("EngineCore encountered an issue. See stack trace (above) for the root cause."), while the
+  cause was logged in the engine's own process: the log filter every vLLM process installs
+  (``vllm_logging``) records it (``record_fatal``) in a file the engine names
+  (``ERROR_FILE_ENV``), and ``engine_died`` quotes it in the run's one-line ``EngineDied``.
 
 Nothing here imports vLLM: the checks run in the trainer before any engine starts.
 """
@@ -27,7 +28,6 @@ Nothing here imports vLLM: the checks run in the trainer before any engine start
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +108,6 @@ def unloaded_aliases(model, tied: dict[str, str]) -> set[str]:
     return {alias for alias in tied if alias.split(".")[0] == "lm_head" and getattr(model, "lm_head", None) is None}
 
 
-_LOG_ERROR = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b:\s*\S.*)$")
-
-
 def record_fatal(exc: BaseException, environ=None) -> None:
     """In an engine's own process: append ``exc``'s root cause (``root_cause``, one line) to the
     file ``$ASYNC_RL_ENGINE_ERROR_FILE`` names, if set; the file exists only once an engine failed.
@@ -148,11 +145,10 @@ def engine_died(engine: str, error: BaseException, error_file: str | None) -> En
     return EngineDied(f"the {engine} engine died: {first or root_cause(error)}")
 
 
-def root_cause(error: BaseException, log_text: str = "") -> str:
-    """One line naming why an engine died: the innermost exception of ``error``'s
-    ``__cause__``/``__context__`` chain that is not vLLM's ``EngineDeadError`` wrapper
-    (``"ValueError: <first line of its message>"``), else the last ``SomeError: message`` line of ``log_text`` (the engine
-    core died in its own process and logged its traceback), else ``error`` itself."""
+def root_cause(error: BaseException) -> str:
+    """One line naming why an engine failed: the innermost exception of ``error``'s
+    ``__cause__``/``__context__`` chain that is not vLLM's ``EngineDeadError`` wrapper and has a
+    message, as ``"ValueError: <first line of its message>"``; else ``error`` itself."""
     chain, seen = [], set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
@@ -160,10 +156,6 @@ def root_cause(error: BaseException, log_text: str = "") -> str:
         chain.append(e)
         e = e.__cause__ or e.__context__
     for e in reversed(chain):
-        if type(e).__name__ != "EngineDeadError" and str(e):
+        if type(e).__name__ != "EngineDeadError" and str(e).strip():
             return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
-    for line in reversed(log_text.splitlines()):
-        m = _LOG_ERROR.search(line.strip())
-        if m and "EngineDeadError" not in m.group(1):
-            return m.group(1).strip()
     return f"{type(error).__name__}: {error}"

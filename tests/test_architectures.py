@@ -91,11 +91,25 @@ def test_root_cause_of_a_dead_engine_is_one_line():
                 from inner
     except EngineDeadError as e:
         assert root_cause(e) == "ValueError: Unsupported CPU attention configuration: head_dim=16"
-    dead = EngineDeadError("")
-    log = ("INFO something\nERROR 12-04 [core.py:1] EngineCore failed\n"
-           "RuntimeError: Unsupported CPU attention configuration: head_dim=16\nINFO shutting down\n")
-    assert root_cause(dead, log) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
-    assert root_cause(dead, "") == "EngineDeadError: "
+    assert root_cause(EngineDeadError("")) == "EngineDeadError: "
+
+
+def test_an_engines_recorded_root_cause_names_its_death(tmp_path):
+    from async_rl.generators.model_support import ERROR_FILE_ENV, engine_died, record_fatal
+
+    class EngineDeadError(Exception):
+        pass
+
+    error_file = tmp_path / "errors.log"
+    record_fatal(ValueError("nothing recorded without the variable"), environ={})
+    assert not error_file.exists()
+    record_fatal(RuntimeError("Unsupported CPU attention configuration: head_dim=16"),
+                 environ={ERROR_FILE_ENV: str(error_file)})
+    record_fatal(RuntimeError("a consequence"), environ={ERROR_FILE_ENV: str(error_file)})
+    died = engine_died("vLLM", EngineDeadError("EngineCore encountered an issue."), str(error_file))
+    assert str(died) == "the vLLM engine died: RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    assert str(engine_died("vLLM", EngineDeadError("x"), str(tmp_path / "none"))) == \
+        "the vLLM engine died: EngineDeadError: x"
 
 
 def test_an_engine_death_ends_the_cli_run_in_one_line(tmp_path, capsys, monkeypatch):

@@ -46,7 +46,7 @@ ARCH_SPECS: dict[str, dict[str, Any]] = {
 and ``seed`` (of the initialisation). Part of each artefact's cache key: a change rebuilds it."""
 
 
-def head_size(config) -> int:
+def _head_size(config) -> int:
     """The attention head size of a Hugging Face config: its ``head_dim`` field where it has one
     (Gemma2, Qwen3, Mistral; ``None`` in some configs means the default), else
     ``hidden_size // num_attention_heads`` (the rule of Llama-style models)."""
@@ -74,8 +74,8 @@ def build_arch(out_dir: Path, spec: dict[str, Any], build_tokenizer: Callable[[P
     tokenizer = build_tokenizer(out_dir)
     config = config_cls(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **spec)
-    if head_size(config) != 32:
-        raise ValueError(f"{model_cls.__name__} spec has head size {head_size(config)}, not 32")
+    if _head_size(config) != 32:
+        raise ValueError(f"{model_cls.__name__} spec has head size {_head_size(config)}, not 32")
     torch.manual_seed(seed)
     model = model_cls(config)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
