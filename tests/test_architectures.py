@@ -150,17 +150,29 @@ def _hf_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
 
 def _push_and_compare(gen, path: str) -> None:
     """Push perturbed weights through the one weight path (``WeightPublisher``, ``shm``) and check
-    the engine then samples what the perturbed model computes (and no longer what it started with)."""
+    the engine then samples what the perturbed model computes (and no longer what it started with);
+    first, an update with one name the engine does not hold is refused whole."""
     from transformers import AutoModelForCausalLM
 
     from async_rl.generators.base import SamplingParams
-    from async_rl.weight_sync import LocalTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
+    from async_rl.weight_sync import (LocalTarget, ModuleWeights, NamedTensors, WeightPublisher, WeightSyncConfig,
+                                      tied_aliases)
 
     prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
     params = SamplingParams(greedy=True, max_tokens=6, stop_token_ids=(1,))
     before = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = _perturbed(path)
     version = gen.policy_version + 1
+    # A name the engine does not hold is refused before any byte of the update is written.
+    named = list(ModuleWeights(model).named_weights()) + [("model.layers.0.mlp.gate_prj.weight", torch.zeros(4))]
+    bad = WeightPublisher(WeightSyncConfig(transport="shm"), "shm", NamedTensors(named, tied_aliases(model)),
+                          [LocalTarget(gen)])
+    try:
+        with pytest.raises(Exception, match="gate_prj") as refused:
+            bad.push(version)
+    finally:
+        bad.close()
+    assert "refused" in str(refused.value) and gen.policy_version == version - 1
     pub = WeightPublisher(WeightSyncConfig(transport="shm"), "shm", ModuleWeights(model), [LocalTarget(gen)])
     try:
         pub.push(version)
