@@ -12,6 +12,10 @@ existing local directory (it must hold ``config.json``), a hub repo id (``Qwen/Q
 found in the Hugging Face cache, or a hub repo id that the hub, asked once with a
 ``HUB_TIMEOUT_S`` timeout, knows. Anything else is refused; a path that cannot be a repo id
 (absolute, ``./``, ``~``, two slashes) is refused as a missing directory.
+
+Last, the generator engine judges the model (``async_rl.generators.check_model``): one it cannot
+serve on this platform, such as a head size vLLM's CPU attention does not run, is refused in one
+line before any engine starts, instead of killing the engine at its first forward pass.
 """
 
 from __future__ import annotations
