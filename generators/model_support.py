@@ -137,10 +137,12 @@ def is_engine_dead(error: BaseException) -> bool:
 
 def engine_died(engine: str, error: BaseException, error_file: str | None) -> EngineDied:
     """The one-line ``EngineDied`` for ``error``: the first root cause the engine's processes
-    recorded in ``error_file`` (``record_fatal``), else ``root_cause(error)``."""
+    recorded in ``error_file`` (``record_fatal``; the file is removed once read), else
+    ``root_cause(error)``."""
     recorded = ""
     if error_file and Path(error_file).is_file():
         recorded = Path(error_file).read_text()
+        Path(error_file).unlink(missing_ok=True)  # read once: nothing is left even if close never runs
     first = next((line for line in recorded.splitlines() if line.strip()), "")
     return EngineDied(f"the {engine} engine died: {first or root_cause(error)}")
 

@@ -108,6 +108,7 @@ def test_an_engines_recorded_root_cause_names_its_death(tmp_path):
     record_fatal(RuntimeError("a consequence"), environ={ERROR_FILE_ENV: str(error_file)})
     died = engine_died("vLLM", EngineDeadError("EngineCore encountered an issue."), str(error_file))
     assert str(died) == "the vLLM engine died: RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    assert not error_file.exists()  # read once, removed
     assert str(engine_died("vLLM", EngineDeadError("x"), str(tmp_path / "none"))) == \
         "the vLLM engine died: EngineDeadError: x"
 
