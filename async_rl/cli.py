@@ -176,6 +176,7 @@ def _train(cfg) -> int:
     import signal
 
     from async_rl.checkpoint import forced_stop_signal
+    from async_rl.generators.model_support import EngineDied
     from async_rl.learners.launch import LearnerRankDied
 
     try:
@@ -186,9 +187,10 @@ def _train(cfg) -> int:
         logging.getLogger(__name__).debug("training failed", exc_info=True)
         print(f"async-rl: error: {e}", file=sys.stderr)
         return 1
-    except LearnerRankDied as e:
-        # Named by rank 0 (rank, process, how it ended, the checkpoint to resume from): one line.
-        logging.getLogger(__name__).debug("a learner rank died", exc_info=True)
+    except (LearnerRankDied, EngineDied) as e:
+        # Named by rank 0 (rank, process, how it ended, the checkpoint to resume from), or an
+        # engine's death with the root cause its processes logged: one line.
+        logging.getLogger(__name__).debug("a learner rank or an engine died", exc_info=True)
         print(f"async-rl: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

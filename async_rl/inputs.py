@@ -12,6 +12,10 @@ existing local directory (it must hold ``config.json``), a hub repo id (``Qwen/Q
 found in the Hugging Face cache, or a hub repo id that the hub, asked once with a
 ``HUB_TIMEOUT_S`` timeout, knows. Anything else is refused; a path that cannot be a repo id
 (absolute, ``./``, ``~``, two slashes) is refused as a missing directory.
+
+Last, the generator engine judges the model (``async_rl.generators.check_model``): one it cannot
+serve on this platform, such as a head size vLLM's CPU attention does not run, is refused in one
+line before any engine starts, instead of killing the engine at its first forward pass.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.data.builtin import BUILTIN_PREFIX
+from async_rl.generators import check_model as engine_check_model
 
 HUB_TIMEOUT_S = 10.0
 """Seconds the one hub request of ``check_model`` may take before the hub counts as unreachable."""
@@ -41,11 +46,15 @@ def check_inputs(cfg: Any) -> None:
             model path naming no directory.
         ValueError: a data file of a type the dataset reader does not read, or a model that is
             neither local, nor cached, nor (when the hub answers) on the hub.
+        UnservableModelError: (a ``ValueError``) a model the generator engine cannot serve on this
+            platform (``async_rl.generators.check_model``), in one line.
     """
     check_data_files({"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files})
     check_model("model.path", cfg.model.path)
     if cfg.model.tokenizer_path:
         check_model("model.tokenizer_path", cfg.model.tokenizer_path, needs_config=False)
+    # The engine's own verdict on the model (head sizes it runs here...), before any engine starts.
+    engine_check_model(cfg.generator, cfg.model.path)
 
 
 def check_data_files(files_by_key: dict[str, list[str]]) -> None:

@@ -46,3 +46,23 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
     from async_rl.generators.hf import HFGenerator
 
     return HFGenerator(model_path, cfg, pad_token_id, device=device, lora=lora)
+
+
+def check_model(cfg, model_spec: str) -> None:
+    """Refuse at start a model the engine ``cfg.backend`` names cannot serve on this platform: the
+    engine class's ``check_model(hf_config, model_path)`` where it has one (vLLM's; the HF engine
+    serves whatever transformers loads), given the model's ``config.json``. ``model_spec``: a
+    model directory or ``builtin:NAME`` (resolved, i.e. built, only for an engine that checks).
+    Starts nothing.
+
+    Raises:
+        UnservableModelError: (a ``ValueError``) one line naming the engine, the value and what would work.
+    """
+    from async_rl.data.builtin import resolve
+    from async_rl.generators.model_support import read_hf_config
+
+    if cfg.backend == "vllm":
+        from async_rl.generators.vllm import VLLMGenerator
+
+        path = resolve(model_spec)
+        VLLMGenerator.check_model(read_hf_config(path), path)

@@ -132,6 +132,9 @@ class VLLMGenerator:
         self.engine = None
         self._ipc_dir: str | None = None
         """The directory of the engine's IPC socket files (removed by ``close``)."""
+        self._error_file = os.path.join(tempfile.gettempdir(), f"async-rl-vllm-error-{uuid.uuid4().hex[:12]}.log")
+        """Where the engine's processes record a fatal error's root cause (``model_support.record_fatal``;
+        made only by a failure, removed by ``close``)."""
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.vcfg.cpu_kv_cache_gb))
             if num_threads:
@@ -154,8 +157,31 @@ class VLLMGenerator:
             self._lora_request = lora_request()
 
     # ------------------------------------------------------------------ plumbing
+    @classmethod
+    def check_model(cls, hf_config: dict[str, Any], model_path: str = "the model") -> None:
+        """Refuse, before any engine starts, a model this engine cannot serve on this platform
+        (``model_support.check_vllm_model``: a head size vLLM's CPU attention does not run, a
+        Gemma2 with an untied head). ``hf_config``: the model's ``config.json`` as a dict.
+
+        Raises:
+            UnservableModelError: (a ``ValueError``) one line naming the engine, the value and what would work.
+        """
+        from async_rl.generators.model_support import check_vllm_model
+
+        check_vllm_model(hf_config, model_path, cpu=not torch.cuda.is_available())
+
     def _call(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        except Exception as e:
+            from async_rl.generators.model_support import engine_died, is_engine_dead
+
+            # One line with the cause its processes logged, not vLLM's "see stack trace above";
+            # also for a start that failed ("Engine core initialization failed"). Other errors
+            # (a refused update) stay as they are.
+            if is_engine_dead(e) or (self.engine is None and os.path.isfile(self._error_file)):
+                raise engine_died("vLLM", e, self._error_file) from e
+            raise
 
     async def _start(self):
         from huggingface_hub.utils import are_progress_bars_disabled
@@ -182,7 +208,7 @@ class VLLMGenerator:
             **({"enable_lora": True, "max_lora_rank": self._max_lora_rank, "max_loras": 1, "max_cpu_loras": 1}
                if self.lora is not None else {}),
         )
-        with _engine_environment(self._ipc_dir):
+        with _engine_environment(self._ipc_dir, self._error_file):
             try:
                 # On self, not a local (see below); should labelling fail, ``close`` shuts it down.
                 self.engine = AsyncLLM.from_engine_args(args)
@@ -211,6 +237,8 @@ class VLLMGenerator:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._error_file)
         if self.loop.is_running():
             # vLLM's shutdown cancels its socket tasks from this thread; awaited here, they do not
             # die pending ("Task was destroyed but it is pending!") when the loop stops.
@@ -583,16 +611,18 @@ async def _cancel_pending_tasks() -> None:
 
 
 @contextlib.contextmanager
-def _engine_environment(ipc_dir: str):
+def _engine_environment(ipc_dir: str, error_file: str = ""):
     """The environment an engine's processes start with (they are spawned and inherit it; this
     process gets its own back afterwards, so a later engine is set up afresh): its socket
     directory (``VLLM_RPC_BASE_PATH``: only the start makes socket names), loopback for its gloo
     groups unless an interface is chosen (``GLOO_SOCKET_IFNAME``), room for a clean shutdown
     (``SHUTDOWN_TIMEOUT_S``) and ``_FUTURE_WARNING_FILTER``. Values the user set are kept
-    (``PYTHONWARNINGS`` is extended)."""
+    (``PYTHONWARNINGS`` is extended); ``error_file``: ``model_support.ERROR_FILE_ENV``."""
     from async_rl.cluster import LOOPBACK, interface_of
+    from async_rl.generators.model_support import ERROR_FILE_ENV
 
     changes = {
+        ERROR_FILE_ENV: error_file,
         "VLLM_RPC_BASE_PATH": ipc_dir,
         # vLLM's own gloo groups listen where the host name resolves (the LAN address on many
         # machines) unless told; a generator actor has set its node's interface already.

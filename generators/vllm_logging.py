@@ -61,9 +61,16 @@ KNOWN_WARNINGS: tuple[tuple[str, str, str], ...] = (
 
 class KnownWarnings(logging.Filter):
     """Drops the records :data:`KNOWN_WARNINGS` lists (matched by logger name and the start of the
-    unformatted message), and only those, whatever their level."""
+    unformatted message), and only those, whatever their level. An error record carrying an
+    exception also has its root cause recorded (``model_support.record_fatal``: vLLM logs an
+    engine core's fatal error in that process, while the run only sees ``EngineDeadError``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.exc_info and record.exc_info[1] is not None:
+            # An engine process logging its fatal error: keep the root cause for the run's one line.
+            from async_rl.generators.model_support import record_fatal
+
+            record_fatal(record.exc_info[1])
         msg = record.msg if isinstance(record.msg, str) else ""
         return not any(record.name == name and msg.startswith(start) for name, start, _ in KNOWN_WARNINGS)
 

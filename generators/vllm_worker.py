@@ -58,6 +58,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from async_rl.generators.model_support import unloaded_aliases
 from async_rl.lora import PEFT_PREFIX, expected_vllm_adapter_names
 from async_rl.weight_sync import UpdatePlan, WeightReceiver, check_update, dtype_name
 
@@ -194,6 +195,8 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         # Read before any reload (a reload swaps parameters for meta tensors).
         self.names, self.packed, self.tied = engine_weight_names(self.model)
         self.specs = engine_weight_specs(self.model)
+        self.unloaded = unloaded_aliases(self.model, self.tied)
+        """Tied aliases the check accepts but ``load_weights`` cannot take (vLLM's Gemma2 head)."""
         self.num_updates = 0
         self.intact = True
         self.metrics: dict[str, float] = {}
@@ -239,7 +242,8 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
             self.intact = False
             try:
                 t1 = time.perf_counter()
-                self.model.load_weights(bucket if self._views else [(n, t.clone()) for n, t in bucket])
+                loadable = [(n, t) for n, t in bucket if n not in self.unloaded]
+                self.model.load_weights(loadable if self._views else [(n, t.clone()) for n, t in loadable])
                 t2 = time.perf_counter()
                 # The bucket's memory is reused by the next bucket: what the reload still holds
                 # of it must be copied first. Measured: with views left in the reload, a

@@ -15,6 +15,9 @@ loading code that reads a user's model directory or verl parquet reads them too:
   single-digit terms such as ``"3+8+5+1="`` whose worked answer is the chain of running sums
   ``"11 16 17"``; the number of terms is long-tailed (``CHAINSUM_SPEC``), so are the answers'
   lengths. The held-out split holds prompts that never occur in the train split.
+- ``builtin:tiny-llama``, ``tiny-qwen3``, ``tiny-mistral``, ``tiny-gemma2``, ``tiny-phi3``,
+  ``tiny-olmo2``: tiny models of other architectures with the same tokenizer
+  (``async_rl.data.architectures``).
 - ``builtin:tiny-qwen2-reward``: the same tiny Qwen2 with a scalar head
   (``Qwen2ForSequenceClassification``, one label), a reward model for ``reward.model``.
 
@@ -37,6 +40,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from async_rl.data.architectures import ARCH_SPECS, build_arch
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -456,6 +461,9 @@ _BUILDERS = {
     "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
     "chainsum": (CHAINSUM_SPEC, _build_chainsum),
     "calc": (CALC_SPEC, _build_calc),
+    # builtin:tiny-llama, tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-phi3, tiny-olmo2.
+    **{name: (spec, lambda out, spec=spec: build_arch(out, spec, build_tokenizer))
+       for name, spec in ARCH_SPECS.items()},
 }
 
 
