@@ -334,3 +334,16 @@ def test_a_hung_actor_is_killed_and_reported_with_the_heartbeat_reason():
     actor.run_ref.done = True  # killed: its run ends, and supervision reports it with that reason
     pool.supervise()
     assert "made no progress for 120 s" in lines[-1] and pool.restarts == [1, 0] and pushes == [3]
+
+
+def test_a_receiver_listening_beyond_the_runs_host_says_so_only_then(caplog):
+    from async_rl.loops.intake import warn_if_exposed
+
+    with caplog.at_level("WARNING", logger="async_rl.loops.intake"):
+        assert not warn_if_exposed(None, "tcp://127.0.0.1:5555", "127.0.0.1")  # the default: the run's host
+        assert not warn_if_exposed("tcp://127.0.0.2:*", "tcp://127.0.0.2:5555", "127.0.0.1")  # loopback
+        assert not warn_if_exposed("ipc:///tmp/x", "ipc:///tmp/x", "127.0.0.1")
+        assert warn_if_exposed("tcp://0.0.0.0:*", "tcp://0.0.0.0:5555", "127.0.0.1")
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainer.zmq_address=tcp://0.0.0.0:*: the trajectory receiver listens on 0.0.0.0, reachable from that "
+        "network, not only from this machine"]

@@ -25,8 +25,8 @@ state and the exactly-once ledger:
   background while the learner starts its next step). A dead or hung actor's claimed groups are
   abandoned (counted) and their prompts dispatched again, once, under new group ids.
 * **Consumption** (here): the learner takes B complete groups (``ReplayBuffer.get_groups`` evicts
-  any too stale and counts them), orders them by group id (so the batch does not depend on which
-  worker finished first), and trains with proximal log-probs recomputed at its current version.
+  the stale), orders them by group id (so the batch does not depend on which worker finished
+  first), and trains with proximal log-probs recomputed at its current version.
 * **Exactly once** (here): every dispatched group ends trained, rejected (all samples rejected by
   the reward), dropped by dynamic sampling, evicted as stale or abandoned, each counted; whatever
   is still in flight at shutdown is counted too (``pipeline/*`` in the summary, checked to add up).
@@ -41,7 +41,6 @@ role's threads default to its core count).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -54,14 +53,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_rl.buffers.replay import AdmissionController, ReplayBuffer
 from async_rl.buffers.transport import make_transport
-from async_rl.cluster import Cluster, is_loopback
+from async_rl.cluster import Cluster
 from async_rl.cpu_threads import user_num_threads
 from async_rl.loops.actors import RequestBroker
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.loops.dispatch import Dispatcher, buffer_bound
-from async_rl.loops.intake import Intake
-from async_rl.loops.pool import GeneratorPool, engine_tokens_per_s, placer, probe_difference, thread_budget
+from async_rl.loops.intake import Intake, warn_if_exposed
+# probe_difference: kept importable from here, where it was defined before the pool had a module.
+from async_rl.loops.pool import GeneratorPool, engine_tokens_per_s, placer, probe_difference, thread_budget  # noqa: F401
 from async_rl.rewards.model import RewardModel, model_kwargs
 from async_rl.rollout import RolloutResult, reward_model_path
 
@@ -101,7 +101,10 @@ class AsyncLoop:
         torch.set_num_threads(learner_threads)
         self._own_cluster = ctx.cluster is None
         self.cluster = Cluster.start(cfg) if self._own_cluster else ctx.cluster
-        self.receiver, sender_factory = self._listen()
+        # Generator actors on other nodes dial this address: the driver node's, not loopback.
+        self.receiver, sender_factory = make_transport(
+            "zmq", t_cfg.zmq_address or f"tcp://{self.cluster.bind_host}:*", t_cfg.zmq_hwm)
+        warn_if_exposed(t_cfg.zmq_address, self.receiver.address, self.cluster.bind_host)
         self.buffer = ReplayBuffer(group_size=self.n, max_staleness=t_cfg.max_staleness, max_reuse=t_cfg.max_reuse)
         self.bound = buffer_bound(cfg)
         # On the trainer's node: a generator node that goes down does not take the queue with it.
@@ -156,19 +159,6 @@ class AsyncLoop:
                       f"learner {learner_threads} threads, max_staleness {t_cfg.max_staleness}, weights over "
                       f"{self.pool.transport}" + (f" (store {sender.host}:{sender.port})" if sender is not None else "")
                       + f", trajectories on {self.receiver.address}")
-
-    def _listen(self):
-        """The trajectory receiver and the generators' sender factory (``make_transport``).
-        Generator actors on other nodes dial this address: the driver node's, not loopback."""
-        t_cfg = self.ctx.cfg.trainer
-        receiver, sender_factory = make_transport(
-            "zmq", t_cfg.zmq_address or f"tcp://{self.cluster.bind_host}:*", t_cfg.zmq_hwm)
-        heard_on = receiver.address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-        if t_cfg.zmq_address and receiver.address.startswith("tcp://") and heard_on != self.cluster.bind_host \
-                and not is_loopback(heard_on):
-            logger.warning("trainer.zmq_address=%s: the trajectory receiver listens on %s, reachable from that "
-                           "network, not only from this machine", t_cfg.zmq_address, heard_on)
-        return receiver, sender_factory
 
     @property
     def publisher(self):
@@ -345,28 +335,17 @@ class AsyncLoop:
 
     def _probe_engines(self, num_prompts: int = 4, max_tokens: int = 16) -> dict[str, float]:
         """``weight_sync.probe_at_exit``: every actor's engine and the trainer's own (holding the
-        learner's weights) greedily decode the same prompts; the tokens and log-probs, with where
-        each engine ran, go to ``engine_probe.json`` in the run directory. Returns the largest
-        log-prob difference against the trainer's engine over the tokens both produced, and the
-        number of actors whose tokens differ (``weight_sync/probe_*``)."""
+        learner's weights) greedily decode the same prompts (``GeneratorPool.probe_against``)."""
         ds = self.ctx.val_ds if self.ctx.val_ds is not None and len(self.ctx.val_ds) else self.ctx.train_ds
         prompts = [list(p.prompt_ids) for p in ds.prompts[:num_prompts]]
-        try:
-            probes = self.pool.probe(prompts, max_tokens)
-        except Exception as e:  # a dead worker was already reported by step()
-            logger.warning("engine probe: %s", e)
-            return {}
-        self.sync_eval_engine()
-        params = dataclasses.replace(self.ctx.eval_params, greedy=True, max_tokens=max_tokens)
-        rows = self.ctx.generator.generate(prompts, 1, params, seeds=[0] * len(prompts))
-        reference = {"policy_version": int(self.ctx.learner.version),
-                     "response_ids": [r[0].response_ids for r in rows], "logprobs": [r[0].logprobs for r in rows]}
-        diffs = [probe_difference(reference, p) for p in probes]
-        (self.ctx.run_dir / "engine_probe.json").write_text(json.dumps(
-            {"prompts": prompts, "max_tokens": max_tokens, "trainer_engine": reference, "actors": probes,
-             "differences": diffs}, indent=1))
-        return {"weight_sync/probe_max_abs_logprob_diff": max(d["max_abs_logprob_diff"] for d in diffs),
-                "weight_sync/probe_token_mismatches": float(sum(not d["tokens_equal"] for d in diffs))}
+
+        def reference() -> dict[str, Any]:
+            self.sync_eval_engine()
+            params = dataclasses.replace(self.ctx.eval_params, greedy=True, max_tokens=max_tokens)
+            rows = self.ctx.generator.generate(prompts, 1, params, seeds=[0] * len(prompts))
+            return {"policy_version": int(self.ctx.learner.version),
+                    "response_ids": [r[0].response_ids for r in rows], "logprobs": [r[0].logprobs for r in rows]}
+        return self.pool.probe_against(prompts, max_tokens, reference, self.ctx.run_dir / "engine_probe.json")
 
     def _summary(self) -> dict[str, Any]:
         """The ``pipeline/*``, ``generator_<i>/*``, ``buffer/peak_*`` and actors' ``reward/*``

@@ -15,8 +15,21 @@ import threading
 from typing import Any, Callable
 
 from async_rl.buffers.transport import GroupClosed
+from async_rl.cluster import is_loopback
 
 logger = logging.getLogger(__name__)
+
+
+def warn_if_exposed(zmq_address: str | None, address: str, bind_host: str) -> bool:
+    """Warn (and return ``True``) when ``trainer.zmq_address`` made the trajectory receiver listen
+    at ``address`` on a network other than the run's ``bind_host`` and not on loopback: reachable
+    from that network, not only from this machine."""
+    heard_on = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if zmq_address and address.startswith("tcp://") and heard_on != bind_host and not is_loopback(heard_on):
+        logger.warning("trainer.zmq_address=%s: the trajectory receiver listens on %s, reachable from that "
+                       "network, not only from this machine", zmq_address, heard_on)
+        return True
+    return False
 
 
 class Intake:

@@ -22,9 +22,11 @@ replacement needs a push: neither calls across a file boundary.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -247,12 +249,26 @@ class GeneratorPool:
             check_rewards_work(window, self.reward_first_error(), where)
         return True
 
-    def probe(self, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-        """Every live actor's greedy decode of ``prompts`` (``GeneratorWorker.probe``).
-
-        Raises:
-            Exception: an actor failed or did not answer within 300 s (Ray's error)."""
-        return self._ray.get([self.workers[i].probe.remote(prompts, max_tokens) for i in self.active()], timeout=300)
+    def probe_against(self, prompts: list[list[int]], max_tokens: int, reference: Callable[[], dict],
+                      out_path: Path) -> dict[str, float]:
+        """Every live actor's greedy decode of ``prompts`` (``GeneratorWorker.probe``) against
+        ``reference()``, the same decode by an engine holding the learner's weights (called once
+        the actors answered). The tokens and log-probs, with where each engine ran, go to
+        ``out_path`` (JSON). Returns the largest log-prob difference over the tokens both
+        produced (nats) and the number of actors whose tokens differ (``weight_sync/probe_*``);
+        nothing when an actor fails or does not answer within 300 s (logged)."""
+        try:
+            probes = self._ray.get([self.workers[i].probe.remote(prompts, max_tokens) for i in self.active()],
+                                   timeout=300)
+        except Exception as e:  # a dead worker was already reported by step()
+            logger.warning("engine probe: %s", e)
+            return {}
+        ref = reference()
+        diffs = [probe_difference(ref, p) for p in probes]
+        out_path.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "trainer_engine": ref,
+                                        "actors": probes, "differences": diffs}, indent=1))
+        return {"weight_sync/probe_max_abs_logprob_diff": max(d["max_abs_logprob_diff"] for d in diffs),
+                "weight_sync/probe_token_mismatches": float(sum(not d["tokens_equal"] for d in diffs))}
 
     # ------------------------------------------------------------------ publication
     def connect(self, supervised: bool = True) -> None:
