@@ -70,18 +70,19 @@ def test_dispatch_starts_what_admission_allows_in_one_feed_and_opens_with_each_v
 
 def test_a_dead_actors_groups_are_reissued_first_in_group_order_under_new_ids_and_seeds():
     feed, version, discarded = _Feed(), [0], [0]
-    d = _dispatcher(feed, version, discarded)
-    first = d.dispatch_admitted()  # groups 0 and 1
+    d = _dispatcher(feed, version, discarded, staleness=1)
+    first = d.dispatch_admitted()  # groups 0..3
     held = feed.broker.take((1, 0), 1000, 0)
-    # Group 0 completed before the actor died (nothing to abandon); group 1 did not.
-    reissued = d.requeue(list(reversed(held)), abandon=lambda gid: gid == 1)
-    assert reissued == 1 and d.num_reissued == 1 and list(d.outstanding) == []
-    version[0], discarded[0] = 1, 1  # the abandoned group frees its slot
+    # Group 0 completed before the actor died (nothing to abandon); groups 1..3 did not.
+    reissued = d.requeue(list(reversed(held)), abandon=lambda gid: gid != 0)
+    assert reissued == 3 and d.num_reissued == 3 and list(d.outstanding) == []
+    version[0], discarded[0] = 1, 3  # the abandoned groups free their slots
     again = d.dispatch_admitted()
-    assert [r.group_id for r in again] == [2, 3, 4]
-    # The re-issued prompt comes first, as a new group with that group's seed; then new prompts.
-    assert again[0].prompt_uid == first[1].prompt_uid and again[0].seed == group_seed(7, 2)
-    assert [r.prompt_uid for r in again[1:]] == ["p2", "p3"]
+    assert [r.group_id for r in again] == [4, 5, 6, 7, 8]
+    # The re-issued prompts come first, oldest group first, as new groups with those groups'
+    # seeds; then new prompts.
+    assert [r.prompt_uid for r in again] == [first[g].prompt_uid for g in (1, 2, 3)] + ["p4", "p5"]
+    assert [r.seed for r in again] == [group_seed(7, g) for g in range(4, 9)]
 
 
 def test_dispatch_forgets_what_ended_and_a_checkpoint_reissues_the_rest():
