@@ -10,7 +10,7 @@
 
 ``sample_groups`` is the one function that turns finished samples into trajectories: sync mode
 (``rollout``) collects them in a list; each generator actor of async mode
-(``async_rl.loops.pool``) streams them over ZeroMQ the moment a sample finishes. A sample whose
+(``async_rl.loops.actors``) streams them over ZeroMQ the moment a sample finishes. A sample whose
 reward is rejected leaves its group in both modes (counted by the scorer, never a reward 0); so
 does one whose reward function hangs past ``reward.timeout_s`` or kills its worker process, while
 the engine keeps decoding (``async_rl.rewards.workers``).

@@ -141,7 +141,7 @@ def digests(model) -> dict[str, str]:
 
 class HFEngineActor:
     """An ``HFGenerator`` in its own process (wrapped with ``ray.remote``): the receiving half of
-    ``async_rl.loops.pool.GeneratorWorker`` without its sampling loop."""
+    ``async_rl.loops.actors.GeneratorWorker`` without its sampling loop."""
 
     def __init__(self, model_path: str, pad_token_id: int, num_threads: int) -> None:
         torch.set_num_threads(num_threads)

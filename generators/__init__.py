@@ -1,6 +1,6 @@
 """Rollout engines: the generator protocol (``base``), HF transformers (``hf``), vLLM (``vllm``,
 with its weight-transfer backend in ``vllm_worker`` and its log filter in ``vllm_logging``) and
-SGLang (``sglang``). The async pool's actors that host them live in ``async_rl.loops.pool``.
+SGLang (``sglang``). The async pool's actors that host them live in ``async_rl.loops.actors``.
 Nothing here imports the learner side (LoRA settings and adapter names come from
 ``async_rl.lora``)."""
 

@@ -86,7 +86,7 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     from async_rl.buffers.replay import ReplayBuffer
     from async_rl.buffers.transport import GroupClosed, make_transport
     from async_rl.generators.base import GeneratorConfig, SamplingParams
-    from async_rl.loops.pool import GeneratorWorker, RequestBroker
+    from async_rl.loops.actors import GeneratorWorker, RequestBroker
     from async_rl.rollout import GroupRequest
 
     reward_file = tmp_path / "reward.py"
@@ -219,7 +219,7 @@ def test_a_worker_refuses_to_send_a_group_short_of_what_the_rollout_kept():
     sending the group short (a raise, so ``python -O`` keeps the check)."""
     from types import SimpleNamespace
 
-    from async_rl.loops.pool import GeneratorWorker
+    from async_rl.loops.actors import GeneratorWorker
 
     sent: list = []
     worker = SimpleNamespace(_unsent={"g7": ["t0", "t1"]}, sender=SimpleNamespace(send=sent.append),

@@ -121,7 +121,7 @@ def test_split_learner_threads_keeps_the_learner_cores_for_the_training_thread()
 
 def _worker_in_child(model_path: str, core: int, queue) -> None:
     from async_rl.generators.base import GeneratorConfig, SamplingParams
-    from async_rl.loops.pool import GeneratorWorker
+    from async_rl.loops.actors import GeneratorWorker
 
     class Sender:
         def send(self, msg):

@@ -915,7 +915,7 @@ class Injector:
 
     def foreign_messages(self, traj: Trajectory) -> list[tuple[str, Any]]:
         """Well-formed messages that no generator of the run sends, made from a real trajectory,
-        each with the reason the loop must refuse it for (``AsyncLoop._route``)."""
+        each with the reason the loop must refuse it for (``Intake.route``)."""
         g, n = traj.group_id, self.group_size
         return [
             ("unknown_group", dataclasses.replace(traj, group_id=10**9, trajectory_id=f"{10**9}/0")),

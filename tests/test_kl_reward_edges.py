@@ -177,7 +177,7 @@ def test_sync_rollout_never_trains_a_missing_reward_as_zero():
 
 def test_async_generator_actor_never_sends_a_missing_reward(tiny_model_path, tmp_path):
     from async_rl.generators.base import GeneratorConfig, SamplingParams
-    from async_rl.loops.pool import GeneratorWorker
+    from async_rl.loops.actors import GeneratorWorker
     from async_rl.rollout import GroupRequest
     from async_rl.buffers.transport import TrajectoryGroup
 

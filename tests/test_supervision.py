@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from async_rl.loops.pool import RequestBroker
+from async_rl.loops.actors import RequestBroker
 from async_rl.rollout import GroupRequest
 from pipeline_helpers import small_run_cfg
 

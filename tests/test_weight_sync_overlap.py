@@ -222,20 +222,25 @@ def _loop(learner, engines, overlap: bool = True):
     """An ``AsyncLoop`` with only what its publishing path reads: no Ray, no generator actors
     (supervision finds none dead or hung), the pool's engines in this process."""
     from async_rl.loops.async_loop import AsyncLoop
+    from async_rl.loops.dispatch import Dispatcher
+    from async_rl.loops.pool import GeneratorPool
 
     loop = AsyncLoop.__new__(AsyncLoop)
     eval_pushes: list[int] = []
     loop.ctx = types.SimpleNamespace(
-        learner=learner, cfg=types.SimpleNamespace(generator=types.SimpleNamespace(heartbeat_timeout_s=60)),
+        learner=learner, cfg=types.SimpleNamespace(generator=types.SimpleNamespace(heartbeat_timeout_s=60),
+                                                   weight_sync=types.SimpleNamespace(overlap_push=overlap)),
         publisher=types.SimpleNamespace(push=eval_pushes.append), train_ds=types.SimpleNamespace(state_dict=dict),
         service_cores=[])
-    loop.publisher = _publisher(learner, engines)
-    loop.published_version, loop.overlap, loop._push_metrics = 0, overlap, {}
-    loop._supervision_lock, loop._admission_changed = threading.RLock(), threading.Condition()
-    loop.workers, loop.run_refs, loop._starting, loop._beats, loop._killed, loop._errors = [], [], set(), {}, {}, []
+    loop._errors = []
     loop.buffer = types.SimpleNamespace(is_finished=lambda g: True, state_dict=dict)
-    loop._dispatch_lock, loop._outstanding, loop._reissue = threading.Lock(), {}, []
-    loop.num_dispatched = loop.num_dynamic_dropped = loop.num_trained_groups = loop.num_reissued = 0
+    loop.dispatch = Dispatcher(None, feed=None, forget=None, next_prompt=None, group_size=1, seed=0,
+                               published_version=lambda: loop.pool.published_version, num_discarded=lambda: 0)
+    loop.pool = GeneratorPool(loop.ctx, cluster=None, broker=None, place=None, lost=None,
+                              on_published=loop.dispatch.wake)
+    loop.pool.publisher = _publisher(learner, engines)
+    loop.pool.published_version = 0
+    loop.num_dynamic_dropped = loop.num_trained_groups = 0
     loop.trained_by_generator, loop._last_rejected_samples = {}, 0
     return loop, eval_pushes
 
@@ -246,17 +251,17 @@ def test_the_loop_publishes_a_version_for_admission_only_when_every_engine_holds
     learner = _Learner()
     loop, _ = _loop(learner, engines)
     learner.optimizer_step()
-    metrics = loop._publish_supervised()  # the learner's next step may start now
-    assert metrics["timing/weight_sync_s"] >= 0 and loop.published_version == 0
+    metrics = loop.pool.publish()  # the learner's next step may start now
+    assert metrics["timing/weight_sync_s"] >= 0 and loop.pool.published_version == 0
     engines[0].gate.set()
     engines[1].start.set()
     _wait_for(lambda: ("loaded", "a", 1) in log, "engine a loads v1")
     loop._check_health()  # the next step's wait for data: nothing has ended, nothing to raise
-    assert loop.published_version == 0
+    assert loop.pool.published_version == 0
     engines[1].gate.set()
-    _wait_for(lambda: loop.published_version == 1, "v1 published from the push's thread")
+    _wait_for(lambda: loop.pool.published_version == 1, "v1 published from the push's thread")
     loop._check_health()  # collects it
-    assert loop.publisher.pending_version is None and "weight_sync/publish_lag_s" in loop._push_metrics
+    assert loop.publisher.pending_version is None and "weight_sync/publish_lag_s" in loop.pool.push_metrics
     loop.publisher.close()
 
 
@@ -267,15 +272,15 @@ def test_a_background_failure_surfaces_at_the_next_step_with_the_engines_message
     learner = _Learner()
     loop, _ = _loop(learner, [engine])
     learner.optimizer_step()
-    loop._publish_supervised()
+    loop.pool.publish()
     _wait_for(loop.publisher.pending_done, "the background push ends")
     learner.optimizer_step()
     with pytest.raises(RuntimeError, match=r"receiver 0: ValueError: unknown weight 'model.extra.weight'"):
-        loop._publish_supervised() if where == "next_push" else loop._check_health()
-    assert loop.published_version == 0
-    loop._publish_supervised()  # the failure was raised once; the next push goes through
-    loop._settle_push()
-    assert loop.published_version == 2 and engine.policy_version == 2
+        loop.pool.publish() if where == "next_push" else loop._check_health()
+    assert loop.pool.published_version == 0
+    loop.pool.publish()  # the failure was raised once; the next push goes through
+    loop.pool.settle()
+    assert loop.pool.published_version == 2 and engine.policy_version == 2
     loop.publisher.close()
 
 
@@ -286,13 +291,13 @@ def test_a_checkpoint_and_an_evaluation_wait_for_the_pending_push(call):
     learner = _Learner()
     loop, eval_pushes = _loop(learner, [engine])
     learner.optimizer_step()
-    loop._publish_supervised()
+    loop.pool.publish()
     th, out = _in_thread(getattr(loop, call), log, call)
     th.join(timeout=1.0)
     engine.gate.set()
     th.join(timeout=60)
     assert "error" not in out, out
-    assert log.index(("loaded", "a", 1)) < log.index(call) and loop.published_version == 1
+    assert log.index(("loaded", "a", 1)) < log.index(call) and loop.pool.published_version == 1
     assert eval_pushes == ([1] if call == "sync_eval_engine" else [])
     loop.publisher.close()
 
@@ -303,8 +308,8 @@ def test_without_overlap_the_loop_publishes_before_the_step_returns():
     learner = _Learner()
     loop, _ = _loop(learner, [engine], overlap=False)
     learner.optimizer_step()
-    metrics = loop._publish_supervised()
-    assert loop.published_version == 1 and loop.publisher.pending_version is None
+    metrics = loop.pool.publish()
+    assert loop.pool.published_version == 1 and loop.publisher.pending_version is None
     assert metrics["weight_sync/publish_lag_s"] >= 0 and "weight_sync/bytes" in metrics
     loop.publisher.close()
 

@@ -1,338 +1,517 @@
-"""The generator pool: long-running Ray actors that sample, score and stream trajectories.
+"""The generator pool of the async loop: places the generator actors (``loops.actors``), supervises
+and restarts them, and owns every push of weights into them.
 
-::
+* **Placement**: each actor in its bundle of the run's placement group (``placer``).
+* **Publication**: the learner's weights go to every actor through the weight sync layer
+  (``async_rl.weight_sync``: shared-memory buckets on one host, or a gloo/NCCL broadcast group);
+  the version counts as published, for admission, only once all actors hold it. With
+  ``weight_sync.overlap_push`` the learner only stages its weights and a background thread
+  pushes them (``WeightPublisher.start_push``); one push at a time: the next push, a checkpoint,
+  an evaluation's engine sync and ``close`` collect the pending one first (``settle``), and its
+  failure is raised on the learner's thread and handled as a blocking push's would be.
+* **Supervision**: an actor that dies, or makes no progress and does not answer for
+  ``generator.heartbeat_timeout_s``, is found while the learner waits for data or pushes weights.
+  The groups it had claimed at the ``RequestBroker`` go back to dispatch (the ``lost`` callback:
+  ``Dispatcher.requeue``); the actor is replaced in its placement bundle, up to
+  ``generator.max_restarts`` times, and the current weights pushed to the pool again before the
+  replacement samples. With no actor left the run stops with an error naming each actor's end.
 
-    AsyncLoop ──GroupRequest──> RequestBroker ──take (claimed)──> GeneratorWorker k (own engine)
-                                                               │ each sample as it finishes:
-                                                               │ decode, submit to its reward
-                                                               │ workers; scored: Trajectory,
-                                                               │ kept until its group is closed
-                                                               v
-    ReplayBuffer <── receiver thread <── ZMQ PULL <── PUSH (one per worker) <── TrajectoryGroup(g, kept
-    (trajectories, then GroupClosed)                      trajectories) once all n samples of g are scored
-
-The dispatcher queues every group admission allows at once (``RequestBroker.put_many``). Each
-worker pulls as many queued groups as fit its engine batch (blocking for the first), idle workers
-splitting what is queued, samples them with per-group seeds (so which worker samples a group
-does not change its tokens), scores each sample the moment it finishes (in the actor's own
-reward worker processes while its engine decodes on), and once all ``n`` samples of a group are
-scored sends the group's kept trajectories as one ``TrajectoryGroup`` message, which the receiver
-hands on as the trajectories and a ``GroupClosed`` with the group's number of kept samples (a
-sample rejected by the reward is counted and left out), so the buffer can complete groups with
-rejections. Ray carries only control (requests, weights, stats); trajectories travel over
-ZeroMQ as msgpack.
-
-New weights arrive through ``receive_weights`` (the weight sync layer, ``async_rl.weight_sync``)
-on a second actor thread while ``run`` decodes in the first; the engine loads them between
-decoding steps (HF) or paused (vLLM) and the call returns once they are in use, so waiting on
-every worker's call is the barrier after which the new policy version is the only one generating.
-
-Requests go through a ``RequestBroker`` actor rather than a plain queue: a worker takes its batch
-from it under its own index, so when a worker dies the broker can say exactly which groups it held
-(``reclaim``), and the trainer re-issues those once (``AsyncLoop``'s supervision).
+Supervision and publication live together because a push is where a death often shows, and a
+replacement needs a push: neither calls across a file boundary.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 import ray
-import torch
-from transformers import AutoTokenizer
 
-from async_rl.agent import AgentLoop
-from async_rl.buffers.transport import TrajectoryGroup
-from async_rl.cluster import group_ip, pin_process, use_node_interface, where
-from async_rl.generators import make_generator
-from async_rl.rewards.config import RewardConfig
-from async_rl.rollout import GroupRequest, SampleCounts, make_scorer, sample_groups
+from async_rl.cluster import PlacementConfig, started_on
+from async_rl.cpu_threads import available_cores
+from async_rl.loops.actors import GeneratorWorker
+from async_rl.rewards import check_rewards_work
+from async_rl.weight_sync import RayTarget, WeightPublisher, engine_protocol, transports_for_targets
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class WorkerStats(SampleCounts):
-    """Counters of one worker since it started: the rollout counts (``SampleCounts``), seconds
-    busy sampling and idle waiting for requests, weight updates and their load time (seconds)."""
+def thread_budget(num_workers: int, threads_per_worker: int, cores: int | None = None,
+                  user_threads: int = 0) -> tuple[int, int]:
+    """``(threads per worker, learner threads)`` for ``num_workers`` generator processes.
 
-    busy_s: float = 0.0
-    idle_s: float = 0.0
-    served_tokens: int = 0
-    """Tokens of the batches ``busy_s`` counts (those whose ``_serve`` returned): the numerator of
-    an engine's busy speed (``generated_tokens`` also counts the batch still decoding)."""
-    weight_updates: int = 0
-    weight_update_s: float = 0.0
+    With ``threads_per_worker = 0`` the cores are split evenly between the workers and the
+    learner (each at least 1); the learner gets what the workers leave. ``cores`` defaults to
+    this process's CPU affinity (``available_cores``), not the machine's core count: a run
+    pinned to 2 of 64 cores must not start 64 threads per process. ``user_threads`` (the user's
+    ``OMP_NUM_THREADS``, 0 if unset) is every process's count where it has none of its own
+    (``threads_per_worker``), as OpenMP would have it.
 
-
-class RequestBroker:
-    """The pool's request queue, which remembers who took what (wrap with ``ray.remote``, threaded).
-
-    A worker's ``take`` is atomic here, in one actor, so at every moment each dispatched request
-    is either queued or claimed by exactly one worker (a ``(worker index, incarnation)`` pair):
-    what ``reclaim`` returns for a dead worker is all it held and nothing another worker holds,
-    and a ``take`` the dead worker sent before dying that arrives afterwards claims nothing.
-    Claims stay until the trainer ``forget``s groups that ended, since a worker that finished
-    sampling a group may die before its last messages leave its socket.
+    Example: 2 workers on 16 cores -> ``(5, 6)``; on 2 cores -> ``(1, 1)`` (never 0 threads).
     """
-
-    def __init__(self) -> None:
-        self._queue: deque[GroupRequest] = deque()
-        self._claims: dict[tuple[int, int], dict[int, GroupRequest]] = {}  # worker -> group id -> request
-        self._dead: set[tuple[int, int]] = set()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._takers = 0
-        """Workers inside ``take`` now (waiting for requests, or woken and not yet served)."""
-
-    def put(self, request: GroupRequest) -> None:
-        """Queue one request (``GroupRequest``) behind the others."""
-        self.put_many([request])
-
-    def put_many(self, requests: list[GroupRequest]) -> None:
-        """Queue ``requests`` behind the others, in order, at once: workers waiting in ``take``
-        then see them together and share them, instead of the first waking with only the first
-        (a batch of one group that decodes to its longest row on its own)."""
-        with self._cond:
-            self._queue.extend(requests)
-            self._cond.notify_all()
-
-    def take(self, worker: tuple[int, int], max_samples: int, timeout_s: float) -> list[GroupRequest]:
-        """Claim queued requests for ``worker`` (index, incarnation): the first (waiting up to ``timeout_s`` seconds
-        for one), then more while the claimed samples (``n`` each) are fewer than ``max_samples``
-        and the requests fewer than this worker's share of the queue: its length divided by the
-        workers inside ``take`` (those idle now), rounded up, so idle workers split what is queued
-        and a busy worker's share is not left waiting.
-
-        Returns:
-            The claimed requests, oldest first; empty if none came in time, the broker closed, or
-            ``worker`` was reclaimed.
-        """
-        with self._cond:
-            self._takers += 1
-            try:
-                ready = self._cond.wait_for(lambda: self._queue or self._closed, timeout=timeout_s)
-                if not ready or self._closed or worker in self._dead:
-                    return []
-                share = -(-len(self._queue) // self._takers)
-            finally:
-                self._takers -= 1
-            batch = [self._queue.popleft()]
-            while self._queue and len(batch) < share and sum(r.n for r in batch) < max_samples:
-                batch.append(self._queue.popleft())
-            claims = self._claims.setdefault(worker, {})
-            for r in batch:
-                claims[r.group_id] = r
-            return batch
-
-    def reclaim(self, worker: tuple[int, int]) -> list[GroupRequest]:
-        """Every request ``worker`` (index, incarnation) claimed that the trainer has not
-        ``forget``-ten; from now on ``worker`` claims nothing. Call once it is dead or killed."""
-        with self._cond:
-            self._dead.add(worker)
-            return list(self._claims.pop(worker, {}).values())
-
-    def forget(self, group_ids: list[int]) -> None:
-        """Drop the claims on groups that ended (trained, rejected, evicted or abandoned)."""
-        with self._cond:
-            for claims in self._claims.values():
-                for g in group_ids:
-                    claims.pop(g, None)
-
-    def claimed(self) -> dict[tuple[int, int], list[int]]:
-        """Group ids claimed per worker (index, incarnation), not yet forgotten."""
-        with self._cond:
-            return {w: sorted(c) for w, c in self._claims.items()}
-
-    def qsize(self) -> int:
-        """Requests queued and not yet claimed."""
-        with self._cond:
-            return len(self._queue)
-
-    def close(self) -> list[GroupRequest]:
-        """Stop handing out requests (every ``take`` returns empty from now on); returns the
-        requests still queued, for the ledger."""
-        with self._cond:
-            self._closed = True
-            left = list(self._queue)
-            self._queue.clear()
-            self._cond.notify_all()
-            return left
+    if user_threads:
+        return threads_per_worker or user_threads, user_threads
+    cores = cores or available_cores()
+    per_worker = threads_per_worker or max(1, cores // (num_workers + 1))
+    return per_worker, max(1, cores - num_workers * per_worker)
 
 
-class GeneratorWorker:
-    """A generator actor: one engine, one reward scorer, one ZMQ sender (wrap with ``ray.remote``).
+def engine_tokens_per_s(delta: dict[str, float], total: dict[str, float]) -> float | None:
+    """The pool's engines' busy speed for one step's metrics, in tokens per busy second: the
+    tokens of the batches that ended (``served_tokens``) over the seconds they took (``busy_s``),
+    from this step's counters ``delta`` or, when no batch ended during the step (one long batch),
+    from the run's so far ``total``; ``None`` before any batch ended. (A step's tokens over a busy
+    time that does not hold them read as billions per second.)"""
+    for counters in (delta, total):
+        busy = counters.get("busy_s", 0.0)
+        if busy > 0:
+            return counters.get("served_tokens", 0.0) / busy
+    return None
+
+
+def probe_difference(reference: dict, probe: dict) -> dict[str, Any]:
+    """How far an engine's greedy probe (``GeneratorWorker.probe``) is from ``reference``:
+    ``tokens_equal`` (every row's ids), ``max_abs_logprob_diff`` over the common prefix of
+    each row (nats), and whether the policy versions agree."""
+    diff = 0.0
+    for ids_a, lp_a, ids_b, lp_b in zip(reference["response_ids"], reference["logprobs"],
+                                        probe["response_ids"], probe["logprobs"]):
+        same = 0
+        while same < min(len(ids_a), len(ids_b)) and ids_a[same] == ids_b[same]:
+            same += 1
+        diff = max([diff] + [abs(a - b) for a, b in zip(lp_a[:same], lp_b[:same])])
+    return {"tokens_equal": reference["response_ids"] == probe["response_ids"], "max_abs_logprob_diff": diff,
+            "same_version": reference["policy_version"] == probe["policy_version"]}
+
+
+def placer(ctx, cluster, worker_args: tuple, reward_actor) -> Callable[[list[int] | None, int], list]:
+    """The function that starts generator actors (all, with ``indices=None``, or those at
+    ``indices``) under ``incarnation`` in their bundles of the run's placement group
+    (``generator.num_cpus_per_worker``, ``num_gpus_per_worker``, ``node_labels``,
+    ``placement_strategy``). ``worker_args``: ``(tokenizer path, reward fn, sender factory,
+    threads per worker)``. A replacement loads the warm start's model; the pool then pushes it the
+    current weights."""
+    cfg, g_cfg = ctx.cfg, ctx.cfg.generator
+    tok_path, reward_fn, sender_factory, per_worker = worker_args
+
+    def place(indices: list[int] | None = None, incarnation: int = 0) -> list:
+        placement = PlacementConfig.of_generators(g_cfg)
+        bundle = placement.bundle(cuda=False)
+        strategies = cluster.place("generators", g_cfg.num_workers, placement)
+        # max_concurrency: run() decodes on one thread while weights and stats arrive on others.
+        worker_cls = ray.remote(max_concurrency=3)(GeneratorWorker)
+        return [worker_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                                   scheduling_strategy=strategies[i]).remote(
+                    i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn, cfg.reward.on_error, sender_factory,
+                    per_worker, cfg.learner.lora, cfg.agent, reward_cfg=cfg.reward, reward_model=reward_actor,
+                    incarnation=incarnation, bind_host=cluster.bind_host)
+                for i in (range(g_cfg.num_workers) if indices is None else indices)]
+    return place
+
+
+class GeneratorPool:
+    """The generator actors of one async run: where they run, whether they live, which weights
+    they hold.
 
     Args:
-        worker_id: index in the pool (for logs).
-        model_path: Hugging Face model directory of the starting weights.
-        tokenizer_path: tokenizer directory (decodes responses for the reward).
-        gen_cfg: ``GeneratorConfig``.
-        params: ``SamplingParams`` of training rollouts.
-        reward_fn: reward spec (``reward.fn``), or ``None`` to dispatch on ``data_source``.
-        on_error: ``reward.on_error``.
-        sender: ``ZmqSenderFactory`` (or any picklable callable returning a sender).
-        num_threads: torch intra-op threads of this process (>= 1).
-        lora: the learner's ``LoRAConfig`` (``make_generator``); ``None`` = no LoRA.
-        agent_cfg: ``AgentConfig``; with tools configured each sample is a multi-turn
-            conversation (``async_rl.agent``) run on this worker's engine.
-        reward_cfg: the ``RewardConfig`` (``reward.num_workers``, ``reward.timeout_s``, the reward
-            model's settings; its ``fn`` and ``on_error`` are the two above); ``None``: defaults.
-        reward_model: the reward actor (``RewardModel`` under ``ray.remote``) scoring this
-            worker's samples in batches; the worker keeps sampling while it scores.
-        incarnation: how many times the pool replaced the actor at ``worker_id`` before this one
-            (its claims at the ``RequestBroker`` are kept apart from its predecessors').
-        bind_host: the run's ``Cluster.bind_host`` (loopback: this actor's groups use loopback too).
+        ctx: the run's ``RunContext`` (its ``cfg``, ``learner``, ``log``, ``run_dir``,
+            ``service_cores``).
+        cluster: the run's ``cluster.Cluster`` (placement records, ``placement.json``).
+        broker: the ``RequestBroker`` actor the workers take requests from.
+        place: starts actors (``placer``'s result).
+        lost: ``lost(held)`` takes a dead actor's claimed requests back (``Dispatcher.requeue``
+            with the buffer's abandon) and returns how many were re-issued.
+        on_published: called once every actor holds a new version (wakes the dispatcher).
+        ray_api: the module the pool calls for ``get``/``wait``/``kill`` (``ray``; a fake in tests).
+
+    Attributes:
+        workers: actor handles by index, ``None`` for an index retired past ``generator.max_restarts``.
+        restarts: replacements so far, per index.
+        published_version: the version every live actor holds (``-1`` before the first push).
+        push_metrics: background pushes' metrics collected on the learner's thread, reported
+            with its next step.
     """
 
-    def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
-                 reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None,
-                 reward_cfg=None, reward_model=None, incarnation: int = 0, bind_host: str | None = None) -> None:
-        # First: the engine's threads and processes inherit the mask (generator.cpu_affinity).
-        pin_process(gen_cfg.cpu_affinity, "generator.cpu_affinity")
-        torch.set_num_threads(max(1, num_threads))
-        # Before the engine starts: its processes inherit it, and a broadcast group on another
-        # node then announces this node's address, on a single node loopback (async_rl.cluster).
-        use_node_interface(group_ip(bind_host))
-        from transformers.utils import logging as transformers_logging
+    def __init__(self, ctx, cluster, broker, place: Callable[..., list], lost: Callable[[list], int],
+                 on_published: Callable[[], None], ray_api: Any = ray) -> None:
+        self.ctx, self.cluster, self.broker = ctx, cluster, broker
+        self._place, self._lost, self._announce, self._ray = place, lost, on_published, ray_api
+        self.overlap = ctx.cfg.weight_sync.overlap_push
+        self.workers: list[Any] = []
+        self.run_refs: list[Any] = []
+        self.restarts: list[int] = []
+        self.publisher: WeightPublisher | None = None
+        self.transport = ""
+        self.published_version = -1
+        self.push_metrics: dict[str, float] = {}
+        # Each index's last counters and last heartbeat probe (object ref, seconds sent), the
+        # counters of actors that died, and how each retired index ended.
+        self._stats_by_worker: dict[int, dict[str, float]] = {}
+        self._retired_stats: dict[str, float] = {}
+        self._beats: dict[int, tuple[Any, float]] = {}
+        self._ends: dict[int, str] = {}
+        self._starting: set[int] = set()  # replaced, waiting for the weights before they sample
+        self._killed: dict[int, str] = {}  # killed as hung, not yet replaced: why
+        # The heartbeat probes run on the learner's thread and, through ``_watch``, on a
+        # background push's.
+        self._lock = threading.RLock()
 
-        transformers_logging.disable_progress_bar()  # a bar per model load, in every actor's log
-        self.worker_id = worker_id
-        self.incarnation = incarnation
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.engine = make_generator(gen_cfg, model_path, pad, num_threads=max(1, num_threads), lora=lora)
-        self.params = params
-        self.agent = None
-        if agent_cfg is not None and agent_cfg.enabled:
-            self.agent = AgentLoop(agent_cfg, self.tokenizer, params.stop_token_ids)
-        # This actor's own reward workers (reward.num_workers processes, started on the first
-        # sample): a reward function that hangs or crashes costs a sample, never this engine.
-        reward_cfg = dataclasses.replace(reward_cfg or RewardConfig(), fn=reward_fn, on_error=on_error,
-                                         model=(reward_cfg.model if reward_model is not None else None))
-        self.scorer = make_scorer(reward_cfg, on_error, reward_model and (
-            lambda items: ray.get(reward_model.score.remote(items))))
-        self.sender = sender()
-        self._unsent: dict[int, list] = {}  # group id -> its kept trajectories until the group is closed
-        self.stats = WorkerStats()
-        self._stop = threading.Event()
-        self._max_groups = max(1, gen_cfg.max_batch_size)
-        self._last_progress = time.monotonic()
+    # ------------------------------------------------------------------ start and stop
+    def place_all(self) -> list[dict]:
+        """Start every actor and record where (``cluster.record``); checks each is reachable.
+        Returns their placement entries."""
+        self.workers = self._place()
+        self.restarts = [0] * len(self.workers)
+        spots = self.cluster.record("generators", self.workers)
+        self.cluster.check_reachable("generator", spots)
+        return spots
 
-    # ------------------------------------------------------------------ control (second thread)
-    def connect_weight_sync(self, init_info: dict, rank: int) -> None:
-        """Connect the engine to the learner's ``WeightSender`` (``async_rl.weight_sync``)."""
-        self.engine.connect_weight_sync(init_info, rank)
+    def start(self) -> None:
+        """Connect the weight sync to every actor, push the learner's (warm-started or resumed)
+        weights unsupervised (supervision starts with the runs), and start each actor's ``run``."""
+        self.connect(supervised=False)
+        self.publisher.push(self.ctx.learner.version)
+        self.published_version = self.ctx.learner.version
+        self.run_refs = [w.run.remote(self.broker) for w in self.workers]
 
-    def receive_weights(self, plan: dict, version: int) -> float:
-        """Receive and load one update (loaded between decoding steps / with the engine paused);
-        returns seconds until the new weights are in use."""
-        t0 = time.perf_counter()
-        self.engine.receive_weights(plan, version)
-        dt = time.perf_counter() - t0
-        self.stats.weight_updates += 1
-        self.stats.weight_update_s += dt
-        self._beat()
-        return dt
+    def active(self) -> list[int]:
+        """Indices of the actors not retired."""
+        return [i for i, w in enumerate(self.workers) if w is not None]
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Ask every live actor to stop sampling and wait for each ``run`` to end (all within
+        ``timeout_s``); one dead actor does not cut short the wait for the others."""
+        active = self.active()
+        for i in active:
+            self.workers[i].stop.remote()
+        deadline = time.monotonic() + timeout_s
+        for i in active:
+            try:
+                self._ray.get(self.run_refs[i], timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:  # a dead worker was already reported by step()
+                logger.warning("generator actor %d stop: %s", i, e)
 
     def close(self) -> None:
-        """Stop the reward workers and shut the engine down (vLLM: its processes)."""
-        self.scorer.close()
-        self.engine.close()
+        """Shut every engine down, close the weight publisher and kill the actors."""
+        active = self.active()
+        try:
+            self._ray.get([self.workers[i].close.remote() for i in active], timeout=60)
+        except Exception as e:
+            logger.warning("generator engine shutdown: %s", e)
+        if self.publisher is not None:  # None: a supervised reconnection failed
+            self.publisher.close()
+        for i in active:
+            self._ray.kill(self.workers[i])
 
-    def stop(self) -> None:
-        """Ask ``run`` to return after its current batch."""
-        self._stop.set()
-
-    def get_stats(self) -> dict[str, float]:
-        """Counters so far, plus the reward scorer's (``reward/scored``, ``reward/errors``,
-        ``reward/no_reward``, ``reward/rejected``, ``reward/timeouts``, ``reward/crashed``,
-        ``reward/too_large``; totals since the actor started)."""
-        out = {k: float(v) for k, v in vars(self.stats).items()}
-        out.update(self.scorer.counts())
-        out["in_flight_updates"] = float(self.engine.num_weight_updates_in_flight)
-        if self.agent is not None:
-            out.update(self.agent.counts())
-        return out
-
-    def probe(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        """Greedy-decode ``prompts`` with the engine's current weights (call once ``run`` has
-        returned): the check that the weights it holds are the learner's (``weight_sync.probe_at_exit``).
-
-        Returns:
-            ``{"worker", "policy_version", "node_id", "node_ip", "hostname", "pid",
-            "response_ids": [[int]], "logprobs": [[float]]}``, one row per prompt.
-        """
-        params = dataclasses.replace(self.params, greedy=True, max_tokens=max_tokens)
-        rows = self.engine.generate(prompts, 1, params, seeds=[0] * len(prompts))
-        return {"worker": self.worker_id, "policy_version": int(self.engine.policy_version), **where(),
-                "response_ids": [r[0].response_ids for r in rows], "logprobs": [r[0].logprobs for r in rows]}
+    # ------------------------------------------------------------------ counters
+    def stats(self, timeout_s: float = 5.0) -> dict[str, float]:
+        """The pool's counters summed (``actors.WorkerStats``): each live actor's (its last answer,
+        if it does not answer within ``timeout_s``: supervision deals with it) plus those of the
+        actors that died."""
+        active = self.active()
+        refs = [self.workers[i].get_stats.remote() for i in active]
+        self._ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for i, ref in zip(active, refs):
+            try:
+                self._stats_by_worker[i] = self._ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - dead or slow: keep its last counters
+                pass
+        total = dict(self._retired_stats)
+        for i in active:
+            for k, v in self._stats_by_worker.get(i, {}).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
 
     def reward_first_error(self) -> str | None:
-        """This actor's first reward failure and where it happened (``RewardScorer.first_error``)."""
-        return self.scorer.first_error
+        """The first reward-function error any live actor saw, or ``None``."""
+        errors = [e for e in self._ray.get([self.workers[i].reward_first_error.remote() for i in self.active()])
+                  if e is not None]
+        return errors[0] if errors else None
 
-    # ------------------------------------------------------------------ the loop (first thread)
-    def run(self, requests) -> dict[str, float]:
-        """Serve ``requests`` (a ``RequestBroker`` actor) until ``stop``: take a batch under this
-        worker's index, sample it, repeat.
+    def check_rewards(self, since: dict[str, float], needed: int, where: str) -> bool:
+        """Whether the actors' reward function was judged: ``False`` until they have scored
+        ``needed`` samples since the counters ``since`` (``stats``), then ``True``.
 
-        Returns:
-            ``get_stats()`` at exit.
+        Raises:
+            ValueError: it failed on every one of those calls (``rewards.check_rewards_work``,
+                naming ``where`` and the first error)."""
+        stats = self.stats()
+        window = {k: stats.get(k, 0.0) - since.get(k, 0.0)
+                  for k in ("reward/scored", "reward/errors", "reward/model_scored", "reward/model_errors")}
+        if max(window["reward/scored"], window["reward/model_scored"]) < needed:
+            return False
+        if (window["reward/errors"] >= window["reward/scored"]
+                or window["reward/model_errors"] >= window["reward/model_scored"]):
+            check_rewards_work(window, self.reward_first_error(), where)
+        return True
+
+    def probe_against(self, prompts: list[list[int]], max_tokens: int, reference: Callable[[], dict],
+                      out_path: Path) -> dict[str, float]:
+        """Every live actor's greedy decode of ``prompts`` (``GeneratorWorker.probe``) against
+        ``reference()``, the same decode by an engine holding the learner's weights (called once
+        the actors answered). The tokens and log-probs, with where each engine ran, go to
+        ``out_path`` (JSON). Returns the largest log-prob difference over the tokens both
+        produced (nats) and the number of actors whose tokens differ (``weight_sync/probe_*``);
+        nothing when an actor fails or does not answer within 300 s (logged)."""
+        try:
+            probes = self._ray.get([self.workers[i].probe.remote(prompts, max_tokens) for i in self.active()],
+                                   timeout=300)
+        except Exception as e:  # a dead worker was already reported by step()
+            logger.warning("engine probe: %s", e)
+            return {}
+        ref = reference()
+        diffs = [probe_difference(ref, p) for p in probes]
+        out_path.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "trainer_engine": ref,
+                                        "actors": probes, "differences": diffs}, indent=1))
+        return {"weight_sync/probe_max_abs_logprob_diff": max(d["max_abs_logprob_diff"] for d in diffs),
+                "weight_sync/probe_token_mismatches": float(sum(not d["tokens_equal"] for d in diffs))}
+
+    # ------------------------------------------------------------------ publication
+    def connect(self, supervised: bool = True) -> None:
+        """(Re)build the weight publisher over the live actors: per actor, shared memory on the
+        trainer's node and a broadcast group to the others (``transports_for_targets``).
+        ``supervised``: the pool is watched while the actors connect (``_watch``), so one that
+        hangs meanwhile fails the connection instead of holding it to the timeout."""
+        cfg, g_cfg = self.ctx.cfg, self.ctx.cfg.generator
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+        active = self.active()
+        spots = [self.cluster.placed["generators"][i] for i in active]
+        transports = transports_for_targets(cfg.weight_sync, g_cfg.backend, "async",
+                                            [self.cluster.on_driver_node(e) for e in spots])
+        self.publisher = WeightPublisher(cfg.weight_sync, transports, self.ctx.learner,
+                                         [RayTarget(self.workers[i]) for i in active],
+                                         protocol=engine_protocol(g_cfg.backend), host=self.cluster.bind_host,
+                                         watch=self._watch if supervised else None)
+        self.transport = self.publisher.transport_name
+        for entry, transport in zip(spots, transports):
+            entry["weight_transport"] = transport  # saved in placement.json
+
+    def _published(self, version: int) -> None:
+        # Every actor holds ``version`` (called from a background push's thread, or this one).
+        self.published_version = version
+        self._announce()
+
+    def _publish(self, background: bool = False) -> dict[str, float]:
+        """Push the learner's current weights to every actor. A pending push is collected first
+        (its failure raises here). ``background``: return once the weights are staged, the
+        version published later from the push's thread; else once every actor loaded them.
+        ``timing/weight_sync_s``: seconds this thread was held, the wait for a pending push included."""
+        t0 = time.perf_counter()
+        self.push_metrics.update(self.publisher.wait())
+        version = self.ctx.learner.version
+        if background:
+            # The push's thread copies into the slots and waits on the engines: off the learner's cores.
+            metrics = self.publisher.start_push(version, watch=self._watch, on_published=self._published,
+                                                thread_cores=self.ctx.service_cores)
+        else:
+            metrics = self.publisher.push(version, watch=self._watch)
+            self._published(version)
+        metrics["timing/weight_sync_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _supervised(self, push: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """``push()``; when it fails because an actor died (found within a few seconds), the
+        actor is replaced, which pushes the weights again (returns ``weight_sync/retried``).
+
+        Raises:
+            Exception: ``push``'s failure when no actor died (an engine's refusal, a timeout)."""
+        try:
+            return push()
+        except Exception:
+            dead = self.dead(timeout_s=5.0)
+            if not dead:
+                raise
+            self.supervise([(i, reason + " during a weight update") for i, reason in dead])
+            return {"weight_sync/retried": 1.0}
+
+    def publish(self) -> dict[str, float]:
+        """Push the learner's weights to every actor (in the background with
+        ``weight_sync.overlap_push``), supervised: the previous background push's failure
+        surfaces here too, handled alike. Returns the push's metrics (``timing/weight_sync_s``,
+        ``weight_sync/*``).
+
+        Raises:
+            RuntimeError: no generator actor is left, or a replacement failed to start.
+            Exception: a push failed with no actor dead (an engine's refusal, a timeout)."""
+        return self._supervised(lambda: self._publish(background=self.overlap))
+
+    def settle(self, block: bool = True) -> None:
+        """Collect a pending background push (only one that has ended, unless ``block``), its
+        failure handled as ``publish`` handles one. Before what must see the pool's weights
+        settled: a checkpoint, an evaluation, the exit probe, ``close``."""
+        if self.publisher is None or self.publisher.pending_version is None:
+            return
+        if block or self.publisher.pending_done():
+            self.push_metrics.update(self._supervised(self.publisher.wait))
+
+    def take_push_metrics(self) -> dict[str, float]:
+        """The background pushes' metrics collected since the last call (``weight_sync/publish_lag_s``, ...)."""
+        out, self.push_metrics = self.push_metrics, {}
+        return out
+
+    def _drop_pending_push(self) -> None:
+        # Supervision rebuilds the publisher and pushes to every actor again: a pending push is
+        # waited for first (it reads the publisher's transport), and its failure, most likely
+        # the death being handled, is superseded by that push.
+        if self.publisher is None:
+            return
+        version = self.publisher.pending_version
+        try:
+            self.push_metrics.update(self.publisher.wait())
+        except Exception as e:  # noqa: BLE001 - superseded: supervision pushes the weights again
+            logger.warning("weight push v%s failed (%s: %s); supervision pushes the weights again",
+                           version, type(e).__name__, e)
+
+    # ------------------------------------------------------------------ supervision
+    def supervise(self, dead: list[tuple[int, str]] | None = None) -> None:
+        """Replace dead and hung generator actors (``dead``, or those found now), then push the
+        learner's weights to the pool before the replacements start sampling; repeats while
+        more die.
+
+        Raises:
+            RuntimeError: no generator actor is left, or a replacement failed to start.
         """
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            self._beat()
-            # Take what is queued, up to the engine batch: bigger batches, same samples.
-            batch = ray.get(requests.take.remote((self.worker_id, self.incarnation), self._max_groups, 0.2))
-            self.stats.idle_s += time.perf_counter() - t0
-            if not batch:
+        if dead is None:
+            self.hung()
+            dead = self.dead()
+        if dead:
+            with started_on(self.ctx.service_cores):  # the new publisher's threads (TCPStore)
+                self._replace_dead(dead)
+
+    def _replace_dead(self, dead: list[tuple[int, str]]) -> None:
+        """``supervise``'s work once some actors are gone (see there)."""
+        while dead:
+            self._drop_pending_push()
+            for i, reason in dead:
+                self._replace(i, reason)
+            try:
+                self.connect()
+                self._publish()
+            except Exception:
+                dead = self.dead(timeout_s=5.0)  # another one died meanwhile?
+                if not dead:
+                    raise
                 continue
-            self._beat()
-            t1, n0 = time.perf_counter(), self.stats.generated_tokens
-            self._serve(batch)
-            self.stats.busy_s += time.perf_counter() - t1
-            self.stats.served_tokens += self.stats.generated_tokens - n0
-        self.scorer.drain()  # the last batch's samples are scored and go out before the sender closes
-        self.sender.close()
-        return self.get_stats()
+            for i in sorted(self._starting):
+                self.run_refs[i] = self.workers[i].run.remote(self.broker)
+            self._starting.clear()
+            self.cluster.save(self.ctx.run_dir)  # placement.json: the replacements' nodes and pids
+            self.hung()
+            dead = self.dead()
 
-    def _beat(self) -> None:
-        self._last_progress = time.monotonic()
+    def dead(self, timeout_s: float = 0.0) -> list[tuple[int, str]]:
+        """Actors whose ``run`` ended (waiting up to ``timeout_s`` for a first one), with how:
+        ``died (<error type>: <first line>)``, ``stopped unexpectedly``, or why it was killed as hung."""
+        active = [i for i in self.active() if i not in self._starting]
+        refs = [self.run_refs[i] for i in active]
+        if not refs:
+            return []
+        if timeout_s > 0:
+            self._ray.wait(refs, num_returns=1, timeout=timeout_s)
+        done, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for ref in done:
+            i = active[refs.index(ref)]
+            try:
+                self._ray.get(ref)
+                reason = "stopped unexpectedly"
+            except Exception as e:  # the actor's end, as Ray reports it
+                text = str(e).strip()
+                reason = f"died ({type(e).__name__}: {text.splitlines()[0][:300] if text else ''})"
+            with self._lock:
+                out.append((i, self._killed.pop(i, reason)))
+        return out
 
-    def heartbeat(self) -> dict[str, float]:
-        """Seconds since this worker last made progress (took requests, finished a sample, loaded
-        weights, or polled an empty queue), and its process id: the supervisor's liveness probe."""
-        import os
+    def hung(self) -> list[tuple[int, str]]:
+        """Probe each live actor's heartbeat (at most once a second); an actor that made no
+        progress, or did not answer, for ``generator.heartbeat_timeout_s`` is killed (its run
+        then ends; ``dead`` reports it with this reason) and returned. Replacements still
+        loading are not probed: their calls queue behind the constructor."""
+        with self._lock:
+            return self._probe_heartbeats()
 
-        return {"since_progress_s": time.monotonic() - self._last_progress, "pid": float(os.getpid())}
+    def _probe_heartbeats(self) -> list[tuple[int, str]]:
+        # ``hung``'s body, under its lock.
+        timeout = self.ctx.cfg.generator.heartbeat_timeout_s
+        now = time.monotonic()
+        hung = []
+        for i in self.active():
+            if i in self._starting:
+                continue
+            probe = self._beats.get(i)
+            if probe is None:
+                self._beats[i] = (self.workers[i].heartbeat.remote(), now)
+                continue
+            ref, sent = probe
+            ready, _ = self._ray.wait([ref], timeout=0)
+            if ready:
+                try:
+                    beat = self._ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead actor: its run() reports it
+                    beat = None
+                if beat is not None and beat["since_progress_s"] > timeout:
+                    hung.append((i, f"made no progress for {beat['since_progress_s']:.0f} s "
+                                    f"(generator.heartbeat_timeout_s={timeout:g})"))
+                elif now - sent >= 1.0:
+                    self._beats[i] = (self.workers[i].heartbeat.remote(), now)
+            elif now - sent > timeout:
+                hung.append((i, f"did not answer for {now - sent:.0f} s (generator.heartbeat_timeout_s={timeout:g})"))
+        for i, reason in hung:
+            self._killed[i] = reason
+            self._beats.pop(i, None)
+            self._ray.kill(self.workers[i], no_restart=True)
+            try:  # wait until it is gone, so that it cannot claim requests any more
+                self._ray.wait([self.run_refs[i]], timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+        return hung
 
-    def _keep(self, traj) -> None:
-        traj.generator_id = self.worker_id  # which actor (and so which node) sampled it
-        self._unsent.setdefault(traj.group_id, []).append(traj)
-        self._beat()
+    def _replace(self, i: int, reason: str) -> None:
+        """Actor ``i`` is gone: hand the groups it held back to dispatch (``lost``), and start its
+        replacement (it samples once ``supervise`` has pushed it the weights), or retire the index
+        past ``generator.max_restarts``.
 
-    def _send_group(self, request, kept: int) -> None:
-        # The whole group as one message (its kept trajectories, closing it): the buffer admits a
-        # group only once it is complete, so holding its samples here until the last is scored
-        # delays nothing the learner sees, and the wire pays one message's fixed cost per group
-        # instead of n + 1 (bench/bench_transport.py).
-        trajectories = self._unsent.pop(request.group_id, [])
-        if len(trajectories) != kept:
-            # An internal invariant (the rollout road counted what it handed to _keep); a raise,
-            # not an assert, so that `python -O` cannot send a group short without a word.
-            raise RuntimeError(f"group {request.group_id}: {len(trajectories)} trajectories held for sending, "
-                               f"but the rollout kept {kept}")
-        self.sender.send(TrajectoryGroup(request.group_id, trajectories))
-        self._beat()
+        Raises:
+            RuntimeError: no generator actor is left (naming how each one ended).
+        """
+        g_cfg = self.ctx.cfg.generator
+        entry = self.cluster.placed["generators"][i]
+        incarnation = self.restarts[i]  # the dead actor's: each restart makes the next one
+        old = self.workers[i]
+        # Give the receiver thread a moment to route what the actor streamed before it died, so
+        # a group it finished completes rather than being abandoned (either way nothing is lost).
+        time.sleep(0.2)
+        reissued = self._lost(self._ray.get(self.broker.reclaim.remote((i, incarnation))))
+        for k, v in self._stats_by_worker.pop(i, {}).items():
+            self._retired_stats[k] = self._retired_stats.get(k, 0.0) + v
+        self._beats.pop(i, None)
+        self._ray.kill(old, no_restart=True)
+        where = f"on {entry.get('node_ip', '?')} (pid {entry.get('pid', '?')})"
+        if self.restarts[i] >= g_cfg.max_restarts:
+            self.workers[i] = None
+            self._ends[i] = f"actor {i} {where} {reason}"
+            self.ctx.log.print(f"generator actor {i} {where} {reason}; {reissued} groups re-issued; retired after "
+                               f"{self.restarts[i]} restarts (generator.max_restarts={g_cfg.max_restarts})")
+            if not self.active():
+                raise RuntimeError("every generator actor is gone: " + "; ".join(self._ends[k] for k in sorted(self._ends)))
+        else:
+            self.restarts[i] += 1
+            self.ctx.log.print(f"generator actor {i} {where} {reason}; {reissued} groups re-issued; restarting it "
+                               f"({self.restarts[i]}/{g_cfg.max_restarts})")
+            (self.workers[i],) = self._place([i], incarnation + 1)
+            self.cluster.check_reachable("generator", [self.cluster.record_replacement("generators", i, self.workers[i],
+                                                                                       incarnation + 1)])
+            self._starting.add(i)
 
-    def _serve(self, batch: list[GroupRequest]) -> None:
-        # The one rollout road of both modes (async_rl.rollout): here each kept trajectory is
-        # held the moment its sample is scored, and the group sent as one message once all n are.
-        sample_groups(self.engine, batch, self.params, self.tokenizer, self.scorer, self.agent,
-                      on_trajectory=self._keep, on_group_closed=self._send_group,
-                      counts=self.stats, wait_scored=False)
+    def _watch(self) -> None:
+        # Called while a push waits on the engines (on the learner's thread, or on a background
+        # push's): a hung actor would hold it to the deadline.
+        hung = self.hung()
+        if hung:
+            raise RuntimeError(f"generator actor {hung[0][0]} {hung[0][1]}")

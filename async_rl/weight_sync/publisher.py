@@ -105,7 +105,7 @@ class LocalTarget:
 
 
 class RayTarget:
-    """A generator actor (``async_rl.loops.pool.GeneratorWorker``) reached through Ray calls.
+    """A generator actor (``async_rl.loops.actors.GeneratorWorker``) reached through Ray calls.
 
     Args:
         actor: the actor handle.
