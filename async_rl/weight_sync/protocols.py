@@ -17,6 +17,7 @@ class WireProtocol:
 
     Attributes:
         name: the protocol's name (a key of ``PROTOCOLS``).
+        receivers: how messages name its receivers (``SGLang engines``).
         engine_group: the receivers join the broadcast group the engine's own way (SGLang's
             ``init_weights_update_group``: ``init_custom_process_group`` over the sender's store,
             group name = the sender's prefix, registered with torch's group registry, so the
@@ -30,14 +31,15 @@ class WireProtocol:
     """
 
     name: str
+    receivers: str
     engine_group: bool
     align: int | None
     mixed_transports: bool
 
 
 PROTOCOLS: dict[str, WireProtocol] = {
-    "async_rl": WireProtocol("async_rl", engine_group=False, align=None, mixed_transports=True),
-    "sglang": WireProtocol("sglang", engine_group=True, align=1, mixed_transports=False),
+    "async_rl": WireProtocol("async_rl", "async_rl weight receivers", engine_group=False, align=None, mixed_transports=True),
+    "sglang": WireProtocol("sglang", "SGLang engines", engine_group=True, align=1, mixed_transports=False),
 }
 """Protocol name -> properties; the names are ``capabilities.WIRE_PROTOCOLS``."""
 assert tuple(PROTOCOLS) == WIRE_PROTOCOLS, "capabilities.WIRE_PROTOCOLS and PROTOCOLS must list the same protocols"

@@ -87,8 +87,8 @@ class WeightSender:
         if bad:
             raise ValueError(f"WeightSender carries shm or broadcast, not {bad[0]!r}")
         if not spec.mixed_transports and len(set(transports)) > 1:
-            raise ValueError(f"engines of protocol {protocol!r} cannot mix shm and broadcast in one update (their "
-                             "processes join the broadcast group themselves): set weight_sync.transport=shm or broadcast")
+            raise ValueError(f"{spec.receivers} cannot mix shm and broadcast in one update (they join the broadcast "
+                             "group themselves): set weight_sync.transport=shm or broadcast")
         self.cfg, self.num_receivers, self.device, self.protocol = cfg, num_receivers, device, protocol
         self._spec = spec
         self.transports = transports
