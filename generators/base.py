@@ -147,8 +147,8 @@ class GeneratorConfig:
     """SGLang engine settings (``backend: sglang``)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in GENERATOR_BACKENDS:
-            raise ValueError(f"generator.backend must be one of {GENERATOR_BACKENDS}, got {self.backend!r}")
+        if self.backend not in ENGINES:  # the registry, not the tuple: an engine registered later counts
+            raise ValueError(f"generator.backend must be one of {tuple(ENGINES)}, got {self.backend!r}")
         if not self.temperature > 0:
             raise ValueError(f"generator.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -123,7 +123,7 @@ def engine_class(backend: str) -> type:
         ValueError: ``backend`` is no registered engine (one line listing those that are).
     """
     if backend not in ENGINES:
-        raise ValueError(f"generator.backend must be one of {ENGINES.names()}, got {backend!r}")
+        raise ValueError(f"generator.backend must be one of {tuple(ENGINES)}, got {backend!r}")
     return ENGINES.get(backend)
 
 
@@ -139,5 +139,5 @@ def engine_capabilities(backend: str) -> EngineCapabilities:
 def engines_that(predicate) -> str:
     """The registered backend names whose capabilities satisfy ``predicate``, joined for a
     message (``"hf or sglang"``); ``"none"`` when no engine does."""
-    names = [n for n in ENGINES.names() if predicate(engine_capabilities(n))]
+    names = [n for n in ENGINES if predicate(engine_capabilities(n))]
     return " or ".join(names) if names else "none"

@@ -203,8 +203,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"learner.world_size must be >= 1, got {self.world_size}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"learner.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend not in LEARNERS:  # the registry, not the tuple: a backend registered later counts
+            raise ValueError(f"learner.backend must be one of {tuple(LEARNERS)}, got {self.backend!r}")
         self._check_backend()
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"learner.device must be auto, cpu or cuda, got {self.device!r}")
