@@ -1,6 +1,8 @@
 """Rollout engines: the generator protocol (``base``), HF transformers (``hf``), vLLM (``vllm``,
-with its weight-transfer backend in ``vllm_worker`` and its log filter in ``vllm_logging``) and
-SGLang (``sglang``); what each can do in ``capabilities``. The async pool's actors that host them live in ``async_rl.loops.pool``.
+with its weight-transfer backend in ``vllm_worker``, its processes' sockets and environment in
+``vllm_process`` and its log filter in ``vllm_logging``) and SGLang (``sglang``, with its
+processes in ``sglang_process`` and its LoRA adapters in ``sglang_lora``); what each can do in
+``capabilities``. The async pool's actors that host them live in ``async_rl.loops.pool``.
 Nothing here imports the learner side (LoRA settings and adapter names come from
 ``async_rl.lora``)."""
 
