@@ -9,6 +9,7 @@ steps); staleness is measured in these versions.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Protocol
 
@@ -19,7 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from async_rl.buffers.trajectory import TrainBatch
 from async_rl.cluster import check_cpu_affinity, check_placement
-from async_rl.learners.capabilities import LEARNERS, learner_capabilities, learners_that, model_parallel_size
+from async_rl.learners.capabilities import (LEARNERS, learner_capabilities, learners_that, model_parallel_size,
+                                            model_parallel_sizes)
 from async_rl.lora import LoRAConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -240,11 +242,11 @@ class LearnerConfig:
         """What the backend cannot do (its ``LearnerCapabilities``), refused at load with one line
         each, naming the backend that would work."""
         caps = learner_capabilities(self.backend)
-        split = model_parallel_size(self)
-        if self.world_size % split:
-            keys = " * ".join(f"learner.{caps.parallel_settings}.{k}" for k in caps.model_parallel)
-            sizes = " * ".join(str(getattr(getattr(self, caps.parallel_settings), k)) for k in caps.model_parallel)
-            raise ValueError(f"learner.world_size={self.world_size} is not a multiple of {keys} = {sizes}")
+        sizes = model_parallel_sizes(self)
+        if self.world_size % math.prod(sizes.values()):
+            keys = " * ".join(f"learner.{caps.parallel_settings}.{k}" for k in sizes)
+            raise ValueError(f"learner.world_size={self.world_size} is not a multiple of {keys} = "
+                             f"{' * '.join(map(str, sizes.values()))}")
         if self.lora.rank > 0 and not caps.lora:
             raise ValueError(f"learner.lora.rank > 0 needs learner.backend={learners_that(lambda c: c.lora)}: the "
                              f"{caps.name} learner trains full weights only")
