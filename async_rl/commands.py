@@ -54,7 +54,7 @@ class PolicySource:
     Attributes:
         path: a Hugging Face model directory (or hub name / ``builtin:`` URI for ``model.path``), or
             a checkpoint directory (``kind == "checkpoint"``).
-        kind: ``"hf"`` or ``"checkpoint"``.
+        kind: ``"model"`` (a Hugging Face model directory or name) or ``"checkpoint"``.
         label: how the command names it (``runs/x/checkpoints/step_000008 (checkpoint, step 8)``).
     """
 
@@ -77,16 +77,16 @@ def find_policy(spec: str | None, cfg: Config) -> PolicySource:
     from async_rl.data.builtin import resolve
 
     if spec is None:
-        return PolicySource(resolve(cfg.model.path), "hf", f"{cfg.model.path} (model.path)")
+        return PolicySource(resolve(cfg.model.path), "model", f"{cfg.model.path} (model.path)")
     if spec.startswith("builtin:"):
-        return PolicySource(resolve(spec), "hf", spec)
+        return PolicySource(resolve(spec), "model", spec)
     path = Path(spec)
     if is_checkpoint(path):
         return PolicySource(str(path), "checkpoint", f"{path} (checkpoint)")
     if (path / "config.json").exists():
-        return PolicySource(str(path), "hf", str(path))
+        return PolicySource(str(path), "model", str(path))
     if (path / "final_model" / "config.json").exists():
-        return PolicySource(str(path / "final_model"), "hf", f"{path / 'final_model'} (the run's final model)")
+        return PolicySource(str(path / "final_model"), "model", f"{path / 'final_model'} (the run's final model)")
     ckpt = latest_checkpoint(path)
     if ckpt is not None:
         return PolicySource(str(ckpt), "checkpoint", f"{ckpt} (the run's latest checkpoint)")
@@ -216,7 +216,7 @@ def loaded_policy(cfg: Config, model: str | None,
     from async_rl.generators import make_generator
 
     source = find_policy(model, cfg)
-    own = source.kind == "hf" and (Path(source.path) / "tokenizer_config.json").exists()
+    own = source.kind == "model" and (Path(source.path) / "tokenizer_config.json").exists()
     tokenizer_dir = source.path if own else resolve(cfg.model.tokenizer_path or cfg.model.path)
     # Seeded as a run is, so a sampled evaluation (trainer.eval_greedy=false) repeats.
     random.seed(cfg.trainer.seed)

@@ -34,8 +34,10 @@ from async_rl.rewards.config import RewardConfig
 from async_rl.rollout import longest_sequence
 from async_rl.weight_sync import WeightSyncConfig
 from async_rl.generators.base import GeneratorConfig
+from async_rl.generators.capabilities import engine_capabilities, engines_that
 from async_rl.learners.base import LearnerConfig
-from async_rl.lora import LoRAConfig, vllm_max_lora_rank
+from async_rl.learners.capabilities import model_parallel_sizes
+from async_rl.lora import LoRAConfig
 
 
 class ConfigError(ValueError):
@@ -208,18 +210,36 @@ def _cross_validate(cfg: Config) -> None:
         raise ConfigError(
             f"trainer.samples_per_prompt={n}: the {cfg.algorithm.advantage_estimator} "
             "estimator compares samples within a group and needs at least 2 per prompt")
-    if cfg.weight_sync.transport == "colocated" and (cfg.trainer.mode == "async" or
-                                                     cfg.generator.backend not in ("hf", "sglang")):
-        raise ConfigError(
-            f"weight_sync.transport=colocated: the engine must live in the learner's process, which holds "
-            f"only for trainer.mode=sync with generator.backend=hf or sglang (got {cfg.trainer.mode}, "
-            f"{cfg.generator.backend}); use shm (same host) or broadcast")
+    _check_colocated(cfg)
     if n < 2 and cfg.algorithm.dynamic_sampling:
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
                           "differ, which needs at least 2 samples per prompt")
     _check_splits(cfg)
     _check_token_budgets(cfg)
     _check_lora(cfg)
+    _check_partial_rollout(cfg)
+
+
+def _check_colocated(cfg: Config) -> None:
+    """Refuse ``weight_sync.transport=colocated`` where the engine cannot live in the learner's
+    process: async mode, or an engine whose class says it cannot (``EngineCapabilities.colocated``)."""
+    if cfg.weight_sync.transport != "colocated":
+        return
+    if cfg.trainer.mode == "async" or not engine_capabilities(cfg.generator.backend).colocated:
+        raise ConfigError(
+            f"weight_sync.transport=colocated: the engine must live in the learner's process, which holds "
+            f"only for trainer.mode=sync with generator.backend={engines_that(lambda c: c.colocated)} (got "
+            f"{cfg.trainer.mode}, {cfg.generator.backend}); use shm (same host) or broadcast")
+
+
+def _check_partial_rollout(cfg: Config) -> None:
+    """Refuse a ``generator.partial_rollout`` mode the engine does not implement."""
+    mode, backend = cfg.generator.partial_rollout, cfg.generator.backend
+    caps = engine_capabilities(backend)
+    if mode not in caps.partial_rollout:
+        raise ConfigError(f"generator.partial_rollout={mode}: the {caps.name} engine (generator.backend={backend}) "
+                          f"implements {' and '.join(caps.partial_rollout)}; engines with {mode}: "
+                          f"{engines_that(lambda c: mode in c.partial_rollout)}")
 
 
 def _plural(count: int, noun: str) -> str:
@@ -277,11 +297,11 @@ def _check_splits(cfg: Config) -> None:
 def _data_parallel_keys(lrn) -> str:
     """How a message names the data-parallel size: ``learner.world_size=4`` for FSDP2, or
     ``the 2 data-parallel rank(s) of learner.world_size=4 (...)`` for Megatron."""
-    if lrn.backend != "megatron":
+    sizes = model_parallel_sizes(lrn)
+    if not sizes:
         return f"learner.world_size={lrn.world_size}"
-    m = lrn.megatron
-    return (f"the {lrn.data_parallel_size} data-parallel rank(s) of learner.world_size={lrn.world_size} "
-            f"(tensor_parallel_size={m.tensor_parallel_size}, pipeline_parallel_size={m.pipeline_parallel_size})")
+    split = ", ".join(f"{key}={size}" for key, size in sizes.items())
+    return f"the {lrn.data_parallel_size} data-parallel rank(s) of learner.world_size={lrn.world_size} ({split})"
 
 
 def _check_token_budgets(cfg: Config) -> None:
@@ -297,14 +317,11 @@ def _check_token_budgets(cfg: Config) -> None:
     if 0 < budget < longest:
         raise ConfigError(f"learner.max_tokens_per_micro_batch={budget} is less than the {longest} tokens of the "
                           f"longest possible sequence ({how}): such a sequence would fit no micro-batch")
-    context = cfg.generator.vllm.max_model_len
-    if cfg.generator.backend == "vllm" and 0 < context < longest:
-        raise ConfigError(f"generator.vllm.max_model_len={context} is less than the {longest} tokens of the "
-                          f"longest possible sequence ({how}): vLLM would end responses before the limit")
-    context = cfg.generator.sglang.context_length
-    if cfg.generator.backend == "sglang" and 0 < context < longest:
-        raise ConfigError(f"generator.sglang.context_length={context} is less than the {longest} tokens of the "
-                          f"longest possible sequence ({how}): SGLang would end responses before the limit")
+    caps = engine_capabilities(cfg.generator.backend)
+    context = caps.context_length(cfg.generator)
+    if 0 < context < longest:
+        raise ConfigError(f"generator.{caps.context_key}={context} is less than the {longest} tokens of the "
+                          f"longest possible sequence ({how}): {caps.name} would end responses before the limit")
 
 
 def _check_specs(cfg: Config) -> None:
@@ -330,14 +347,17 @@ def _check_lora(cfg: Config) -> None:
     if lora.rank == 0 and lora != LoRAConfig():
         logging.getLogger(__name__).warning("learner.lora.* is set but learner.lora.rank=0: LoRA is off and "
                                             "those settings have no effect")
-    if lora.rank > 0 and cfg.generator.backend == "sglang" and cfg.weight_sync.transport == "broadcast":
-        raise ConfigError("generator.backend=sglang with learner.lora.rank > 0: adapters reach SGLang from tensors "
-                          "(weight_sync.transport=shm or colocated), not over weight_sync.transport=broadcast")
-    if lora.rank > 0 and cfg.generator.backend == "vllm":
-        try:
-            vllm_max_lora_rank(lora.rank)
-        except ValueError as e:
-            raise ConfigError(f"generator.backend=vllm: {e}") from None
+    if lora.rank == 0:
+        return
+    backend, transport = cfg.generator.backend, cfg.weight_sync.transport
+    caps = engine_capabilities(backend)
+    if transport != "auto" and transport not in caps.lora_transports:
+        over = " or ".join(t for t in ("colocated", "shm", "broadcast") if t in caps.lora_transports)
+        raise ConfigError(f"generator.backend={backend} with learner.lora.rank > 0: adapters reach {caps.name} "
+                          f"over weight_sync.transport={over}, not over weight_sync.transport={transport}")
+    if caps.lora_max_rank and lora.rank > caps.lora_max_rank:
+        raise ConfigError(f"generator.backend={backend}: learner.lora.rank={lora.rank}: {caps.name} serves adapters "
+                          f"up to rank {caps.lora_max_rank}")
 
 
 SECRET_KEY = re.compile(r"api_?key$|(^|_)token$|secret|passw(or)?d|credential", re.IGNORECASE)

@@ -17,8 +17,10 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 import torch
 
 from async_rl.cluster import check_cpu_affinity, check_placement
+from async_rl.generators.capabilities import ENGINES
 
-GENERATOR_BACKENDS = ("hf", "vllm", "sglang")
+GENERATOR_BACKENDS = tuple(ENGINES)
+"""The ``generator.backend`` names, in registration order (``capabilities.ENGINES``)."""
 PARTIAL_ROLLOUT_MODES = ("keep", "abort")
 
 
@@ -145,8 +147,8 @@ class GeneratorConfig:
     """SGLang engine settings (``backend: sglang``)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in GENERATOR_BACKENDS:
-            raise ValueError(f"generator.backend must be one of {GENERATOR_BACKENDS}, got {self.backend!r}")
+        if self.backend not in ENGINES:  # the registry, not the tuple: an engine registered later counts
+            raise ValueError(f"generator.backend must be one of {tuple(ENGINES)}, got {self.backend!r}")
         if not self.temperature > 0:
             raise ValueError(f"generator.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

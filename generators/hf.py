@@ -39,6 +39,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, check_request, row_seeds
+from async_rl.generators.capabilities import EngineCapabilities
 from async_rl.lora import adapter_parameters, lora_enabled, wrap
 
 
@@ -260,6 +261,9 @@ class HFGenerator:
     ``update_weights`` may be called from another thread while ``generate`` runs: the weights are
     staged and applied between two decoding steps, and the call returns once they are in use.
     """
+
+    # Decodes on the caller's threads, in its process: it can be the learner's colocated engine.
+    capabilities = EngineCapabilities(name="HF", colocated=True, separate_processes=False)
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int, device: str = "cpu",
                  lora=None) -> None:

@@ -65,7 +65,10 @@ import torch
 
 from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds,
                                       sample_rows)
-from async_rl.lora import PEFT_PREFIX, lora_enabled, spec, targets
+from async_rl.generators.capabilities import EngineCapabilities
+from async_rl.generators.sglang_lora import SGLangAdapters
+from async_rl.generators.sglang_process import engine_files, engine_kwargs, engine_sockets, quiet_warnings, stop_processes
+from async_rl.lora import lora_enabled, spec
 
 
 def checkpoint_specs(model_path: str, dtype: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
@@ -99,7 +102,7 @@ def checkpoint_specs(model_path: str, dtype: str) -> tuple[dict[str, tuple[str, 
     return specs, tied
 
 
-class SGLangGenerator:
+class SGLangGenerator(SGLangAdapters):
     """An SGLang offline ``Engine`` used as a rollout engine (see the module docstring).
 
     Args:
@@ -118,21 +121,17 @@ class SGLangGenerator:
         RuntimeError: the engine failed to start (its error).
     """
 
+    # In the learner's process it takes tensors (update_weights_from_tensor); across processes its
+    # schedulers join a broadcast group themselves (protocol "sglang"), and adapters travel only
+    # as tensors, so LoRA cannot ride the broadcast.
+    capabilities = EngineCapabilities(name="SGLang", colocated=True, separate_processes=True, protocol="sglang",
+                                      lora_transports=frozenset({"colocated", "shm"}),
+                                      context_key="sglang.context_length", picks_device=True, library="sglang",
+                                      install="on CPU build its venv with envs/sglang-cpu/build.sh and run from it")
+
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
-        import warnings
-
-        # SGLang's import warns once per CUDA-only quantization and kernel module on a CPU host
-        # (six lines per process, forwarded from every actor); nothing they name is used here.
-        for message in ("Only CUDA", "Triton is not supported on current platform"):
-            warnings.filterwarnings("ignore", message=message, category=UserWarning)
-        # The same for the engine's subprocesses, which import SGLang again (spawn), and for
-        # Python's resource tracker, which otherwise reports the semaphores of a stopped scheduler
-        # as "leaked": on Linux each was unlinked when created, so nothing is left to clean.
-        quiet = ("ignore:Only CUDA:UserWarning,ignore:Triton is not supported:UserWarning,"
-                 "ignore:resource_tracker:UserWarning")
-        if quiet not in os.environ.get("PYTHONWARNINGS", ""):
-            os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
+        quiet_warnings()
         import sglang  # noqa: F401  (fail early with the real ImportError)
 
         self.lora = spec(lora) if lora_enabled(lora) else None
@@ -185,32 +184,7 @@ class SGLangGenerator:
         self._resumed = asyncio.Event()
         self._resumed.set()
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        s = self.scfg
-        kwargs = dict(model_path=self.model_path, dtype=s.dtype, random_seed=self.cfg.seed, skip_tokenizer_init=True,
-                      mem_fraction_static=s.mem_fraction_static, max_running_requests=self.cfg.max_batch_size,
-                      disable_radix_cache=not s.enable_prefix_caching, log_level=s.log_level, weight_version="0",
-                      # Without it an idle scheduler polls its sockets in a busy loop (a whole core
-                      # each): on a few CPU cores that starves the learner. The sleeper blocks in
-                      # zmq poll and wakes on the first message, so requests see no added latency.
-                      sleep_on_idle=True,
-                      # Per-request sampling seeds are honoured only in deterministic mode (each
-                      # position drawn from hash(seed, position), independent of the batch), which
-                      # SGLang allows only with GPU attention backends: on CPU the sampler draws
-                      # from the engine's seeded global generator instead.
-                      enable_deterministic_inference=self.device != "cpu")
-        if s.context_length:
-            kwargs["context_length"] = s.context_length
-        if s.max_total_tokens:
-            kwargs["max_total_tokens"] = s.max_total_tokens
-        if self.lora is not None:
-            # Two slots: requests started on the previous adapter may still be running (keep).
-            kwargs.update(enable_lora=True, max_lora_rank=self.lora["rank"], max_loras_per_batch=2,
-                          lora_target_modules=list(self.lora["target_modules"]))
-            if self.device == "cpu":
-                kwargs["lora_backend"] = "torch_native"
-        if self.device == "cpu":
-            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                          disable_overlap_schedule=True)
+        kwargs = engine_kwargs(self.model_path, self.cfg, self.device, self.lora)
         # Built on this loop's thread: the engine adopts the running loop, and SGLang then
         # installs no signal handlers (a SIGQUIT handler that kills this whole process tree).
         engine = sgl.Engine(**kwargs)
@@ -232,8 +206,6 @@ class SGLangGenerator:
     def close(self) -> None:
         """Stop the engine's subprocesses (only its own: ``Engine.shutdown`` would kill every child
         of this process, Ray's and the learner's included) and the loop thread. Idempotent."""
-        import psutil
-
         atexit.unregister(self.close)
         if self._receiver is not None:
             self._receiver.close()
@@ -244,23 +216,10 @@ class SGLangGenerator:
             watchdog = getattr(self.engine.tokenizer_manager, "_subprocess_watchdog", None)
             if watchdog is not None:
                 watchdog.stop()
-            leftovers = _engine_files(self.engine)
-            sockets = _engine_sockets(self.engine)
+            leftovers = engine_files(self.engine)
+            sockets = engine_sockets(self.engine)
             self.engine = None
-        procs = []
-        for pid in self._child_pids:
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                pass
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            p.kill()
+        stop_processes(self._child_pids)
         self._child_pids = []
         # Stopped processes skip SGLang's own cleanup: its IPC socket files (under the temp dir)
         # and its load-snapshot segment (/dev/shm) would be left behind by every engine.
@@ -421,63 +380,11 @@ class SGLangGenerator:
         adapter matrices: ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``)."""
         return self._adapter_specs() if self.lora is not None else dict(self._specs)
 
-    def _adapter_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        r, out = self.lora["rank"], {}
-        for name, (dtype, shape) in self._specs.items():
-            module = name.removesuffix(".weight")
-            if name.endswith(".weight") and len(shape) == 2 and name not in self._tied and \
-                    targets(module, self.lora["target_modules"]):
-                out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = (dtype, (r, shape[1]))
-                out[f"{PEFT_PREFIX}{module}.lora_B.weight"] = (dtype, (shape[0], r))
-        return out
-
     def _check(self, sent: list[tuple[str, Any, Sequence[int], str | None]]) -> None:
         from async_rl.weight_sync import check_update
 
         names, packed, tied = self.weight_names()
         check_update(sent, names, packed, tied, self.weight_specs())
-
-    async def _load_adapter(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-        # A new adapter under a new name: requests started on the previous one finish on it (an
-        # adapter cannot change under a running request); it is unloaded once none uses it.
-        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        name = f"v{version}.{self.num_loads + 1}"
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.lora["rank"],
-                  "lora_alpha": self.lora["alpha"], "lora_dropout": 0.0, "bias": "none",
-                  "target_modules": list(self.lora["target_modules"])}
-        obj = LoadLoRAAdapterFromTensorsReqInput(
-            lora_name=name, config_dict=config,
-            serialized_named_tensors=[MultiprocessingSerializer.serialize(dict(named))])
-        result = await self.engine.tokenizer_manager.load_lora_adapter_from_tensors(obj, None)
-        if not result.success:
-            raise RuntimeError(f"SGLang refused LoRA adapter v{version}: {result.error_message}")
-        self._adapter_version[name] = version
-        self._adapter = name
-
-    async def _unload_unused(self) -> None:
-        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
-
-        for name in [n for n in self._adapter_version if n != self._adapter and not self._adapter_users.get(n)]:
-            del self._adapter_version[name]
-            self._adapter_users.pop(name, None)
-            await self.engine.tokenizer_manager.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
-
-    async def _apply_adapter(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-        # The base weights are untouched: no weight-update session. ``abort`` aborts the running
-        # requests so they are re-issued on the new adapter; ``keep`` lets them finish on theirs.
-        try:
-            await self._load_adapter(named, version)
-        except Exception as e:
-            raise RuntimeError(f"SGLang engine: LoRA update v{version} failed ({type(e).__name__}: {e}); still "
-                               f"serving v{self.policy_version}") from e
-        if self.cfg.partial_rollout == "abort" and self._active:
-            await self._pause()
-            await self._continue()
-        self.policy_version = version
-        self.num_loads += 1
-        await self._unload_unused()
 
     async def _pause(self) -> bool:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
@@ -658,31 +565,6 @@ class SGLangGenerator:
                 receiver.fail(plan, f"bucket {i}: {message}")
                 raise RuntimeError(message)
             receiver.store.add(f"{plan.update_id}/ack{i}", 1)
-
-
-def _engine_sockets(engine) -> list:
-    """The ZeroMQ sockets an offline engine holds in this process (its RPC socket and its tokenizer
-    manager's sockets to the scheduler and from the detokenizer): ``Engine.shutdown`` closes them
-    with ``linger=0``, which a generator that stops only its own processes must do itself."""
-    import zmq
-
-    owners = [engine, engine.tokenizer_manager]
-    return [v for owner in owners for v in vars(owner).values() if isinstance(v, zmq.Socket) and not v.closed]
-
-
-def _engine_files(engine) -> list[str]:
-    # The files an engine's processes made under names derived from its port args.
-    port_args = getattr(engine, "port_args", None)
-    if port_args is None:
-        return []
-    paths = [v[len("ipc://"):] for v in vars(port_args).values() if isinstance(v, str) and v.startswith("ipc://")]
-    try:
-        from sglang.srt.managers.load_snapshot import shm_path_for
-
-        paths.append(shm_path_for(port_args.instance_id))
-    except (ImportError, AttributeError):
-        pass
-    return paths
 
 
 def _token_versions(meta: dict, n: int, default: int) -> list[int]:

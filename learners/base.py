@@ -9,6 +9,7 @@ steps); staleness is measured in these versions.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Protocol
 
@@ -19,11 +20,14 @@ from torch.distributed.tensor import DTensor
 
 from async_rl.buffers.trajectory import TrainBatch
 from async_rl.cluster import check_cpu_affinity, check_placement
+from async_rl.learners.capabilities import (LEARNERS, learner_capabilities, learners_that, model_parallel_size,
+                                            model_parallel_sizes)
 from async_rl.lora import LoRAConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 MIXED_PRECISION = ("auto", "fp32", "bf16")
-BACKENDS = ("fsdp2", "megatron")
+BACKENDS = tuple(LEARNERS)
+"""The ``learner.backend`` names, in registration order (``capabilities.LEARNERS``)."""
 
 
 @dataclass
@@ -188,10 +192,9 @@ class LearnerConfig:
     @property
     def data_parallel_size(self) -> int:
         """Ranks that take separate shares of a batch: ``world_size`` for ``fsdp2``, ``world_size
-        / (tensor_parallel_size * pipeline_parallel_size)`` for ``megatron``."""
-        if self.backend != "megatron":
-            return self.world_size
-        return self.world_size // (self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size)
+        / (tensor_parallel_size * pipeline_parallel_size)`` for ``megatron`` (the backend's
+        ``LearnerCapabilities.model_parallel``)."""
+        return self.world_size // model_parallel_size(self)
 
     @property
     def rng_seed(self) -> int:
@@ -202,10 +205,9 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"learner.world_size must be >= 1, got {self.world_size}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"learner.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "megatron":
-            self._check_megatron()
+        if self.backend not in LEARNERS:  # the registry, not the tuple: a backend registered later counts
+            raise ValueError(f"learner.backend must be one of {tuple(LEARNERS)}, got {self.backend!r}")
+        self._check_backend()
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"learner.device must be auto, cpu or cuda, got {self.device!r}")
         if self.mixed_precision not in MIXED_PRECISION:
@@ -236,22 +238,26 @@ class LearnerConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"learner.{key} must be >= 1, got {getattr(self, key)}")
 
-    def _check_megatron(self) -> None:
-        """What ``backend=megatron`` cannot do, refused at load with one line each."""
-        m = self.megatron
-        if self.world_size % (m.tensor_parallel_size * m.pipeline_parallel_size):
-            raise ValueError(f"learner.world_size={self.world_size} is not a multiple of learner.megatron."
-                             f"tensor_parallel_size * pipeline_parallel_size = {m.tensor_parallel_size} * "
-                             f"{m.pipeline_parallel_size}")
-        if self.lora.rank > 0:
-            raise ValueError("learner.lora.rank > 0 needs learner.backend=fsdp2: the Megatron learner trains "
-                             "full weights only")
-        if self.cpu_offload:
-            raise ValueError("learner.cpu_offload=true is an FSDP2 option; with learner.backend=megatron use "
-                             "learner.megatron.tensor_parallel_size / pipeline_parallel_size to fit the model")
-        if self.attn_implementation not in ("auto", "sdpa"):
+    def _check_backend(self) -> None:
+        """What the backend cannot do (its ``LearnerCapabilities``), refused at load with one line
+        each, naming the backend that would work."""
+        caps = learner_capabilities(self.backend)
+        sizes = model_parallel_sizes(self)
+        if self.world_size % math.prod(sizes.values()):
+            keys = " * ".join(f"learner.{caps.parallel_settings}.{k}" for k in sizes)
+            raise ValueError(f"learner.world_size={self.world_size} is not a multiple of {keys} = "
+                             f"{' * '.join(map(str, sizes.values()))}")
+        if self.lora.rank > 0 and not caps.lora:
+            raise ValueError(f"learner.lora.rank > 0 needs learner.backend={learners_that(lambda c: c.lora)}: the "
+                             f"{caps.name} learner trains full weights only")
+        if self.cpu_offload and not caps.cpu_offload:
+            owners = [learner_capabilities(n).name for n in LEARNERS if learner_capabilities(n).cpu_offload]
+            fit = " / ".join(f"learner.{caps.parallel_settings}.{k}" for k in caps.model_parallel) or "a smaller model"
+            raise ValueError(f"learner.cpu_offload=true is an {' or '.join(owners) or 'unsupported'} option; with "
+                             f"learner.backend={self.backend} use {fit} to fit the model")
+        if self.attn_implementation not in ("auto", "sdpa") and not caps.hf_attention:
             raise ValueError(f"learner.attn_implementation={self.attn_implementation} is a Hugging Face backend; "
-                             "the Megatron learner runs megatron-core's own attention (leave it at auto)")
+                             f"the {caps.name} learner runs its own attention (leave it at auto)")
 
 
 def learner_device(cfg: LearnerConfig) -> torch.device:

@@ -24,6 +24,7 @@ from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logi
 from async_rl.buffers.trajectory import TrainBatch
 from async_rl.checkpoint_format import LEARNER_STATE, dcp_reader_and_planner, load_learner_state, save_state
 from async_rl.learners.base import (LearnerConfig, clip_and_step, copy_matching_parameters, save_hf_model)
+from async_rl.learners.capabilities import LearnerCapabilities
 from async_rl.learners.batching import pack_rows, unpack_labels
 from async_rl.learners.core import LearnerCore
 from async_rl.learners import lora
@@ -84,6 +85,9 @@ class FSDPLearner(LearnerCore):
         ValueError: ``algo`` is not resolved (a preset field still None), the model declares no
             decoder layers to shard, or the critic's backbone does not match the policy's weights.
     """
+
+    capabilities = LearnerCapabilities(name="FSDP2", lora=True, cpu_offload=True, hf_attention=True)
+    """Every rank data parallel over the Hugging Face model; adapters and CPU offload supported."""
 
     shard_one_rank: bool = False
     """Wrap with FSDP2 on one fp32 rank too (the learner's update is the same either way; tests

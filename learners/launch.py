@@ -83,13 +83,9 @@ def exit_rank_process(status: int = 0) -> NoReturn:
 def learner_class(cfg: LearnerConfig):
     """The learner class of ``learner.backend``: ``FSDPLearner`` (``fsdp2``) or ``MegatronLearner``
     (``megatron``, imported only then: megatron-core is an optional dependency)."""
-    if cfg.backend == "megatron":
-        from async_rl.learners.megatron import MegatronLearner
+    from async_rl.learners.capabilities import learner_class as registered
 
-        return MegatronLearner
-    from async_rl.learners.fsdp import FSDPLearner
-
-    return FSDPLearner
+    return registered(cfg.backend)
 
 
 def _follower_threads(cfg: LearnerConfig) -> int:

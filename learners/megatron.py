@@ -50,6 +50,7 @@ from async_rl.buffers.trajectory import TrainBatch
 from async_rl.checkpoint_format import LEARNER_STATE, load_learner_state, save_state
 from async_rl.learners.base import LearnerConfig, save_hf_model
 from async_rl.learners.batching import unpack_labels
+from async_rl.learners.capabilities import LearnerCapabilities
 from async_rl.learners.core import LearnerCore
 from async_rl.learners.megatron_critic import MegatronCritic
 from async_rl.learners.megatron_ops import model_inputs, model_parallel_step, vocab_parallel_logprobs
@@ -75,6 +76,11 @@ class MegatronLearner(LearnerCore):
         ValueError: an architecture other than Qwen2/Llama, parallel sizes that do not divide the
             world, the heads or the layers; the checkpoint lacks a weight.
     """
+
+    capabilities = LearnerCapabilities(name="Megatron", lora=False, cpu_offload=False, hf_attention=False,
+                                       parallel_settings="megatron",
+                                       model_parallel=("tensor_parallel_size", "pipeline_parallel_size"))
+    """megatron-core's own model and attention, split by ``learner.megatron``; full weights only."""
 
     def __init__(self, cfg: LearnerConfig, algo: AlgorithmConfig, model_path: str, temperature: float,
                  total_optimizer_steps: int) -> None:

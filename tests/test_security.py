@@ -177,7 +177,7 @@ def test_vllm_socket_dirs_of_killed_processes_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from async_rl.generators.vllm import SOCKET_DIR_PREFIX, _sweep_socket_dirs
+    from async_rl.generators.vllm_process import SOCKET_DIR_PREFIX, sweep_socket_dirs
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
@@ -193,7 +193,7 @@ def test_vllm_socket_dirs_of_killed_processes_are_swept(tmp_path):
     other = tmp_path / "async-rl-vllm-notapid"
     other.mkdir()
     os.utime(other, (old, old))
-    assert _sweep_socket_dirs(str(tmp_path)) == [str(made["dead_old"])]
+    assert sweep_socket_dirs(str(tmp_path)) == [str(made["dead_old"])]
     assert not made["dead_old"].exists() and made["dead_young"].exists() and made["alive_old"].exists()
     assert other.exists()
 

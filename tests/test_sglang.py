@@ -297,10 +297,10 @@ def test_close_leaves_no_engine_files_and_no_processes(weights):
 
     import psutil
 
-    from async_rl.generators.sglang import _engine_files
+    from async_rl.generators.sglang_process import engine_files
 
     e = _engine(weights[0])
-    files, pids = _engine_files(e.engine), list(e._child_pids)
+    files, pids = engine_files(e.engine), list(e._child_pids)
     assert files and pids and any(os.path.exists(f) for f in files)
     # Idle, the engine's processes sleep (sleep_on_idle): a polling scheduler would use a whole
     # core (1.01 measured without it, 0.02 with), starving the learner on a few cores. Load on the

@@ -32,6 +32,7 @@ import torch
 from async_rl.algorithms.dapo import rewards_have_spread
 from async_rl.cluster import pin_process
 from async_rl.cpu_threads import SharedCoreGovernor, user_num_threads
+from async_rl.generators.capabilities import engine_capabilities
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.rewards import check_rewards_work
@@ -94,7 +95,8 @@ def shared_core_governor(cfg) -> SharedCoreGovernor | None:
     or SGLang engine processes, follower learner ranks), whose CPU time the governor would count
     as another job's."""
     chosen = cfg.learner.num_threads or user_num_threads() or cfg.learner.cpu_affinity or cfg.generator.cpu_affinity
-    if chosen or cfg.generator.backend != "hf" or cfg.learner.world_size > 1 or torch.get_num_threads() < 2:
+    separate = engine_capabilities(cfg.generator.backend).separate_processes
+    if chosen or separate or cfg.learner.world_size > 1 or torch.get_num_threads() < 2:
         return None
     return SharedCoreGovernor(torch.get_num_threads())
 

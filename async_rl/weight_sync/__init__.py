@@ -100,7 +100,9 @@ a version only when every engine loaded all of it.
 Modules (every name is importable from ``async_rl.weight_sync``): ``config`` (settings,
 ``resolve_transport``, ``transports_for_targets``), ``plan`` (bucket layout, dtype rule), ``check`` (``check_update``: the
 whole update against an engine), ``sources`` (what a push reads), ``wire``
-(``WeightSender``/``WeightReceiver``), ``publisher`` (engine targets, the transport objects and
+(``WeightSender``/``WeightReceiver``), ``protocols`` (what each bucket protocol changes on the
+wire; an engine class names its protocol in its capabilities), ``targets`` (the engine side of a
+push: ``LocalTarget``, ``RayTarget``), ``publisher`` (the transport objects and
 ``WeightPublisher``: the one path every push takes; ``colocated`` is a transport object like
 ``shm`` and ``broadcast``, not a branch).
 """

@@ -7,6 +7,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
+from async_rl.generators.capabilities import engine_capabilities
+from async_rl.weight_sync.protocols import PROTOCOLS
+
 TRANSPORTS = ("auto", "colocated", "shm", "broadcast")
 WIRE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -69,10 +72,16 @@ class WeightSyncConfig:
 
 
 def resolve_transport(cfg: WeightSyncConfig, backend: str, mode: str) -> str:
-    """The transport ``auto`` means for an engine backend (``hf``/``vllm``/``sglang``) in a trainer mode."""
+    """The transport ``auto`` means for an engine backend (``hf``/``vllm``/``sglang``) in a trainer
+    mode: ``colocated`` in sync mode for an engine that can live in the learner's process
+    (``EngineCapabilities.colocated``), else ``shm``.
+
+    Raises:
+        ValueError: an unknown backend.
+    """
     if cfg.transport != "auto":
         return cfg.transport
-    return "colocated" if (backend in ("hf", "sglang") and mode == "sync") else "shm"
+    return "colocated" if (mode == "sync" and engine_capabilities(backend).colocated) else "shm"
 
 
 def transports_for_targets(cfg: WeightSyncConfig, backend: str, mode: str, same_host: Sequence[bool]) -> list[str]:
@@ -80,9 +89,9 @@ def transports_for_targets(cfg: WeightSyncConfig, backend: str, mode: str, same_
 
     A forced ``cfg.transport`` applies to every target. ``auto``: ``resolve_transport`` for each,
     except that in ``async`` mode a target off the learner's host gets ``broadcast`` (shared
-    memory does not leave a host), and with ``backend="sglang"`` one remote target makes every
-    target ``broadcast`` (SGLang engines do not mix: their schedulers join the broadcast group
-    themselves, ``WeightSender``).
+    memory does not leave a host), and when the engine's protocol cannot mix transports in one
+    update (``PROTOCOLS[...].mixed_transports``, false for SGLang, whose schedulers join the
+    broadcast group themselves) one remote target makes every target ``broadcast``.
 
     Args:
         cfg: weight-sync settings.
@@ -93,22 +102,30 @@ def transports_for_targets(cfg: WeightSyncConfig, backend: str, mode: str, same_
     Returns:
         One transport name per target (``colocated``, ``shm`` or ``broadcast``), e.g.
         ``["shm", "broadcast", "shm"]`` for ``auto``, ``vllm``, ``async``, ``[True, False, True]``.
+
+    Raises:
+        ValueError: an unknown backend.
     """
     if cfg.transport != "auto":
         return [cfg.transport] * len(same_host)
     local = resolve_transport(cfg, backend, mode)
     if mode != "async" or all(same_host):
         return [local] * len(same_host)
-    if backend == "sglang":
+    if not PROTOCOLS[engine_protocol(backend)].mixed_transports:
         return ["broadcast"] * len(same_host)
     return [local if here else "broadcast" for here in same_host]
 
 
 def engine_protocol(backend: str) -> str:
-    """The bucket protocol a sender must speak to engines of ``backend``: ``sglang`` (a broadcast
-    group SGLang's ``init_weights_update_group`` joins, contiguous ``flattened_bucket`` layout)
-    or ``async_rl`` (our own receivers: HF, vLLM)."""
-    return "sglang" if backend == "sglang" else "async_rl"
+    """The bucket protocol a sender must speak to engines of ``backend``, as the engine class
+    declares it (``EngineCapabilities.protocol``): ``sglang`` (a broadcast group SGLang's
+    ``init_weights_update_group`` joins, contiguous ``flattened_bucket`` layout) or ``async_rl``
+    (our own receivers: HF, vLLM).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    return engine_capabilities(backend).protocol
 
 
 def replace_transport(cfg: WeightSyncConfig, transport: str) -> WeightSyncConfig:

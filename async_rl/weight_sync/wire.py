@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from async_rl.cluster import LOOPBACK, tcp_store
 from async_rl.weight_sync.config import WeightSyncConfig
+from async_rl.weight_sync.protocols import PROTOCOLS
 from async_rl.weight_sync.plan import DTYPES, UpdatePlan, pack_bucket, plan_update, unpack_bucket
 
 
@@ -76,18 +77,20 @@ class WeightSender:
 
     def __init__(self, cfg: WeightSyncConfig, num_receivers: int, host: str = LOOPBACK, device: str = "cpu",
                  protocol: str = "async_rl", receiver_transports: Sequence[str] | None = None) -> None:
-        if protocol not in ("async_rl", "sglang"):
-            raise ValueError(f"unknown weight sync protocol {protocol!r} (async_rl or sglang)")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"unknown weight sync protocol {protocol!r} (one of {', '.join(PROTOCOLS)})")
+        spec = PROTOCOLS[protocol]
         transports = [cfg.transport] * num_receivers if receiver_transports is None else list(receiver_transports)
         if len(transports) != num_receivers:
             raise ValueError(f"receiver_transports has {len(transports)} entries for {num_receivers} receivers")
         bad = sorted({t for t in transports if t not in ("shm", "broadcast")})
         if bad:
             raise ValueError(f"WeightSender carries shm or broadcast, not {bad[0]!r}")
-        if protocol == "sglang" and len(set(transports)) > 1:
-            raise ValueError("SGLang engines cannot mix shm and broadcast in one update (their schedulers join the "
-                             "broadcast group themselves): set weight_sync.transport=shm or broadcast")
+        if not spec.mixed_transports and len(set(transports)) > 1:
+            raise ValueError(f"{spec.receivers} cannot mix shm and broadcast in one update (they join the broadcast "
+                             "group themselves): set weight_sync.transport=shm or broadcast")
         self.cfg, self.num_receivers, self.device, self.protocol = cfg, num_receivers, device, protocol
+        self._spec = spec
         self.transports = transports
         self.name = "shm+broadcast" if len(set(transports)) > 1 else (transports[0] if transports else cfg.transport)
         # Group rank of each receiver: 1.. over the broadcast receivers in rank order, None for shm.
@@ -157,7 +160,7 @@ class WeightSender:
         """Join the broadcast group (blocks until every broadcast receiver connects); no-op when
         every receiver is ``shm``."""
         if self.group_world > 1 and self.group is None:
-            new = _sglang_group if self.protocol == "sglang" else _new_group
+            new = _sglang_group if self._spec.engine_group else _new_group
             self.group = new(self.store, 0, self.group_world, self.device, self.cfg.timeout_s, self.prefix)
 
     def plan(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: int,
@@ -171,7 +174,7 @@ class WeightSender:
         shm slots if one layer is larger than a bucket."""
         wire = None if self.cfg.wire_dtype == "auto" else DTYPES[self.cfg.wire_dtype]
         plan = plan_update(meta, version, self.cfg.bucket_bytes, aliases, wire,
-                           **({"align": 1} if self.protocol == "sglang" else {}))
+                           **({} if self._spec.align is None else {"align": self._spec.align}))
         if self._shm and max(plan.bucket_nbytes) > self._slot_bytes:
             self._alloc_slots(max(plan.bucket_nbytes))  # one oversized tensor: grow the slots once
         return plan
@@ -234,7 +237,7 @@ class WeightSender:
         # the destructor does not block on one.
         self.broken = why
         group, self.group = self.group, None
-        if self.protocol == "sglang":
+        if self._spec.engine_group:
             import torch.distributed as dist
 
             try:  # registered with torch's group registry (``_sglang_group``), which holds it too

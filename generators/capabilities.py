@@ -1,0 +1,143 @@
+"""What each rollout engine can do, declared by the engine class and read by name.
+
+Every engine class carries a ``capabilities`` class attribute (``EngineCapabilities``); the
+config checks (``async_rl.config``), the transport choice (``async_rl.weight_sync.config``) and
+the trainer ask it instead of comparing backend names, so a new engine is one class plus one
+``ENGINES.register`` line here.
+
+``ENGINES`` maps a ``generator.backend`` name to the import path of its class: the class is
+imported on first use only (``engine_class``). The engine modules import vLLM or SGLang inside
+their functions, so reading a class's capabilities at config time loads neither.
+
+    >>> engine_capabilities("sglang").colocated
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from async_rl.registry import Registry
+
+__all__ = ["ENGINES", "EngineCapabilities", "engine_capabilities", "engine_class", "engines_that"]
+
+WIRE_PROTOCOLS = ("async_rl", "sglang")
+"""Bucket protocols a ``WeightSender`` speaks (``async_rl.weight_sync.wire.PROTOCOLS``)."""
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine backend can do; the ``capabilities`` class attribute of its engine class.
+
+    Attributes:
+        name: how messages name the engine (``vLLM``).
+        colocated: the engine can run inside the learner's process and take weights in place
+            (``weight_sync.transport=colocated``; ``auto`` picks it in sync mode).
+        separate_processes: the engine decodes in processes of its own (vLLM's engine core,
+            SGLang's scheduler), not on the trainer's threads; the sync loop's shared-core
+            governor then stays off, as it would count their CPU time as another job's.
+        protocol: the bucket protocol a ``WeightSender`` must speak to it (one of
+            ``WIRE_PROTOCOLS``): ``async_rl`` (our ``WeightReceiver``) or ``sglang`` (SGLang's
+            own ``init_weights_update_group`` / ``update_weights_from_distributed``).
+        lora_transports: the ``weight_sync.transport`` values over which LoRA adapters reach the
+            engine (``auto`` resolves to one of them or is refused at load).
+        lora_max_rank: the largest ``learner.lora.rank`` it serves; 0 = no limit.
+        partial_rollout: the ``generator.partial_rollout`` modes it implements.
+        per_token: what each sampled token carries back in a ``Sample`` (all engines: the token
+            id, its behavior log-prob under the sampling distribution, float32 nats, and the
+            policy version that produced it).
+        context_key: the ``generator.<key>`` (dotted) that caps prompt plus response tokens, e.g.
+            ``vllm.max_model_len``, 0 meaning the checkpoint's; empty = no such cap.
+        picks_device: with no device given, the engine runs on CUDA where torch sees a GPU
+            (SGLang is told its device); otherwise it is given ``cpu`` and its own build picks.
+        library: the top-level module of the engine library (``vllm``); empty = none beyond
+            this package's dependencies.
+        install: how to install ``library``, for the one-line error when it is missing.
+
+    Raises:
+        ValueError: an unknown ``protocol`` or ``partial_rollout`` mode (at class definition).
+    """
+
+    name: str
+    colocated: bool
+    separate_processes: bool
+    protocol: str = "async_rl"
+    lora_transports: frozenset[str] = frozenset({"colocated", "shm", "broadcast"})
+    lora_max_rank: int = 0
+    partial_rollout: tuple[str, ...] = ("keep", "abort")
+    per_token: tuple[str, ...] = ("token_id", "logprob", "version")
+    context_key: str = ""
+    picks_device: bool = False
+    library: str = ""
+    install: str = ""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in WIRE_PROTOCOLS:
+            raise ValueError(f"engine {self.name}: unknown weight sync protocol {self.protocol!r} "
+                             f"(one of {WIRE_PROTOCOLS})")
+        bad = [m for m in self.partial_rollout if m not in ("keep", "abort")]
+        if bad:
+            raise ValueError(f"engine {self.name}: unknown partial_rollout mode {bad[0]!r} (keep or abort)")
+
+    def context_length(self, generator_cfg: Any) -> int:
+        """The engine's configured context cap in tokens (``context_key`` read from a
+        ``GeneratorConfig``); 0 = the checkpoint's, or no ``context_key``."""
+        value: Any = generator_cfg
+        if not self.context_key:
+            return 0
+        for part in self.context_key.split("."):
+            value = getattr(value, part)
+        return int(value)
+
+
+def _engine_class(kind: str, spec: str, obj: Any) -> type:
+    """``coerce`` of ``ENGINES``: import a registered ``"module:Class"`` path and check that the
+    class declares its capabilities.
+
+    Raises:
+        ValueError: the class has no ``EngineCapabilities`` ``capabilities`` attribute.
+        ImportError: the engine module cannot be imported.
+    """
+    if isinstance(obj, str):
+        module, _, attr = obj.partition(":")
+        obj = getattr(importlib.import_module(module), attr)
+    if not isinstance(getattr(obj, "capabilities", None), EngineCapabilities):
+        raise ValueError(f"{kind} {spec!r}: {obj!r} declares no EngineCapabilities 'capabilities' class attribute")
+    return obj
+
+
+ENGINES: Registry[type] = Registry("generator backend", coerce=_engine_class)
+"""``generator.backend`` name -> engine class (registered as an import path, imported on use)."""
+ENGINES.register("hf", "async_rl.generators.hf:HFGenerator")
+ENGINES.register("vllm", "async_rl.generators.vllm:VLLMGenerator")
+ENGINES.register("sglang", "async_rl.generators.sglang:SGLangGenerator")
+
+
+def engine_class(backend: str) -> type:
+    """The engine class of ``generator.backend=backend`` (its module imported now, not its
+    engine library).
+
+    Raises:
+        ValueError: ``backend`` is no registered engine (one line listing those that are).
+    """
+    if backend not in ENGINES:
+        raise ValueError(f"generator.backend must be one of {tuple(ENGINES)}, got {backend!r}")
+    return ENGINES.get(backend)
+
+
+def engine_capabilities(backend: str) -> EngineCapabilities:
+    """``engine_class(backend).capabilities``.
+
+    Raises:
+        ValueError: as ``engine_class``.
+    """
+    return engine_class(backend).capabilities
+
+
+def engines_that(predicate) -> str:
+    """The registered backend names whose capabilities satisfy ``predicate``, joined for a
+    message (``"hf or sglang"``); ``"none"`` when no engine does."""
+    names = [n for n in ENGINES if predicate(engine_capabilities(n))]
+    return " or ".join(names) if names else "none"

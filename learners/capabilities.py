@@ -1,0 +1,114 @@
+"""What each learner backend can do, declared by the learner class and read by name.
+
+Every learner class carries a ``capabilities`` class attribute (``LearnerCapabilities``); the
+learner config's checks (``async_rl.learners.base``), the config's messages (``async_rl.config``)
+and the rank launcher (``async_rl.learners.launch``) ask it instead of comparing backend names.
+
+``LEARNERS`` maps a ``learner.backend`` name to the import path of its class: the class is
+imported on first use only (``learner_class``); the Megatron module imports megatron-core inside
+its functions, so reading its capabilities loads no optional dependency.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from async_rl.registry import Registry
+
+__all__ = ["LEARNERS", "LearnerCapabilities", "learner_capabilities", "learner_class", "learners_that",
+           "model_parallel_sizes"]
+
+
+@dataclass(frozen=True)
+class LearnerCapabilities:
+    """What a learner backend can do; the ``capabilities`` class attribute of its learner class.
+
+    Attributes:
+        name: how messages name the backend (``Megatron``).
+        lora: trains LoRA adapters (``learner.lora.rank > 0``); false = full weights only.
+        cpu_offload: honours ``learner.cpu_offload`` (FSDP2's ``CPUOffloadPolicy``).
+        hf_attention: runs the Hugging Face model, so ``learner.attn_implementation`` applies.
+        parallel_settings: the ``learner.<field>`` holding its model-parallel sizes
+            (``megatron``); empty = every rank is data parallel.
+        model_parallel: the integer keys of ``parallel_settings`` whose product splits one model
+            replica over ranks (``tensor_parallel_size``, ``pipeline_parallel_size``); the data
+            parallel size is ``learner.world_size`` divided by that product.
+    """
+
+    name: str
+    lora: bool
+    cpu_offload: bool
+    hf_attention: bool
+    parallel_settings: str = ""
+    model_parallel: tuple[str, ...] = ()
+
+
+def _learner_class(kind: str, spec: str, obj: Any) -> type:
+    """``coerce`` of ``LEARNERS``: import a registered ``"module:Class"`` path and check that the
+    class declares its capabilities.
+
+    Raises:
+        ValueError: the class has no ``LearnerCapabilities`` ``capabilities`` attribute.
+    """
+    if isinstance(obj, str):
+        module, _, attr = obj.partition(":")
+        obj = getattr(importlib.import_module(module), attr)
+    if not isinstance(getattr(obj, "capabilities", None), LearnerCapabilities):
+        raise ValueError(f"{kind} {spec!r}: {obj!r} declares no LearnerCapabilities 'capabilities' class attribute")
+    return obj
+
+
+LEARNERS: Registry[type] = Registry("learner backend", coerce=_learner_class)
+"""``learner.backend`` name -> learner class (registered as an import path, imported on use)."""
+LEARNERS.register("fsdp2", "async_rl.learners.fsdp:FSDPLearner")
+LEARNERS.register("megatron", "async_rl.learners.megatron:MegatronLearner")
+
+
+def learner_class(backend: str) -> type:
+    """The learner class of ``learner.backend=backend`` (imported now).
+
+    Raises:
+        ValueError: ``backend`` is no registered learner (one line listing those that are).
+    """
+    if backend not in LEARNERS:
+        raise ValueError(f"learner.backend must be one of {tuple(LEARNERS)}, got {backend!r}")
+    return LEARNERS.get(backend)
+
+
+def learner_capabilities(backend: str) -> LearnerCapabilities:
+    """``learner_class(backend).capabilities``.
+
+    Raises:
+        ValueError: as ``learner_class``.
+    """
+    return learner_class(backend).capabilities
+
+
+def learners_that(predicate) -> str:
+    """The registered backend names whose capabilities satisfy ``predicate``, joined for a
+    message (``"fsdp2"``); ``"none"`` when no backend does."""
+    names = [n for n in LEARNERS if predicate(learner_capabilities(n))]
+    return " or ".join(names) if names else "none"
+
+
+def model_parallel_sizes(cfg: Any) -> dict[str, int]:
+    """The model-parallel sizes of a ``LearnerConfig``'s backend by key, e.g.
+    ``{"tensor_parallel_size": 2, "pipeline_parallel_size": 1}``; empty for a backend whose
+    ranks are all data parallel.
+
+    Raises:
+        ValueError: an unknown ``cfg.backend``.
+    """
+    caps = learner_capabilities(cfg.backend)
+    if not caps.parallel_settings:
+        return {}
+    settings = getattr(cfg, caps.parallel_settings)
+    return {key: getattr(settings, key) for key in caps.model_parallel}
+
+
+def model_parallel_size(cfg: Any) -> int:
+    """Ranks one model replica spans (the product of ``model_parallel_sizes``; 1 = none)."""
+    return math.prod(model_parallel_sizes(cfg).values())
