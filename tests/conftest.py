@@ -27,12 +27,12 @@ def pytest_sessionfinish(session, exitstatus):
     Only entries whose owning process is gone (``async_rl.leftovers``)."""
     import tempfile
 
-    from async_rl.generators.vllm import _sweep_socket_dirs
+    from async_rl.generators.vllm_process import sweep_socket_dirs
     from async_rl.leftovers import sweep_weight_slots
 
     sweep_weight_slots(min_age_s=0)
     for base in {os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir(), "/tmp"}:
-        _sweep_socket_dirs(base, min_age_s=0)
+        sweep_socket_dirs(base, min_age_s=0)
 
 
 @pytest.fixture(autouse=True)
