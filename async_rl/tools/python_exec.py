@@ -85,7 +85,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from async_rl.tools.base import Tool
+from async_rl.tools.definition import Tool
 
 __all__ = [
     "SandboxIsolation",
