@@ -28,21 +28,29 @@ every socket binds, and where each actor is placed.
   run directory. Ray's CPU accounting only admits actors; their torch threads come from the
   thread budget (``loops.async_loop.thread_budget``), since Ray does not pin cores; a role can be
   pinned to cores of its own (``generator.cpu_affinity``, ``learner.cpu_affinity``: ``pin_process``).
+
+What each role asks for (``PlacementConfig`` and its checks) is ``async_rl.placement``; the CPU
+pinning is ``async_rl.cpu_affinity``. Both are re-exported here, their import path before they
+had modules of their own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import logging
-import math
 import os
 import socket
 import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from async_rl.cpu_affinity import (  # noqa: F401
+    check_cpu_affinity, cpus_restored, pin_process, pin_thread, service_cores, split_learner_threads, started_on,
+)
+from async_rl.placement import (  # noqa: F401
+    PLACEMENT_STRATEGIES, PLACEMENT_TIMEOUT_S, PlacementConfig, PlacementError, check_placement, ray_cpus_needed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,80 +59,9 @@ LOOPBACK = "127.0.0.1"
 
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-"""Ray placement group strategies (``ray.util.placement_group``)."""
-
-PLACEMENT_TIMEOUT_S = 300.0
-"""How long a placement group may wait for the cluster's resources before the run stops with
-what it asked for and what the cluster has (seconds; ``trainer.placement_timeout_s``)."""
-
-
-@dataclass
-class PlacementConfig:
-    """The Ray resources of one role's actors, from ``generator.{num_cpus_per_worker,
-    num_gpus_per_worker, node_labels, placement_strategy}`` or the learner's ``*_per_rank`` keys
-    (``of_generators``, ``of_learner``).
-
-    Attributes:
-        num_cpus: CPUs Ray reserves per actor (>= 0).
-        num_gpus: GPUs per actor (>= 0); ``None`` = 1 where the role runs on CUDA, else 0.
-        node_labels: Ray node labels every actor's node must carry; empty = any node.
-        strategy: Ray placement strategy (``PLACEMENT_STRATEGIES``).
-    """
-
-    num_cpus: float
-    num_gpus: float | None
-    node_labels: dict[str, str] = field(default_factory=dict)
-    strategy: str = "PACK"
-
-    @classmethod
-    def of_generators(cls, g_cfg) -> "PlacementConfig":
-        """The generator actors' placement (``GeneratorConfig``)."""
-        return cls(g_cfg.num_cpus_per_worker, g_cfg.num_gpus_per_worker, dict(g_cfg.node_labels),
-                   g_cfg.placement_strategy)
-
-    @classmethod
-    def of_learner(cls, l_cfg) -> "PlacementConfig":
-        """The learner ranks' placement (``LearnerConfig``; ranks 1..N-1, rank 0 is the trainer)."""
-        return cls(l_cfg.num_cpus_per_rank, l_cfg.num_gpus_per_rank, dict(l_cfg.node_labels),
-                   l_cfg.placement_strategy)
-
-    def bundle(self, cuda: bool) -> dict[str, float]:
-        """One actor's Ray resources.
-
-        Raises:
-            ValueError: neither CPUs nor GPUs asked for (Ray refuses an empty bundle).
-        """
-        gpus = self.num_gpus if self.num_gpus is not None else (1.0 if cuda else 0.0)
-        out = {k: float(v) for k, v in (("CPU", self.num_cpus), ("GPU", gpus)) if v}
-        if not out:
-            raise ValueError("a placement needs num_cpus > 0 or num_gpus > 0 (Ray refuses an empty bundle)")
-        return out
-
-
-class PlacementError(ValueError):
-    """The cluster cannot hold what a role asked for (resources, labels, strategy); a
-    ``ValueError`` so the command line shows it as one line."""
-
 
 class ClusterUnreachable(ValueError):
     """``trainer.ray_address`` / ``RAY_ADDRESS`` names no cluster this process can join."""
-
-
-def check_placement(section: str, unit: str, num_cpus: float, num_gpus: float | None, strategy: str) -> None:
-    """Validate one role's placement keys (``<section>.num_cpus_per_<unit>``, ...).
-
-    Raises:
-        ValueError: a negative count, no resources at all, or an unknown strategy (one line).
-    """
-    if num_cpus < 0 or (num_gpus is not None and num_gpus < 0):
-        raise ValueError(f"{section}.num_cpus_per_{unit} and num_gpus_per_{unit} must be >= 0, got {num_cpus} "
-                         f"and {num_gpus}")
-    if num_cpus == 0 and num_gpus == 0:
-        raise ValueError(f"{section}.num_cpus_per_{unit} and num_gpus_per_{unit} are both 0: Ray places an actor "
-                         "only with some resource (its threads are set apart from this)")
-    if strategy not in PLACEMENT_STRATEGIES:
-        raise ValueError(f"{section}.placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}")
 
 
 def ray_address(trainer_cfg) -> str | None:
@@ -259,159 +196,8 @@ def where() -> dict[str, Any]:
     return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_ip(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "cpus": cpus}
 
-
-def check_cpu_affinity(key: str, cores: list[int]) -> None:
-    """Validate a ``<section>.cpu_affinity`` list at load: CPU ids >= 0, each once.
-
-    Raises:
-        ValueError: a negative, non-integer or repeated id (one line naming ``key``).
-    """
-    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in cores):
-        raise ValueError(f"{key} must list CPU ids >= 0, got {cores}")
-    if len(set(cores)) != len(cores):
-        raise ValueError(f"{key} lists a CPU id twice: {cores}")
-
-
-def _check_cores(cores: list[int], key: str) -> None:
-    if not hasattr(os, "sched_setaffinity"):
-        raise ValueError(f"{key}: CPU pinning needs Linux (os.sched_setaffinity); leave it empty here")
-    if cores and max(cores) >= (os.cpu_count() or 1):
-        raise ValueError(f"{key}={cores}: this machine has CPU ids 0..{(os.cpu_count() or 1) - 1}")
-
-
-def pin_process(cores: list[int], key: str) -> list[int]:
-    """Let every thread of the calling process run only on the CPUs ``cores`` (Linux
-    ``sched_setaffinity`` on each task of ``/proc/self/task``); threads and processes started
-    afterwards inherit the mask of the thread that starts them. Ray does not pin cores, and a
-    role's torch threads that float onto another role's cores cost both of them.
-
-    Args:
-        cores: CPU ids of this machine; empty: change nothing.
-        key: the config key they came from, for the error.
-
-    Returns:
-        The calling thread's CPU ids before the call (sorted), to restore them.
-
-    Raises:
-        ValueError: not Linux, or a CPU id this process may not use (beyond ``os.cpu_count()``
-            or outside its cgroup's cpuset).
-    """
-    _check_cores(cores, key)
-    before = sorted(os.sched_getaffinity(0))
-    if not cores:
-        return before
-    mask = set(cores)
-    # Linux sets the mask per thread: Ray's, torch's and ZeroMQ's threads already run, so each
-    # task is pinned, not only the caller.
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), mask)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
-        except OSError as e:
-            raise ValueError(f"{key}={cores}: this process may not run there ({e.strerror}; "
-                             f"allowed: {before})") from None
-    return before
-
-
-def service_cores(learner_cores: list[int]) -> list[int]:
-    """The CPU ids the calling thread may use outside ``learner_cores`` (sorted): where the
-    trainer's threads that do not train run in async mode (``split_learner_threads``). When
-    ``learner_cores`` take every one of them, ``learner_cores`` themselves: nothing is left to
-    split off."""
-    others = sorted(set(os.sched_getaffinity(0)) - set(learner_cores))
-    return others or sorted(learner_cores)
-
-
-def split_learner_threads(learner_cores: list[int], key: str) -> list[int]:
-    """Async mode's rank 0: the calling thread (the one that trains) runs on ``learner_cores``,
-    every other thread of the process on the rest (``service_cores``): the trajectory receiver,
-    the dispatcher, Ray's, gRPC's and ZeroMQ's I/O threads would otherwise take the learner's
-    core between its torch ops. Threads that the calling thread starts later inherit
-    ``learner_cores`` (torch's intra-op threads do, as they should); start the others inside
-    ``started_on(service)``, which hands them the service cores.
-
-    Call it before anything has run a parallel torch op (an intra-op pool started earlier would
-    land on the service cores) and before Ray starts (its processes and threads then inherit the
-    service cores when started inside ``started_on``).
-
-    Args:
-        learner_cores: CPU ids; empty: change nothing.
-        key: the config key they came from, for the error.
-
-    Returns:
-        The service cores (sorted; ``learner_cores`` when none remain; empty when
-        ``learner_cores`` is).
-
-    Raises:
-        ValueError: as ``pin_process``.
-    """
-    if not learner_cores:
-        return []
-    _check_cores(learner_cores, key)
-    service = service_cores(learner_cores)
-    pin_process(service, key)
-    pin_thread(learner_cores, key)
-    return service
-
-
-def pin_thread(cores: list[int], key: str) -> None:
-    """Let the calling thread (only) run on the CPUs ``cores``; threads and processes it starts
-    afterwards inherit them.
-
-    Raises:
-        ValueError: not Linux, or a CPU id this process may not use (one line naming ``key``).
-    """
-    _check_cores(cores, key)
-    try:
-        os.sched_setaffinity(0, set(cores))
-    except OSError as e:
-        raise ValueError(f"{key}={cores}: this thread may not run there ({e.strerror})") from None
-
-
-@contextlib.contextmanager
-def started_on(cores: list[int]):
-    """Inside the block the calling thread runs on ``cores``, so the threads and processes it
-    starts there inherit them (Ray's, ZeroMQ's, the async pipeline's); its own CPU ids come back
-    after. Empty ``cores``: change nothing."""
-    if not cores:
-        yield
-        return
-    before = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, set(cores))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, set(before))
-
-
-@contextlib.contextmanager
-def cpus_restored(active: bool = True):
-    """At the block's end (return or raise) every thread of the process gets back the CPU ids
-    the calling thread had at its start: a run that pins roles (``pin_process``,
-    ``split_learner_threads``) leaves its process as it found it, so a later run in the same
-    process (a bench, a test) splits the same cores. ``active=False`` or not Linux: a no-op."""
-    if not active or not hasattr(os, "sched_getaffinity"):
-        yield
-        return
-    before = sorted(os.sched_getaffinity(0))
-    try:
-        yield
-    finally:
-        pin_process(before, "the process's CPU ids")
-
-
 def _where_actor(instance) -> dict[str, Any]:  # run inside an actor by ``__ray_call__``
     return where()
-
-
-def ray_cpus_needed(cfg) -> int:
-    """Logical CPUs a Ray of the run's own must offer to admit every actor it places: learner
-    ranks 1..N-1 and, in async mode, the generator actors."""
-    need = (cfg.learner.world_size - 1) * cfg.learner.num_cpus_per_rank
-    if cfg.trainer.mode == "async":
-        need += cfg.generator.num_workers * cfg.generator.num_cpus_per_worker
-    return int(math.ceil(need))
 
 
 class Cluster:

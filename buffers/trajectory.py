@@ -28,7 +28,7 @@ PER_TOKEN_DTYPES: dict[str, np.dtype] = {
     "prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "behavior_logprobs": np.dtype("<f8"),
     "loss_mask": np.dtype("u1"), "policy_version": np.dtype("<i8"),
 }
-"""The dtype of each per-token field of a ``Trajectory``; the wire (``async_rl.buffers.transport``)
+"""The dtype of each per-token field of a ``Trajectory``; the wire (``async_rl.buffers.codec``)
 carries these same bytes, so a received trajectory's arrays are views of the message. int32 ids
 hold any vocabulary; float64 log-probs keep a Python float bit-exact; versions are int64."""
 
@@ -143,7 +143,7 @@ class Trajectory:
                      reward_extras: dict[str, float], response_text: str, generator_id: int) -> "Trajectory":
         """A trajectory from fields already in their held form, without ``__post_init__``'s checks.
 
-        For the wire decoder (``async_rl.buffers.transport``), which has checked every field's
+        For the wire decoder (``async_rl.buffers.codec``), which has checked every field's
         type and the per-token lengths and made each array itself (1-D, of ``PER_TOKEN_DTYPES``);
         skipping the re-check saves a few microseconds per received trajectory. Anything else
         builds with ``Trajectory(...)``, which checks. Arguments: the attributes, in field order.

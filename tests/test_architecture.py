@@ -134,10 +134,10 @@ LAYERS = [  # top to bottom, as docs/architecture.md draws them; an import may o
     ["async_rl.loops"],
     ["async_rl.rollout", "async_rl.batch", "async_rl.evaluation"],
     ["async_rl.learners", "async_rl.generators", "async_rl.buffers", "async_rl.weight_sync", "async_rl.agent",
-     "async_rl.checkpoint", "async_rl.metrics", "async_rl.data", "async_rl.inputs", "async_rl.cluster"],
+     "async_rl.checkpoint", "async_rl.metrics", "async_rl.data", "async_rl.inputs", "async_rl.cluster",
+     "async_rl.placement"],
     ["async_rl.algorithms", "async_rl.rewards", "async_rl.tools", "async_rl.lora", "async_rl.registry",
-     "async_rl.cpu_threads", "async_rl.checkpoint_format",
-     "async_rl.leftovers"],
+     "async_rl.cpu_threads", "async_rl.cpu_affinity", "async_rl.checkpoint_format", "async_rl.leftovers"],
 ]
 
 

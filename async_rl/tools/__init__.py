@@ -21,19 +21,9 @@ One agent turn::
     messages += [{"role": "tool", "content": r.content} for r in results]
 """
 
-from async_rl.tools.base import (
-    BUILTIN_TOOLS,
-    ERROR_KINDS,
-    Tool,
-    ToolCall,
-    ToolExecutor,
-    ToolRegistry,
-    ToolResult,
-    load_tools,
-    register_tool,
-    tool,
-)
 from async_rl.tools.calculator import calculator_tool, evaluate
+from async_rl.tools.definition import Tool, tool
+from async_rl.tools.executor import ERROR_KINDS, ToolCall, ToolExecutor, ToolResult
 from async_rl.tools.parsers import (
     PARSERS,
     HermesParser,
@@ -43,8 +33,9 @@ from async_rl.tools.parsers import (
 )
 from async_rl.tools.python_exec import (SandboxIsolation, make_python_tool, network_isolation, python_tool, run_python,
                                        sandbox_isolation)
+from async_rl.tools.registry import BUILTIN_TOOLS, ToolRegistry, load_tools, register_tool
 
-# The built-ins register here, above base.py, so base.py never imports the tools built on it.
+# The built-ins register here, above registry.py, so registry.py never imports the tools built on it.
 register_tool(calculator_tool, "calculator")
 register_tool(python_tool, "python")
 

@@ -28,7 +28,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from async_rl.tools.base import Tool
+from async_rl.tools.definition import Tool
 
 __all__ = [
     "MAX_EXPONENT",

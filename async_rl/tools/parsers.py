@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol, runtime_checkable
 
-from async_rl.tools.base import ToolCall
+from async_rl.tools.executor import ToolCall
 
 __all__ = [
     "PARSERS",

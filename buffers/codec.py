@@ -1,0 +1,463 @@
+"""Trajectory wire format: the codec between a ``Trajectory`` (or a group of them) and one ZeroMQ frame.
+
+Used by both ends of ``async_rl.buffers.transport``: a sender encodes, the receiver decodes and
+checks. It knows no socket, so the in-process channel of the tests runs the same bytes.
+
+Wire format (schema version 4; msgpack, never pickle). A message is one ZeroMQ frame::
+
+    | header length H: uint32 LE | msgpack header (H bytes) | zero pad to a multiple of 8 | body |
+
+The header is a msgpack map. A data message is ``{"schema": 4, "kind": "trajectories",
+"group_id": None or g, "trajectories": [t_0, ..., t_{k-1}]}``: ``k >= 1`` trajectories, or, with
+an integer ``group_id`` (a ``TrajectoryGroup``: every kept trajectory of group ``g``), ``k >= 0``
+of them that also close group ``g`` with ``k`` kept. Each ``t_i`` is a msgpack array of the
+trajectory's other fields, in this order: ``trajectory_id``, ``group_id``, ``prompt_uid``,
+``generator_id``, ``finish_reason``, ``reward`` (float64), ``reward_extras`` (str -> float64),
+``response_text``, ``num_prompt_tokens`` (P_i) and ``num_response_tokens`` (R_i). With
+``P = sum P_i`` and ``R = sum R_i`` the body holds the per-token fields of all ``k``
+trajectories, each field's arrays back to back in trajectory order, as raw little-endian arrays
+in the dtypes the ``Trajectory`` holds (``PER_TOKEN_DTYPES``), 8-byte dtypes first so every
+array is aligned:
+
+=======================  =======================  ======  =============
+body field, in order     dtype                    length  byte offset
+=======================  =======================  ======  =============
+``behavior_logprobs``    float64 (``<f8``)        R       0
+``policy_version``       int64   (``<i8``)        R       8R
+``prompt_ids``           int32   (``<i4``)        P       16R
+``response_ids``         int32   (``<i4``)        R       16R + 4P
+``loss_mask``            uint8   (``u1``)         R       20R + 4P
+=======================  =======================  ======  =============
+
+The body is 21R + 4P bytes, exactly. A second message kind closes a group whose samples were all
+rejected, or travels on its own: ``{"schema": 4, "kind": "group_closed", "group_id": g,
+"num_kept": k}`` with an empty body. The buffer's ``close_group`` accepts a closure in any order
+relative to the group's trajectories.
+
+The encoder joins each array's memory as it is (no per-token Python object, no conversion).
+The receiver reads the frame without copying it (``recv(copy=False)``) and the decoder wraps
+the body with ``np.frombuffer``: a received trajectory's arrays are read-only views of its
+message. Layout checks void the whole message (one counted, logged rejection): the frame count,
+the header length, msgpack, the schema version, the kind and fields, each trajectory header's
+length, field types and non-negative counts, and the body size against the counts; when any of
+these fails no offset in the message can be trusted. Value checks are per trajectory, so a
+trajectory that would crash or poison a step is one counted, logged rejection and the rest of
+its message is kept: ``trajectory_id`` ends in ``/<index in group>`` (the learner orders a
+group by it), at least one prompt token, token ids >= 0, ``behavior_logprobs`` neither NaN nor
++inf (-inf is kept: the losses clamp log-ratios), ``loss_mask`` values 0 or 1, policy versions
+>= 0, a finite ``reward`` and finite ``reward_extras`` values, and in a group message the
+group's id. (Token ids past the vocabulary cannot be checked here: the transport does not know
+the model.) The array checks run once per message, vectorised over all its trajectories (three
+reductions); only a message that fails one is checked trajectory by trajectory. A refused
+trajectory of a group leaves the group one sample short, so the buffer never completes it,
+exactly as when it travelled alone and was refused. A message of another schema version
+(schema 3 and older: one msgpack map, no length prefix) is refused with one line naming both
+versions.
+
+History: schema 2 carried the arrays as msgpack ext types and the receiver turned them back
+into Python lists (0.15-0.19x raw ZeroMQ's messages/s in ``bench/bench_transport.py``); schema 3
+carried them as msgpack ``bin`` fields of one map (~0.55x, copied out of the frame by msgpack,
+with fixed per-message Python work in the decoder); schema 4 keeps them out of msgpack, reads the
+frame in place, checks a message's arrays in three reductions and lets a generator send a whole
+group as one message. Schema 2 added ``generator_id`` (the actor that sampled it).
+
+Why this layout: raw arrays avoid encoding 1000s of numbers one msgpack item at a time, and one
+frame beats one frame per array (``bench/bench_transport.py``: raw ZeroMQ moves ~1.6x more
+25 KB messages/s as 1 frame than as 6). Log-probs are float64, so a Python float round-trips
+bit-exactly; token ids must fit int32 and ``loss_mask`` values 0..255, else building the
+``Trajectory`` raises ``ValueError`` rather than wrap around (the decoder then accepts only what
+the checks above allow).
+
+Run the tests with ``python -m pytest -q tests/test_transport.py``; measure throughput with
+``python bench/bench_transport.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, Trajectory, per_token_array
+
+SCHEMA_VERSION = 4
+"""Version of the wire format above; bump it on any change to the fields, their encoding or the framing."""
+
+_NUM_FRAMES = 1
+_LENGTH = 4
+"""Bytes of the little-endian header length that opens a frame."""
+# One trajectory's header: a msgpack array of these fields, in this order, of these exact types
+# (msgpack makes no subclasses, and a bool, an int subclass, in a count or id field is a sender bug).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "trajectory_id": (str,), "group_id": (int,), "prompt_uid": (str,), "generator_id": (int,),
+    "finish_reason": (str,), "reward": (float, int), "reward_extras": (dict,), "response_text": (str,),
+    "num_prompt_tokens": (int,), "num_response_tokens": (int,),
+}
+_FIELD_NAMES = tuple(_FIELD_TYPES)
+# The common case in one comparison (a float reward); anything else takes the per-field loop.
+_USUAL_TYPES = tuple(kinds[0] for kinds in _FIELD_TYPES.values())
+_TID, _GID, _UID, _GEN, _FINISH, _REWARD, _EXTRAS, _TEXT, _P, _R = range(len(_FIELD_TYPES))
+_HEADER_FIELDS = frozenset({"schema", "kind", "group_id", "trajectories"})
+# Body order: 8-byte dtypes first, so every array starts aligned when the body does.
+_F8, _I8, _I4, _U1 = (PER_TOKEN_DTYPES[n] for n in ("behavior_logprobs", "policy_version", "prompt_ids", "loss_mask"))
+_BYTES_PER_RESPONSE_TOKEN = _F8.itemsize + _I8.itemsize + _I4.itemsize + _U1.itemsize  # 21
+_BYTES_PER_PROMPT_TOKEN = _I4.itemsize  # 4
+_PAD = bytes(7)
+_BODY_ORDER = ("behavior_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask")
+"""Body fields in order; each is the concatenation over the message's trajectories."""
+_BODY_DTYPES = tuple(PER_TOKEN_DTYPES[name] for name in _BODY_ORDER)
+_ndarray = np.ndarray
+_STR, _FLOAT = frozenset({str}), frozenset({float})
+# Reductions called directly: ``ndarray.min()`` adds a Python-level wrapper per call.
+_min, _max = np.minimum.reduce, np.maximum.reduce
+_frombuffer, _isfinite, _from_checked = np.frombuffer, math.isfinite, Trajectory.from_checked
+
+
+_TRAJECTORY_ID = re.compile(r".*/[0-9]+", re.DOTALL)
+"""``"<group>/<index in group>"``: the learner sorts a group's samples by the index."""
+
+
+class MalformedMessageError(ValueError):
+    """A received message (or one trajectory of it) is not valid schema ``SCHEMA_VERSION``; the text says why."""
+
+
+# ------------------------------------------------------------------------------------------ codec
+@dataclass(frozen=True)
+class GroupClosed:
+    """Control message: group ``group_id`` is finished with ``num_kept`` trajectories sent.
+
+    Attributes:
+        group_id: the group's id.
+        num_kept: trajectories of the group that were sent (>= 0); the rest were rejected.
+    """
+
+    group_id: int
+    num_kept: int
+
+
+@dataclass(frozen=True)
+class TrajectoryGroup:
+    """Every kept trajectory of one finished group, sent as one message that also closes it.
+
+    The receiver hands on ``trajectories`` one by one, then ``GroupClosed(group_id,
+    len(trajectories))``: the same messages as sending each trajectory and the closure alone, for
+    one message's fixed cost instead of ``len(trajectories) + 1``.
+
+    Attributes:
+        group_id: the group's id; every trajectory's ``group_id`` must equal it.
+        trajectories: the group's kept trajectories (any number, 0 for a group the reward
+            rejected whole).
+    """
+
+    group_id: int
+    trajectories: Sequence[Trajectory]
+
+
+Message = Trajectory | GroupClosed | TrajectoryGroup
+"""What travels from async_rl.generators to the buffer (a receiver hands on ``Trajectory`` and
+``GroupClosed`` only: a ``TrajectoryGroup`` arrives as its parts)."""
+
+
+def pack_frame(header: Any, body: Sequence[Any] = ()) -> bytes:
+    """One schema-4 frame: the 4-byte header length, the msgpack ``header``, zero padding to a
+    multiple of 8 bytes, then the ``body`` buffers back to back (module docstring).
+
+    Args:
+        header: any msgpack-able value (the codec passes the header map; tests pass anything).
+        body: buffer-protocol objects (C-contiguous arrays, bytes), concatenated as they are.
+
+    Returns:
+        The frame (one copy of every body buffer).
+    """
+    head = msgpack.packb(header, use_bin_type=True)
+    pad = -(_LENGTH + len(head)) % 8
+    return b"".join([len(head).to_bytes(_LENGTH, "little"), head, _PAD[:pad], *body])
+
+
+def split_frame(frame: Any) -> tuple[Any, memoryview]:
+    """The header (unpacked) and the body (a view, padding removed) of one frame: ``pack_frame``'s inverse.
+
+    Raises:
+        MalformedMessageError: a frame shorter than its header length says, or a header that is
+            not msgpack. A frame of schema 3 or older (one msgpack map, no length prefix) is
+            refused with its version named.
+    """
+    view = memoryview(frame)
+    size = len(view)
+    head_len = int.from_bytes(view[:_LENGTH], "little") if size >= _LENGTH else -1
+    start = -(-(_LENGTH + head_len) // 8) * 8
+    if head_len < 0 or start > size:
+        _refuse_old_schema(view)
+        raise MalformedMessageError(f"message is {size} bytes, too short for its header "
+                                    f"({'no length' if head_len < 0 else f'{head_len} bytes'})")
+    try:
+        header = msgpack.unpackb(view[_LENGTH:_LENGTH + head_len], raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types for corrupt input
+        _refuse_old_schema(view)
+        raise MalformedMessageError(f"message header is not valid msgpack: {type(e).__name__}: {e}") from e
+    return header, view[start:]
+
+
+def _refuse_old_schema(view: memoryview) -> None:
+    """Name the version of a schema <= 3 message (one msgpack map, no framing); else return."""
+    try:
+        old = msgpack.unpackb(view, raw=False, strict_map_key=False)
+    except Exception:  # not an old message either: the caller's error stands
+        return
+    if isinstance(old, dict) and "schema" in old:
+        raise MalformedMessageError(
+            f"schema version {old['schema']!r:.40}, this decoder reads version {SCHEMA_VERSION} "
+            "(sender and receiver run different async-rl versions?)")
+
+
+def _trajectory_header(traj: Trajectory) -> list[Any]:
+    try:
+        extras = {str(k): float(v) for k, v in traj.reward_extras.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"trajectory {traj.trajectory_id}: reward_extras must map str -> float ({e})") from e
+    return [traj.trajectory_id, int(traj.group_id), traj.prompt_uid, int(traj.generator_id), traj.finish_reason,
+            float(traj.reward), extras, traj.response_text, len(traj.prompt_ids), len(traj.response_ids)]
+
+
+def encode_trajectories(trajectories: Sequence[Trajectory], group_id: int | None = None) -> list[bytes]:
+    """Encode trajectories as one schema-4 message (module docstring).
+
+    Args:
+        trajectories: the trajectories; at least one unless ``group_id`` is given. Their
+            per-token arrays are packed as they are (a field reassigned after construction is
+            converted first); ``reward`` and ``reward_extras`` values are sent as float.
+        group_id: ``None``: a plain batch of trajectories. An id: the message also closes that
+            group with ``len(trajectories)`` kept (``TrajectoryGroup``).
+
+    Returns:
+        The message's frames: one ``bytes`` frame.
+
+    Raises:
+        ValueError: a per-token field its wire dtype cannot hold (``per_token_array``: a token
+            id outside int32, a ``loss_mask`` value outside 0..255, a non-integer in an integer
+            field, not a flat sequence of numbers), a non-numeric ``reward_extras`` value, no
+            trajectory without a ``group_id``, or a trajectory of another group than ``group_id``.
+    """
+    if group_id is None and not trajectories:
+        raise ValueError("encode_trajectories: no trajectory to send (and no group to close)")
+    headers, arrays = [], []
+    for traj in trajectories:
+        if group_id is not None and traj.group_id != group_id:
+            raise ValueError(f"trajectory {traj.trajectory_id} of group {traj.group_id} sent in group {group_id}")
+        headers.append(_trajectory_header(traj))
+        held = [getattr(traj, name) for name in _BODY_ORDER]
+        if not all(type(a) is _ndarray and a.dtype == dt and a.ndim == 1 and a.flags.c_contiguous
+                   for a, dt in zip(held, _BODY_DTYPES)):  # a field reassigned after construction
+            held = [per_token_array(a, name, traj.trajectory_id) for a, name in zip(held, _BODY_ORDER)]
+        arrays.append(held)
+    # All trajectories' arrays of one field back to back, fields in _BODY_ORDER: the decoder
+    # checks each field of the whole message with one reduction (the prompt and response ids,
+    # adjacent int32 runs, with one together).
+    body = [a[i] for i in range(len(_BODY_ORDER)) for a in arrays]
+    return [pack_frame({"schema": SCHEMA_VERSION, "kind": "trajectories",
+                        "group_id": None if group_id is None else int(group_id), "trajectories": headers}, body)]
+
+
+
+def encode_trajectory(traj: Trajectory) -> list[bytes]:
+    """``encode_trajectories([traj])``: one trajectory as one message (same errors)."""
+    return encode_trajectories([traj])
+
+
+def encode_message(msg: Message) -> list[bytes]:
+    """Frames of a ``Trajectory``, a ``TrajectoryGroup`` (``encode_trajectories``) or a ``GroupClosed``.
+
+    Raises:
+        ValueError: as ``encode_trajectories``, or a negative ``num_kept``.
+        TypeError: any other object.
+    """
+    if isinstance(msg, Trajectory):
+        return encode_trajectories([msg])
+    if isinstance(msg, TrajectoryGroup):
+        return encode_trajectories(msg.trajectories, msg.group_id)
+    if isinstance(msg, GroupClosed):
+        if msg.num_kept < 0:
+            raise ValueError(f"GroupClosed({msg.group_id}): num_kept must be >= 0, got {msg.num_kept}")
+        return [pack_frame({"schema": SCHEMA_VERSION, "kind": "group_closed", "group_id": int(msg.group_id),
+                            "num_kept": int(msg.num_kept)})]
+    raise TypeError(f"cannot send a {type(msg).__name__}: only Trajectory, TrajectoryGroup and GroupClosed travel")
+
+
+def _decode_group_closed(header: dict, body: memoryview) -> GroupClosed:
+    if set(header) != {"schema", "kind", "group_id", "num_kept"} or len(body):
+        raise MalformedMessageError(f"group_closed message has fields {sorted(header, key=str)} "
+                                    f"and a {len(body)}-byte body")
+    gid, kept = header["group_id"], header["num_kept"]
+    if type(gid) is not int or type(kept) is not int or kept < 0:
+        raise MalformedMessageError(f"group_closed message has group_id {gid!r:.40} and num_kept {kept!r:.40}")
+    return GroupClosed(gid, kept)
+
+
+def _check_fields(entry: Any, index: int) -> None:
+    """Types and counts of trajectory ``index``'s header (a failure voids the whole message's layout)."""
+    if type(entry) is not list or len(entry) != len(_FIELD_TYPES):
+        raise MalformedMessageError(f"trajectory header {index} is a msgpack {type(entry).__name__} of "
+                                    f"{len(entry) if hasattr(entry, '__len__') else '?'} items, expected an array "
+                                    f"of {len(_FIELD_TYPES)} ({', '.join(_FIELD_NAMES)})")
+    if tuple(map(type, entry)) != _USUAL_TYPES:
+        for key, kinds, value in zip(_FIELD_NAMES, _FIELD_TYPES.values(), entry):
+            if type(value) not in kinds:
+                raise MalformedMessageError(f"field {key!r} of trajectory header {index} is {type(value).__name__}, "
+                                            f"expected {' or '.join(k.__name__ for k in kinds)}")
+    if entry[_P] < 0 or entry[_R] < 0:
+        raise MalformedMessageError(f"field 'num_prompt_tokens' or 'num_response_tokens' of trajectory header "
+                                    f"{index} is negative ({entry[_P]}, {entry[_R]})")
+    extras = entry[_EXTRAS]
+    if not (_STR.issuperset(map(type, extras)) and _FLOAT.issuperset(map(type, extras.values()))):
+        raise MalformedMessageError(f"reward_extras must map str -> float, got {extras!r:.200}")
+
+
+def _value_problems(entry: list, arrays: dict[str, np.ndarray], group_id: int | None) -> str | None:
+    """What one trajectory holds that the learner cannot train on (module docstring), or ``None``."""
+    tid = entry[_TID]
+    if not _TRAJECTORY_ID.fullmatch(tid):
+        return f"trajectory_id {tid!r:.100} is not '<group>/<index in group>'"
+    problems = []
+    if group_id is not None and entry[_GID] != group_id:
+        problems.append(f"group_id {entry[_GID]} in a message of group {group_id}")
+    if entry[_P] == 0:
+        problems.append("no prompt token")
+    for name in ("prompt_ids", "response_ids"):
+        if arrays[name].size and _min(arrays[name]) < 0:
+            problems.append(f"{name} holds a negative token id ({_min(arrays[name])})")
+    logprobs = arrays["behavior_logprobs"]
+    if logprobs.size and not _max(logprobs) < math.inf:  # max is NaN when any is; NaN < inf is False
+        problems.append(f"behavior_logprobs holds NaN or +inf ({int((np.isnan(logprobs) | np.isposinf(logprobs)).sum())} "
+                        "tokens)")
+    if arrays["loss_mask"].size and _max(arrays["loss_mask"]) > 1:
+        problems.append(f"loss_mask holds {_max(arrays['loss_mask'])} (0 or 1 only)")
+    if arrays["policy_version"].size and _min(arrays["policy_version"]) < 0:
+        problems.append(f"policy_version holds {_min(arrays['policy_version'])} (versions are >= 0)")
+    if not math.isfinite(entry[_REWARD]):
+        problems.append(f"reward is {entry[_REWARD]!r}")
+    bad_extras = sorted(k for k, v in entry[_EXTRAS].items() if not math.isfinite(v))
+    if bad_extras:
+        problems.append(f"reward_extras {bad_extras!r:.100} are not finite")
+    return f"trajectory {tid!r:.100}: " + "; ".join(problems) if problems else None
+
+
+def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajectory], list[MalformedMessageError]]:
+    """Decode one schema-4 message into what it carries, refusing bad trajectories one by one.
+
+    Args:
+        frames: the message's frames (one), each a buffer-protocol object (``bytes``,
+            ``memoryview``, ``zmq.Frame``), as made by ``encode_message`` or received with
+            ``recv_multipart``. The trajectories' arrays are read-only views of it (no copy).
+
+    Returns:
+        ``(messages, rejected)``. ``messages``: a ``GroupClosed``; or the message's trajectories
+        in order, equal to the encoded ones (float64 log-probs bit-exact, ``reward`` and
+        ``reward_extras`` values as float), followed by ``GroupClosed(group_id, k)`` for a
+        ``TrajectoryGroup`` of ``k``. ``rejected``: one error per trajectory refused for its
+        values (the trajectory id, an empty prompt, a negative token id or version, a NaN or
+        +inf log-prob, a loss mask other than 0/1, a non-finite reward, another group's id in a
+        group message): the message's layout is sound, so the other trajectories are kept.
+
+    Raises:
+        MalformedMessageError (a ``ValueError``), for the whole message: a wrong frame count, a
+            frame that is not a length-prefixed msgpack header (a schema <= 3 message names its
+            version), a schema version other than ``SCHEMA_VERSION``, missing, unexpected or
+            mistyped fields in the header or any trajectory's header, or a body whose size does
+            not match the token counts: none of the message's offsets can then be trusted.
+    """
+    if len(frames) != _NUM_FRAMES:
+        raise MalformedMessageError(f"message has {len(frames)} frames, schema {SCHEMA_VERSION} has {_NUM_FRAMES}")
+    header, body = split_frame(frames[0])
+    if type(header) is not dict:
+        _refuse_old_schema(memoryview(frames[0]))
+        raise MalformedMessageError(f"message header is a msgpack {type(header).__name__}, expected a map")
+    if header.get("schema") != SCHEMA_VERSION:
+        raise MalformedMessageError(
+            f"schema version {header.get('schema')!r:.40}, this decoder reads version {SCHEMA_VERSION} "
+            "(sender and receiver run different async-rl versions?)")
+    kind = header.get("kind")
+    if kind == "group_closed":
+        return [_decode_group_closed(header, body)], []
+    if kind != "trajectories" or header.keys() != _HEADER_FIELDS:
+        raise MalformedMessageError(f"message kind {kind!r:.40} with fields {sorted(header, key=str)!r:.200}: "
+                                    f"expected 'trajectories' with {sorted(_HEADER_FIELDS)} or 'group_closed'")
+    group_id, entries = header["group_id"], header["trajectories"]
+    if type(entries) is not list or not (type(group_id) is int or (group_id is None and entries)):
+        raise MalformedMessageError(f"trajectories message has group_id {group_id!r:.40} and trajectories "
+                                    f"{type(entries).__name__} (a list, non-empty unless a group id closes it)")
+    num_prompt = num_response = 0
+    for index, entry in enumerate(entries):
+        _check_fields(entry, index)
+        num_prompt += entry[_P]
+        num_response += entry[_R]
+    p, r = num_prompt, num_response
+    expected = r * _BYTES_PER_RESPONSE_TOKEN + p * _BYTES_PER_PROMPT_TOKEN
+    if len(body) != expected:
+        raise MalformedMessageError(
+            f"message body is {len(body)} bytes, expected {expected} for {len(entries)} trajectories "
+            f"({p} prompt and {r} response tokens)")
+    logprobs = _frombuffer(body, _F8, r, 0)
+    versions = _frombuffer(body, _I8, r, 8 * r)
+    token_ids = _frombuffer(body, _I4, p + r, 16 * r)  # all prompts, then all responses
+    mask = _frombuffer(body, _U1, r, 20 * r + 4 * p)
+    # The whole message's arrays in three reductions, conservatively: versions and token ids
+    # together as int32 words, >= 0 when every id and every version's high word is (a version
+    # >= 2^31 has a "negative" low word too, and takes the exact per-trajectory check).
+    # Only a message that fails one is checked trajectory by trajectory.
+    arrays_ok = ((not r or (_max(logprobs) < math.inf and _max(mask) <= 1))
+                 and (not p + r or _min(_frombuffer(body, _I4, 2 * r + p + r, 8 * r)) >= 0))
+    out: list[GroupClosed | Trajectory] = []
+    rejected: list[MalformedMessageError] = []
+    at_p, at_r = 0, 0
+    for tid, gid, uid, gen, finish, reward, extras, text, np_, nr in entries:
+        prompt, response = token_ids[at_p:at_p + np_], token_ids[p + at_r:p + at_r + nr]
+        rs = slice(at_r, at_r + nr)
+        at_p += np_
+        at_r += nr
+        if not (arrays_ok and np_ and _TRAJECTORY_ID.fullmatch(tid) and _isfinite(reward)
+                and (group_id is None or gid == group_id) and all(map(_isfinite, extras.values()))):
+            problem = _value_problems(
+                [tid, gid, uid, gen, finish, reward, extras, text, np_, nr],
+                {"prompt_ids": prompt, "response_ids": response, "behavior_logprobs": logprobs[rs],
+                 "loss_mask": mask[rs], "policy_version": versions[rs]}, group_id)
+            if problem is not None:
+                rejected.append(MalformedMessageError(problem))
+                continue
+            # Else this one is fine: another trajectory failed a message-wide reduction.
+        out.append(_from_checked(tid, gid, uid, prompt, response, logprobs[rs], mask[rs], finish, versions[rs],
+                                 float(reward), extras, text, gen))
+    if group_id is not None:
+        out.append(GroupClosed(group_id, len(entries)))
+    return out, rejected
+
+
+def decode_message(frames: Sequence[Any]) -> Trajectory | GroupClosed:
+    """Decode a message that carries exactly one ``Trajectory`` or ``GroupClosed``.
+
+    Raises:
+        MalformedMessageError (a ``ValueError``): as ``decode_messages``, the one trajectory's
+            rejection, or a message that carries more than one (``decode_messages`` reads those).
+    """
+    messages, rejected = decode_messages(frames)
+    if rejected:
+        raise rejected[0]
+    if len(messages) != 1:
+        raise MalformedMessageError(f"message carries {len(messages)} messages, expected one "
+                                    "(decode_messages reads a group)")
+    return messages[0]
+
+
+def decode_trajectory(frames: Sequence[Any]) -> Trajectory:
+    """Decode a message of one trajectory (``decode_message``; a ``GroupClosed`` is malformed here).
+
+    Raises:
+        MalformedMessageError: as ``decode_message``, or a ``GroupClosed`` message.
+    """
+    msg = decode_message(frames)
+    if not isinstance(msg, Trajectory):
+        raise MalformedMessageError(f"expected a trajectory, got {msg}")
+    return msg
