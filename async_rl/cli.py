@@ -178,6 +178,7 @@ def _train(cfg) -> int:
     from async_rl.checkpoint import forced_stop_signal
     from async_rl.generators.model_support import EngineDied
     from async_rl.learners.launch import LearnerRankDied
+    from async_rl.loops.pool import GeneratorsGone
 
     try:
         summary = train(cfg)
@@ -187,9 +188,10 @@ def _train(cfg) -> int:
         logging.getLogger(__name__).debug("training failed", exc_info=True)
         print(f"async-rl: error: {e}", file=sys.stderr)
         return 1
-    except (LearnerRankDied, EngineDied) as e:
-        # Named by rank 0 (rank, process, how it ended, the checkpoint to resume from), or an
-        # engine's death with the root cause its processes logged: one line.
+    except (LearnerRankDied, EngineDied, GeneratorsGone) as e:
+        # Named by rank 0 (rank, process, how it ended, the checkpoint to resume from), an
+        # engine's death with the root cause its processes logged, or (async mode) every
+        # generator actor's end with its root cause: one line.
         logging.getLogger(__name__).debug("a learner rank or an engine died", exc_info=True)
         print(f"async-rl: error: {e}", file=sys.stderr)
         return 1

@@ -128,6 +128,23 @@ def test_an_engine_death_ends_the_cli_run_in_one_line(tmp_path, capsys, monkeypa
         "async-rl: error: the vLLM engine died: RuntimeError: out of KV-cache blocks"]
 
 
+def test_losing_every_generator_actor_ends_the_cli_run_in_one_line(tmp_path, capsys, monkeypatch):
+    import async_rl.trainer as trainer
+    from async_rl.cli import main
+    from async_rl.loops.pool import GeneratorsGone
+
+    def gone(cfg):
+        raise GeneratorsGone("every generator actor is gone: actor 0 on 127.0.0.1 (pid 7) died (EngineDied: the "
+                             "vLLM engine died: RuntimeError: out of KV-cache blocks)")
+
+    monkeypatch.setattr(trainer, "train", gone)
+    rc = main(["train", "--config", str(ROOT / "configs/default.yaml"), f"trainer.output_dir={tmp_path}"])
+    assert rc == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "async-rl: error: every generator actor is gone: actor 0 on 127.0.0.1 (pid 7) died (EngineDied: the vLLM "
+        "engine died: RuntimeError: out of KV-cache blocks)"]
+
+
 # ------------------------------------------------------------------ weight pushes
 
 

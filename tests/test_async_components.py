@@ -323,6 +323,31 @@ def test_an_actor_past_max_restarts_is_retired_and_losing_the_last_names_each_en
     assert placed == [(0, 0), (1, 0)]  # nothing was restarted
 
 
+class _RayTaskError(RuntimeError):
+    """Ray's wrapper of an exception raised inside an actor: its text starts with the actor's
+    traceback header, its ``cause`` is what the actor raised."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"ray::GeneratorWorker.run() (pid=101, ip=10.0.0.1)\n  File \"x.py\", line 1\n{cause!r}")
+        self.cause = cause
+
+
+def test_an_engine_that_dies_in_an_actor_ends_the_run_in_one_line_naming_its_root_cause():
+    from async_rl.generators.model_support import EngineDied
+    from async_rl.loops.pool import GeneratorsGone
+
+    pool, lines, placed, reissued, pushes = _pool(max_restarts=0, held={})
+    died = EngineDied("the vLLM engine died: RuntimeError: Unsupported CPU attention configuration: head_dim=16")
+    for actor in pool.workers:
+        actor.run_ref.done, actor.run_ref.error = True, _RayTaskError(died)
+    with pytest.raises(GeneratorsGone) as info:
+        pool.supervise()
+    message = str(info.value)
+    assert "\n" not in message and "ray::" not in message
+    assert message.count("died (EngineDied: the vLLM engine died: RuntimeError: Unsupported CPU attention "
+                         "configuration: head_dim=16)") == 2
+
+
 def test_a_hung_actor_is_killed_and_reported_with_the_heartbeat_reason():
     pool, lines, placed, reissued, pushes = _pool(max_restarts=1, held={})
     actor = pool.workers[0]

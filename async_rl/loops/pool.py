@@ -113,6 +113,23 @@ def placer(ctx, cluster, worker_args: tuple, reward_actor) -> Callable[[list[int
     return place
 
 
+class GeneratorsGone(RuntimeError):
+    """Every generator actor of the pool died or was retired (``generator.max_restarts``); the
+    message is one line naming each actor's end and its root cause."""
+
+
+def root_cause(error: BaseException) -> str:
+    """``<type>: <first line>`` of what ended an actor's ``run``, at most 300 characters. Ray wraps
+    an exception raised inside an actor in a ``RayTaskError`` whose text starts with the actor's
+    traceback header; its ``cause`` is the exception the actor raised (for a dead vLLM engine,
+    ``EngineDied`` naming the root cause its processes logged), so that one is named."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        error = cause
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
 class GeneratorPool:
     """The generator actors of one async run: where they run, whether they live, which weights
     they hold.
@@ -422,8 +439,7 @@ class GeneratorPool:
                 self._ray.get(ref)
                 reason = "stopped unexpectedly"
             except Exception as e:  # the actor's end, as Ray reports it
-                text = str(e).strip()
-                reason = f"died ({type(e).__name__}: {text.splitlines()[0][:300] if text else ''})"
+                reason = f"died ({root_cause(e)})"
             with self._lock:
                 out.append((i, self._killed.pop(i, reason)))
         return out
@@ -499,7 +515,7 @@ class GeneratorPool:
             self.ctx.log.print(f"generator actor {i} {where} {reason}; {reissued} groups re-issued; retired after "
                                f"{self.restarts[i]} restarts (generator.max_restarts={g_cfg.max_restarts})")
             if not self.active():
-                raise RuntimeError("every generator actor is gone: " + "; ".join(self._ends[k] for k in sorted(self._ends)))
+                raise GeneratorsGone("every generator actor is gone: " + "; ".join(self._ends[k] for k in sorted(self._ends)))
         else:
             self.restarts[i] += 1
             self.ctx.log.print(f"generator actor {i} {where} {reason}; {reissued} groups re-issued; restarting it "
