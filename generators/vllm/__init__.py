@@ -1,0 +1,18 @@
+"""The vLLM engine (``generator.backend=vllm``).
+
+- ``async_rl.generators.vllm.engine``: ``VLLMGenerator``, an ``AsyncLLM`` engine per generator;
+- ``async_rl.generators.vllm.worker``: the weight-transfer backend vLLM's worker processes load by
+  module path (``WORKER_EXTENSION``);
+- ``async_rl.generators.vllm.process``: the engine processes' socket directory and environment;
+- ``async_rl.generators.vllm.logging_filter``: the log filter, with its config (``logging.json``
+  beside it) that vLLM's processes read by file path.
+
+vLLM itself is imported only when an engine starts (``VLLMGenerator``) or in vLLM's own processes
+(``worker``).
+"""
+
+from async_rl.generators.vllm.engine import (SHUTDOWN_TIMEOUT_S, SOCKET_DIR_PREFIX, SOCKET_PATH_MAX, WORKER_EXTENSION,
+                                             VLLMGenerator, engine_environment, socket_dir)
+
+__all__ = ["SHUTDOWN_TIMEOUT_S", "SOCKET_DIR_PREFIX", "SOCKET_PATH_MAX", "WORKER_EXTENSION", "VLLMGenerator",
+           "engine_environment", "socket_dir"]
