@@ -32,3 +32,27 @@ def test_old_path_is_the_new_module_with_a_one_line_warning(old, monkeypatch):
     messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
     assert any(MOVED[old] in m and old in m and "\n" not in m for m in messages), messages
     assert alias is new and sys.modules[old] is new
+
+
+@pytest.mark.parametrize("package, names", [
+    ("async_rl.learners.megatron", ["MegatronLearner"]),
+    ("async_rl.generators.vllm", ["VLLMGenerator", "WORKER_EXTENSION", "SOCKET_DIR_PREFIX", "socket_dir"]),
+    ("async_rl.generators.sglang", ["SGLangGenerator", "checkpoint_specs"]),
+])
+def test_the_old_backend_modules_are_their_packages(package, names):
+    # `from async_rl.generators.vllm import VLLMGenerator` etc. keep working without a warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        mod = importlib.import_module(package)
+    assert all(hasattr(mod, n) for n in names)
+
+
+def test_vllm_loads_our_worker_extension_and_log_filter_by_their_new_names():
+    from async_rl.generators.vllm import WORKER_EXTENSION
+    from async_rl.generators.vllm.logging_filter import CONFIG_FILE
+
+    module, _, cls = WORKER_EXTENSION.rpartition(".")
+    assert module == "async_rl.generators.vllm.worker" and cls == "AsyncRLWorkerExtension"
+    assert "async_rl.generators.vllm.logging_filter.KnownWarnings" in CONFIG_FILE.read_text()
