@@ -56,3 +56,13 @@ def test_vllm_loads_our_worker_extension_and_log_filter_by_their_new_names():
     module, _, cls = WORKER_EXTENSION.rpartition(".")
     assert module == "async_rl.generators.vllm.worker" and cls == "AsyncRLWorkerExtension"
     assert "async_rl.generators.vllm.logging_filter.KnownWarnings" in CONFIG_FILE.read_text()
+
+
+def test_vllms_processes_import_the_worker_and_log_filter_without_the_engine():
+    # vLLM builds our log filter while `import vllm` runs in each of its processes: importing the
+    # engine there (torch, our config types) broke its worker processes' start.
+    import subprocess
+
+    code = ("import sys, async_rl.generators.vllm.logging_filter, async_rl.generators.vllm.process\n"
+            "assert 'async_rl.generators.vllm.engine' not in sys.modules, 'engine imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

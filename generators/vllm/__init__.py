@@ -11,8 +11,19 @@ vLLM itself is imported only when an engine starts (``VLLMGenerator``) or in vLL
 (``worker``).
 """
 
-from async_rl.generators.vllm.engine import (SHUTDOWN_TIMEOUT_S, SOCKET_DIR_PREFIX, SOCKET_PATH_MAX, WORKER_EXTENSION,
-                                             VLLMGenerator, engine_environment, socket_dir)
-
+# The names of ``async_rl.generators.vllm.engine``, imported on first use: vLLM's own processes import
+# ``worker`` and ``logging_filter`` (the latter while ``import vllm`` runs) and need nothing of the engine.
 __all__ = ["SHUTDOWN_TIMEOUT_S", "SOCKET_DIR_PREFIX", "SOCKET_PATH_MAX", "WORKER_EXTENSION", "VLLMGenerator",
            "engine_environment", "socket_dir"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from async_rl.generators.vllm import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

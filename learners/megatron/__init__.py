@@ -13,6 +13,18 @@ tensor and pipeline parallelism, behind the learner protocol.
 megatron-core itself is imported inside the functions that use it (it is an optional dependency).
 """
 
-from async_rl.learners.megatron.learner import MegatronLearner
-
+# The names of ``async_rl.learners.megatron.learner``, imported on first use: importing ``cpu``, ``model`` or
+# ``checkpoint`` alone loads nothing of the learner, as before they were a package.
 __all__ = ["MegatronLearner"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from async_rl.learners.megatron import learner
+
+        return getattr(learner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
