@@ -7,7 +7,7 @@ between (no handler, no ``atexit``) leaves them: up to ``weight_sync.bucket_size
 host memory, until the next reboot. Their names carry the owner's pid, so ``sweep_weight_slots``
 (run by ``async_rl.trainer`` as a run starts) removes those whose process is gone and keeps a live
 one's. The vLLM engine's socket directories follow the same rule
-(``async_rl.generators.vllm_process.sweep_socket_dirs``, at each engine start).
+(``async_rl.generators.vllm.process.sweep_socket_dirs``, at each engine start).
 
 A pid may live in another pid namespace (a container sharing ``/dev/shm``) and look dead from
 here: only files older than ``min_age_s`` (15 min, longer than any engine start, the window in

@@ -300,7 +300,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--with-llm", action="store_true", help="also time vllm.LLM.generate (its own engine)")
     parser.add_argument("--generator-file", default=None,
-                        help="time VLLMGenerator from this file instead (e.g. `git show HEAD~1:generators/vllm.py`)")
+                        help="time VLLMGenerator from this file instead (e.g. `git show HEAD~1:generators/vllm/engine.py`)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of one run of ours per engine")
     args = parser.parse_args()
     if min(args.prompts, args.n, args.tokens, args.reps) < 1:

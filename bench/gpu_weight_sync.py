@@ -73,7 +73,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# vLLM's worker processes import async_rl.generators.vllm_worker (our worker extension) by module path.
+# vLLM's worker processes import async_rl.generators.vllm.worker (our worker extension) by module path.
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 FULL_MODEL = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,

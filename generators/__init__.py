@@ -1,7 +1,8 @@
-"""Rollout engines: the generator protocol (``base``), HF transformers (``hf``), vLLM (``vllm``,
-with its weight-transfer backend in ``vllm_worker``, its processes' sockets and environment in
-``vllm_process`` and its log filter in ``vllm_logging``) and SGLang (``sglang``, with its
-processes in ``sglang_process`` and its LoRA adapters in ``sglang_lora``); what each can do in
+"""Rollout engines: the generator protocol (``base``), HF transformers (``hf``), vLLM (the
+``vllm`` subpackage: the engine in ``vllm.engine``, its weight-transfer backend in ``vllm.worker``,
+its processes' sockets and environment in ``vllm.process`` and its log filter in
+``vllm.logging_filter``) and SGLang (the ``sglang`` subpackage: the engine in ``sglang.engine``, its
+processes in ``sglang.process`` and its LoRA adapters in ``sglang.lora``); what each can do in
 ``capabilities``; the model checks an engine makes at start in ``model_support``. The async
 pool's actors that host them live in ``async_rl.loops.actors``.
 Nothing here imports the learner side (LoRA settings and adapter names come from

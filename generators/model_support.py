@@ -12,14 +12,14 @@ any byte moves:
   than the learner trains. Both are refused in one line naming the engine, the value and what
   would work.
 * **Which names it holds** (``unloaded_aliases``): a tied head (``lm_head.weight``) is accepted
-  by the whole-update check as an alias of the embedding (``vllm_worker.engine_weight_names``), but
+  by the whole-update check as an alias of the embedding (``async_rl.generators.vllm.worker.engine_weight_names``), but
   a model with no head module at all (vLLM's Gemma2) cannot load it: its ``load_weights`` raises
   on the name. The engine's receiver drops such aliases before loading (their bytes are the
   embedding's, which the update carries under its own name).
 * **Why an engine died** (``root_cause``): vLLM reports a dead engine core as ``EngineDeadError``
   ("EngineCore encountered an issue. See stack trace (above) for the root cause."), while the
   cause was logged in the engine's own process: the log filter every vLLM process installs
-  (``vllm_logging``) records it (``record_fatal``) in a file the engine names
+  (``async_rl.generators.vllm.logging_filter``) records it (``record_fatal``) in a file the engine names
   (``ERROR_FILE_ENV``), and ``engine_died`` quotes it in the run's one-line ``EngineDied``.
 
 Nothing here imports vLLM: the checks run in the trainer before any engine starts.
@@ -102,7 +102,7 @@ def check_vllm_model(hf_config: dict[str, Any], model_path: str = "the model", c
 
 
 def unloaded_aliases(model, tied: dict[str, str]) -> set[str]:
-    """The tied aliases (``{alias: target}`` of ``vllm_worker.engine_weight_names``) that
+    """The tied aliases (``{alias: target}`` of ``async_rl.generators.vllm.worker.engine_weight_names``) that
     ``model.load_weights`` cannot take: a head alias of a model with no head module (vLLM's
     Gemma2). Their bytes are the target's, which the update carries under its own name."""
     return {alias for alias in tied if alias.split(".")[0] == "lm_head" and getattr(model, "lm_head", None) is None}

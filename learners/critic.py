@@ -53,7 +53,7 @@ class ValueModel(nn.Module):
 
 
 class CriticCore:
-    """The value loss both critics (``FSDPCritic``, ``async_rl.learners.megatron_critic.MegatronCritic``)
+    """The value loss both critics (``FSDPCritic``, ``async_rl.learners.megatron.critic.MegatronCritic``)
     train with; a subclass provides ``cfg`` (``CriticConfig``) and ``values(mb)``."""
 
     def backward(self, mb: TrainBatch, agg_mode: str, num_tokens, num_seqs, horizon,

@@ -27,7 +27,7 @@ def pytest_sessionfinish(session, exitstatus):
     Only entries whose owning process is gone (``async_rl.leftovers``)."""
     import tempfile
 
-    from async_rl.generators.vllm_process import sweep_socket_dirs
+    from async_rl.generators.vllm.process import sweep_socket_dirs
     from async_rl.leftovers import sweep_weight_slots
 
     sweep_weight_slots(min_age_s=0)

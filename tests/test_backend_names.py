@@ -87,6 +87,7 @@ def test_detector_sees_each_form():
 def test_own_modules():
     names = {"vllm", "megatron", "fsdp", "fsdp2", "hf"}
     assert _owners(ROOT / "generators" / "vllm_worker.py", names) == {"vllm"}
+    assert _owners(ROOT / "generators" / "vllm" / "worker.py", names) == {"vllm"}
     assert _owners(ROOT / "learners" / "megatron" / "model.py", names) == {"megatron"}
     assert _owners(ROOT / "learners" / "fsdp.py", names) == {"fsdp", "fsdp2"}
     assert _owners(ROOT / "async_rl" / "config.py", names) == set()

@@ -1,4 +1,4 @@
-"""Megatron sharded checkpoints (``async_rl.learners.megatron_checkpoint``): exact resume at TP=2 and
+"""Megatron sharded checkpoints (``async_rl.learners.megatron.checkpoint``): exact resume at TP=2 and
 resharding TP 2 <-> 1 and PP 2 <-> 1, AdamW moments included, on 2 gloo ranks plus 1 rank.
 
 One chain of layouts runs in 2 spawned processes (megatron's import costs ~7 s a process, so the
@@ -184,7 +184,7 @@ def _error(fn) -> dict:
 # ---------------------------------------------------------------- the two chains of layouts
 def _exact_resume(work: str, res: dict) -> None:
     """TP=2: 2 steps, save, 1 step; a fresh model + optimizer loads and takes the same step."""
-    from async_rl.learners.megatron_checkpoint import load_sharded, save_sharded
+    from async_rl.learners.megatron.checkpoint import load_sharded, save_sharded
 
     _layout(2, 1)
     model = _model(seed=1)
@@ -212,7 +212,7 @@ def _exact_resume(work: str, res: dict) -> None:
 
 def _errors_and_value_head(work: str, res: dict) -> None:
     """TP=2: missing path, other hidden size, missing role; a critic with a value head round-trips."""
-    from async_rl.learners.megatron_checkpoint import load_sharded, save_sharded
+    from async_rl.learners.megatron.checkpoint import load_sharded, save_sharded
 
     os.makedirs(f"{work}/empty", exist_ok=True)
     small = _model(seed=3, hidden=32)
@@ -250,7 +250,7 @@ def _errors_and_value_head(work: str, res: dict) -> None:
 
 def _tp1_and_back(work: str, res: dict) -> None:
     """TP=2 -> TP=1 (DP=2); a step at TP=1, save; TP=1 -> TP=2."""
-    from async_rl.learners.megatron_checkpoint import load_sharded, save_sharded
+    from async_rl.learners.megatron.checkpoint import load_sharded, save_sharded
 
     _layout(1, 1)
     model = _model(seed=6)
@@ -278,7 +278,7 @@ def _tp1_and_back(work: str, res: dict) -> None:
 def _pipeline(work: str, res: dict) -> None:
     """PP=2 -> (TP=2, PP=1) -> PP=2, untied output layer (the tied case at PP=2 is tested through
     the learner, tests/test_megatron_learner.py)."""
-    from async_rl.learners.megatron_checkpoint import load_sharded, save_sharded
+    from async_rl.learners.megatron.checkpoint import load_sharded, save_sharded
 
     _layout(1, 2)
     staged = _model(seed=9, share=False)
@@ -305,7 +305,7 @@ def _pipeline(work: str, res: dict) -> None:
 
 def _single(work: str, res: dict) -> None:
     """One process, TP=1: the TP=2 and PP=2 checkpoints load whole."""
-    from async_rl.learners.megatron_checkpoint import load_sharded
+    from async_rl.learners.megatron.checkpoint import load_sharded
 
     refs = torch.load(f"{work}/refs.pt", weights_only=False)
     _layout(1, 1)
@@ -329,7 +329,7 @@ def _worker(rank: int, world: int, init_file: str, work: str, chain: str) -> Non
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from async_rl.learners.megatron_cpu import apply_cpu_adjustments
+    from async_rl.learners.megatron.cpu import apply_cpu_adjustments
 
     apply_cpu_adjustments()  # RoPE and megatron's memory buffer ask torch.cuda.current_device()
     try:

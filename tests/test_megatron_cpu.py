@@ -1,4 +1,4 @@
-"""``async_rl.learners.megatron_cpu`` is exactly what megatron-core needs on CPU: each adjustment is
+"""``async_rl.learners.megatron.cpu`` is exactly what megatron-core needs on CPU: each adjustment is
 necessary (the forward raises without it) and the three together are sufficient (the forward
 runs). A newer megatron-core that makes one unnecessary or insufficient fails here, so the module
 can shrink or grow with it. The fourth adjustment (tied embeddings with pipeline parallelism)
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from async_rl.learners import megatron_cpu
-from async_rl.learners.megatron_cpu import causal_attention_mask
+from async_rl.learners.megatron import cpu as megatron_cpu
+from async_rl.learners.megatron.cpu import causal_attention_mask
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 

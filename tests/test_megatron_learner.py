@@ -86,8 +86,8 @@ def test_vocab_parallel_logprobs_equal_the_full_softmax():
     vocabulary rows beyond ``vocab_size`` ignored."""
     from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
     from async_rl.learners.base import init_single_process_group
-    from async_rl.learners.megatron_ops import vocab_parallel_logprobs
-    from async_rl.learners.megatron_model import init_model_parallel
+    from async_rl.learners.megatron.ops import vocab_parallel_logprobs
+    from async_rl.learners.megatron.model import init_model_parallel
 
     init_single_process_group()
     init_model_parallel(1, 1, 0, torch.device("cpu"))
@@ -206,7 +206,7 @@ def test_a_collective_failing_on_rank_0_alone_ends_the_run_with_its_error(tmp_pa
     follower killed, not waited for forever) and leave no complete checkpoint behind."""
     from test_checkpoint import _cfg
 
-    import async_rl.learners.megatron_checkpoint as mc
+    import async_rl.learners.megatron.checkpoint as mc
     from async_rl.checkpoint import resolve_resume
     from async_rl.trainer import train
 

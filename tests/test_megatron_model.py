@@ -1,6 +1,6 @@
 """HF Qwen2 / Llama weights in a megatron-core ``GPTModel`` reproduce HF's logits, and come back out.
 
-Acceptance for ``async_rl.learners.megatron_model``: logits at valid positions equal HF
+Acceptance for ``async_rl.learners.megatron.model``: logits at valid positions equal HF
 ``AutoModelForCausalLM`` (fp32) within 1e-5 at TP=1 (in this process, world size 1 on gloo),
 TP=2 and PP=2 (two spawned gloo ranks, one spawn for every two-rank case of both models), on a
 right-padded batch of variable lengths; ``named_hf_weights`` after ``load_hf_weights`` returns the
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from async_rl.learners.launch import exit_rank_process
-from async_rl.learners.megatron_cpu import cpu_adjustments_needed
+from async_rl.learners.megatron.cpu import cpu_adjustments_needed
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
@@ -47,7 +47,7 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 
 def _megatron_logits(model, batch, pp: int) -> torch.Tensor | None:
     """Full-vocab logits ``[b, s, padded V]`` on the last pipeline stage (None on other stages)."""
-    from async_rl.learners.megatron_cpu import causal_attention_mask
+    from async_rl.learners.megatron.cpu import causal_attention_mask
     from megatron.core import parallel_state
 
     ids, pos = batch["input_ids"], batch["position_ids"]
@@ -68,7 +68,7 @@ def _megatron_logits(model, batch, pp: int) -> torch.Tensor | None:
 
 def _try_schedule(model, batch) -> str:
     """Run megatron's forward-only pipeline schedule; return the error it raises ('' if none)."""
-    from async_rl.learners.megatron_cpu import causal_attention_mask
+    from async_rl.learners.megatron.cpu import causal_attention_mask
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def step(data, model):
@@ -99,7 +99,7 @@ def _where(exc: Exception) -> str:
 
 def run_case(model_path: str, tp: int, pp: int, schedule: bool = False) -> dict:
     """Build, load and run one model at (tp, pp) on the current process group; this rank's results."""
-    from async_rl.learners.megatron_model import (
+    from async_rl.learners.megatron.model import (
         build_model,
         init_model_parallel,
         load_hf_checkpoint,
@@ -128,7 +128,7 @@ def _try_build_without_adjustment(cfg, tcfg) -> str:
     """Build the model without ``megatron_cpu.cpu_model_construction``; the error ('' if none)."""
     import contextlib
 
-    from async_rl.learners import megatron_model
+    from async_rl.learners.megatron import model as megatron_model
 
     original = megatron_model.cpu_model_construction
     megatron_model.cpu_model_construction = contextlib.nullcontext
@@ -242,7 +242,7 @@ def _assert_weights(got: list, ref: list, metadata: list) -> None:
 
 @pytest.mark.parametrize("model", ["qwen", "llama"])
 def test_tp1_logits_and_round_trip(world_of_one, paths, reference, model):
-    from async_rl.learners.megatron_model import hf_weight_metadata
+    from async_rl.learners.megatron.model import hf_weight_metadata
 
     res = run_case(paths[model], 1, 1)
     assert res["written"] == res["num_params"]
@@ -253,7 +253,7 @@ def test_tp1_logits_and_round_trip(world_of_one, paths, reference, model):
 @pytest.mark.parametrize("model", ["qwen", "llama"])
 @pytest.mark.parametrize("kind", ["tp2", "pp2"])
 def test_two_rank_logits_and_round_trip(two_ranks, reference, model, kind):
-    from async_rl.learners.megatron_model import hf_weight_metadata
+    from async_rl.learners.megatron.model import hf_weight_metadata
 
     metadata = hf_weight_metadata(reference[model]["config"])
     for rank, results in enumerate(two_ranks):
@@ -290,14 +290,14 @@ def test_tied_embeddings_with_pp_need_cpu_model_construction(two_ranks):
 
 
 def test_world_size_not_divisible_raises(world_of_one):
-    from async_rl.learners.megatron_model import init_model_parallel
+    from async_rl.learners.megatron.model import init_model_parallel
 
     with pytest.raises(ValueError, match="world size 1 is not a multiple"):
         init_model_parallel(2, 1, seed=0, device=torch.device("cpu"))
 
 
 def test_missing_weight_names_it(world_of_one, paths, reference):
-    from async_rl.learners.megatron_model import (
+    from async_rl.learners.megatron.model import (
         build_model,
         init_model_parallel,
         load_hf_checkpoint,
@@ -320,7 +320,7 @@ def test_missing_weight_names_it(world_of_one, paths, reference):
 
 
 def test_unsupported_architecture_and_rope_scaling_raise():
-    from async_rl.learners.megatron_model import hf_weight_metadata, transformer_config
+    from async_rl.learners.megatron.model import hf_weight_metadata, transformer_config
     from transformers import LlamaConfig, MistralConfig
 
     kw = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "device": torch.device("cpu")}
@@ -334,7 +334,7 @@ def test_unsupported_architecture_and_rope_scaling_raise():
 
 
 def test_padded_vocab_size():
-    from async_rl.learners.megatron_model import padded_vocab_size
+    from async_rl.learners.megatron.model import padded_vocab_size
     from transformers import LlamaConfig
 
     assert [padded_vocab_size(LlamaConfig(vocab_size=101), t) for t in (1, 2, 4, 8)] == [101, 102, 104, 104]

@@ -177,7 +177,7 @@ def test_vllm_socket_dirs_of_killed_processes_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from async_rl.generators.vllm_process import SOCKET_DIR_PREFIX, sweep_socket_dirs
+    from async_rl.generators.vllm.process import SOCKET_DIR_PREFIX, sweep_socket_dirs
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)

@@ -297,7 +297,7 @@ def test_close_leaves_no_engine_files_and_no_processes(weights):
 
     import psutil
 
-    from async_rl.generators.sglang_process import engine_files
+    from async_rl.generators.sglang.process import engine_files
 
     e = _engine(weights[0])
     files, pids = engine_files(e.engine), list(e._child_pids)

@@ -268,7 +268,7 @@ def test_versions_from_weight_version_spans():
     from vllm.logprobs import FlatLogprobs, Logprob, append_logprobs_for_next_position
     from vllm.outputs import WeightVersionSpan
 
-    from async_rl.generators.vllm import _sampled_logprobs, _versions
+    from async_rl.generators.vllm.engine import _sampled_logprobs, _versions
 
     assert _versions([WeightVersionSpan("3", 0, 5), WeightVersionSpan("4", 5, 7)], 7) == [3] * 5 + [4] * 2
     assert _versions([], 0) == []

@@ -1,4 +1,4 @@
-"""vLLM's log filter (``async_rl.generators.vllm_logging``): it drops the listed warnings and only
+"""vLLM's log filter (``async_rl.generators.vllm.logging_filter``): it drops the listed warnings and only
 those, every listed warning still exists in the installed vLLM (so the list cannot rot silently),
 the config file loads, and a user's own vLLM logging settings are left alone. No engine starts."""
 
@@ -12,7 +12,7 @@ import logging.config
 
 import pytest
 
-from async_rl.generators.vllm_logging import CONFIG_FILE, KNOWN_WARNINGS, KnownWarnings, use_quiet_config
+from async_rl.generators.vllm.logging_filter import CONFIG_FILE, KNOWN_WARNINGS, KnownWarnings, use_quiet_config
 
 
 def _record(name: str, msg: str, *args) -> logging.LogRecord:

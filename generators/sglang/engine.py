@@ -66,8 +66,8 @@ import torch
 from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds,
                                       sample_rows)
 from async_rl.generators.capabilities import EngineCapabilities
-from async_rl.generators.sglang_lora import SGLangAdapters
-from async_rl.generators.sglang_process import engine_files, engine_kwargs, engine_sockets, quiet_warnings, stop_processes
+from async_rl.generators.sglang.lora import SGLangAdapters
+from async_rl.generators.sglang.process import engine_files, engine_kwargs, engine_sockets, quiet_warnings, stop_processes
 from async_rl.lora import lora_enabled, spec
 
 

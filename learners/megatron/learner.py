@@ -5,7 +5,7 @@ Ranks form a ``tensor x pipeline x data`` parallel grid (megatron-core's ``paral
 data parallel = ``world_size / (tensor_parallel_size * pipeline_parallel_size)``). The ranks of one
 model-parallel group hold one replica of the model: each a slice of every layer's weights of one
 pipeline stage (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053, section 3; stages:
-``async_rl.learners.megatron_pipeline``). They run the same micro-batches; the last stage's
+``async_rl.learners.megatron.pipeline``). They run the same micro-batches; the last stage's
 tensor-parallel rank 0 reports the replica's outputs. The data-parallel replicas take
 token-balanced shares of the batch and sum their gradients with one all-reduce per optimizer
 step.
@@ -13,15 +13,15 @@ step.
 The training step, the losses, the global normalisers and the metrics are
 ``async_rl.learners.core.LearnerCore``'s, the FSDP2 learner's own: only the model side differs.
 Log-probs and entropies come from the vocab-parallel logits without gathering the vocabulary
-(``async_rl.learners.megatron_ops``). Weights leave by Hugging Face name, the tensor-parallel slices
+(``async_rl.learners.megatron.ops``). Weights leave by Hugging Face name, the tensor-parallel slices
 gathered and the fused ``linear_qkv`` / ``linear_fc1`` split back
-(``async_rl.learners.megatron_model.named_hf_weights``), so the weight-sync layer, the engines and
+(``async_rl.learners.megatron.model.named_hf_weights``), so the weight-sync layer, the engines and
 ``export_hf`` see what the FSDP2 learner sends. Checkpoints are megatron-core distributed
-checkpoints (``async_rl.learners.megatron_checkpoint``), which load at another tensor-parallel
+checkpoints (``async_rl.learners.megatron.checkpoint``), which load at another tensor-parallel
 size.
 
 On CPU megatron-core runs its local (non-Transformer-Engine) layers over gloo, with the three
-adjustments of ``async_rl.learners.megatron_cpu``. The optimizer is ``torch.optim.AdamW`` over
+adjustments of ``async_rl.learners.megatron.cpu``. The optimizer is ``torch.optim.AdamW`` over
 each rank's slices (megatron-core's own optimizers allocate CUDA tensors); the gradient norm for
 clipping counts every slice once (tensor-parallel duplicates, the layer norms, from one rank).
 
@@ -52,10 +52,10 @@ from async_rl.learners.base import LearnerConfig, save_hf_model
 from async_rl.learners.batching import unpack_labels
 from async_rl.learners.capabilities import LearnerCapabilities
 from async_rl.learners.core import LearnerCore
-from async_rl.learners.megatron_critic import MegatronCritic
-from async_rl.learners.megatron_ops import model_inputs, model_parallel_step, vocab_parallel_logprobs
-from async_rl.learners.megatron_pipeline import stage_forward
-from async_rl.learners.megatron_model import (build_model, hf_weight_metadata, init_model_parallel, load_hf_checkpoint,
+from async_rl.learners.megatron.critic import MegatronCritic
+from async_rl.learners.megatron.ops import model_inputs, model_parallel_step, vocab_parallel_logprobs
+from async_rl.learners.megatron.pipeline import stage_forward
+from async_rl.learners.megatron.model import (build_model, hf_weight_metadata, init_model_parallel, load_hf_checkpoint,
                                               load_hf_weights, named_hf_weights, transformer_config)
 from async_rl.learners.spmd import collective
 
@@ -145,7 +145,7 @@ class MegatronLearner(LearnerCore):
                  temperature: float | None = None, packed: bool | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) ``[b, L-1]`` float32 of a micro-batch's labels, from the
-        vocab-parallel logits (``async_rl.learners.megatron_ops``)."""
+        vocab-parallel logits (``async_rl.learners.megatron.ops``)."""
         mb = mb.to(self.device)
         model = model or self.model
         temp = self.temperature if temperature is None else temperature
@@ -252,7 +252,7 @@ class MegatronLearner(LearnerCore):
         state (each rank writes its slices), plus ``learner_state.msgpack`` (rank 0: version, LR
         schedules, parallel layout; ``checkpoint_format``, nothing pickled). ``load_checkpoint``
         reads it at any tensor-parallel size."""
-        from async_rl.learners.megatron_checkpoint import save_sharded
+        from async_rl.learners.megatron.checkpoint import save_sharded
 
         models, optimizers = self._sharded_parts()
         os.makedirs(path, exist_ok=True)
@@ -275,7 +275,7 @@ class MegatronLearner(LearnerCore):
                 weights do not fit this run; a format-1 checkpoint (``learner_state.pt``, refused
                 in one line).
         """
-        from async_rl.learners.megatron_checkpoint import load_sharded
+        from async_rl.learners.megatron.checkpoint import load_sharded
 
         meta = load_learner_state(path)
         if meta.get("backend") != "megatron":

@@ -1,0 +1,481 @@
+"""Code that runs inside vLLM's worker processes: our weight-transfer engine and worker extension.
+
+vLLM loads this module in every worker because the engine is created with
+``worker_extension_cls="async_rl.generators.vllm.worker.AsyncRLWorkerExtension"``; importing it registers
+the ``async_rl`` backend with vLLM's ``WeightTransferEngineFactory`` before the worker builds its
+weight-transfer engine (``weight_transfer_config={"backend": "async_rl"}``). The engine then
+follows vLLM's native RL weight-update lifecycle, driven from ``AsyncLLM``:
+
+* ``init_weight_transfer_engine``: connect a ``WeightReceiver`` (shm slots or a gloo/NCCL group);
+* ``start_weight_update``: vLLM's layerwise reload begins (kernels that repack weights, such as
+  the CPU build's oneDNN linears, are restored to checkpoint layout and re-processed once a
+  module has all its weights, or at finalize; one update thus spans several buckets in one
+  session, unlike separate ``reload_weights`` calls, which must not split a layer);
+* ``update_weights``: load bucket by bucket with the model's own ``load_weights`` (HF names; the
+  loader fuses q/k/v and gate/up and converts dtypes), straight from the bucket's views: a layer
+  whose weights are all in the bucket (every decoder layer: a plan never splits one) is loaded
+  and processed within the call; only the tensors the reload still holds afterwards (a layer
+  completed at finalize, such as a tied head or a padded embedding) are copied out of the bucket
+  before its memory is reused (``own_pending``); the whole plan was checked
+  against the model (``check_update``: names, coverage, full shapes from ``engine_weight_specs``,
+  dtypes, tied aliases) by ``async_rl_check_update`` before the reload began;
+* ``finish_weight_update``: finalize the layerwise reload.
+
+A failure after the reload began cannot be rolled back: processed layers (and biases, which
+load in place at once) already hold the new values. ``async_rl_abort_update`` unwinds the rest
+(every layer still waiting gets its own old tensors back, the reload state is cleared, vLLM's
+update session ends) and reports whether any bucket had reached the model; the generator then
+refuses to sample until a complete update (``async_rl.generators.vllm``, ``async_rl.weight_sync``'s *All
+or nothing*).
+
+Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact there); only the
+plan (names, dtypes, shapes, offsets) does.
+
+**LoRA** (engine started with ``enable_lora``): the base weights never change; an update carries
+only the adapter matrices (``async_rl.lora``) and bypasses the reload lifecycle. At start-up
+``async_rl_init_lora`` registers a zero adapter under one fixed id (the engine then computes
+exactly the base model), which every request names. ``async_rl_load_lora`` receives an update's
+buckets through the same ``WeightReceiver``, builds vLLM's ``LoRAModel`` from the tensors in
+memory (``LoRAModel.from_lora_tensors``, the loader behind vLLM's adapter directories, which
+fuses q/k/v and gate/up) and swaps it in under the same id: the slot is freed and refilled, so no
+adapter of an older version stays in memory and requests frozen by a ``keep`` pause continue on
+the new adapter, exactly as they would continue on new full weights. vLLM's own ``add_lora``
+path needs a directory on disk per version; this one never touches the disk. The update is
+staged: all of it is received and the adapter built before the one in use is removed, so only a
+failure inside the swap leaves the engine without a whole adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from async_rl.generators.model_support import unloaded_aliases
+from async_rl.lora import PEFT_PREFIX, expected_vllm_adapter_names
+from async_rl.weight_sync import UpdatePlan, WeightReceiver, check_update, dtype_name
+
+BACKEND = "async_rl"
+LORA_ID = 1
+"""The one adapter id every request names (a version is swapped in under it)."""
+LORA_NAME = "async-rl-policy"
+LORA_PATH = "in-memory://async-rl-policy"
+"""``LoRARequest`` requires a path; this adapter is never loaded from one (see the module docstring)."""
+
+# The layerwise reload warns "RotaryEmbedding: Failed to load weights" on every update (a module
+# with no weights); our own name check is the authority on what an update must contain.
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+
+
+@dataclass
+class AsyncRLInitInfo(WeightTransferInitInfo):
+    """``WeightSender.init_info()`` and this engine's receiver rank."""
+
+    info: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0
+
+
+@dataclass
+class AsyncRLUpdateInfo(WeightTransferUpdateInfo):
+    """One update's ``UpdatePlan.to_dict()``."""
+
+    plan: dict[str, Any] = field(default_factory=dict)
+
+
+def engine_weight_names(model) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+    """``(parameter names, packed_modules_mapping, tied aliases)`` of a vLLM model.
+
+    A model whose output head is tied to its input embedding (``tie_word_embeddings``) has no
+    ``lm_head.weight`` of its own; the HF name is accepted as an alias of the embedding (and is
+    required: without it vLLM's CPU build silently keeps the old head, logging only a warning).
+    """
+    names = [n for n, _ in model.named_parameters()]
+    packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+    config = getattr(model, "config", None)
+    tied = {}
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
+        embed = next((n for n in names if n.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            tied["lm_head.weight"] = embed
+    return names, packed, tied
+
+
+def _hf_output_sizes(module) -> list[int] | None:
+    # Full (unsharded) output size of each HF projection a fused linear holds, in packed order.
+    # vLLM's layer classes (QKVParallelLinear, MergedColumnParallelLinear...) differ by model and
+    # version; they are told apart by the attributes they carry.
+    if all(hasattr(module, a) for a in ("total_num_heads", "total_num_kv_heads", "head_size")):
+        v = getattr(module, "v_head_size", module.head_size)
+        return [module.total_num_heads * module.head_size, module.total_num_kv_heads * module.head_size,
+                module.total_num_kv_heads * v]
+    sizes = getattr(module, "output_sizes", None)
+    return list(sizes) if sizes else None
+
+
+def engine_weight_specs(model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{HF name: (dtype name, full shape)}`` of every tensor a vLLM model loads, by the names an
+    update carries (fused q/k/v and gate/up split into their HF projections, the tied head as an
+    alias of the embedding).
+
+    Shapes come from the layers' own full sizes (``input_size``/``output_size``/``output_sizes``
+    of linear layers, ``org_vocab_size``/``embedding_dim`` of vocabulary embeddings), never from
+    the parameters themselves: tensor parallelism shards them, the vocabulary is padded, and the
+    CPU build repacks linear weights into oneDNN kernels (their parameters then have shape
+    ``[0]``). Other parameters (norms) are replicated and keep their checkpoint shape. Read it
+    before any reload (a reload swaps parameters for meta tensors).
+    """
+    _, packed, tied = engine_weight_names(model)
+    specs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, p in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        # An engine serving LoRA wraps each linear (``qkv_proj.base_layer.weight``): its base
+        # weights keep their HF names (the adapters' shapes derive from them, ``adapter_specs``).
+        module_name, _, leaf = name.replace(".base_layer.", ".").rpartition(".")
+        hf_name = f"{module_name}.{leaf}" if module_name else leaf
+        prefix, _, last = module_name.rpartition(".")
+        dtype = dtype_name(p.dtype)
+        is_linear = leaf in ("weight", "bias") and hasattr(module, "input_size") and hasattr(module, "output_size")
+        sizes = _hf_output_sizes(module) if last in packed else None
+        # Vocabulary embeddings (and the head) also carry input/output sizes, padded ones: first.
+        if leaf == "weight" and hasattr(module, "org_vocab_size") and hasattr(module, "embedding_dim"):
+            specs[hf_name] = (dtype, (module.org_vocab_size, module.embedding_dim))
+        elif is_linear and sizes is not None and len(sizes) == len(packed[last]):
+            for part, out in zip(packed[last], sizes):
+                hf = f"{prefix}.{part}.{leaf}" if prefix else f"{part}.{leaf}"
+                specs[hf] = (dtype, (out, module.input_size) if leaf == "weight" else (out,))
+        elif is_linear:
+            full = (module.output_size, module.input_size) if leaf == "weight" else (module.output_size,)
+            specs[hf_name] = (dtype, full)
+        else:
+            specs[hf_name] = (dtype, tuple(p.shape))
+    for alias, target in tied.items():
+        if target in specs:
+            specs[alias] = specs[target]
+    return specs
+
+
+def adapter_specs(names: list[str], base_specs: dict[str, tuple[str, tuple[int, ...]]],
+                  rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{adapter sync name: (dtype name, shape)}``: ``lora_A`` ``[rank, in]`` and ``lora_B``
+    ``[out, rank]`` of each targeted HF projection, ``in``/``out`` from its base weight's shape in
+    ``base_specs`` (``engine_weight_specs``). Names without a base weight there get no spec."""
+    out = {}
+    for n in names:
+        module = n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0]
+        base = base_specs.get(f"{module}.weight")
+        if base is None or len(base[1]) != 2:
+            continue
+        rows, cols = base[1]
+        out[n] = (base[0], (rank, cols) if ".lora_A." in n else (rows, rank))
+    return out
+
+
+class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLUpdateInfo]):
+    """vLLM weight-transfer engine receiving ``async_rl.weight_sync`` buckets (see module docstring).
+
+    ``intact`` is False from the first bucket handed to the model's loader until the update is
+    finished: the model then mixes two versions (the layerwise reload writes processed layers in
+    place) and must not be sampled from (``abort_weight_update``).
+    """
+
+    init_info_cls = AsyncRLInitInfo
+    update_info_cls = AsyncRLUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.receiver: WeightReceiver | None = None
+        # Read before any reload (a reload swaps parameters for meta tensors).
+        self.names, self.packed, self.tied = engine_weight_names(self.model)
+        self.specs = engine_weight_specs(self.model)
+        self.unloaded = unloaded_aliases(self.model, self.tied)
+        """Tied aliases the check accepts but ``load_weights`` cannot take (vLLM's Gemma2 head)."""
+        self.num_updates = 0
+        self.intact = True
+        self.metrics: dict[str, float] = {}
+        """Phase seconds of the last update (``AsyncRLWorkerExtension.async_rl_update_metrics``)."""
+        self._process_s = [0.0]
+        _time_processing(self.model, self._process_s)
+        self._views = _reload_internals()
+        """Load straight from the bucket's views (``own_pending`` then copies what the reload keeps),
+        or, where vLLM's reload internals differ, from copies of the whole bucket."""
+
+    def init_transfer_engine(self, init_info: AsyncRLInitInfo) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = WeightReceiver(init_info.info, init_info.rank)
+        self.receiver.connect()
+
+    def check(self, plan: UpdatePlan) -> None:
+        """Raise unless ``plan`` loads whole into this model (``check_update``: names, coverage,
+        full shapes, dtypes, tied aliases), and carries the tied head (vLLM's CPU build keeps the
+        old head otherwise, with only a log warning)."""
+        metas = [m for b in plan.buckets for m in b]
+        check_update([(m.name, m.dtype, m.shape, m.alias_of) for m in metas], self.names, self.packed, self.tied,
+                     self.specs)
+        names = {m.name for m in metas}
+        missing_alias = [n for n in self.tied if n not in names]
+        if missing_alias:
+            raise ValueError(f"tied model: {missing_alias} must be sent (as an alias of {self.tied[missing_alias[0]]!r})")
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: AsyncRLUpdateInfo) -> None:
+        if self.receiver is None:
+            raise RuntimeError("update_weights before init_weight_transfer_engine")
+        plan = UpdatePlan.from_dict(update_info.plan)
+        t0 = time.perf_counter()
+        load_s = own_s = 0.0
+        self._process_s[0] = 0.0
+        # The plan was checked by ``async_rl_check_update`` before the reload began.
+        for bucket in self.receiver.receive(plan):
+            self.intact = False
+            try:
+                t1 = time.perf_counter()
+                loadable = [(n, t) for n, t in bucket if n not in self.unloaded]
+                self.model.load_weights(loadable if self._views else [(n, t.clone()) for n, t in loadable])
+                t2 = time.perf_counter()
+                # The bucket's memory is reused by the next bucket: what the reload still holds
+                # of it must be copied first. Measured: with views left in the reload, a
+                # multi-bucket update diverged from a fresh engine (tests/test_vllm.py).
+                if self._views:
+                    own_pending(bucket)
+                load_s += t2 - t1
+                own_s += time.perf_counter() - t2
+            except Exception as e:
+                self.receiver.fail(plan, f"loading a bucket failed: {type(e).__name__}: {e}")
+                raise
+        self.num_updates += 1
+        self.metrics = {"weight_sync/engine_recv_s": time.perf_counter() - t0,
+                        "weight_sync/engine_load_s": load_s - self._process_s[0],
+                        "weight_sync/engine_process_s": self._process_s[0], "weight_sync/engine_own_s": own_s}
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        t0, before = time.perf_counter(), self._process_s[0]
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.intact = True
+        self.metrics["weight_sync/engine_finalize_s"] = time.perf_counter() - t0
+        self.metrics["weight_sync/engine_process_s"] = self.metrics.get("weight_sync/engine_process_s", 0.0) + \
+            self._process_s[0] - before
+
+    def abort_weight_update(self) -> bool:
+        """Unwind a reload that will not be finished; returns ``intact``.
+
+        Every layer still waiting for weights gets its own tensors back (old values, untouched by
+        the reload) and its reload state is cleared, so the model is whole again and the next
+        ``start_weight_update`` begins from scratch (vLLM would otherwise skip layers it still
+        believes in progress and process them with the failed update's buffered tensors). Layers
+        already processed, and biases (loaded in place at once), keep the new values: unless
+        ``intact``, the model mixes two versions. Uses vLLM 0.32's layerwise-reload internals.
+        """
+        from vllm.model_executor.model_loader.reload import layerwise
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+        model = self.model
+        # vLLM's reload patches this method on the model for the update's duration (torchao models).
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+        for layer in model.modules():
+            info = layerwise.LAYERWISE_INFO.get(layer)
+            if info is None or not info.can_load():
+                continue
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)
+            for t in get_layer_tensors(layer).values():
+                if layerwise._get_weight_loader(t).__name__ == "online_process_loader":
+                    t.weight_loader = layerwise._get_original_loader(t)
+            info.reset()
+        layerwise.LOADING_LAYERS.clear()
+        return self.intact
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+
+if BACKEND not in getattr(WeightTransferEngineFactory, "_registry", {}):
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, AsyncRLWeightTransferEngine)
+    except ValueError:  # already registered by an earlier import in this process
+        pass
+
+
+def own_pending(bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy out of ``bucket`` the tensors vLLM's layerwise reload still holds after loading it;
+    returns the bytes copied.
+
+    The reload buffers a layer's tensors (the loader's arguments, views into the bucket) until
+    the layer has all its weights, then loads and processes it and drops them. A layer left
+    incomplete after a bucket (completed only at finalize: a tied output head, a padded
+    embedding) would otherwise read the next bucket's bytes. Every other layer was processed
+    inside ``load_weights`` and holds nothing of the bucket. Uses vLLM 0.32's layerwise-reload
+    internals (``LAYERWISE_INFO``; ``_reload_internals`` tells whether they are there: without
+    them the engine hands the loader copies of the whole bucket instead)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    storages = {t.untyped_storage().data_ptr() for _, t in bucket}
+    pending = [bound for info in list(LAYERWISE_INFO.values()) for _, bound in info.loaded_weights]
+    nbytes = 0
+    for bound in pending:
+        for key, value in bound.arguments.items():
+            if isinstance(value, torch.Tensor) and not value.is_meta and \
+                    value.untyped_storage().data_ptr() in storages:
+                bound.arguments[key] = value.clone()
+                nbytes += value.numel() * value.element_size()
+    return nbytes
+
+
+def _reload_internals() -> bool:
+    """Whether vLLM's layerwise reload buffers a layer's tensors where ``own_pending`` looks."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+    except ImportError:
+        return False
+    return hasattr(LAYERWISE_INFO, "values") and "loaded_weights" in getattr(LayerReloadingInfo,
+                                                                             "__dataclass_fields__", {})
+
+
+def _time_processing(model, total: list[float]) -> None:
+    # Each layer's quant method re-processes its weights after a (re)load (the CPU build packs
+    # linears into oneDNN kernels): time it, as an instance attribute over the bound method
+    # (the reload calls ``quant_method.process_weights_after_loading(layer)``).
+    seen: set[int] = set()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or id(method) in seen or not hasattr(method, "process_weights_after_loading"):
+            continue
+        seen.add(id(method))
+        inner = method.process_weights_after_loading
+
+        def timed(layer, _inner=inner):
+            t0 = time.perf_counter()
+            try:
+                return _inner(layer)
+            finally:
+                total[0] += time.perf_counter() - t0
+
+        method.process_weights_after_loading = timed
+
+
+def lora_request():
+    """The ``LoRARequest`` of the policy's adapter (``LORA_ID``), attached to every request."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(LORA_NAME, LORA_ID, LORA_PATH)
+
+
+class AsyncRLWorkerExtension:
+    """Methods mixed into vLLM's worker (``worker_extension_cls``), called via ``collective_rpc``."""
+
+    def async_rl_weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+        """``engine_weight_names`` of the served model (for the name-mapping check)."""
+        return engine_weight_names(self.model_runner.get_model())
+
+    def async_rl_lora_names(self, lora: dict[str, Any]) -> list[str]:
+        """The adapter names an update must carry for LoRA settings ``lora`` (``async_rl.lora.spec``):
+        one ``lora_A``/``lora_B`` pair per targeted HF projection of vLLM's LoRA modules."""
+        manager = self.model_runner.lora_manager._adapter_manager
+        return expected_vllm_adapter_names(list(manager.modules), dict(manager.packed_modules_mapping),
+                                           list(lora["target_modules"]))
+
+    def async_rl_init_lora(self, rank: int) -> None:
+        """Register a zero adapter of ``rank`` under ``LORA_ID`` (the base model, until an update)."""
+        self.model_runner.lora_manager.add_dummy_lora(lora_request(), rank)
+
+    def async_rl_load_lora(self, plan: dict[str, Any], lora: dict[str, Any]) -> None:
+        """Receive an adapter update (``UpdatePlan.to_dict()``) and swap it in under ``LORA_ID``.
+
+        Staged: every bucket is received (copied) and vLLM's ``LoRAModel`` built before the
+        adapter in use is touched, so a failure up to there leaves it serving the old adapter
+        (``intact`` stays True); only a failure inside the swap itself leaves ``intact`` False.
+
+        Raises:
+            RuntimeError: no weight receiver connected, the transfer failed (sender error,
+                timeout), or vLLM rejects the adapter (rank above ``max_lora_rank``).
+        """
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        eng = self.weight_transfer_engine
+        if eng.receiver is None:
+            raise RuntimeError("adapter update before init_weight_transfer_engine")
+        update = UpdatePlan.from_dict(plan)
+        tensors = {}
+        for bucket in eng.receiver.receive(update):
+            tensors.update((name, t.clone()) for name, t in bucket)  # the bucket's memory is reused
+        worker_manager = self.model_runner.lora_manager
+        helper = PEFTHelper.from_dict({"r": int(lora["rank"]), "lora_alpha": float(lora["alpha"]),
+                                       "target_modules": list(lora["target_modules"])})
+        helper.validate_legal(worker_manager.lora_config)
+        model = self.model_runner.get_model()
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        adapter = LoRAModel.from_lora_tensors(
+            LORA_ID, tensors, helper, device="cpu", dtype=worker_manager.lora_config.lora_dtype,
+            model_vocab_size=worker_manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
+        manager = worker_manager._adapter_manager
+        # Same id: removing frees its slot, activating copies the new matrices into it. Between
+        # the two no complete adapter is loaded.
+        eng.intact = False
+        manager.remove_adapter(LORA_ID)
+        manager.add_adapter(adapter)
+        manager.activate_adapter(LORA_ID)
+        eng.intact = True
+        eng.num_updates += 1
+
+    def async_rl_check_update(self, plan: dict[str, Any], lora: dict[str, Any] | None = None) -> None:
+        """Check a whole update against the model before any byte moves (``check_update``: names,
+        coverage, full shapes, dtypes, tied aliases; with LoRA settings ``lora``: exactly the
+        adapter names, ``async_rl_lora_names``, with ``lora_A`` ``[rank, in]`` and ``lora_B``
+        ``[out, rank]``); on failure the sender is told (it raises at once) and this raises."""
+        eng = self.weight_transfer_engine
+        update = UpdatePlan.from_dict(plan)
+        try:
+            if lora is not None:
+                names = self.async_rl_lora_names(lora)
+                check_update([(m.name, m.dtype, m.shape, m.alias_of) for b in update.buckets for m in b], names,
+                             specs=adapter_specs(names, eng.specs, int(lora["rank"])))
+            else:
+                eng.check(update)
+        except Exception as e:
+            if eng.receiver is not None:
+                eng.receiver.fail(update, f"{type(e).__name__}: {e}")
+            raise
+
+    def async_rl_abort_update(self) -> bool:
+        """After a failed update: unwind it (``AsyncRLWeightTransferEngine.abort_weight_update``)
+        and end vLLM's update session; returns whether the model still holds its previous version
+        whole (no byte of the failed update reached it)."""
+        eng = self.weight_transfer_engine
+        # vLLM ends its session itself when a chunk fails, but not when finishing fails.
+        self._weight_update_active = False
+        eng.reset_weight_update_target()
+        return eng.abort_weight_update()  # a LoRA update has no reload to unwind: just ``intact``
+
+    def async_rl_update_metrics(self) -> dict[str, float]:
+        """Phase seconds of this worker's last full-weight update: ``weight_sync/engine_recv_s``
+        (``update_weights``: waiting for buckets, loading, processing, copying what the reload
+        keeps), ``engine_load_s`` (the model's ``load_weights`` less the processing in it),
+        ``engine_process_s`` (the quant methods' re-processing, e.g. the oneDNN re-pack, during
+        the load and at finalize), ``engine_own_s`` (``own_pending``), ``engine_finalize_s``."""
+        eng = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(eng, "metrics", {}))
+
+    def async_rl_num_updates(self) -> int:
+        """Updates this worker's engine has loaded."""
+        eng = getattr(self, "weight_transfer_engine", None)
+        return getattr(eng, "num_updates", 0)
