@@ -22,8 +22,8 @@ vLLM's shared-memory queues (``/dev/shm/psm_<8 hex>``, two per engine: its ``Mes
 buffers, ``(chunk + 1 + readers) * 10`` bytes) are unlinked by the engine's own processes as they
 stop; an engine process SIGKILLed (a killed actor's process group, vLLM's own kill of a hung
 engine) leaves them, 160 and 240 MB each. Their names carry no owner: ``sweep_vllm_queues`` removes
-only files of that size, old enough, that no process visible here maps or holds open
-(``held_paths``), and nothing at all when a process's maps or descriptors cannot be read.
+only this user's files of that size, old enough, that no process visible here maps or holds open
+(``held_paths``; a process this user cannot read is none of a run's, ``cannot_reach``).
 
 Not covered at a run's start: ``multiprocessing``'s semaphores (``/dev/shm/sem.mp-<random>``, 32
 bytes) and listener directories (``pymp-<random>``) carry no owner in their name and no size that
@@ -235,10 +235,12 @@ def held_paths() -> tuple[set[str], list[tuple[int, int, float]]] | None:
 
 
 def cannot_reach(proc: tuple[int, int, float], st: os.stat_result) -> bool:
-    """Whether an unreadable process ``(pid, uid, started_at)`` cannot have opened a file of stat
-    ``st``: another user's (not root's) process and a file only its owner may open."""
-    uid = proc[1]
-    return uid != 0 and uid != st.st_uid and not st.st_mode & 0o077
+    """Whether an unreadable process ``(pid, uid, started_at)`` cannot hold a file of ours of stat
+    ``st``: the file is this user's, and a process we cannot read is none of ours (a run's
+    processes are this user's Python processes, which this user can read; one we cannot read is
+    another user's or a protected one, such as a sandbox's init), so it was never told the file's
+    random name."""
+    return st.st_uid == os.getuid()
 
 
 def _holds_under(held: set[str], path: str) -> bool:

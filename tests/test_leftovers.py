@@ -129,3 +129,35 @@ def test_what_a_sigkilled_vllm_free_run_leaves_the_next_start_sweeps(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert left() == [], f"the start's sweep kept: {left()} (it removed what it logged: {out.stderr})"
+
+
+def test_the_start_sweep_removes_only_vllm_queue_buffers_no_process_holds():
+    """vLLM's queue buffers (``psm_<8 hex>``, ``(chunk + 1 + readers) * 10`` bytes) of a killed
+    engine are removed; one a live process maps or holds open, a young one, and a ``psm_`` file of
+    another size (someone else's ``SharedMemory``) are kept."""
+    import mmap
+    import secrets
+
+    from async_rl.leftovers import is_vllm_queue_size, sweep_vllm_queues
+
+    if not os.path.isdir("/dev/shm"):
+        return
+    size = 10 * ((16 << 20) + 2)  # a 16 MiB chunk, one reader
+    assert is_vllm_queue_size(size) and not is_vllm_queue_size(size + 3) and not is_vllm_queue_size(32)
+    paths = {k: Path("/dev/shm", f"psm_{secrets.token_hex(4)}") for k in ("orphan", "mapped", "open", "young", "other")}
+    for k, p in paths.items():
+        with open(p, "wb") as f:
+            f.truncate(size + 3 if k == "other" else size)  # sparse: no memory used
+        if k != "young":
+            _age(p, MIN_AGE_S + 60)
+    held = open(paths["open"], "rb")
+    with open(paths["mapped"], "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 4096)
+    try:
+        removed = sweep_vllm_queues()
+        assert str(paths["orphan"]) in removed and not paths["orphan"].exists()
+        assert all(paths[k].exists() and str(paths[k]) not in removed for k in ("mapped", "open", "young", "other"))
+    finally:
+        mapping.close(), held.close()
+        for p in paths.values():
+            p.unlink(missing_ok=True)
