@@ -189,10 +189,10 @@ def _started_at(pid: str) -> float:
         return float("inf")
 
 
-def held_paths() -> tuple[set[str], list[tuple[int, int, float]]] | None:
+def held_paths() -> tuple[set, list[tuple[int, int, float]]] | None:
     """Every file path that a process visible here maps (``/proc/<pid>/maps``), holds open
     (``/proc/<pid>/fd``), has as its working directory, or listens on as a Unix socket
-    (``/proc/net/unix``); and the processes that could not be read (``(pid, uid, started_at)``:
+    (``/proc/net/unix``), and as ``("inode", n)`` the inodes of what they map or hold open; and the processes that could not be read (``(pid, uid, started_at)``:
     another user's, a protected init), which may hold anything. ``None`` when ``/proc`` cannot be
     read at all."""
     held: set[str] = set()
@@ -208,9 +208,12 @@ def held_paths() -> tuple[set[str], list[tuple[int, int, float]]] | None:
                     parts = line.split(None, 5)
                     if len(parts) == 6:
                         held.add(parts[5].strip().removesuffix(" (deleted)"))
+                        held.add(("inode", int(parts[4])))  # a file mapped under another name: glibc's
+                        # sem_open maps a temporary file, then links it to the semaphore's name
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
                     held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                    held.add(("inode", os.stat(f"/proc/{pid}/fd/{fd}").st_ino))
                 except FileNotFoundError:
                     pass  # closed meanwhile
             held.add(os.readlink(f"/proc/{pid}/cwd"))
@@ -243,9 +246,12 @@ def cannot_reach(proc: tuple[int, int, float], st: os.stat_result) -> bool:
     return st.st_uid == os.getuid()
 
 
-def _holds_under(held: set[str], path: str) -> bool:
+def _holds_under(held: set, path: str, st: os.stat_result) -> bool:
+    """Whether ``held`` (``held_paths``) has ``path`` (by name or, a file, by inode) or a path under it."""
     prefix = path.rstrip("/") + "/"
-    return path in held or any(h.startswith(prefix) for h in held)
+    if path in held or ("inode", st.st_ino) in held:
+        return True
+    return any(isinstance(h, str) and h.startswith(prefix) for h in held)
 
 
 def sweep_unheld(directory: str, pattern: re.Pattern[str], min_age_s: float = MIN_AGE_S,
@@ -284,7 +290,7 @@ def sweep_unheld(directory: str, pattern: re.Pattern[str], min_age_s: float = MI
     held, unreadable = found
     removed = []
     for path, is_dir, st in candidates:
-        if _holds_under(held, path) or not all(unreachable(proc, st) for proc in unreadable):
+        if _holds_under(held, path, st) or not all(unreachable(proc, st) for proc in unreadable):
             continue
         try:
             if is_dir:
