@@ -28,8 +28,10 @@ only this user's files of that size, old enough, that no process visible here ma
 Not covered at a run's start: ``multiprocessing``'s semaphores (``/dev/shm/sem.mp-<random>``, 32
 bytes) and listener directories (``pymp-<random>``) carry no owner in their name and no size that
 would tell ours; Python's resource tracker unlinks them when their process dies, unless it was
-killed with it. The test suite removes the ones its own killed processes made
-(``tests/conftest.py``, ``sweep_unheld``).
+killed with it. The test suite removes the semaphores its own killed processes made
+(``tests/conftest.py``, ``sweep_unheld``). Nor vLLM's torch store file (``vllm_dist_<32 hex>`` in
+the temp dir): a live engine keeps it for its whole life without holding it open, so nothing here
+tells a killed engine's from a live one's.
 """
 
 from __future__ import annotations
