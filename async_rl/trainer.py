@@ -33,7 +33,7 @@ from async_rl.data.builtin import resolve
 from async_rl.data.dataset import PromptDataset
 from async_rl.evaluation import evaluate, warm_start
 from async_rl.inputs import check_inputs
-from async_rl.leftovers import sweep_weight_slots
+from async_rl.leftovers import sweep_at_start
 from async_rl.generators import make_generator
 from async_rl.generators.base import Generator, SamplingParams
 from async_rl.cluster import (Cluster, PlacementConfig, cpus_restored, pin_process, split_learner_threads,
@@ -75,7 +75,7 @@ def train(cfg: "Config") -> dict[str, Any]:
 
 def _train(cfg: "Config") -> dict[str, Any]:
     """``train``'s body (see there)."""
-    sweep_weight_slots()  # what an earlier run, SIGKILLed mid-start, left in /dev/shm
+    sweep_at_start()  # what earlier runs, SIGKILLed, left in /dev/shm and the temp dir (leftovers.py)
     resume_from, resumed = resume_point(cfg.trainer)
     run = RunDirectory(cfg.trainer)
     check_inputs(cfg)

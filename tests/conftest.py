@@ -20,19 +20,75 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cpu_only)
 
 
+SESSION_LEFTOVERS = {
+    "/dev/shm": r"psm_[0-9a-f]{8}|sem\.mp-[a-z0-9_]{8}",  # multiprocessing's shared memory, semaphores
+}
+"""What processes of this session leave when a test SIGKILLs them, with no owner in the name (a
+killed vLLM engine's queue buffers and semaphore): removed at the session's end when new since its
+start and held by no process (``_session_sweep``). Not ``multiprocessing``'s ``pymp-*`` directories:
+a live process keeps its own, empty, between listeners, so holding nothing does not make one dead."""
+
+_session: dict = {}
+
+
+def _leftover_dirs() -> dict:
+    import re
+
+    dirs = {}
+    for d, pattern in SESSION_LEFTOVERS.items():
+        if os.path.isdir(d):
+            dirs[d] = pattern
+    return {d: re.compile(p) for d, p in dirs.items()}
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _session["start"] = time.time()
+    _session["before"] = {d: set(os.listdir(d)) for d in _leftover_dirs()}
+
+
+def _session_sweep() -> list[str]:
+    """Remove the entries of ``SESSION_LEFTOVERS`` made during this session that no live process
+    holds (``async_rl.leftovers.sweep_unheld``). A process that cannot be read and that started
+    before the session cannot hold one: their names are random, known only to the session's
+    processes."""
+    from async_rl.leftovers import cannot_reach, sweep_unheld
+
+    start = _session.get("start")
+    if start is None:
+        return []
+
+    def unreachable(proc, st):
+        return proc[2] < start - 1 or cannot_reach(proc, st)
+
+    removed = []
+    for d, pattern in _leftover_dirs().items():
+        new = set(os.listdir(d)) - _session["before"].get(d, set())
+        if new:
+            removed += sweep_unheld(d, pattern, min_age_s=0, only=new, unreachable=unreachable)
+    return removed
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Remove what processes these tests SIGKILLed left, as the next run's start (or engine
     start) would, without waiting for it to age: weight-sync slot files (a sender killed before
-    its engines mapped them) and vLLM socket directories (an engine killed while it started).
-    Only entries whose owning process is gone (``async_rl.leftovers``)."""
+    its engines mapped them), W&B temp dirs and vLLM queue buffers of killed runs, vLLM socket
+    directories (an engine killed while it started); only entries whose owning process is gone
+    (``async_rl.leftovers``). Then what this session's killed processes left with no owner in the
+    name (``_session_sweep``)."""
     import tempfile
 
     from async_rl.generators.vllm.process import sweep_socket_dirs
-    from async_rl.leftovers import sweep_weight_slots
+    from async_rl.leftovers import sweep_wandb_temp_dirs, sweep_weight_slots
 
     sweep_weight_slots(min_age_s=0)
+    sweep_wandb_temp_dirs(min_age_s=0)
     for base in {os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir(), "/tmp"}:
         sweep_socket_dirs(base, min_age_s=0)
+    removed = _session_sweep()
+    if removed:
+        print(f"\nremoved {len(removed)} file(s) that killed test processes left: {', '.join(removed)}")
 
 
 @pytest.fixture(autouse=True)

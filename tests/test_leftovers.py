@@ -63,9 +63,101 @@ def test_the_trainer_sweeps_at_start(monkeypatch):
     def sweep():
         raise Swept
 
-    monkeypatch.setattr(trainer, "sweep_weight_slots", sweep)
+    monkeypatch.setattr(trainer, "sweep_at_start", sweep)
     try:
         trainer._train(None)
     except Swept:
         return
     raise AssertionError("trainer._train did not sweep before it started")
+
+
+RUN = """
+import sys, threading, time
+from pathlib import Path
+from async_rl.rewards.workers import RewardWorkers
+from async_rl.weight_sync.config import WeightSyncConfig
+from async_rl.weight_sync.wire import WeightSender
+pool = RewardWorkers(None, 2, 30.0)
+scored = threading.Event()
+pool.submit(("gsm8k", "The answer is 4", "4", {}), lambda outcome: scored.set())
+assert scored.wait(120)
+sender = WeightSender(WeightSyncConfig(transport="shm", bucket_size_mb=1.0), num_receivers=1)
+if sys.argv[2] == "wandb":
+    from async_rl.metrics import WandbConfig, _init_wandb
+    _init_wandb(WandbConfig(mode="offline"), Path(sys.argv[1]), {})
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_what_a_sigkilled_vllm_free_run_leaves_the_next_start_sweeps(tmp_path):
+    """A run's process (reward workers, an shm weight sender, a W&B offline run) SIGKILLed with its
+    process group leaves files in ``/dev/shm`` and the temp dir; once they are old enough, the
+    start's sweep (``sweep_at_start``, in a new process, as a next run) removes every one."""
+    try:
+        import wandb  # noqa: F401
+        with_wandb = "wandb"
+    except ImportError:
+        with_wandb = "none"
+    temp, run_dir = tmp_path / "t", tmp_path / "run"
+    temp.mkdir(), run_dir.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "WANDB_SILENT": "true"}
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(run_dir), with_wandb], stdout=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def left() -> list[Path]:
+        shm = [Path(d, f) for d in slot_dirs() for f in os.listdir(d) if f.startswith(f"async-rl-{proc.pid}-")]
+        return sorted(shm + list(temp.iterdir()))
+
+    def service_files() -> list[Path]:  # W&B's service (its own session): port file, sockets
+        return [p for p in left() if p.name.startswith(("wandb", "tmp"))]
+
+    deadline = time.time() + 60  # the service notices its parent's death and removes its files
+    while service_files() and time.time() < deadline:
+        time.sleep(0.5)
+    leftovers = left()
+    print("the killed run left:", *leftovers, sep="\n  ")
+    assert leftovers, "the killed run left nothing: this test no longer tests the sweep"
+    for p in leftovers:
+        _age(p, MIN_AGE_S + 60)
+    out = subprocess.run([sys.executable, "-c", "from async_rl.leftovers import sweep_at_start; sweep_at_start()"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert left() == [], f"the start's sweep kept: {left()} (it removed what it logged: {out.stderr})"
+
+
+def test_the_start_sweep_removes_only_vllm_queue_buffers_no_process_holds():
+    """vLLM's queue buffers (``psm_<8 hex>``, ``(chunk + 1 + readers) * 10`` bytes) of a killed
+    engine are removed; one a live process maps or holds open, a young one, and a ``psm_`` file of
+    another size (someone else's ``SharedMemory``) are kept."""
+    import mmap
+    import secrets
+
+    from async_rl.leftovers import is_vllm_queue_size, sweep_vllm_queues
+
+    if not os.path.isdir("/dev/shm"):
+        return
+    size = 10 * ((16 << 20) + 2)  # a 16 MiB chunk, one reader
+    assert is_vllm_queue_size(size) and not is_vllm_queue_size(size + 3) and not is_vllm_queue_size(32)
+    paths = {k: Path("/dev/shm", f"psm_{secrets.token_hex(4)}") for k in ("orphan", "mapped", "open", "young", "other")}
+    for k, p in paths.items():
+        with open(p, "wb") as f:
+            f.truncate(size + 3 if k == "other" else size)  # sparse: no memory used
+        if k != "young":
+            _age(p, MIN_AGE_S + 60)
+    held = open(paths["open"], "rb")
+    with open(paths["mapped"], "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 4096)
+    try:
+        removed = sweep_vllm_queues()
+        assert str(paths["orphan"]) in removed and not paths["orphan"].exists()
+        assert all(paths[k].exists() and str(paths[k]) not in removed for k in ("mapped", "open", "young", "other"))
+    finally:
+        mapping.close(), held.close()
+        for p in paths.values():
+            p.unlink(missing_ok=True)

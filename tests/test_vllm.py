@@ -437,6 +437,8 @@ def test_a_sigkilled_engine_owner_leaves_no_ipc_socket_file(tiny_model_path, tmp
     from pathlib import Path
 
     base = Path(tempfile.mkdtemp(prefix="arl-kill-", dir="/tmp"))  # short: socket paths have 107 bytes
+    # The engine's temp dir: its torch store file (``vllm_dist_<hex>``), which a killed engine leaves.
+    temp = Path(tempfile.mkdtemp(prefix="arl-tmp-", dir="/tmp"))
     code = ("import time\n"
             "from async_rl.generators.base import GeneratorConfig\n"
             "from async_rl.generators.vllm import VLLMGenerator\n"
@@ -448,7 +450,7 @@ def test_a_sigkilled_engine_owner_leaves_no_ipc_socket_file(tiny_model_path, tmp
     script = tmp_path / "owner.py"
     script.write_text(code)
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True, start_new_session=True, env={**os.environ, "VLLM_RPC_BASE_PATH": str(base)})
+                             text=True, start_new_session=True, env={**os.environ, "VLLM_RPC_BASE_PATH": str(base), "TMPDIR": str(temp)})
     try:
         lines = [owner.stdout.readline()]
         while lines[-1] not in ("ready\n", ""):  # vLLM logs to stdout too; "" is the end of it
@@ -461,3 +463,4 @@ def test_a_sigkilled_engine_owner_leaves_no_ipc_socket_file(tiny_model_path, tmp
         if owner.poll() is None:
             os.killpg(owner.pid, signal.SIGKILL)
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(temp, ignore_errors=True)
