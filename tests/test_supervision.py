@@ -94,16 +94,16 @@ def _cfg(tmp_path, name, *extra):
     return small_run_cfg(tmp_path, name, "trainer.mode=async", *extra)
 
 
-def _held_by(loop, i: int, timeout_s: float = 60.0) -> list[int]:
+def _held_by(loop, i: int, timeout_s: float = 60.0, stop: threading.Event | None = None) -> list[int]:
     """Wait until actor ``i`` holds a group that has not ended; its ids (with ``timeout_s = 0``:
-    what it holds now, maybe nothing)."""
+    what it holds now, maybe nothing; an empty list too once ``stop`` is set)."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     while True:
         key = (i, loop.cluster.placed["generators"][i].get("incarnation", 0))
         held = [g for g in ray.get(loop.broker.claimed.remote()).get(key, []) if not loop.buffer.is_finished(g)]
-        if held or timeout_s == 0:
+        if held or timeout_s == 0 or (stop is not None and stop.is_set()):
             return held
         if time.monotonic() > deadline:
             raise AssertionError(f"actor {i} never held a group")
@@ -113,22 +113,45 @@ def _held_by(loop, i: int, timeout_s: float = 60.0) -> list[int]:
 @pytest.mark.slow
 def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued_once(tmp_path, ray_session,
                                                                                      monkeypatch):
-    """Three SIGKILLs (one while the learner pushes weights) and one SIGSTOP, in a 7-step run with
+    """Three SIGKILLs (one while the learner pushes weights) and one SIGSTOP, in an 8-step run with
     two actors: the run finishes, every group ends exactly once (the killed actors' open groups
     abandoned and re-issued, none trained twice), and every engine ends on the learner's weights."""
     import async_rl.loops.async_loop as async_loop
     from async_rl.trainer import train
     from async_rl.weight_sync import WeightPublisher
 
+    total_steps = 8
     plan = {2: ("kill", 0), 3: ("kill_in_push", 1), 4: ("stop", 0), 6: ("kill", 1)}
     disrupted: list[tuple[int, str, list[int]]] = []
     trained_groups: list[int] = []
     trained_trajs: list[str] = []
     loops = []
     stopped: list[int] = []
+    # A planned kill or stop waits for its actor to hold an open group on a thread of its own:
+    # the loop's thread goes on meanwhile. Blocking it instead can wait forever: when every
+    # admitted group has ended, new ones are admitted only once the loop publishes a version,
+    # or handles the failure of a push whose actor the test just killed.
+    disruptors: list[threading.Thread] = []
+    errors: list[BaseException] = []
+    run_over = threading.Event()
 
     def pid_of(loop, i):
         return int(loop.cluster.placed["generators"][i]["pid"])
+
+    def disrupt(loop, step, what, previous):
+        try:
+            if previous is not None:
+                previous.join()
+            held = _held_by(loop, what[1], timeout_s=600.0, stop=run_over)
+            if not held:
+                return  # the run ended first: the assertion on ``disrupted`` names the miss
+            pid = pid_of(loop, what[1])
+            if what[0] == "stop":
+                stopped.append(pid)
+            os.kill(pid, signal.SIGKILL if what[0] == "kill" else signal.SIGSTOP)
+            disrupted.append((step, what[0], held))
+        except BaseException as e:  # noqa: BLE001 - raised again on the test's thread
+            errors.append(e)
 
     original_step = async_loop.AsyncLoop.step
 
@@ -136,12 +159,9 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
         loops[:] = [self]
         what = plan.get(step)
         if what is not None and what[0] in ("kill", "stop"):
-            held = _held_by(self, what[1])
-            pid = pid_of(self, what[1])
-            if what[0] == "stop":
-                stopped.append(pid)
-            os.kill(pid, signal.SIGKILL if what[0] == "kill" else signal.SIGSTOP)
-            disrupted.append((step, what[0], held))
+            previous = disruptors[-1] if disruptors else None
+            disruptors.append(threading.Thread(target=disrupt, args=(self, step, what, previous), daemon=True))
+            disruptors[-1].start()
         return original_step(self, step)
 
     original_push, original_start_push = WeightPublisher.push, WeightPublisher.start_push
@@ -177,15 +197,21 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
     monkeypatch.setattr(WeightPublisher, "start_push", start_push)
     monkeypatch.setattr(async_loop, "learn_on", learn_on)
     try:
-        summary = train(_cfg(tmp_path, "chaos", "trainer.total_steps=7", "generator.heartbeat_timeout_s=20",
-                             "weight_sync.probe_at_exit=true"))
+        summary = train(_cfg(tmp_path, "chaos", f"trainer.total_steps={total_steps}",
+                             "generator.heartbeat_timeout_s=20", "weight_sync.probe_at_exit=true"))
     finally:
+        run_over.set()
+        for t in disruptors:
+            t.join(30)
         for pid in stopped:  # never leave a stopped process behind, whatever failed
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert [d[1] for d in disrupted] == ["kill", "kill_in_push", "stop", "kill"]
+    if errors:
+        raise errors[0]
+    # The two kills of actor 0 and 1 and the kill in a push may land in either order; each kind once.
+    assert sorted(d[1] for d in disrupted) == ["kill", "kill", "kill_in_push", "stop"]
     assert summary["pipeline/generator_restarts"] == 4
     assert summary["generator_0/restarts"] == 2 and summary["generator_1/restarts"] == 2
     # Each disrupted actor held open groups; every one of them was abandoned and re-issued once.
@@ -193,7 +219,7 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
     held = {g for _, _, gs in disrupted for g in gs}
     assert not held & set(trained_groups), "a group held by a dead actor was also trained"
     # Exactly once: no group or sample trained twice, the ledger adds up, nothing lost in flight.
-    assert len(trained_groups) == len(set(trained_groups)) == summary["pipeline/trained"] == 7 * 4
+    assert len(trained_groups) == len(set(trained_groups)) == summary["pipeline/trained"] == total_steps * 4
     assert len(trained_trajs) == len(set(trained_trajs))
     assert summary["pipeline/unstarted_or_in_engine_at_exit"] == 0
     assert summary["pipeline/dispatched"] == sum(summary[f"pipeline/{k}"] for k in (
