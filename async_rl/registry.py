@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
-__all__ = ["BUILTIN_PREFIX", "Registry", "load_file_module", "require_callable"]
+__all__ = ["BUILTIN_PREFIX", "BackendRegistry", "Registry", "load_file_module", "require_callable"]
 
 T = TypeVar("T")
 
@@ -189,6 +189,61 @@ class Registry(Generic[T]):
             raise
         except Exception as e:
             raise ValueError(f"{self.kind} {spec!r}: loading {path!r} failed: {type(e).__name__}: {e}") from e
+
+
+class BackendRegistry(Registry[type]):
+    """Backend name -> class, for the backends a config key chooses (``generator.backend``,
+    ``learner.backend``). Each is registered as an ``"module:Class"`` import path and imported on
+    first use only, so listing backends or reading their capabilities never imports an engine
+    library that lazily imports inside its module (vLLM, SGLang, megatron-core); each class
+    declares what it can do as a ``capabilities`` class attribute of ``capabilities_type``.
+
+    Args:
+        kind: what is registered, e.g. ``"generator backend"``.
+        config_key: the key that names a backend, e.g. ``"generator.backend"`` (in errors).
+        capabilities_type: the type every class's ``capabilities`` must be an instance of.
+    """
+
+    def __init__(self, kind: str, config_key: str, capabilities_type: type) -> None:
+        super().__init__(kind, coerce=self._backend_class)
+        self.config_key = config_key
+        self.capabilities_type = capabilities_type
+
+    def _backend_class(self, kind: str, spec: str, obj: Any) -> type:
+        # ``coerce``: import a registered path; the class must declare its capabilities.
+        if isinstance(obj, str):
+            module, _, attr = obj.partition(":")
+            obj = getattr(importlib.import_module(module), attr)
+        if not isinstance(getattr(obj, "capabilities", None), self.capabilities_type):
+            raise ValueError(f"{kind} {spec!r}: {obj!r} declares no {self.capabilities_type.__name__} "
+                             f"'capabilities' class attribute")
+        return obj
+
+    def backend_class(self, backend: str) -> type:
+        """The class of ``<config_key>=backend``, its module imported now (not its engine library).
+
+        Raises:
+            ValueError: ``backend`` is not registered (one line listing those that are), or the
+                class declares no capabilities.
+            ImportError: the class's module cannot be imported.
+        """
+        if backend not in self:
+            raise ValueError(f"{self.config_key} must be one of {tuple(self)}, got {backend!r}")
+        return self.get(backend)
+
+    def capabilities(self, backend: str) -> Any:
+        """``backend_class(backend).capabilities`` (an instance of ``capabilities_type``).
+
+        Raises:
+            ValueError, ImportError: as ``backend_class``.
+        """
+        return self.backend_class(backend).capabilities
+
+    def names_that(self, predicate: Callable[[Any], bool]) -> str:
+        """The registered backends whose capabilities satisfy ``predicate``, joined for a message
+        (``"hf or sglang"``); ``"none"`` when none does."""
+        names = [n for n in self if predicate(self.capabilities(n))]
+        return " or ".join(names) if names else "none"
 
 
 def _defined_here(module: ModuleType, wanted: str, limit: int = 12) -> str:

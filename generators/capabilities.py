@@ -15,11 +15,10 @@ their functions, so reading a class's capabilities at config time loads neither.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from async_rl.registry import Registry
+from async_rl.registry import BackendRegistry
 
 __all__ = ["ENGINES", "EngineCapabilities", "engine_capabilities", "engine_class", "engines_that"]
 
@@ -92,52 +91,12 @@ class EngineCapabilities:
         return int(value)
 
 
-def _engine_class(kind: str, spec: str, obj: Any) -> type:
-    """``coerce`` of ``ENGINES``: import a registered ``"module:Class"`` path and check that the
-    class declares its capabilities.
-
-    Raises:
-        ValueError: the class has no ``EngineCapabilities`` ``capabilities`` attribute.
-        ImportError: the engine module cannot be imported.
-    """
-    if isinstance(obj, str):
-        module, _, attr = obj.partition(":")
-        obj = getattr(importlib.import_module(module), attr)
-    if not isinstance(getattr(obj, "capabilities", None), EngineCapabilities):
-        raise ValueError(f"{kind} {spec!r}: {obj!r} declares no EngineCapabilities 'capabilities' class attribute")
-    return obj
-
-
-ENGINES: Registry[type] = Registry("generator backend", coerce=_engine_class)
+ENGINES = BackendRegistry("generator backend", "generator.backend", EngineCapabilities)
 """``generator.backend`` name -> engine class (registered as an import path, imported on use)."""
 ENGINES.register("hf", "async_rl.generators.hf:HFGenerator")
 ENGINES.register("vllm", "async_rl.generators.vllm:VLLMGenerator")
 ENGINES.register("sglang", "async_rl.generators.sglang:SGLangGenerator")
 
-
-def engine_class(backend: str) -> type:
-    """The engine class of ``generator.backend=backend`` (its module imported now, not its
-    engine library).
-
-    Raises:
-        ValueError: ``backend`` is no registered engine (one line listing those that are).
-    """
-    if backend not in ENGINES:
-        raise ValueError(f"generator.backend must be one of {tuple(ENGINES)}, got {backend!r}")
-    return ENGINES.get(backend)
-
-
-def engine_capabilities(backend: str) -> EngineCapabilities:
-    """``engine_class(backend).capabilities``.
-
-    Raises:
-        ValueError: as ``engine_class``.
-    """
-    return engine_class(backend).capabilities
-
-
-def engines_that(predicate) -> str:
-    """The registered backend names whose capabilities satisfy ``predicate``, joined for a
-    message (``"hf or sglang"``); ``"none"`` when no engine does."""
-    names = [n for n in ENGINES if predicate(engine_capabilities(n))]
-    return " or ".join(names) if names else "none"
+engine_class = ENGINES.backend_class
+engine_capabilities = ENGINES.capabilities
+engines_that = ENGINES.names_that

@@ -11,12 +11,11 @@ its functions, so reading its capabilities loads no optional dependency.
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from async_rl.registry import Registry
+from async_rl.registry import BackendRegistry
 
 __all__ = ["LEARNERS", "LearnerCapabilities", "learner_capabilities", "learner_class", "learners_that",
            "model_parallel_sizes"]
@@ -46,52 +45,14 @@ class LearnerCapabilities:
     model_parallel: tuple[str, ...] = ()
 
 
-def _learner_class(kind: str, spec: str, obj: Any) -> type:
-    """``coerce`` of ``LEARNERS``: import a registered ``"module:Class"`` path and check that the
-    class declares its capabilities.
-
-    Raises:
-        ValueError: the class has no ``LearnerCapabilities`` ``capabilities`` attribute.
-    """
-    if isinstance(obj, str):
-        module, _, attr = obj.partition(":")
-        obj = getattr(importlib.import_module(module), attr)
-    if not isinstance(getattr(obj, "capabilities", None), LearnerCapabilities):
-        raise ValueError(f"{kind} {spec!r}: {obj!r} declares no LearnerCapabilities 'capabilities' class attribute")
-    return obj
-
-
-LEARNERS: Registry[type] = Registry("learner backend", coerce=_learner_class)
+LEARNERS = BackendRegistry("learner backend", "learner.backend", LearnerCapabilities)
 """``learner.backend`` name -> learner class (registered as an import path, imported on use)."""
 LEARNERS.register("fsdp2", "async_rl.learners.fsdp:FSDPLearner")
 LEARNERS.register("megatron", "async_rl.learners.megatron:MegatronLearner")
 
-
-def learner_class(backend: str) -> type:
-    """The learner class of ``learner.backend=backend`` (imported now).
-
-    Raises:
-        ValueError: ``backend`` is no registered learner (one line listing those that are).
-    """
-    if backend not in LEARNERS:
-        raise ValueError(f"learner.backend must be one of {tuple(LEARNERS)}, got {backend!r}")
-    return LEARNERS.get(backend)
-
-
-def learner_capabilities(backend: str) -> LearnerCapabilities:
-    """``learner_class(backend).capabilities``.
-
-    Raises:
-        ValueError: as ``learner_class``.
-    """
-    return learner_class(backend).capabilities
-
-
-def learners_that(predicate) -> str:
-    """The registered backend names whose capabilities satisfy ``predicate``, joined for a
-    message (``"fsdp2"``); ``"none"`` when no backend does."""
-    names = [n for n in LEARNERS if predicate(learner_capabilities(n))]
-    return " or ".join(names) if names else "none"
+learner_class = LEARNERS.backend_class
+learner_capabilities = LEARNERS.capabilities
+learners_that = LEARNERS.names_that
 
 
 def model_parallel_sizes(cfg: Any) -> dict[str, int]:
