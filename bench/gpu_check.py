@@ -51,10 +51,10 @@ On an image without vLLM (it must be built for that image's torch and CUDA), ``-
 runs both modes with the HF engine on CUDA. The project need not be installed: with the
 repository root on ``PYTHONPATH`` its role folders import as ``async_rl.learners`` etc.
 (``async_rl/__init__.py``), and a pure-Python wheel of omegaconf (2.4 vendors its antlr4 runtime)
-unpacked beside it is all the config needs::
+unpacked beside it is all the config needs (``$SITE``: any scratch directory)::
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site omegaconf-*.whl
-    export PYTHONPATH=/tmp/site:$PWD
+    python3 -m pip install -q --no-index --no-deps --target $SITE omegaconf-*.whl
+    export PYTHONPATH=$SITE:$PWD
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --engine hf --out-dir $OUT 2>&1 | tee $OUT/gpu_check.log
 
 CPU dry-run (CI runs it: ``tests/test_gpu_check.py``)::
