@@ -178,7 +178,7 @@ def _train(cfg) -> int:
     from async_rl.checkpoint import forced_stop_signal
     from async_rl.generators.model_support import EngineDied
     from async_rl.learners.launch import LearnerRankDied
-    from async_rl.loops.pool import GeneratorsGone
+    from async_rl.loops.base import GeneratorsGone
 
     try:
         summary = train(cfg)

@@ -18,8 +18,12 @@ learner             ``FSDPLearner`` alone (FSDP2 on NCCL, bf16 mixed precision, 
                     synthetic GRPO groups: ``make_batch`` (proximal pass) + ``train_step``
 sync                ``python -m async_rl.cli train`` in sync mode: vLLM on CUDA (bf16) as the
                     trainer's engine, the learner as above, weights over ``shm`` in bf16 (the
-                    project's transport into a vLLM engine on the learner's host)
-async               the same in async mode with one vLLM engine in a Ray actor on the same GPU
+                    project's transport into a vLLM engine on the learner's host); with
+                    ``--engine hf``, transformers' ``generate`` on CUDA in bf16 instead
+                    (``generator.hf.device=cuda``, ``generator.hf.dtype=bfloat16``), weights
+                    ``colocated`` (copied in place, same process)
+async               the same in async mode with one engine in a Ray actor on the same GPU; FAIL
+                    at once, naming the module, where Ray (or, for vLLM, vLLM) is not installed
 weight-sync-check   ``bench/gpu_weight_sync.py --skip-vllm --skip-broadcast`` on the same model:
                     ``colocated``, ``shm`` and CUDA IPC (one handle per tensor, as vLLM's
                     ``ipc`` engine) into an HF engine process, each checked bit for bit
@@ -38,8 +42,20 @@ not reached FAIL as such)::
 
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out-dir $OUT 2>&1 | tee $OUT/gpu_check.log
 
-``--out-dir`` keeps each stage's log there (``$OUT``: any directory of yours).
+``--out-dir`` gets each child stage's log as it runs (``gpu_check_<stage>.log``: learner, sync,
+async, weight_sync_check) and, at the end, ``gpu_check_summary.json`` (the plan, every stage's
+result and figures): at most five files, one folder deep (``$OUT``: any directory of yours).
 Smaller or larger: ``--steps``, ``--prompts``, ``--samples``, ``--response-tokens``.
+
+On an image without vLLM (it must be built for that image's torch and CUDA), ``--engine hf``
+runs both modes with the HF engine on CUDA. The project need not be installed: with the
+repository root on ``PYTHONPATH`` its role folders import as ``async_rl.learners`` etc.
+(``async_rl/__init__.py``), and a pure-Python wheel of omegaconf (2.4 vendors its antlr4 runtime)
+unpacked beside it is all the config needs (``$SITE``: any scratch directory)::
+
+    python3 -m pip install -q --no-index --no-deps --target $SITE omegaconf-*.whl
+    export PYTHONPATH=$SITE:$PWD
+    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --engine hf --out-dir $OUT 2>&1 | tee $OUT/gpu_check.log
 
 CPU dry-run (CI runs it: ``tests/test_gpu_check.py``)::
 
@@ -49,12 +65,13 @@ runs the same stages on CPU with the built-in tiny model, the HF engine (``--eng
 vLLM's CPU build), gloo, ``sdpa`` and the ``colocated``/``shm`` transports; its figures mean
 nothing and are marked so.
 
-What the GPU needs installed: torch with CUDA and transformers (the model, learner and
-weight-sync-check stages need nothing else), omegaconf (the config stage and both runs), vLLM
-built for that torch (both runs), Ray, pyzmq and msgpack (the async run), flash-attn (optional).
-On a GPU image with torch, transformers and msgpack but neither omegaconf, pyzmq, vLLM, Ray nor
-flash-attn, the sync and async stages FAIL naming the missing module, and the env, model, learner
-and weight-sync-check stages still give their figures.
+What the GPU needs installed: torch with CUDA, transformers, safetensors, msgpack, pyarrow, rich
+and numpy (the model, learner and weight-sync-check stages need nothing else), omegaconf (the
+config stage and both runs), vLLM built for that torch (both runs with ``--engine vllm``), Ray and
+pyzmq (the async run), flash-attn (optional). The sync run with ``--engine hf`` imports neither
+vLLM, Ray, pyzmq, wandb (``logging.wandb.mode=disabled``) nor math-verify (the arithmetic task's
+exact-match reward). A run whose engine or pool library is missing FAILs at once naming it; the
+other stages still give their figures.
 """
 
 from __future__ import annotations
@@ -116,7 +133,8 @@ class Plan:
     workdir: str
     model_path: str
     engine: str
-    """``vllm`` on GPU; ``hf`` or ``vllm`` (its CPU build) in a dry-run."""
+    """``vllm`` (default on GPU; its CPU build in a dry-run) or ``hf`` (default in a dry-run; on
+    GPU, ``--engine hf``: transformers on CUDA in bf16, for an image without vLLM)."""
     attn: str
     """``flash_attention_2`` when flash-attn imports (GPU), else ``sdpa``."""
     workload: Workload
@@ -166,6 +184,8 @@ def overrides(plan: Plan, mode: str) -> list[str]:
         "logging.progress=false", "logging.console_every_steps=1", "logging.wandb.mode=disabled",
         *(f"learner.{k}={v}" for k, v in learner_settings(plan).items()),
     ]
+    if plan.engine == "hf":
+        out += [f"generator.hf.device={plan.device}", f"generator.hf.dtype={'float32' if plan.dry_run else 'bfloat16'}"]
     if plan.engine == "vllm":
         out += [f"generator.vllm.dtype={'float32' if plan.dry_run else 'bfloat16'}",
                 f"generator.vllm.max_model_len={PROMPT_TOKENS + w.response_tokens}",
@@ -233,13 +253,14 @@ def choose_attention(dry_run: bool) -> tuple[str, str]:
     return "sdpa", "flash-attn does not import: sdpa's block-diagonal mask instead of the varlen kernel"
 
 
-def stage_config(plan: Plan, res: StageResult, gpu_plan: Plan) -> None:
-    """``load_config`` of both runs' overrides (and, in a dry-run, of the GPU run's too), so a
-    renamed or mistyped key fails here in one line rather than minutes into a GPU run."""
+def stage_config(plan: Plan, res: StageResult, gpu_plans: list[Plan]) -> None:
+    """``load_config`` of both runs' overrides (and, in a dry-run, of the GPU runs' too, one plan
+    per engine), so a renamed or mistyped key fails here in one line rather than minutes into a
+    GPU run."""
     from async_rl.config import load_config
     from async_rl.learners.base import LearnerConfig
 
-    plans = [plan] + ([gpu_plan] if plan.dry_run else [])
+    plans = [plan] + (gpu_plans if plan.dry_run else [])
     checked = set()
     for p in plans:
         LearnerConfig(**learner_settings(p))
@@ -398,6 +419,12 @@ def run_process(cmd: list[str], log_path: Path, timeout_s: float) -> tuple[int |
     return rc, "\n".join(lines[-40:])
 
 
+def stage_log(logs: Path, name: str) -> Path:
+    """Where child stage ``name`` writes its log: ``gpu_check_<name>.log`` in ``logs`` (the
+    ``--out-dir`` when given, so a run stopped from outside still leaves every log there)."""
+    return logs / f"gpu_check_{name}.log"
+
+
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|FAIL|Traceback|Killed|refus)", re.IGNORECASE)
 
 
@@ -433,15 +460,31 @@ RUN_KEYS = ("timing/step_s", "perf/engine_tokens_per_s", "perf/gen_tokens_per_s"
             "mismatch/logprob_abs_diff")
 
 
+def missing_modules(plan: Plan, mode: str) -> list[str]:
+    """The top-level modules the ``mode`` run needs that are not installed (found without
+    importing them): ``vllm`` for the vLLM engine, ``ray`` for async mode's generator pool."""
+    import importlib.util
+
+    needed = (["vllm"] if plan.engine == "vllm" else []) + (["ray"] if mode == "async" else [])
+    return [m for m in needed if importlib.util.find_spec(m) is None]
+
+
 def stage_run(plan: Plan, res: StageResult, mode: str, timeout_s: float, logs: Path, model_bytes: float) -> None:
     """One training run of ``mode`` through ``python -m async_rl.cli train``; figures from its
-    ``metrics.jsonl``."""
+    ``metrics.jsonl``. A run whose engine or pool library is not installed fails at once, naming
+    it, without starting."""
+    missing = missing_modules(plan, mode)
+    if missing:
+        why = {"vllm": f"the {mode} run's vLLM engine (--engine hf runs without it)",
+               "ray": "async mode's generator pool (Ray actors)"}
+        res.note = "not run: " + "; ".join(f"No module named '{m}': {why[m]} needs it" for m in missing)
+        return
     run_dir = Path(plan.workdir) / "runs" / mode
     if run_dir.exists():
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "async_rl.cli", "train", "--config", "configs/default.yaml", *overrides(plan, mode)]
     log("  $ " + " ".join(cmd[1:]))
-    rc, tail = run_process(cmd, logs / f"{mode}.log", timeout_s)
+    rc, tail = run_process(cmd, stage_log(logs, mode), timeout_s)
     metrics = run_dir / "metrics.jsonl"
     if rc != 0 or not metrics.exists():
         res.note = reason_from(tail, rc, timeout_s) if rc != 0 else "the run wrote no metrics.jsonl"
@@ -473,7 +516,7 @@ def stage_learner(plan: Plan, res: StageResult, timeout_s: float, logs: Path) ->
     result_file.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "learner", "--plan", str(plan_file),
            "--result", str(result_file)]
-    rc, tail = run_process(cmd, logs / "learner.log", timeout_s)
+    rc, tail = run_process(cmd, stage_log(logs, "learner"), timeout_s)
     if rc != 0 or not result_file.exists():
         res.note = reason_from(tail, rc, timeout_s)
         log(_indent(tail))
@@ -495,8 +538,8 @@ def stage_weight_sync_check(plan: Plan, res: StageResult, timeout_s: float, logs
     if plan.dry_run:
         cmd += ["--device", "cpu"]
     log("  $ " + " ".join(cmd[1:]))
-    rc, tail = run_process(cmd, logs / "weight_sync_check.log", timeout_s)
-    text = (logs / "weight_sync_check.log").read_text(errors="replace")
+    rc, tail = run_process(cmd, stage_log(logs, "weight_sync_check"), timeout_s)
+    text = stage_log(logs, "weight_sync_check").read_text(errors="replace")
     summary = text.split("==== summary", 1)[-1] if "==== summary" in text else ""
     rows = [m.groups() for m in map(_ROW.match, summary.splitlines()) if m]
     for status, line in rows:
@@ -570,6 +613,14 @@ def print_report(results: dict[str, StageResult], dry_run: bool, wall_s: float) 
     log(f"\n{n_failed} stage(s) failed; wall {wall_s:.0f} s")
 
 
+def write_summary(path: Path, plan: Plan, results: dict[str, StageResult], wall_s: float) -> None:
+    """The plan, every stage's result and the figures table as JSON at ``path``."""
+    summary = {"plan": dataclasses.asdict(plan), "wall_s": wall_s,
+               "stages": {name: dataclasses.asdict(r) for name, r in results.items()},
+               "figures": [{"figure": f, "value": v, "from": src} for f, v, src in figures_table(results, plan.dry_run)]}
+    path.write_text(json.dumps(summary, indent=1))
+
+
 # ------------------------------------------------------------------------------- main
 def make_plan(args, dry_run: bool, workdir: str) -> Plan:
     """The plan of a GPU run or, with ``dry_run``, of the CPU dry-run."""
@@ -579,13 +630,15 @@ def make_plan(args, dry_run: bool, workdir: str) -> Plan:
         return Plan(True, workdir, "builtin:tiny-qwen2", args.engine or "hf", "sdpa", w, args.timeout_s or 900)
     w = Workload(prompts=args.prompts or 32, samples=args.samples or 8, response_tokens=args.response_tokens or 256,
                  steps=args.steps or 4, micro_batch_tokens=8192)
-    return Plan(False, workdir, str(Path(workdir) / "qwen2.5-0.5b-shape"), "vllm", "sdpa", w, args.timeout_s or 450)
+    return Plan(False, workdir, str(Path(workdir) / "qwen2.5-0.5b-shape"), args.engine or "vllm", "sdpa", w,
+                args.timeout_s or 450)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="the same stages on CPU with the built-in tiny model")
-    parser.add_argument("--engine", choices=("hf", "vllm"), help="dry-run engine (default hf; GPU: always vllm)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), help="the runs' engine (GPU: default vllm; hf where vLLM "
+                                                                 "is not installed. Dry-run: default hf)")
     parser.add_argument("--steps", type=int, help="training steps per run (GPU 4, dry-run 3)")
     parser.add_argument("--prompts", type=int, help="groups per step (GPU 32, dry-run 4)")
     parser.add_argument("--samples", type=int, help="samples per group (GPU 8, dry-run 4)")
@@ -593,7 +646,8 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, help="hard overall limit (GPU 450, dry-run 900)")
     parser.add_argument("--workdir", help="where the model, runs and logs go (default: a new temporary directory, "
                                           "removed at the end; a given one is kept and its model reused)")
-    parser.add_argument("--out-dir", help="also copy every stage's log here (e.g. $OUT)")
+    parser.add_argument("--out-dir", help="write every stage's log (gpu_check_<stage>.log) and the results "
+                                          "(gpu_check_summary.json) here, e.g. $OUT")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -605,18 +659,20 @@ def main() -> int:
     t_start = time.perf_counter()
     workdir = args.workdir or tempfile.mkdtemp(prefix="gpu-check-")
     Path(workdir).mkdir(parents=True, exist_ok=True)
-    logs = Path(workdir) / "logs"
-    logs.mkdir(exist_ok=True)
+    logs = Path(args.out_dir) if args.out_dir else Path(workdir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     plan = make_plan(args, args.dry_run, workdir)
     if not args.dry_run:
         plan.attn, attn_why = choose_attention(False)
     else:
         attn_why = choose_attention(True)[1]
-    gpu_plan = make_plan(argparse.Namespace(**{**vars(args), "engine": None}), False, workdir)
-    gpu_plan.attn = "flash_attention_2"
+    gpu_plans = [make_plan(argparse.Namespace(**{**vars(args), "engine": engine}), False, workdir)
+                 for engine in ("vllm", "hf")]
+    for p in gpu_plans:
+        p.attn = "flash_attention_2"
     deadline = t_start + plan.timeout_s
     w = plan.workload
-    log(f"gpu_check{' --dry-run' if plan.dry_run else ''}: workdir {workdir}; {w.steps} steps a run of "
+    log(f"gpu_check{' --dry-run' if plan.dry_run else ''}: engine {plan.engine}; workdir {workdir}; {w.steps} steps a run of "
         f"{w.prompts} prompts x {w.samples} samples x <= {w.response_tokens} response tokens; attention "
         f"{plan.attn} ({attn_why}); overall limit {plan.timeout_s:.0f} s")
 
@@ -644,7 +700,7 @@ def main() -> int:
             if name == "env":
                 stage_env(plan, res)
             elif name == "config":
-                stage_config(plan, res, gpu_plan)
+                stage_config(plan, res, gpu_plans)
             elif name == "model":
                 stage_model(plan, res)
                 model_bytes = res.figures.get("bf16_bytes", 0.0) * (2 if plan.dry_run else 1)  # fp32 in a dry-run
@@ -666,11 +722,10 @@ def main() -> int:
         res.seconds = time.perf_counter() - t0
         log(f"{res.status} {name} ({res.seconds:.0f} s): {res.note}")
 
-    print_report(results, plan.dry_run, time.perf_counter() - t_start)
+    wall_s = time.perf_counter() - t_start
+    print_report(results, plan.dry_run, wall_s)
     if args.out_dir:
-        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-        for f in logs.glob("*.log"):
-            shutil.copy(f, Path(args.out_dir) / f"gpu_check_{f.name}")
+        write_summary(Path(args.out_dir) / "gpu_check_summary.json", plan, results, wall_s)
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 1 if any(r.status == "FAIL" for r in results.values()) else 0

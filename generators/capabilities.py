@@ -51,6 +51,9 @@ class EngineCapabilities:
             ``vllm.max_model_len``, 0 meaning the checkpoint's; empty = no such cap.
         picks_device: with no device given, the engine runs on CUDA where torch sees a GPU
             (SGLang is told its device); otherwise it is given ``cpu`` and its own build picks.
+        device_key: the ``generator.<key>`` (dotted) that names the engine's device when its
+            caller names none (``hf.device``: ``cpu``, ``cuda`` or ``auto``); it overrides
+            ``picks_device``. Empty = none.
         library: the top-level module of the engine library (``vllm``); empty = none beyond
             this package's dependencies.
         install: how to install ``library``, for the one-line error when it is missing.
@@ -69,6 +72,7 @@ class EngineCapabilities:
     per_token: tuple[str, ...] = ("token_id", "logprob", "version")
     context_key: str = ""
     picks_device: bool = False
+    device_key: str = ""
     library: str = ""
     install: str = ""
 
@@ -89,6 +93,20 @@ class EngineCapabilities:
         for part in self.context_key.split("."):
             value = getattr(value, part)
         return int(value)
+
+    def default_device(self, generator_cfg: Any) -> str:
+        """The device an engine gets when its caller names none (``async_rl.generators.make_generator``):
+        the ``device_key`` setting read from a ``GeneratorConfig`` (``auto``: ``cuda`` where torch
+        sees a GPU, else ``cpu``); without one, ``cuda`` for a ``picks_device`` engine where torch
+        sees a GPU, else ``cpu`` (vLLM's own build picks its platform)."""
+        import torch
+
+        if self.device_key:
+            value: Any = generator_cfg
+            for part in self.device_key.split("."):
+                value = getattr(value, part)
+            return ("cuda" if torch.cuda.is_available() else "cpu") if value == "auto" else str(value)
+        return "cuda" if self.picks_device and torch.cuda.is_available() else "cpu"
 
 
 ENGINES = BackendRegistry("generator backend", "generator.backend", EngineCapabilities)

@@ -250,7 +250,8 @@ class HFGenerator:
         model_path: Hugging Face model directory.
         cfg: generator settings (batch size, seed, partial-rollout mode, threads).
         pad_token_id: id used for left padding of prompts.
-        device: torch device string.
+        device: torch device string (``make_generator`` passes ``generator.hf.device`` when its
+            caller names none); the weights are held in ``generator.hf.dtype``.
         lora: the learner's ``LoRAConfig``; with ``rank > 0`` the model is wrapped with the same
             peft adapters (initialised as peft does, so the engine starts as the base model) and
             weight updates carry exactly the adapter matrices (``async_rl.lora``); ``None`` = none.
@@ -263,7 +264,7 @@ class HFGenerator:
     """
 
     # Decodes on the caller's threads, in its process: it can be the learner's colocated engine.
-    capabilities = EngineCapabilities(name="HF", colocated=True, separate_processes=False)
+    capabilities = EngineCapabilities(name="HF", colocated=True, separate_processes=False, device_key="hf.device")
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int, device: str = "cpu",
                  lora=None) -> None:
@@ -271,7 +272,7 @@ class HFGenerator:
 
         self.cfg = cfg
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.hf.dtype))
         self.lora = lora if lora_enabled(lora) else None
         if self.lora is not None:
             # peft draws the adapters' initial A from the global RNG: fork it, so building an

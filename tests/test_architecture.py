@@ -203,3 +203,22 @@ def test_subpackages_import_under_async_rl(package):
 
     mod = importlib.import_module(package)
     assert Path(mod.__file__).resolve().parent == ROOT / package.split(".")[1]
+
+
+def test_a_checkout_imports_the_role_packages_without_an_install():
+    """From a source checkout on ``PYTHONPATH`` with no install (``-S``: not even the editable
+    one), ``async_rl.learners``, ``async_rl.generators`` and ``async_rl.buffers`` import from the
+    repository's folders (``async_rl.CheckoutFinder``), as on a machine that cannot pip install."""
+    import subprocess
+    import sys
+
+    code = ("import sys, async_rl, async_rl.learners, async_rl.buffers, async_rl.generators.capabilities as c\n"
+            "print(async_rl.learners.__file__); print(async_rl.buffers.__file__); print(c.__file__)\n"
+            "print(sum(isinstance(f, async_rl.CheckoutFinder) for f in sys.meta_path))")
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, env={"PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    files = out.stdout.split()
+    assert [Path(f).resolve() for f in files[:3]] == [ROOT / "learners" / "__init__.py", ROOT / "buffers" / "__init__.py",
+                                                      ROOT / "generators" / "capabilities.py"]
+    assert files[3] == "1"

@@ -145,3 +145,27 @@ def test_capabilities_are_read_without_engine_libraries():
             "print(len(caps), sorted(m for m in ('vllm', 'sglang', 'megatron.core') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
     assert out.stdout.split("\n")[0] == "5 []", out.stdout + out.stderr
+
+
+def test_the_hf_engine_s_device_is_its_config_key(monkeypatch):
+    """With no device named, the HF engine gets ``generator.hf.device`` (``auto``: ``cuda`` where
+    torch sees a GPU, else ``cpu``); an engine without a ``device_key`` keeps ``picks_device``."""
+    import torch
+
+    from async_rl.generators.base import GeneratorConfig, HFConfig
+
+    caps = engine_capabilities("hf")
+    assert caps.device_key == "hf.device"
+    assert caps.default_device(GeneratorConfig()) == "cpu"  # the default: cpu, GPU or not
+    assert caps.default_device(GeneratorConfig(hf=HFConfig(device="cuda"))) == "cuda"
+    for seen, wanted in ((False, "cpu"), (True, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: seen)
+        assert caps.default_device(GeneratorConfig(hf=HFConfig(device="auto"))) == wanted
+        assert HFConfig(device="auto").resolved_device() == wanted
+        assert engine_capabilities("sglang").default_device(GeneratorConfig()) == wanted  # picks_device
+        assert engine_capabilities("vllm").default_device(GeneratorConfig()) == "cpu"  # its build picks
+    cfg = load_config(DEFAULT, ["generator.hf.device=auto", "generator.hf.dtype=bfloat16"])
+    assert (cfg.generator.hf.device, cfg.generator.hf.dtype) == ("auto", "bfloat16")
+    for key, bad in (("device", "gpu"), ("dtype", "int8")):
+        with pytest.raises(ConfigError, match=f"generator.hf.{key} must be one of"):
+            load_config(DEFAULT, [f"generator.hf.{key}={bad}"])

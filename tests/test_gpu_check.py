@@ -4,6 +4,8 @@ run; on a GPU (``gpu``-marked) the real check passes."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -56,8 +58,11 @@ def test_dry_run_passes_every_stage_and_prints_the_tables(tmp_path):
         assert value != "-", f"figure row without a value: {line}"
         assert line.endswith("(dry-run)")
     assert "0 stage(s) failed" in out
-    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"gpu_check_sync.log", "gpu_check_async.log",
-                                                               "gpu_check_learner.log"}
+    out_files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert out_files == {"gpu_check_learner.log", "gpu_check_sync.log", "gpu_check_async.log",
+                         "gpu_check_weight_sync_check.log", "gpu_check_summary.json"}
+    summary_json = json.loads((tmp_path / "out" / "gpu_check_summary.json").read_text())
+    assert {k: v["status"] for k, v in summary_json["stages"].items()} == {stage: "PASS" for stage in STAGES}
 
 
 def test_a_failing_stage_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
@@ -121,6 +126,38 @@ def test_gpu_overrides_name_the_gpu_pipeline():
         assert key in sync and key in async_
     assert "trainer.mode=sync" in sync and "generator.num_workers=1" not in sync
     assert {"trainer.mode=async", "generator.num_workers=1", "generator.num_gpus_per_worker=1"} <= set(async_)
+
+
+def test_gpu_overrides_with_the_hf_engine():
+    """``--engine hf`` on a GPU (an image without vLLM): transformers' engine on CUDA in bf16,
+    no vLLM key; the same learner and wire settings."""
+    gc = _gpu_check()
+    plan = gc.Plan(False, "/w", "/w/model", "hf", "sdpa", gc.Workload(32, 8, 256, 4, 8192), 450)
+    for mode in ("sync", "async"):
+        ov = gc.overrides(plan, mode)
+        assert {"generator.backend=hf", "generator.hf.device=cuda", "generator.hf.dtype=bfloat16",
+                "learner.device=cuda", "learner.mixed_precision=bf16", "weight_sync.wire_dtype=bfloat16"} <= set(ov)
+        assert not [o for o in ov if o.startswith("generator.vllm.")]
+
+
+def test_a_run_whose_library_is_missing_fails_at_once_naming_it(tmp_path, monkeypatch):
+    """A run whose engine (vLLM) or pool (Ray) library is not installed fails without starting a
+    process, in one line naming the module."""
+    gc = _gpu_check()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("ray", "vllm") else real_find_spec(name, *a))
+    monkeypatch.setattr(gc, "run_process", lambda *a: pytest.fail("a process was started"))
+    w = gc.Workload(2, 2, 8, 2, 256)
+    for engine, mode, wanted in (("hf", "async", ["ray"]), ("vllm", "sync", ["vllm"]),
+                                 ("vllm", "async", ["vllm", "ray"])):
+        plan = gc.Plan(False, str(tmp_path), str(tmp_path / "model"), engine, "sdpa", w, 60)
+        res = gc.StageResult(mode)
+        gc.stage_run(plan, res, mode, 60, tmp_path, 1.0)
+        assert res.status == "FAIL" and res.note.startswith("not run: ")
+        assert [m for m in ("vllm", "ray") if f"No module named '{m}'" in res.note] == wanted
+        assert "\n" not in res.note
+    assert gc.missing_modules(gc.Plan(False, "/w", "/m", "hf", "sdpa", w, 60), "sync") == []
 
 
 @pytest.mark.gpu

@@ -242,3 +242,9 @@ class Loop(Protocol):
 
     def close(self) -> dict[str, Any]:
         """Stop what the loop started; returns summary entries (idempotent)."""
+
+
+class GeneratorsGone(RuntimeError):
+    """Every generator actor of the async pool (``async_rl.loops.pool``) died or was retired
+    (``generator.max_restarts``); the message is one line naming each actor's end and its root
+    cause. Defined here, not beside the pool, so that catching it (the CLI does) imports no Ray."""

@@ -34,6 +34,7 @@ import ray
 from async_rl.cluster import PlacementConfig, started_on
 from async_rl.cpu_threads import available_cores
 from async_rl.loops.actors import GeneratorWorker
+from async_rl.loops.base import GeneratorsGone  # noqa: F401  (raised here; defined where importing needs no Ray)
 from async_rl.rewards import check_rewards_work
 from async_rl.weight_sync import RayTarget, WeightPublisher, engine_protocol, transports_for_targets
 
@@ -111,11 +112,6 @@ def placer(ctx, cluster, worker_args: tuple, reward_actor) -> Callable[[list[int
                     incarnation=incarnation, bind_host=cluster.bind_host)
                 for i in (range(g_cfg.num_workers) if indices is None else indices)]
     return place
-
-
-class GeneratorsGone(RuntimeError):
-    """Every generator actor of the pool died or was retired (``generator.max_restarts``); the
-    message is one line naming each actor's end and its root cause."""
 
 
 def root_cause(error: BaseException) -> str:
