@@ -25,6 +25,14 @@ engine) leaves them, 160 and 240 MB each. Their names carry no owner: ``sweep_vl
 only this user's files of that size, old enough, that no process visible here maps or holds open
 (``held_paths``; a process this user cannot read is none of a run's, ``cannot_reach``).
 
+A Ray actor of ours ends by ``ray.kill`` once its work is done (the follower learner ranks, the
+generator actors): a forced exit that runs no exit handler, after Ray killed the actor's children.
+What a library of the actor's removes only at exit would be left: W&B's temp directories
+(megatron-core imports wandb in every learner rank), ``multiprocessing``'s ``pymp-*`` directory
+(the listener of its resource sharer, through which torch hands a CPU tensor's file descriptor to
+another process: SGLang's weight loads), and any of its manager's. So such an actor runs its exit
+handlers itself as its work ends, before it is killed (``run_exit_handlers``).
+
 Not covered at a run's start: ``multiprocessing``'s semaphores (``/dev/shm/sem.mp-<random>``, 32
 bytes) and listener directories (``pymp-<random>``) carry no owner in their name and no size that
 would tell ours; Python's resource tracker unlinks them when their process dies, unless it was
@@ -151,14 +159,15 @@ def own_wandb_temp_dirs() -> list[str]:
     return renamed
 
 
-def sweep_wandb_temp_dirs(min_age_s: float = MIN_AGE_S) -> list[str]:
+def sweep_wandb_temp_dirs(min_age_s: float = MIN_AGE_S, directory: str | None = None) -> list[str]:
     """Remove the renamed W&B temp directories (``own_wandb_temp_dirs``) of processes that are
-    gone and at least ``min_age_s`` old, from the temp dir; returns the paths removed."""
+    gone and at least ``min_age_s`` old, from ``directory`` (default: the temp dir); returns the
+    paths removed."""
     import shutil
 
     removed = []
     now = time.time()
-    directory = tempfile.gettempdir()
+    directory = directory or tempfile.gettempdir()
     try:
         entries = list(os.scandir(directory))
     except OSError:
@@ -178,6 +187,34 @@ def sweep_wandb_temp_dirs(min_age_s: float = MIN_AGE_S) -> list[str]:
         if not os.path.exists(entry.path):
             removed.append(entry.path)
     return sorted(removed)
+
+
+def run_exit_handlers() -> bool:
+    """Run this process's exit handlers now (``atexit``: W&B's temp directories, ``multiprocessing``'s
+    finalizers, logging's flush), when it is a Ray actor whose work is done and which its launcher
+    kills next (``ray.kill``: no exit handler runs; see the module docstring). Ray's own handler
+    (``ray.shutdown``) is left registered and not run: it would disconnect the actor from Ray while
+    its call still has to return.
+
+    The handlers run once: ``atexit`` forgets them. Call it as the actor's last work, from the call
+    whose return the launcher waits for before killing it.
+
+    Returns:
+        Whether the handlers ran: ``False`` (nothing done) outside a Ray actor, e.g. in a trainer
+        process, which still has its run's exit to make.
+    """
+    import atexit
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return False
+    atexit.unregister(ray.shutdown)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        atexit.register(ray.shutdown)
+    return True
 
 
 def _started_at(pid: str) -> float:

@@ -113,22 +113,36 @@ class LearnerRank:
         self.store_address = tuple(store_address)
 
     def run(self) -> int:
-        """Join, build, serve until rank 0 stops us; returns the number of calls served."""
+        """Join, build, serve until rank 0 stops us; returns the number of calls served.
+
+        However it ends, it runs this process's exit handlers before returning or raising
+        (``async_rl.leftovers.run_exit_handlers``): ``LearnerHandle.close`` kills the actor next,
+        which runs none, and megatron-core's W&B temp directories would be left. A rank killed
+        before (a failed run) leaves them renamed after its pid, for the next start's sweep
+        (``own_wandb_temp_dirs``).
+        """
         from async_rl.learners.spmd import serve_commands
 
         from async_rl.cluster import group_ip, pin_process, use_node_interface
+        from async_rl.leftovers import own_wandb_temp_dirs, run_exit_handlers
 
-        pin_process(self.learner_args[0].cpu_affinity, "learner.cpu_affinity")
-        torch.set_num_threads(_follower_threads(self.learner_args[0]))
-        host, port = self.store_address
-        use_node_interface(group_ip(host))  # gloo announces this node's address (loopback on one node)
-        backend = process_group_backend(learner_device(self.learner_args[0]))
-        store = dist.TCPStore(host, int(port), self.world_size, False, timeout=PG_TIMEOUT)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=PG_TIMEOUT)
         try:
-            return serve_commands(learner_class(self.learner_args[0])(*self.learner_args))
+            pin_process(self.learner_args[0].cpu_affinity, "learner.cpu_affinity")
+            torch.set_num_threads(_follower_threads(self.learner_args[0]))
+            host, port = self.store_address
+            use_node_interface(group_ip(host))  # gloo announces this node's address (loopback on one node)
+            backend = process_group_backend(learner_device(self.learner_args[0]))
+            store = dist.TCPStore(host, int(port), self.world_size, False, timeout=PG_TIMEOUT)
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=PG_TIMEOUT)
+            try:
+                learner = learner_class(self.learner_args[0])(*self.learner_args)
+                own_wandb_temp_dirs()  # megatron-core imported wandb (none: FSDP2)
+                return serve_commands(learner)
+            finally:
+                dist.destroy_process_group()
         finally:
-            dist.destroy_process_group()
+            run_exit_handlers()
 
 
 class LearnerRankDied(RuntimeError):

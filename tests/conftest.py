@@ -107,6 +107,24 @@ def _ray_auth_mode():
         os.environ["RAY_AUTH_MODE"] = saved
 
 
+@pytest.fixture
+def private_tmpdir(monkeypatch):
+    """A temp dir of the test's own for the processes it starts (``TMPDIR``): spawned ranks, a
+    local Ray's raylet and workers, subprocesses. This process's own temp dir does not change
+    (``tempfile`` read ``TMPDIR`` once), nor does Ray's (``RAY_TMPDIR``: its session folders stay
+    where every other test's go, whose socket paths must fit a Unix socket's 107 bytes). Yields
+    its path, for the test to check what is left in it; removed afterwards."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    monkeypatch.setenv("RAY_TMPDIR", os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())
+    path = tempfile.mkdtemp(prefix="arl-")
+    monkeypatch.setenv("TMPDIR", path)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     """The built-in tiny Qwen2 directory (built once per cache, reused afterwards)."""

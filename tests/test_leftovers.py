@@ -1,5 +1,6 @@
 """A SIGKILLed weight sender's slot files are removed by the next start's sweep; a live owner's
-files and a dead owner's young ones (another pid namespace may own them) are kept."""
+files and a dead owner's young ones (another pid namespace may own them) are kept. A Ray actor of
+ours that its launcher kills runs its exit handlers first, and leaves nothing in its temp dir."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from async_rl.leftovers import MIN_AGE_S, SLOT_NAME, slot_dirs, sweep_weight_slots
 
@@ -161,3 +164,109 @@ def test_the_start_sweep_removes_only_vllm_queue_buffers_no_process_holds():
         mapping.close(), held.close()
         for p in paths.values():
             p.unlink(missing_ok=True)
+
+
+ACTOR = """
+import json, os, sys, tempfile, time
+import ray
+from async_rl.leftovers import pid_alive, run_exit_handlers
+
+class Actor:
+    def make(self):
+        # What libraries make in an actor and remove only at exit: W&B's temp dirs (made at import),
+        # a multiprocessing manager (megatron-core's checkpoint writer used one: a child process
+        # with its socket directory), the resource sharer's listener (torch hands a CPU tensor's
+        # file descriptor to another process through it: SGLang's weight loads).
+        import multiprocessing
+        from multiprocessing import resource_sharer
+
+        self.media = tempfile.TemporaryDirectory("wandb-media")
+        self.manager = multiprocessing.get_context("spawn").Manager()
+        self.shared = resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))
+        return sorted(os.listdir(tempfile.gettempdir()))
+
+    def end(self, handlers):
+        return run_exit_handlers() if handlers else None
+
+    def pid(self):
+        return os.getpid()
+
+ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False, _temp_dir=sys.argv[1])
+out = {}
+for mode, temp in (("handlers", sys.argv[2]), ("kill", sys.argv[3])):
+    actor = ray.remote(Actor).options(runtime_env={"env_vars": {"TMPDIR": temp}}).remote()
+    made = ray.get(actor.make.remote())
+    ran = ray.get(actor.end.remote(mode == "handlers"))
+    pid = ray.get(actor.pid.remote())  # still an actor that answers
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out[mode] = {"made": made, "ran": ran, "left": sorted(os.listdir(temp))}
+ray.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_a_ray_actor_killed_after_running_its_exit_handlers_leaves_nothing_in_its_temp_dir(tmp_path):
+    """``run_exit_handlers`` in a Ray actor removes what its libraries remove at exit; the actor
+    still answers afterwards, and ``ray.kill`` (no exit handler) then leaves nothing. Killed
+    without it, the same actor leaves all of it."""
+    import json
+    import shutil
+    import tempfile
+
+    temps = [tmp_path / "handlers", tmp_path / "kill"]
+    for t in temps:
+        t.mkdir()
+    ray_dir = tempfile.mkdtemp(prefix="arl-")  # short: Ray's socket paths live under it
+    try:
+        proc = subprocess.run([sys.executable, "-c", ACTOR, ray_dir, *map(str, temps)], capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    made = out["kill"]["made"]
+    assert len([n for n in made if n.startswith("pymp-")]) == 2 and any(n.endswith("wandb-media") for n in made), made
+    assert out["kill"]["left"] == made, "killed without its exit handlers, the actor left less: the test tests nothing"
+    assert out["handlers"]["ran"] is True
+    assert out["handlers"]["left"] == [], out["handlers"]
+
+
+def test_run_exit_handlers_does_nothing_outside_a_ray_actor():
+    # This test process still has its own exit to make.
+    from async_rl.leftovers import run_exit_handlers
+
+    assert run_exit_handlers() is False
+
+
+def test_learner_ranks_and_generator_actors_run_their_exit_handlers_before_they_are_killed(monkeypatch):
+    """The follower rank's ``run`` (here failing at its start) and a generator actor's ``close``
+    (its last call before ``GeneratorPool.close`` kills it) run the process's exit handlers."""
+    import async_rl.cluster
+    import async_rl.leftovers
+    from async_rl.learners.base import LearnerConfig
+    from async_rl.learners.launch import LearnerRank
+    from async_rl.loops.actors import GeneratorWorker
+
+    calls = []
+    monkeypatch.setattr(async_rl.leftovers, "run_exit_handlers", lambda: calls.append("handlers") or True)
+
+    def cannot_pin(*args):
+        raise RuntimeError("no such core")
+
+    monkeypatch.setattr(async_rl.cluster, "pin_process", cannot_pin)
+    rank = LearnerRank(1, 2, ("127.0.0.1", 1), (LearnerConfig(), None, "", 1.0, 1))
+    with pytest.raises(RuntimeError, match="no such core"):
+        rank.run()
+    assert calls == ["handlers"]
+
+    class Closing:
+        def close(self):
+            calls.append("closed")
+
+    worker = GeneratorWorker.__new__(GeneratorWorker)  # no engine to start: close only
+    worker.scorer, worker.engine = Closing(), Closing()
+    worker.close()
+    assert calls == ["handlers", "closed", "closed", "handlers"]

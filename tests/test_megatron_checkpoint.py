@@ -339,6 +339,9 @@ def _worker(rank: int, world: int, init_file: str, work: str, chain: str) -> Non
             start = time.perf_counter()
             part(work, res)
             res["timings"][part.__name__] = time.perf_counter() - start
+        # What still runs after the chain's saves: megatron's writer would have left a
+        # multiprocessing manager (a child whose socket directory outlives a killed rank).
+        res[f"children_after_{chain}"] = [p.name for p in mp.active_children()]
         if rank == 0:
             torch.save(res, f"{work}/{'refs' if chain == 'two' else 'single'}.pt")
         dist.barrier()
@@ -410,6 +413,12 @@ def test_one_role_of_two_loads_and_an_unstepped_optimizer_stays_empty(runs):
     assert runs["two_roles_critic_diff"] == 0.0
     assert runs["unstepped_state_size"] == 0
     assert runs["unstepped_lr"] == 3e-4
+
+
+def test_saves_leave_no_process_running(runs):
+    # Every save's writer processes are joined within it, and their results come back without a
+    # multiprocessing manager (in_process_write_results).
+    assert runs["children_after_two"] == []
 
 
 def test_missing_checkpoint_raises_file_not_found(runs):

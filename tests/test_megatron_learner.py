@@ -136,11 +136,13 @@ def test_megatron_packed_with_critic_equals_fsdp2_padded(tmp_path, tiny_model_pa
     assert mg["vf"] == pytest.approx(fsdp["vf"], rel=1e-5, abs=1e-7)
 
 
-def test_trainer_megatron_resumes_and_reshards_like_fsdp2(tmp_path, monkeypatch):
+def test_trainer_megatron_resumes_and_reshards_like_fsdp2(tmp_path, monkeypatch, private_tmpdir):
     """The default job with PPO, a critic and a KL term on ``learner.backend=megatron``: tensor
     parallel size 2 (a Ray-placed second rank) is interrupted after step 2 and resumed at size 2,
     interrupted again after step 3 and resumed at size 1 (the distributed checkpoint resharded),
-    and every step's losses equal an uninterrupted 1-rank FSDP2 run's."""
+    and every step's losses equal an uninterrupted 1-rank FSDP2 run's. The second rank, killed by
+    its launcher once stopped, leaves nothing in its temp dir (megatron-core's W&B temp dirs, the
+    socket directory of a checkpoint writer's manager)."""
     import signal
 
     from test_checkpoint import _cfg, _interrupt_after, _steps
@@ -160,6 +162,7 @@ def test_trainer_megatron_resumes_and_reshards_like_fsdp2(tmp_path, monkeypatch)
         m.setattr(SyncLoop, "step", _interrupt_after(3, signal.SIGTERM))
         assert train(_cfg(tmp_path, "mg", *extra, *tp2, "trainer.resume=auto"))["interrupted"] == "SIGTERM"
     assert train(_cfg(tmp_path, "mg", *extra, *mg, "trainer.resume=auto"))["last_step"] == 4
+    assert sorted(p.name for p in private_tmpdir.iterdir()) == []
     a, b = _steps(tmp_path / "fsdp"), _steps(tmp_path / "mg")
     for step in range(1, 5):
         for key in ("loss/pg", "critic/vf_loss", "loss/kl", "actor/grad_norm", "critic/grad_norm", "actor/entropy"):
@@ -200,14 +203,18 @@ def test_rows_padded_for_sequence_parallelism_score_the_same(tiny_model_path, mo
                                rtol=0, atol=1e-5)
 
 
-def test_a_collective_failing_on_rank_0_alone_ends_the_run_with_its_error(tmp_path, monkeypatch):
+def test_a_collective_failing_on_rank_0_alone_ends_the_run_with_its_error(tmp_path, monkeypatch, private_tmpdir):
     """Rank 0's checkpoint save fails before its first collective while the Ray-placed second
     rank is already inside the save's collectives: the run must end with rank 0's error (the
-    follower killed, not waited for forever) and leave no complete checkpoint behind."""
+    follower killed, not waited for forever) and leave no complete checkpoint behind. The killed
+    follower's W&B temp dirs carry its pid, so the next start's sweep removes them."""
     from test_checkpoint import _cfg
 
     import async_rl.learners.megatron.checkpoint as mc
     from async_rl.checkpoint import resolve_resume
+    import time
+
+    from async_rl.leftovers import WANDB_TEMP, pid_alive, sweep_wandb_temp_dirs
     from async_rl.trainer import train
 
     def disk_full(*args, **kwargs):
@@ -219,3 +226,10 @@ def test_a_collective_failing_on_rank_0_alone_ends_the_run_with_its_error(tmp_pa
     with pytest.raises(OSError, match="No space left on device"):
         train(cfg)
     assert resolve_resume("auto", str(tmp_path), "run") is None
+    left = sorted(p.name for p in private_tmpdir.iterdir())
+    assert all(WANDB_TEMP.fullmatch(name) for name in left), left
+    deadline = time.monotonic() + 30  # Ray ends the killed actor's process asynchronously
+    while any(pid_alive(int(WANDB_TEMP.fullmatch(n)["pid"])) for n in left) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    sweep_wandb_temp_dirs(min_age_s=0, directory=str(private_tmpdir))
+    assert sorted(p.name for p in private_tmpdir.iterdir()) == []

@@ -273,7 +273,10 @@ def test_sync_mode_trains_lora_adapters_on_sglang(tmp_path):
 
 
 @pytest.mark.parametrize("transport", ["shm", "broadcast"])
-def test_async_mode_with_two_sglang_actors(tmp_path, transport):
+def test_async_mode_with_two_sglang_actors(tmp_path, transport, private_tmpdir):
+    # The actors, killed once closed, leave nothing in their temp dir: over shm each engine's
+    # weight loads hand file descriptors through multiprocessing's resource sharer, whose socket
+    # directory only an exit handler removes.
     ray = pytest.importorskip("ray")
     from async_rl.trainer import train
 
@@ -290,6 +293,7 @@ def test_async_mode_with_two_sglang_actors(tmp_path, transport):
     assert [s["policy/version"] for s in steps] == [1, 2, 3]
     assert all(s["weight_sync/bytes"] > 0 and s["staleness/max"] <= 1 for s in steps)
     assert summary["pipeline/trained"] == 12
+    assert sorted(p.name for p in private_tmpdir.iterdir()) == []
 
 
 def test_close_leaves_no_engine_files_and_no_processes(weights):

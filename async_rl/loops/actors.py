@@ -243,9 +243,17 @@ class GeneratorWorker:
         return dt
 
     def close(self) -> None:
-        """Stop the reward workers and shut the engine down (vLLM: its processes)."""
-        self.scorer.close()
-        self.engine.close()
+        """Stop the reward workers and shut the engine down (vLLM: its processes), then run this
+        actor process's exit handlers: ``GeneratorPool.close`` kills the actor next, which runs
+        none (``async_rl.leftovers.run_exit_handlers``; the ``pymp-*`` directory of an SGLang
+        engine's weight loads would be left)."""
+        from async_rl.leftovers import run_exit_handlers
+
+        try:
+            self.scorer.close()
+            self.engine.close()
+        finally:
+            run_exit_handlers()
 
     def stop(self) -> None:
         """Ask ``run`` to return after its current batch."""

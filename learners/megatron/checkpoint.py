@@ -40,10 +40,10 @@ their row offsets), and its first moment as ``optimizer.state.exp_avg.policy.dec
 CPU: beyond the learner's three adjustments for building a ``GPTModel`` (seeding, ``torch.cuda.current_device`` and the causal mask; see ``learners/megatron/learner.py``),
 megatron's ``torch_dist`` save calls ``torch.cuda.synchronize()`` (raises without CUDA) and makes a
 flag tensor on ``torch.cuda.current_device()``; ``cpu_cuda_calls`` covers both, only while a save
-or load runs and only when CUDA is absent. Cost: the first save in a process starts a
-``multiprocessing`` manager (spawned, ~4 s) and every save forks writer processes
-(megatron's ``FileSystemWriterAsync``, run synchronously here); a later save of a small model
-takes ~0.3 s, a load ~0.15 s. PP is tested here with an untied output layer; the tied case (the
+or load runs and only when CUDA is absent. Cost: every save forks writer processes (megatron's
+``FileSystemWriterAsync``, run synchronously here); a save of a small model takes ~0.3 s, a load
+~0.15 s. The writers' results come back through an in-process queue (``in_process_write_results``),
+not the ``multiprocessing`` manager megatron would start for them. PP is tested here with an untied output layer; the tied case (the
 last stage's copy of the embedding, built on CPU under ``async_rl.learners.megatron.cpu.cpu_model_construction``)
 is tested through the learner (``tests/test_megatron_learner.py``).
 
@@ -55,6 +55,7 @@ https://docs.nvidia.com/megatron-core/developer-guide/latest/apidocs/core/core.d
 from __future__ import annotations
 
 import os
+import queue
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -94,6 +95,42 @@ def cpu_cuda_calls() -> Iterator[None]:
         yield
     finally:
         torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
+@contextmanager
+def in_process_write_results() -> Iterator[None]:
+    """Let megatron's writer collect a synchronous save's results in a plain in-process queue.
+
+    megatron's ``FileSystemWriterAsync`` hands each save's write results to a queue made once per
+    process by ``filesystem_async._get_write_results_queue``: a ``multiprocessing`` manager's queue
+    (a spawned server process, ~4 s to start), so that an asynchronous save's background process
+    can fill it. ``save_sharded`` saves synchronously: the writer processes are forked, joined and
+    their results put into that queue and read back by the saving process itself, within the save.
+    The manager's server, a child of the rank, listens on a socket in a ``pymp-*`` directory of the
+    temp dir that only its own clean exit removes; a rank that ends without exit handlers (Ray
+    kills its children first) leaves it. Here no manager is started: the module's queue is a
+    ``queue.Queue`` while the save runs, then whatever it was before.
+
+    Does nothing with a megatron-core without that module queue (the manager is then megatron's
+    business again). Not thread-safe: one save at a time per process.
+
+    Source: megatron-core 0.16 ``dist_checkpointing/strategies/filesystem_async.py``
+    (``_results_queue``, ``write_preloaded_data_multiproc``, ``retrieve_write_results``) and
+    ``async_utils.AsyncRequest.execute_sync``.
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        filesystem_async = None
+    if filesystem_async is None or not hasattr(filesystem_async, "_results_queue"):
+        yield
+        return
+    saved = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = saved
 
 
 def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -218,7 +255,7 @@ def save_sharded(path: str, models: dict[str, torch.nn.Module], optimizers: dict
 
     state = _checkpoint_state(models, optimizers)
     os.makedirs(path, exist_ok=True)
-    with cpu_cuda_calls():
+    with cpu_cuda_calls(), in_process_write_results():
         dist_checkpointing.save(state, path)
 
 
