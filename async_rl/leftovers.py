@@ -30,8 +30,11 @@ generator actors): a forced exit that runs no exit handler, after Ray killed the
 What a library of the actor's removes only at exit would be left: W&B's temp directories
 (megatron-core imports wandb in every learner rank), ``multiprocessing``'s ``pymp-*`` directory
 (the listener of its resource sharer, through which torch hands a CPU tensor's file descriptor to
-another process: SGLang's weight loads), and any of its manager's. So such an actor runs its exit
-handlers itself as its work ends, before it is killed (``run_exit_handlers``).
+another process: SGLang's weight loads), that of a ``multiprocessing`` manager (a child of the
+actor, which its exit handler stops while it still runs). So such an actor runs its exit handlers
+itself as its work ends, before it is killed (``run_exit_handlers``). One killed before (a failed
+run, a hung engine) still leaves them: a learner rank's W&B directories carry its pid
+(``own_wandb_temp_dirs``), the rest is among what is not covered below.
 
 Not covered at a run's start: ``multiprocessing``'s semaphores (``/dev/shm/sem.mp-<random>``, 32
 bytes) and listener directories (``pymp-<random>``) carry no owner in their name and no size that

@@ -173,15 +173,12 @@ from async_rl.leftovers import pid_alive, run_exit_handlers
 
 class Actor:
     def make(self):
-        # What libraries make in an actor and remove only at exit: W&B's temp dirs (made at import),
-        # a multiprocessing manager (megatron-core's checkpoint writer used one: a child process
-        # with its socket directory), the resource sharer's listener (torch hands a CPU tensor's
-        # file descriptor to another process through it: SGLang's weight loads).
-        import multiprocessing
+        # What libraries make in an actor and remove only at exit: W&B's temp dirs (made at import:
+        # megatron-core imports wandb), the resource sharer's listener in a pymp-* directory (torch
+        # hands a CPU tensor's file descriptor to another process through it: SGLang's weight loads).
         from multiprocessing import resource_sharer
 
         self.media = tempfile.TemporaryDirectory("wandb-media")
-        self.manager = multiprocessing.get_context("spawn").Manager()
         self.shared = resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))
         return sorted(os.listdir(tempfile.gettempdir()))
 
@@ -191,9 +188,9 @@ class Actor:
     def pid(self):
         return os.getpid()
 
-ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False, _temp_dir=sys.argv[1])
+ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
 out = {}
-for mode, temp in (("handlers", sys.argv[2]), ("kill", sys.argv[3])):
+for mode, temp in (("handlers", sys.argv[1]), ("kill", sys.argv[2])):
     actor = ray.remote(Actor).options(runtime_env={"env_vars": {"TMPDIR": temp}}).remote()
     made = ray.get(actor.make.remote())
     ran = ray.get(actor.end.remote(mode == "handlers"))
@@ -208,7 +205,7 @@ print(json.dumps(out))
 """
 
 
-def test_a_ray_actor_killed_after_running_its_exit_handlers_leaves_nothing_in_its_temp_dir(tmp_path):
+def test_a_ray_actor_killed_after_running_its_exit_handlers_leaves_nothing_in_its_temp_dir():
     """``run_exit_handlers`` in a Ray actor removes what its libraries remove at exit; the actor
     still answers afterwards, and ``ray.kill`` (no exit handler) then leaves nothing. Killed
     without it, the same actor leaves all of it."""
@@ -216,19 +213,18 @@ def test_a_ray_actor_killed_after_running_its_exit_handlers_leaves_nothing_in_it
     import shutil
     import tempfile
 
-    temps = [tmp_path / "handlers", tmp_path / "kill"]
-    for t in temps:
-        t.mkdir()
-    ray_dir = tempfile.mkdtemp(prefix="arl-")  # short: Ray's socket paths live under it
+    # Beside Ray's session folders, not in tmp_path: the resource sharer's socket path under each
+    # must fit 107 bytes, as Ray's (longer) socket paths in the temp dir do.
+    dirs = [tempfile.mkdtemp(prefix="arl-") for _ in range(2)]  # the two actors' temp dirs
     try:
-        proc = subprocess.run([sys.executable, "-c", ACTOR, ray_dir, *map(str, temps)], capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-c", ACTOR, *dirs], capture_output=True, text=True, timeout=300)
     finally:
-        shutil.rmtree(ray_dir, ignore_errors=True)
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     made = out["kill"]["made"]
-    assert len([n for n in made if n.startswith("pymp-")]) == 2 and any(n.endswith("wandb-media") for n in made), made
+    assert any(n.startswith("pymp-") for n in made) and any(n.endswith("wandb-media") for n in made), made
     assert out["kill"]["left"] == made, "killed without its exit handlers, the actor left less: the test tests nothing"
     assert out["handlers"]["ran"] is True
     assert out["handlers"]["left"] == [], out["handlers"]

@@ -141,8 +141,8 @@ def test_trainer_megatron_resumes_and_reshards_like_fsdp2(tmp_path, monkeypatch,
     parallel size 2 (a Ray-placed second rank) is interrupted after step 2 and resumed at size 2,
     interrupted again after step 3 and resumed at size 1 (the distributed checkpoint resharded),
     and every step's losses equal an uninterrupted 1-rank FSDP2 run's. The second rank, killed by
-    its launcher once stopped, leaves nothing in its temp dir (megatron-core's W&B temp dirs, the
-    socket directory of a checkpoint writer's manager)."""
+    its launcher once stopped, leaves nothing in its temp dir (it held megatron-core's W&B temp
+    dirs and saved checkpoints)."""
     import signal
 
     from test_checkpoint import _cfg, _interrupt_after, _steps
@@ -208,12 +208,12 @@ def test_a_collective_failing_on_rank_0_alone_ends_the_run_with_its_error(tmp_pa
     rank is already inside the save's collectives: the run must end with rank 0's error (the
     follower killed, not waited for forever) and leave no complete checkpoint behind. The killed
     follower's W&B temp dirs carry its pid, so the next start's sweep removes them."""
+    import time
+
     from test_checkpoint import _cfg
 
     import async_rl.learners.megatron.checkpoint as mc
     from async_rl.checkpoint import resolve_resume
-    import time
-
     from async_rl.leftovers import WANDB_TEMP, pid_alive, sweep_wandb_temp_dirs
     from async_rl.trainer import train
 

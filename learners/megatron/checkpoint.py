@@ -43,9 +43,10 @@ flag tensor on ``torch.cuda.current_device()``; ``cpu_cuda_calls`` covers both, 
 or load runs and only when CUDA is absent. Cost: every save forks writer processes (megatron's
 ``FileSystemWriterAsync``, run synchronously here); a save of a small model takes ~0.3 s, a load
 ~0.15 s. The writers' results come back through an in-process queue (``in_process_write_results``),
-not the ``multiprocessing`` manager megatron would start for them. PP is tested here with an untied output layer; the tied case (the
-last stage's copy of the embedding, built on CPU under ``async_rl.learners.megatron.cpu.cpu_model_construction``)
-is tested through the learner (``tests/test_megatron_learner.py``).
+not the ``multiprocessing`` manager megatron would start for them (~4 s at a process's first save).
+PP is tested here with an untied output layer; the tied case (the last stage's copy of the
+embedding, built on CPU under ``async_rl.learners.megatron.cpu.cpu_model_construction``) is tested
+through the learner (``tests/test_megatron_learner.py``).
 
 Source: megatron-core 0.16 ``megatron/core/dist_checkpointing`` (``serialization.save/load``,
 ``optimizer.py``) and ``megatron/core/optimizer/optimizer.py`` (``FP32Optimizer``); docs:
