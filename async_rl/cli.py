@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None, end_process: bool = False) -> int:
             interpreter finalization in which gloo's threads can abort a finished run. The
             console script and ``python -m async_rl.cli`` set it; in-process callers get the status.
     """
-    # First: torch's OpenMP reads its wait policy once, when torch is imported (async_rl.cpu_threads).
-    from async_rl.cpu_threads import openmp_wait_defaults
+    # First: torch's OpenMP reads its wait policy once, when torch is imported (async_rl.utils.cpu_threads).
+    from async_rl.utils.cpu_threads import openmp_wait_defaults
 
     openmp_wait_defaults(os.environ)
     args = _parser().parse_args(argv)
@@ -175,7 +175,7 @@ def _train(cfg) -> int:
         return 0
     import signal
 
-    from async_rl.checkpoint import forced_stop_signal
+    from async_rl.runtime.checkpoint import forced_stop_signal
     from async_rl.generators.model_support import EngineDied
     from async_rl.learners.launch import LearnerRankDied
     from async_rl.loops.base import GeneratorsGone

@@ -24,20 +24,20 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
-from async_rl.agent import AgentConfig
+from async_rl.step.agent import AgentConfig
 from async_rl.algorithms.config import ASYNC_CLIP_RATIO_C, AlgorithmConfig
 from async_rl.loops.base import TrainerConfig
 from async_rl.data.dataset import DataConfig
-from async_rl.metrics import LoggingConfig
+from async_rl.runtime.metrics import LoggingConfig
 from async_rl.rewards import get_reward_fn
 from async_rl.rewards.config import RewardConfig
-from async_rl.rollout import longest_sequence
+from async_rl.step.rollout import longest_sequence
 from async_rl.weight_sync import WeightSyncConfig
 from async_rl.generators.base import GeneratorConfig
 from async_rl.generators.capabilities import engine_capabilities, engines_that
 from async_rl.learners.base import LearnerConfig
 from async_rl.learners.capabilities import model_parallel_sizes
-from async_rl.lora import LoRAConfig
+from async_rl.utils.lora import LoRAConfig
 
 
 class ConfigError(ValueError):

@@ -24,26 +24,26 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from transformers import AutoTokenizer
 
-from async_rl.checkpoint import (RunDirectory, StopRequest, latest_checkpoint, load_trainer_state, resolve_resume,
-                                 rng_state, save_checkpoint, set_rng_state)
-from async_rl.agent import AgentLoop
+from async_rl.runtime.checkpoint import (RunDirectory, StopRequest, latest_checkpoint, load_trainer_state,
+                                         resolve_resume, rng_state, save_checkpoint, set_rng_state)
+from async_rl.step.agent import AgentLoop
 from async_rl.config import to_dict, to_yaml
-from async_rl.cpu_threads import available_cores, user_num_threads
+from async_rl.utils.cpu_threads import available_cores, user_num_threads
 from async_rl.data.builtin import resolve
 from async_rl.data.dataset import PromptDataset
-from async_rl.evaluation import evaluate, warm_start
-from async_rl.inputs import check_inputs
-from async_rl.leftovers import sweep_at_start
+from async_rl.step.evaluation import evaluate, warm_start
+from async_rl.runtime.inputs import check_inputs
+from async_rl.utils.leftovers import sweep_at_start
 from async_rl.generators import make_generator
 from async_rl.generators.base import Generator, SamplingParams
-from async_rl.cluster import (Cluster, PlacementConfig, cpus_restored, pin_process, split_learner_threads,
-                              started_on)
+from async_rl.runtime.cluster import (Cluster, PlacementConfig, cpus_restored, pin_process, split_learner_threads,
+                                      started_on)
 from async_rl.learners.launch import LearnerHandle, LearnerRankDied, launch_learner, launched_by_torchrun
 from async_rl.loops.base import Loop, RunContext, TrainerConfig
 from async_rl.loops.sync import SyncLoop
-from async_rl.metrics import MetricsLogger
+from async_rl.runtime.metrics import MetricsLogger
 from async_rl.rewards import check_rewards_work, default_reward_for, failure_summary
-from async_rl.rollout import load_reward_model, make_scorer, stop_token_ids
+from async_rl.step.rollout import load_reward_model, make_scorer, stop_token_ids
 from async_rl.weight_sync import LocalTarget, WeightPublisher, engine_protocol, resolve_transport
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 def train(cfg: "Config") -> dict[str, Any]:
     """Run a whole training job; returns the summary also written to ``<run_dir>/summary.json``.
 
-    The inputs are checked before anything loads (``async_rl.inputs.check_inputs``: data files,
+    The inputs are checked before anything loads (``async_rl.runtime.inputs.check_inputs``: data files,
     model) and the run directory (``RunDirectory``) is made only once they have loaded; a run that
     fails or is interrupted before its first training step leaves no directory behind.
 
@@ -451,7 +451,7 @@ def evaluate_now(ctx: RunContext, loop: Loop, progress: Progress, step: int) -> 
 
 
 def checkpoint(ctx: RunContext, loop: Loop, progress: Progress, step: int) -> None:
-    """Save the learner and the trainer state after ``step`` (``async_rl.checkpoint``)."""
+    """Save the learner and the trainer state after ``step`` (``async_rl.runtime.checkpoint``)."""
     t0 = time.perf_counter()
     state = {"mode": ctx.cfg.trainer.mode, "rng": rng_state(), "loop": loop.state_dict(),
              "tail_evals": progress.tail_evals, "elapsed_s": ctx.log.elapsed_s,

@@ -16,7 +16,7 @@ import argparse
 import time
 
 from async_rl.rewards.config import RewardConfig
-from async_rl.rollout import make_scorer
+from async_rl.step.rollout import make_scorer
 
 
 def _rate(scorer, samples: list[tuple]) -> float:

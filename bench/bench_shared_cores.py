@@ -14,7 +14,7 @@ Variants (``--variants``, comma-separated):
 
 * ``new``: the defaults as shipped: the CLI sets a short OpenMP spin (``GOMP_SPINCOUNT``) and
   the sync loop's ``SharedCoreGovernor`` picks the thread count from the cores' load
-  (``async_rl.cpu_threads``).
+  (``async_rl.utils.cpu_threads``).
 * ``old``: the behaviour before issue 20: ``GOMP_SPINCOUNT=300000``, libgomp's own spin count when
   ``OMP_WAIT_POLICY`` is unset; the CLI leaves the wait to a user who set that variable, so this
   is exactly OpenMP's default wait. (The default job's thread counts did not change: one process,

@@ -12,7 +12,7 @@ given) with the same batch, learning rate and loss, once per seed:
   float32 as ours (``--trl-defaults``: with TRL's default bf16 autocast and gradient checkpointing).
 
 Each run is a fresh child process (its own OpenMP runtime, Ray session and memory), started with
-the thread defaults the ``async-rl`` CLI sets (``async_rl.cpu_threads``) for our contenders and
+the thread defaults the ``async-rl`` CLI sets (``async_rl.utils.cpu_threads``) for our contenders and
 an untouched environment for TRL. Runs are interleaved (seed 0 of every contender, then seed 1,
 ...), so a machine whose load drifts moves every contender alike.
 
@@ -20,7 +20,7 @@ an untouched environment for TRL. Runs are interleaved (seed 0 of every contende
 child copies the policy's weights (a few ms for the tiny model, taken off the clock) and goes on
 training; nothing pauses, and async generators are neither idle nor given free time while an
 evaluation runs. After the run the child evaluates every snapshot on the held-out split through
-our evaluation path (``async_rl.evaluation``, the HF engine): greedy accuracy, and the mean
+our evaluation path (``async_rl.step.evaluation``, the HF engine): greedy accuracy, and the mean
 accuracy of ``--eval-samples`` samples per prompt at the training temperature (each snapshot
 with the same per-prompt seeds, so two snapshots differ only by their weights). Greedy accuracy
 on a small held-out set flips with a few borderline prompts between evaluations; the sampled
@@ -283,8 +283,8 @@ def evaluate_snapshots(warm: Path, args, snaps: Snapshots) -> list[dict]:
     """Greedy and sampled held-out accuracy of the warm policy (step 0) and of every snapshot."""
     from bench_vs_trl import HeldOut
 
-    from async_rl.evaluation import EVAL_FIRST_GROUP_ID, accuracy_of
-    from async_rl.rollout import rollout
+    from async_rl.step.evaluation import EVAL_FIRST_GROUP_ID, accuracy_of
+    from async_rl.step.rollout import rollout
 
     held_out = HeldOut(warm, args.config, args.override)
     sampled = dataclasses.replace(held_out.params, greedy=False)
@@ -323,7 +323,7 @@ def child_env(contender: str) -> dict[str, str]:
     the child imports torch), TRL's as the caller's."""
     env = dict(os.environ)
     if contender != "trl":
-        from async_rl.cpu_threads import openmp_wait_defaults
+        from async_rl.utils.cpu_threads import openmp_wait_defaults
 
         openmp_wait_defaults(env)
     return env

@@ -10,7 +10,7 @@ rows, each pair moving the same bytes in the same number of messages:
     ``ZmqTrajectoryReceiver.recv`` (recv + decode and validate back to a ``Trajectory``). The
     trajectory is realistic for math RL: 100 prompt tokens, 1000 response tokens, float64
     behavior log-probs, a ~4,000-character response text (25.5 KB on the wire). It is built
-    once from Python lists, as ``async_rl.rollout`` builds it; that conversion to arrays is paid
+    once from Python lists, as ``async_rl.step.rollout`` builds it; that conversion to arrays is paid
     once per trajectory in the generator and reported on its own line.
   * ``raw``: pre-built bytes of the same size per message, no codec: the ceiling.
 

@@ -2,12 +2,12 @@
 
 Every contender starts from one warm-started checkpoint of the built-in tiny Qwen2 (the default
 job's supervised warm start, ``trainer.warm_start`` in ``configs/default.yaml``, run once through
-the project's own ``async_rl.evaluation.warm_start`` and exported as a Hugging Face directory) and
+the project's own ``async_rl.step.evaluation.warm_start`` and exported as a Hugging Face directory) and
 trains GRPO on ``builtin:arithmetic/train`` with the exact-match reward
 (``async_rl.rewards.arithmetic.arithmetic_reward``, which TRL's reward function wraps), with the
 same group size, prompts per step, completion length, learning rate and warm-up, optimizer steps
 per step, gradient clip and no KL term. Held-out accuracy is measured for all three by our own
-evaluation path (``async_rl.evaluation.evaluate``: greedy, one response per prompt of
+evaluation path (``async_rl.step.evaluation.evaluate``: greedy, one response per prompt of
 ``builtin:arithmetic/test``), TRL's model after exporting it.
 
 Printed per contender: completions/s over the RL phase (steps x prompts x group size / wall s,
@@ -64,7 +64,7 @@ def warm_started_model(out_dir: Path, config: Path = DEFAULT_CONFIG, overrides=(
 
     from async_rl.data.builtin import resolve
     from async_rl.data.dataset import PromptDataset
-    from async_rl.evaluation import warm_start
+    from async_rl.step.evaluation import warm_start
     from async_rl.learners.launch import launch_learner
     from async_rl.trainer import learner_args
 
@@ -95,7 +95,7 @@ def torch_seed(seed: int) -> None:
 
 class HeldOut:
     """Greedy held-out accuracy of any Hugging Face model directory or in-memory model, through
-    our evaluation path (``async_rl.evaluation.evaluate`` on the HF generator)."""
+    our evaluation path (``async_rl.step.evaluation.evaluate`` on the HF generator)."""
 
     def __init__(self, model_dir: Path, config: Path = DEFAULT_CONFIG, overrides=()) -> None:
         from transformers import AutoTokenizer
@@ -104,7 +104,7 @@ class HeldOut:
         from async_rl.data.dataset import PromptDataset
         from async_rl.generators import make_generator
         from async_rl.generators.base import SamplingParams
-        from async_rl.rollout import make_scorer, stop_token_ids
+        from async_rl.step.rollout import make_scorer, stop_token_ids
 
         self.cfg = cfg = default_config([*overrides, f"model.path={model_dir}"], config)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -118,7 +118,7 @@ class HeldOut:
 
     def accuracy(self, model=None) -> float:
         """Accuracy of the generator's weights, after loading ``model``'s (a module with HF names)."""
-        from async_rl.evaluation import evaluate
+        from async_rl.step.evaluation import evaluate
 
         if model is not None:
             # named_parameters yields tied weights once (the engine ties them back itself).

@@ -309,7 +309,7 @@ def stage_model(plan: Plan, res: StageResult) -> None:
 def child_learner(plan: Plan) -> dict[str, Any]:
     """The learner alone on synthetic GRPO groups; returns its figures (in the child process).
 
-    Each step: ``async_rl.batch.make_batch`` (collate, the learner's proximal pass, GRPO
+    Each step: ``async_rl.step.batch.make_batch`` (collate, the learner's proximal pass, GRPO
     advantages) and ``train_step``, timed together as ``async_rl.loops.common.learn_on`` times
     them; tokens/s = real (unpadded) tokens / that time. Responses are ``response_tokens`` minus
     up to a quarter (packing has unequal rows to pack); rewards 0 or 1 at random.
@@ -318,7 +318,7 @@ def child_learner(plan: Plan) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from async_rl.algorithms.config import AlgorithmConfig
-    from async_rl.batch import make_batch
+    from async_rl.step.batch import make_batch
     from async_rl.buffers.trajectory import Trajectory
     from async_rl.learners.base import LearnerConfig
     from async_rl.learners.launch import learner_class

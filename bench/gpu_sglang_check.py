@@ -146,7 +146,7 @@ def main() -> int:
     row("broadcast", bucket("broadcast"))
 
     # LoRA: an adapter loaded into a running engine against one loaded into a fresh engine.
-    from async_rl.lora import LoRAConfig
+    from async_rl.utils.lora import LoRAConfig
 
     def lora_engine():
         return SGLangGenerator(str(base), GeneratorConfig(backend="sglang"), device=args.device, num_threads=2,

@@ -39,7 +39,7 @@ from async_rl.buffers.codec import (  # noqa: F401  re-exported: the public impo
     decode_trajectory, encode_message, encode_trajectories, encode_trajectory, pack_frame, split_frame,
 )
 from async_rl.buffers.trajectory import Trajectory
-from async_rl.cluster import LOOPBACK
+from async_rl.runtime.cluster import LOOPBACK
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ processes in ``sglang.process`` and its LoRA adapters in ``sglang.lora``); what 
 ``capabilities``; the model checks an engine makes at start in ``model_support``. The async
 pool's actors that host them live in ``async_rl.loops.actors``.
 Nothing here imports the learner side (LoRA settings and adapter names come from
-``async_rl.lora``)."""
+``async_rl.utils.lora``)."""
 
 
 def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0, device: str | None = None,
@@ -24,7 +24,7 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
             ``EngineCapabilities.default_device``: the HF engine's ``generator.hf.device``;
             ``cuda`` where torch sees a GPU for an engine that is told its device (SGLang,
             ``EngineCapabilities.picks_device``); else ``cpu`` (vLLM's own build picks its platform).
-        lora: the run's ``async_rl.lora.LoRAConfig`` (``cfg.learner.lora``): with ``rank > 0`` the engine
+        lora: the run's ``async_rl.utils.lora.LoRAConfig`` (``cfg.learner.lora``): with ``rank > 0`` the engine
             serves the base model plus the same adapters and its weight updates carry only them.
             ``None`` (the default) = no LoRA: full-weight updates.
 

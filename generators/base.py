@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 
 import torch
 
-from async_rl.cluster import check_cpu_affinity, check_placement
+from async_rl.runtime.cluster import check_cpu_affinity, check_placement
 from async_rl.generators.capabilities import ENGINES
 
 GENERATOR_BACKENDS = tuple(ENGINES)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from async_rl.registry import BackendRegistry
+from async_rl.utils.registry import BackendRegistry
 
 __all__ = ["ENGINES", "EngineCapabilities", "engine_capabilities", "engine_class", "engines_that"]
 

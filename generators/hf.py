@@ -40,7 +40,7 @@ import torch
 
 from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, check_request, row_seeds
 from async_rl.generators.capabilities import EngineCapabilities
-from async_rl.lora import adapter_parameters, lora_enabled, wrap
+from async_rl.utils.lora import adapter_parameters, lora_enabled, wrap
 
 
 def _param_table(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]):
@@ -69,7 +69,7 @@ def stage_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter
     caller's tensors must stay unchanged until ``write_staged``).
 
     Args:
-        model: a module, or ``{name: parameter}`` (LoRA: ``async_rl.lora.adapter_parameters``).
+        model: a module, or ``{name: parameter}`` (LoRA: ``async_rl.utils.lora.adapter_parameters``).
         named_tensors: ``(name, tensor)`` by Hugging Face name; consumed entirely before any check.
 
     Returns:
@@ -128,7 +128,7 @@ def load_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]
     parameters may arrive under any of their names (for example ``lm_head.weight`` aliasing
     ``model.embed_tokens.weight``). ``model`` may also be a ``{name: parameter}`` mapping: the
     parameters an update targets (LoRA: the adapter matrices under their sync names,
-    ``async_rl.lora.adapter_parameters``).
+    ``async_rl.utils.lora.adapter_parameters``).
 
     Returns:
         The number of bytes written (in the parameters' dtypes).
@@ -254,7 +254,7 @@ class HFGenerator:
             caller names none); the weights are held in ``generator.hf.dtype``.
         lora: the learner's ``LoRAConfig``; with ``rank > 0`` the model is wrapped with the same
             peft adapters (initialised as peft does, so the engine starts as the base model) and
-            weight updates carry exactly the adapter matrices (``async_rl.lora``); ``None`` = none.
+            weight updates carry exactly the adapter matrices (``async_rl.utils.lora``); ``None`` = none.
 
     The model runs in eval mode under ``torch.inference_mode``. Sampling uses per-row generators
     seeded from the caller's seeds (or from ``cfg.seed`` and a call counter), never the global RNG,

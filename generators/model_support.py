@@ -4,7 +4,7 @@ Two things an engine knows and the rest of the system must ask it, before anythi
 any byte moves:
 
 * **Whether it serves a model here** (``check_model``, called at start by
-  ``async_rl.inputs.check_inputs``): vLLM's CPU attention runs only some head sizes
+  ``async_rl.runtime.inputs.check_inputs``): vLLM's CPU attention runs only some head sizes
   (``VLLM_CPU_HEAD_SIZES``); a model outside them used to start the engine, die in its worker with
   ``Unsupported CPU attention configuration: head_dim=16`` and end the run in an
   ``EngineDeadError`` traceback. vLLM's ``Gemma2ForCausalLM`` always computes its logits from the

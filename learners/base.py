@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from async_rl.buffers.trajectory import TrainBatch
-from async_rl.cluster import check_cpu_affinity, check_placement
+from async_rl.runtime.cluster import check_cpu_affinity, check_placement
 from async_rl.learners.capabilities import (LEARNERS, learner_capabilities, learners_that, model_parallel_size,
                                             model_parallel_sizes)
-from async_rl.lora import LoRAConfig
+from async_rl.utils.lora import LoRAConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 MIXED_PRECISION = ("auto", "fp32", "bf16")
@@ -381,7 +381,7 @@ def save_hf_model(model: nn.Module, out_dir: str, tokenizer=None, state_dict: di
 class Learner(Protocol):
     """What the rest of the system calls on a learner (``FSDPLearner``; on N ranks, rank 0's,
     which forwards each call to the others): the training loops (``prepare`` through
-    ``async_rl.batch.make_batch``, ``train_step``, ``version``), the warm start (``sft_step``,
+    ``async_rl.step.batch.make_batch``, ``train_step``, ``version``), the warm start (``sft_step``,
     then ``begin_rl``), the weight publisher (``named_weights``, ``weight_metadata``,
     ``weight_aliases``: an ``async_rl.weight_sync.WeightSource``), checkpoints
     (``save_checkpoint``, ``load_checkpoint``) and the final export (``export_hf``). Every call

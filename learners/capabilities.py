@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from async_rl.registry import BackendRegistry
+from async_rl.utils.registry import BackendRegistry
 
 __all__ = ["LEARNERS", "LearnerCapabilities", "learner_capabilities", "learner_class", "learners_that",
            "model_parallel_sizes"]

@@ -2,7 +2,7 @@
 and steps the optimizer, whatever holds the model (``async_rl.learners.fsdp``: FSDP2;
 ``async_rl.learners.megatron``: megatron-core with tensor and pipeline parallelism).
 
-Before a training step the trainer's loop calls ``prepare`` (``async_rl.batch.make_batch``) (no
+Before a training step the trainer's loop calls ``prepare`` (``async_rl.step.batch.make_batch``) (no
 grad): proximal log-probs with the current weights (unless the algorithm runs in bypass mode,
 proximal := behavior), reference log-probs when a KL term is on, and critic values when the
 estimator needs them. Advantages are computed from these (KL-in-reward and GAE need them), then
@@ -48,7 +48,7 @@ from async_rl.learners.base import LearnerConfig, init_single_process_group, lea
 from async_rl.learners.batching import micro_batches_by_tokens, split_by_tokens
 from async_rl.learners import wire
 from async_rl.learners.spmd import collective
-from async_rl.metrics import metric_reduction, reduce_metrics
+from async_rl.runtime.metrics import metric_reduction, reduce_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 def _reduce_across_ranks(local: dict[str, torch.Tensor], per_mb: list[dict], weights: list[float],
                          skip: tuple[str, ...], report: bool = True) -> dict[str, torch.Tensor]:
     """Per-micro-batch metrics over every rank's micro-batches: token-weighted means, and the
-    max / min of extremes (``async_rl.metrics.metric_reduction``: ``loss/ratio_max`` is the
+    max / min of extremes (``async_rl.runtime.metrics.metric_reduction``: ``loss/ratio_max`` is the
     largest ratio on any rank).
 
     ``local`` holds this rank's reductions (``reduce_metrics``); each key's weight is the tokens

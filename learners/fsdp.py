@@ -22,13 +22,13 @@ from torch.distributed.tensor import DTensor
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.algorithms.logprobs import entropy_from_logits, logprobs_from_logits
 from async_rl.buffers.trajectory import TrainBatch
-from async_rl.checkpoint_format import LEARNER_STATE, dcp_reader_and_planner, load_learner_state, save_state
+from async_rl.utils.checkpoint_format import LEARNER_STATE, dcp_reader_and_planner, load_learner_state, save_state
 from async_rl.learners.base import (LearnerConfig, clip_and_step, copy_matching_parameters, save_hf_model)
 from async_rl.learners.capabilities import LearnerCapabilities
 from async_rl.learners.batching import pack_rows, unpack_labels
 from async_rl.learners.core import LearnerCore
 from async_rl.learners import lora
-from async_rl.lora import wrap as wrap_with_lora
+from async_rl.utils.lora import wrap as wrap_with_lora
 from async_rl.learners.critic import FSDPCritic
 from async_rl.learners.spmd import collective
 

@@ -3,9 +3,9 @@
 * ``world_size == 1``: an in-process gloo group of one (no rendezvous, no free port needed).
 * Ray placement (default for ``world_size > 1``): ranks 1..N-1 are Ray actors in one placement
   group (``learner.num_cpus_per_rank``, ``num_gpus_per_rank``, ``node_labels``,
-  ``placement_strategy``: PACK by default; ``async_rl.cluster``), on the run's cluster or a local
+  ``placement_strategy``: PACK by default; ``async_rl.runtime.cluster``), on the run's cluster or a local
   Ray. Rank 0 starts the group's TCPStore on a free port of the cluster's ``bind_host`` only
-  (``async_rl.cluster.tcp_store``: loopback on a local Ray, this node's IP on a cluster), the
+  (``async_rl.runtime.cluster.tcp_store``: loopback on a local Ray, this node's IP on a cluster), the
   actors connect to it and all ranks join one gloo group on that store, each
   builds the same learner (``FSDPLearner`` or ``MegatronLearner`` by ``learner.backend``; same
   weights, same seed), and the actors then serve rank 0's
@@ -20,7 +20,7 @@
 
 Threads: on CPU each follower uses ``learner.num_threads`` threads, else the user's
 ``OMP_NUM_THREADS``, else the cores of its CPU affinity divided by the world size; oversubscribed
-torch processes slow each other down many-fold (``async_rl.cpu_threads``).
+torch processes slow each other down many-fold (``async_rl.utils.cpu_threads``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _follower_threads(cfg: LearnerConfig) -> int:
     ``learner.cpu_affinity`` where pinned, else this process's cores (its CPU affinity) over the
     ranks. ``OMP_NUM_THREADS`` is not read here: in a Ray-placed rank Ray sets it itself (to the
     actor's ``num_cpus``), so it is not the user's choice."""
-    from async_rl.cpu_threads import available_cores
+    from async_rl.utils.cpu_threads import available_cores
 
     return cfg.num_threads or len(cfg.cpu_affinity) or max(1, available_cores() // cfg.world_size)
 
@@ -116,15 +116,15 @@ class LearnerRank:
         """Join, build, serve until rank 0 stops us; returns the number of calls served.
 
         However it ends, it runs this process's exit handlers before returning or raising
-        (``async_rl.leftovers.run_exit_handlers``): ``LearnerHandle.close`` kills the actor next,
+        (``async_rl.utils.leftovers.run_exit_handlers``): ``LearnerHandle.close`` kills the actor next,
         which runs none, and megatron-core's W&B temp directories would be left. A rank killed
         before (a failed run) leaves them renamed after its pid, for the next start's sweep
         (``own_wandb_temp_dirs``).
         """
         from async_rl.learners.spmd import serve_commands
 
-        from async_rl.cluster import group_ip, pin_process, use_node_interface
-        from async_rl.leftovers import own_wandb_temp_dirs, run_exit_handlers
+        from async_rl.runtime.cluster import group_ip, pin_process, use_node_interface
+        from async_rl.utils.leftovers import own_wandb_temp_dirs, run_exit_handlers
 
         try:
             pin_process(self.learner_args[0].cpu_affinity, "learner.cpu_affinity")
@@ -290,7 +290,7 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
     """Build the learner on ``cfg.world_size`` ranks; returns ``(rank-0 learner, LearnerHandle)``.
 
     Args:
-        cluster: the run's ``async_rl.cluster.Cluster`` (whose ``bind_host`` the rendezvous binds);
+        cluster: the run's ``async_rl.runtime.cluster.Cluster`` (whose ``bind_host`` the rendezvous binds);
             ``None`` = join or start one here for ranks 1..N-1 (``RAY_ADDRESS``, else a local Ray
             the handle shuts down).
 
@@ -318,7 +318,7 @@ def launch_learner(cfg: LearnerConfig, algo, model_path: str, temperature: float
         return learner, LearnerHandle(learner, [], [])
     import ray
 
-    from async_rl.cluster import Cluster, PlacementConfig, tcp_store
+    from async_rl.runtime.cluster import Cluster, PlacementConfig, tcp_store
 
     own = cluster is None
     if own:
@@ -367,7 +367,7 @@ def follow_from_env(cfg: LearnerConfig, algo, model_path: str, temperature: floa
     """
     from async_rl.learners.spmd import serve_commands
 
-    from async_rl.cluster import pin_process
+    from async_rl.runtime.cluster import pin_process
 
     pin_process(cfg.cpu_affinity, "learner.cpu_affinity")
     torch.set_num_threads(_follower_threads(cfg))

@@ -1,7 +1,7 @@
 """LoRA through peft, learner side: adapter-only weight sync, the reference policy and the merged export.
 
 The settings (``LoRAConfig``), the peft wrapping (``wrap``) and the adapter naming contract live
-in ``async_rl.lora``, which the engines import too.
+in ``async_rl.utils.lora``, which the engines import too.
 
 With ``learner.lora.rank > 0`` the learner wraps its Hugging Face model with peft
 (``get_peft_model``) before FSDP2 shards it: the base weights stay frozen and only the low-rank
@@ -33,8 +33,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from async_rl.learners.base import copy_matching_parameters, save_hf_model
-from async_rl.lora import (ADAPTER, PEFT_PREFIX, LoRAConfig, adapter_parameters, is_adapter_param, lora_layers,
-                           peft_config, plain_name)
+from async_rl.utils.lora import (ADAPTER, PEFT_PREFIX, LoRAConfig, adapter_parameters, is_adapter_param, lora_layers,
+                                 peft_config, plain_name)
 
 # ---------------------------------------------------------------------------------------- learner side: gathering
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -52,10 +52,10 @@ def pytest_sessionstart(session):
 
 def _session_sweep() -> list[str]:
     """Remove the entries of ``SESSION_LEFTOVERS`` made during this session that no live process
-    holds (``async_rl.leftovers.sweep_unheld``). A process that cannot be read and that started
+    holds (``async_rl.utils.leftovers.sweep_unheld``). A process that cannot be read and that started
     before the session cannot hold one: their names are random, known only to the session's
     processes."""
-    from async_rl.leftovers import cannot_reach, sweep_unheld
+    from async_rl.utils.leftovers import cannot_reach, sweep_unheld
 
     start = _session.get("start")
     if start is None:
@@ -77,12 +77,12 @@ def pytest_sessionfinish(session, exitstatus):
     start) would, without waiting for it to age: weight-sync slot files (a sender killed before
     its engines mapped them), W&B temp dirs and vLLM queue buffers of killed runs, vLLM socket
     directories (an engine killed while it started); only entries whose owning process is gone
-    (``async_rl.leftovers``). Then what this session's killed processes left with no owner in the
+    (``async_rl.utils.leftovers``). Then what this session's killed processes left with no owner in the
     name (``_session_sweep``)."""
     import tempfile
 
     from async_rl.generators.vllm.process import sweep_socket_dirs
-    from async_rl.leftovers import sweep_wandb_temp_dirs, sweep_weight_slots
+    from async_rl.utils.leftovers import sweep_wandb_temp_dirs, sweep_weight_slots
 
     sweep_weight_slots(min_age_s=0)
     sweep_wandb_temp_dirs(min_age_s=0)

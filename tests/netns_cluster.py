@@ -137,7 +137,7 @@ class TwoNodeCluster:
         # Ray's session directory holds Unix sockets, whose paths may not exceed 107 bytes.
         self.ray_dir = f"/tmp/arl-ray-{tag}"
         self.procs: list[subprocess.Popen] = []
-        # A node's processes choose their own interface (async_rl.cluster.use_node_interface): one
+        # A node's processes choose their own interface (async_rl.runtime.cluster.use_node_interface): one
         # named in this process's environment may not exist in the second node's namespace.
         self.env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
         self.env.update(RAY_ADDRESS=self.address, RAY_AUTH_MODE="token")

@@ -11,7 +11,7 @@ import torch
 
 from async_rl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from async_rl.algorithms.config import AlgorithmConfig
-from async_rl.batch import make_batch
+from async_rl.step.batch import make_batch
 from async_rl.buffers.trajectory import Trajectory
 
 S3 = 0.5 / math.sqrt(1 / 3)  # 0.8660: +-0.5 around mean 0.5 over std sqrt(1/3) (Bessel, n = 4)
@@ -75,8 +75,8 @@ def test_leaving_the_loss_never_changes_the_baseline(estimator, params, reason):
     records as ``length``) only zeroes loss rows: every other advantage equals the unfiltered one."""
     trajs = _mixed_batch()
     if reason == "max_turns":
-        from async_rl.rollout import trajectory_of
-        from async_rl.agent import Conversation
+        from async_rl.step.rollout import trajectory_of
+        from async_rl.step.agent import Conversation
 
         conv = Conversation(prompt_ids=[5, 6], messages=[], seed=0, final_text="x", response_ids=[9] * 5,
                             logprobs=[-0.5] * 5, loss_mask=[1] * 5, finish_reason="max_turns",
@@ -161,7 +161,7 @@ def test_an_unknown_finish_reason_is_not_scored_as_truncated():
     # scored it as a finished, truncated response.
     from types import SimpleNamespace
 
-    from async_rl.rollout import trajectory_of
+    from async_rl.step.rollout import trajectory_of
 
     sample = SimpleNamespace(response_ids=[9], logprobs=[-0.1], finish_reason="abort", policy_version=[0])
 

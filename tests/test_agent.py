@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from async_rl.agent import AgentConfig, AgentLoop, demonstration_ids, render_ids, tool_turn_ids
+from async_rl.step.agent import AgentConfig, AgentLoop, demonstration_ids, render_ids, tool_turn_ids
 from async_rl.generators.base import Sample, SamplingParams
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_rl.agent import AgentConfig, AgentLoop
+from async_rl.step.agent import AgentConfig, AgentLoop
 from test_agent import ScriptedGenerator, _hermes_call, _params, _recording_loop
 
 MSGS = [{"role": "user", "content": "q"}]

@@ -113,7 +113,7 @@ def test_graph_sees_our_modules():
     # The check below would pass vacuously on an empty graph.
     graph = _graph()
     assert len(graph) > 40
-    assert "async_rl.buffers.trajectory" in graph["async_rl.batch"]
+    assert "async_rl.buffers.trajectory" in graph["async_rl.step.batch"]
 
 
 def test_cycle_detector_finds_a_cycle():
@@ -128,16 +128,16 @@ def test_no_import_cycle():
 
 
 LAYERS = [  # top to bottom, as docs/architecture.md draws them; an import may only point down or sideways
-    ["async_rl.cli", "async_rl.commands", "async_rl.plot"],
+    ["async_rl.cli", "async_rl.commands", "async_rl.commands.plot"],
     ["async_rl.trainer"],
     ["async_rl.config"],
     ["async_rl.loops"],
-    ["async_rl.rollout", "async_rl.batch", "async_rl.evaluation"],
-    ["async_rl.learners", "async_rl.generators", "async_rl.buffers", "async_rl.weight_sync", "async_rl.agent",
-     "async_rl.checkpoint", "async_rl.metrics", "async_rl.data", "async_rl.inputs", "async_rl.cluster",
-     "async_rl.placement"],
-    ["async_rl.algorithms", "async_rl.rewards", "async_rl.tools", "async_rl.lora", "async_rl.registry",
-     "async_rl.cpu_threads", "async_rl.cpu_affinity", "async_rl.checkpoint_format", "async_rl.leftovers"],
+    ["async_rl.step.rollout", "async_rl.step.batch", "async_rl.step.evaluation"],
+    ["async_rl.learners", "async_rl.generators", "async_rl.buffers", "async_rl.weight_sync", "async_rl.step.agent",
+     "async_rl.runtime.checkpoint", "async_rl.runtime.metrics", "async_rl.data", "async_rl.runtime.inputs", "async_rl.runtime.cluster",
+     "async_rl.runtime.placement"],
+    ["async_rl.algorithms", "async_rl.rewards", "async_rl.tools", "async_rl.utils.lora", "async_rl.utils.registry",
+     "async_rl.utils.cpu_threads", "async_rl.utils.cpu_affinity", "async_rl.utils.checkpoint_format", "async_rl.utils.leftovers"],
 ]
 
 
@@ -155,7 +155,7 @@ def test_every_module_has_a_layer_and_every_import_points_down():
     up = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
           if _layer(m) is not None and _layer(d) is not None and _layer(d) < _layer(m)]
     assert not up, "imports that point up a layer:\n" + "\n".join(sorted(up))
-    assert _layer("async_rl.loops.pool") == 3 and _layer("async_rl.lora") == 6
+    assert _layer("async_rl.loops.pool") == 3 and _layer("async_rl.utils.lora") == 6
 
 
 def test_no_private_name_imported_from_another_module():

@@ -16,7 +16,7 @@ from async_rl.loops.actors import RequestBroker
 from async_rl.loops.dispatch import Dispatcher
 from async_rl.loops.intake import Intake
 from async_rl.loops.pool import GeneratorPool
-from async_rl.rollout import GroupRequest, group_seed
+from async_rl.step.rollout import GroupRequest, group_seed
 
 N = 2  # samples per group
 

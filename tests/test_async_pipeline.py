@@ -80,14 +80,14 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     import ray
     from transformers import AutoTokenizer
 
-    from async_rl.rollout import group_seed, stop_token_ids
+    from async_rl.step.rollout import group_seed, stop_token_ids
     from async_rl.data.builtin import resolve
     from async_rl.data.dataset import PromptDataset
     from async_rl.buffers.replay import ReplayBuffer
     from async_rl.buffers.transport import GroupClosed, make_transport
     from async_rl.generators.base import GeneratorConfig, SamplingParams
     from async_rl.loops.actors import GeneratorWorker, RequestBroker
-    from async_rl.rollout import GroupRequest
+    from async_rl.step.rollout import GroupRequest
 
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REJECTING_REWARD)

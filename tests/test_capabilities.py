@@ -16,7 +16,7 @@ from async_rl.generators import make_generator
 from async_rl.generators.capabilities import ENGINES, EngineCapabilities, engine_capabilities
 from async_rl.learners.base import LearnerConfig, MegatronConfig
 from async_rl.learners.capabilities import LEARNERS, LearnerCapabilities, learner_class
-from async_rl.lora import LoRAConfig
+from async_rl.utils.lora import LoRAConfig
 from async_rl.weight_sync import WeightSyncConfig, engine_protocol, resolve_transport, transports_for_targets
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from async_rl.checkpoint import CheckpointConfig, StopRequest, latest_checkpoint, load_trainer_state, resolve_resume
-from async_rl.checkpoint_format import save_state
+from async_rl.runtime.checkpoint import (CheckpointConfig, StopRequest, latest_checkpoint, load_trainer_state,
+                                         resolve_resume)
+from async_rl.utils.checkpoint_format import save_state
 from async_rl.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,7 +202,7 @@ def test_a_continued_run_removes_what_a_killed_save_left(tmp_path, caplog):
     continues the directory removes them, in one line; a fresh run into a new name has none."""
     from types import SimpleNamespace
 
-    from async_rl.checkpoint import RunDirectory
+    from async_rl.runtime.checkpoint import RunDirectory
 
     ckpt = tmp_path / "run" / "checkpoints"
     (ckpt / "step_000002").mkdir(parents=True)
@@ -209,7 +210,7 @@ def test_a_continued_run_removes_what_a_killed_save_left(tmp_path, caplog):
     (ckpt / "step_000004.tmp" / "learner").mkdir(parents=True)
     (ckpt / "latest.tmp").write_text("step_000004")
     t_cfg = SimpleNamespace(output_dir=str(tmp_path), run_name="run", resume="auto", overwrite=False)
-    with caplog.at_level("WARNING", logger="async_rl.checkpoint"):
+    with caplog.at_level("WARNING", logger="async_rl.runtime.checkpoint"):
         RunDirectory(t_cfg).create("x: 1\n")
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000002"]
     assert [r.getMessage() for r in caplog.records] == [
@@ -309,7 +310,7 @@ def test_stop_request_leaves_an_ignored_sigint_ignored_and_still_honours_sigterm
     int_before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     term_before = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        with caplog.at_level("WARNING", logger="async_rl.checkpoint"):
+        with caplog.at_level("WARNING", logger="async_rl.runtime.checkpoint"):
             with StopRequest(), StopRequest():
                 pass
         told = [r.getMessage() for r in caplog.records if "SIGINT" in r.getMessage()]

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.checkpoint import is_checkpoint, latest_checkpoint, load_trainer_state, rng_state, set_rng_state
-from async_rl.checkpoint_format import (CheckpointFormatError, dcp_reader_and_planner, load_learner_state,
-                                        load_state, safe_dcp_reads, save_state)
+from async_rl.runtime.checkpoint import is_checkpoint, latest_checkpoint, load_trainer_state, rng_state, set_rng_state
+from async_rl.utils.checkpoint_format import (CheckpointFormatError, dcp_reader_and_planner, load_learner_state,
+                                              load_state, safe_dcp_reads, save_state)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,10 +48,10 @@ def test_rng_states_and_plain_state_round_trip_exactly(tmp_path):
 
 
 def test_state_that_is_not_plain_data_is_refused_at_save(tmp_path):
-    from async_rl.rollout import GroupRequest
+    from async_rl.step.rollout import GroupRequest
 
     request = GroupRequest(0, [1], "u", "s", None, {}, 1, None)
-    with pytest.raises(TypeError, match="async_rl.rollout.GroupRequest"):
+    with pytest.raises(TypeError, match="async_rl.step.rollout.GroupRequest"):
         save_state(tmp_path, "s", {"outstanding": [request]})
 
 

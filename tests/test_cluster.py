@@ -1,4 +1,4 @@
-"""``async_rl.cluster`` without a cluster: placement keys, bind-address rules, the interface gloo
+"""``async_rl.runtime.cluster`` without a cluster: placement keys, bind-address rules, the interface gloo
 is pointed at, and the engine probe comparison (the two-node runs are in test_multinode.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.cluster import (Cluster, PlacementConfig, check_placement, interface_addresses, interface_of,
-                              ray_address, use_node_interface)
+from async_rl.runtime.cluster import (Cluster, PlacementConfig, check_placement, interface_addresses, interface_of,
+                                      ray_address, use_node_interface)
 from async_rl.config import load_config
 from async_rl.loops.async_loop import probe_difference
 
@@ -143,4 +143,4 @@ def test_loopback_appears_only_as_the_single_node_default():
                     # Docstrings may say what the default is; code may not spell it.
                     if node.value.lstrip().startswith(("tcp://127", "127.0.0.1")) or len(node.value) < 40:
                         offenders.append((path.relative_to(ROOT).as_posix(), node.value[:40]))
-    assert offenders == [("async_rl/cluster.py", "127.0.0.1")], offenders
+    assert offenders == [("async_rl/runtime/cluster.py", "127.0.0.1")], offenders

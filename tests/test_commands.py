@@ -1,4 +1,4 @@
-"""The commands beside ``train`` (``async_rl.commands``, ``async_rl.plot``): ``eval`` and ``generate``
+"""The commands beside ``train`` (``async_rl.commands``, ``async_rl.commands.plot``): ``eval`` and ``generate``
 on a tiny trained run's model and checkpoints, ``plot`` on metrics files, ``config --keys``, the
 commented config, ``--version`` and ``--help``; and the console's throughput labels."""
 
@@ -48,11 +48,11 @@ def _in_process_eval(model_dir: str, cfg) -> dict[str, float]:
 
     from async_rl.data.builtin import resolve
     from async_rl.data.dataset import PromptDataset
-    from async_rl.evaluation import evaluate
+    from async_rl.step.evaluation import evaluate
     from async_rl.generators import make_generator
     from async_rl.generators.base import SamplingParams
     from async_rl.rewards import RewardScorer
-    from async_rl.rollout import reward_function, stop_token_ids
+    from async_rl.step.rollout import reward_function, stop_token_ids
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     stops = stop_token_ids(tok, model_dir)
@@ -186,7 +186,7 @@ def _write_run(path: Path, steps: int, with_eval: bool, scale: float) -> dict[st
 
 
 def test_plot_overlays_runs_with_a_legend_and_reports_missing_quantities(tmp_path):
-    from async_rl.plot import QUANTITIES, plot_runs
+    from async_rl.commands.plot import QUANTITIES, plot_runs
 
     a = _write_run(tmp_path / "a", 10, with_eval=True, scale=1.0)
     b = _write_run(tmp_path / "b", 6, with_eval=False, scale=0.5)
@@ -289,7 +289,7 @@ def test_version_and_help(capsys):
 
 # ------------------------------------------------------------------------- console throughput labels
 def test_console_names_what_each_throughput_measures(tmp_path, capsys):
-    from async_rl.metrics import LoggingConfig, MetricsLogger
+    from async_rl.runtime.metrics import LoggingConfig, MetricsLogger
 
     with MetricsLogger(LoggingConfig(progress=False, jsonl=False), tmp_path, total_steps=1) as log:
         log.log({"perf/gen_tokens_per_s": 630.0, "perf/train_tokens_per_s": 5300.0,

@@ -33,7 +33,7 @@ def _all_tasks_affinity() -> dict[int, list[int]]:
 
 
 def _pin_in_child(cores: list[int], queue) -> None:
-    from async_rl.cluster import pin_process
+    from async_rl.runtime.cluster import pin_process
 
     stop = threading.Event()
     # A thread that runs before the pin (as Ray's and torch's do) must be pinned too.
@@ -82,7 +82,7 @@ def test_pin_process_refuses_a_cpu_the_machine_lacks():
 def _split_in_child(learn_core: int, queue) -> None:
     import torch
 
-    from async_rl.cluster import split_learner_threads, started_on
+    from async_rl.runtime.cluster import split_learner_threads, started_on
 
     stop = threading.Event()
     early = threading.Thread(target=stop.wait, daemon=True)  # as Ray's, before the split
@@ -149,9 +149,9 @@ def _sync_phases_in_child(gen_core: int, learn_core: int, queue) -> None:
 
     import torch
 
-    from async_rl.cluster import pin_process
+    from async_rl.runtime.cluster import pin_process
     from async_rl.loops import sync
-    from async_rl.rollout import RolloutResult
+    from async_rl.step.rollout import RolloutResult
 
     pin_process([learn_core], "learner.cpu_affinity")  # as the trainer does at build
     torch.set_num_threads(1)

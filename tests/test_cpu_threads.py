@@ -1,4 +1,4 @@
-"""CPU thread defaults (``async_rl.cpu_threads``): OpenMP's passive wait unless the user chose a
+"""CPU thread defaults (``async_rl.utils.cpu_threads``): OpenMP's passive wait unless the user chose a
 wait, thread budgets from the CPU affinity, and a user's ``OMP_NUM_THREADS`` winning."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import types
 
 import pytest
 
-from async_rl import cpu_threads
-from async_rl.cpu_threads import SPIN_COUNT, SharedCoreGovernor, available_cores, openmp_wait_defaults, user_num_threads
+from async_rl.utils import cpu_threads
+from async_rl.utils.cpu_threads import (SPIN_COUNT, SharedCoreGovernor, available_cores, openmp_wait_defaults,
+                                        user_num_threads)
 from async_rl.learners.base import LearnerConfig
 from async_rl.learners.launch import _follower_threads
 from async_rl.loops.async_loop import thread_budget

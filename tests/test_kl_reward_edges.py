@@ -103,7 +103,7 @@ class RefLearner:
 
 @pytest.mark.parametrize("name", ["grpo", "reinforce_pp"])
 def test_kl_in_reward_uses_the_bound(name):
-    from async_rl.batch import make_batch
+    from async_rl.step.batch import make_batch
     from async_rl.buffers.trajectory import Trajectory
 
     trajs = [Trajectory(trajectory_id=f"0/{j}", group_id=0, prompt_uid="p", prompt_ids=[5, 6],
@@ -164,7 +164,7 @@ def _reward_none_for_7(data_source, text, gt, extra):
 
 
 def test_sync_rollout_never_trains_a_missing_reward_as_zero():
-    from async_rl.rollout import rollout
+    from async_rl.step.rollout import rollout
 
     prompts = [SimpleNamespace(prompt_ids=[1, 2], data_source="d", ground_truth="", extra_info={}, uid="u0",
                                messages=[])]
@@ -178,7 +178,7 @@ def test_sync_rollout_never_trains_a_missing_reward_as_zero():
 def test_async_generator_actor_never_sends_a_missing_reward(tiny_model_path, tmp_path):
     from async_rl.generators.base import GeneratorConfig, SamplingParams
     from async_rl.loops.actors import GeneratorWorker
-    from async_rl.rollout import GroupRequest
+    from async_rl.step.rollout import GroupRequest
     from async_rl.buffers.transport import TrajectoryGroup
 
     reward_file = tmp_path / "judge.py"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from async_rl.algorithms.config import AlgorithmConfig
-from async_rl.batch import make_batch
+from async_rl.step.batch import make_batch
 from async_rl.loops.sync import collect_step_rollouts
 from async_rl.rewards import RewardScorer
 from async_rl.buffers.trajectory import Trajectory, TrainBatch, collate, position_ids_from_mask

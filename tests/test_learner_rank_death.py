@@ -35,7 +35,7 @@ def test_actor_end_reads_rays_exit_detail():
 
 
 def test_resume_point_note_names_the_latest_complete_checkpoint(tmp_path):
-    from async_rl.checkpoint import CheckpointConfig
+    from async_rl.runtime.checkpoint import CheckpointConfig
     from async_rl.loops.base import TrainerConfig
     from async_rl.trainer import resume_point_note
 

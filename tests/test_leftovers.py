@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.leftovers import MIN_AGE_S, SLOT_NAME, slot_dirs, sweep_weight_slots
+from async_rl.utils.leftovers import MIN_AGE_S, SLOT_NAME, slot_dirs, sweep_weight_slots
 
 SENDER = """
 from async_rl.weight_sync.config import WeightSyncConfig
@@ -86,7 +86,7 @@ pool.submit(("gsm8k", "The answer is 4", "4", {}), lambda outcome: scored.set())
 assert scored.wait(120)
 sender = WeightSender(WeightSyncConfig(transport="shm", bucket_size_mb=1.0), num_receivers=1)
 if sys.argv[2] == "wandb":
-    from async_rl.metrics import WandbConfig, _init_wandb
+    from async_rl.runtime.metrics import WandbConfig, _init_wandb
     _init_wandb(WandbConfig(mode="offline"), Path(sys.argv[1]), {})
 print("ready", flush=True)
 time.sleep(600)
@@ -128,7 +128,7 @@ def test_what_a_sigkilled_vllm_free_run_leaves_the_next_start_sweeps(tmp_path):
     assert leftovers, "the killed run left nothing: this test no longer tests the sweep"
     for p in leftovers:
         _age(p, MIN_AGE_S + 60)
-    out = subprocess.run([sys.executable, "-c", "from async_rl.leftovers import sweep_at_start; sweep_at_start()"],
+    out = subprocess.run([sys.executable, "-c", "from async_rl.utils.leftovers import sweep_at_start; sweep_at_start()"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert left() == [], f"the start's sweep kept: {left()} (it removed what it logged: {out.stderr})"
@@ -141,7 +141,7 @@ def test_the_start_sweep_removes_only_vllm_queue_buffers_no_process_holds():
     import mmap
     import secrets
 
-    from async_rl.leftovers import is_vllm_queue_size, sweep_vllm_queues
+    from async_rl.utils.leftovers import is_vllm_queue_size, sweep_vllm_queues
 
     if not os.path.isdir("/dev/shm"):
         return
@@ -169,7 +169,7 @@ def test_the_start_sweep_removes_only_vllm_queue_buffers_no_process_holds():
 ACTOR = """
 import json, os, sys, tempfile, time
 import ray
-from async_rl.leftovers import pid_alive, run_exit_handlers
+from async_rl.utils.leftovers import pid_alive, run_exit_handlers
 
 class Actor:
     def make(self):
@@ -232,7 +232,7 @@ def test_a_ray_actor_killed_after_running_its_exit_handlers_leaves_nothing_in_it
 
 def test_run_exit_handlers_does_nothing_outside_a_ray_actor():
     # This test process still has its own exit to make.
-    from async_rl.leftovers import run_exit_handlers
+    from async_rl.utils.leftovers import run_exit_handlers
 
     assert run_exit_handlers() is False
 
@@ -240,19 +240,19 @@ def test_run_exit_handlers_does_nothing_outside_a_ray_actor():
 def test_learner_ranks_and_generator_actors_run_their_exit_handlers_before_they_are_killed(monkeypatch):
     """The follower rank's ``run`` (here failing at its start) and a generator actor's ``close``
     (its last call before ``GeneratorPool.close`` kills it) run the process's exit handlers."""
-    import async_rl.cluster
-    import async_rl.leftovers
+    import async_rl.runtime.cluster
+    import async_rl.utils.leftovers
     from async_rl.learners.base import LearnerConfig
     from async_rl.learners.launch import LearnerRank
     from async_rl.loops.actors import GeneratorWorker
 
     calls = []
-    monkeypatch.setattr(async_rl.leftovers, "run_exit_handlers", lambda: calls.append("handlers") or True)
+    monkeypatch.setattr(async_rl.utils.leftovers, "run_exit_handlers", lambda: calls.append("handlers") or True)
 
     def cannot_pin(*args):
         raise RuntimeError("no such core")
 
-    monkeypatch.setattr(async_rl.cluster, "pin_process", cannot_pin)
+    monkeypatch.setattr(async_rl.runtime.cluster, "pin_process", cannot_pin)
     rank = LearnerRank(1, 2, ("127.0.0.1", 1), (LearnerConfig(), None, "", 1.0, 1))
     with pytest.raises(RuntimeError, match="no such core"):
         rank.run()

@@ -13,15 +13,15 @@ import torch
 
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.config import ConfigError, load_config
-from async_rl.batch import make_batch
+from async_rl.step.batch import make_batch
 from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
 from async_rl.buffers.trajectory import Trajectory, collate
 from async_rl.generators.base import GeneratorConfig, SamplingParams
-from async_rl import lora
+from async_rl.utils import lora
 from async_rl.learners import lora as learner_lora
 from async_rl.learners.base import LearnerConfig
 from async_rl.learners.fsdp import FSDPLearner
-from async_rl.lora import LoRAConfig
+from async_rl.utils.lora import LoRAConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = 8

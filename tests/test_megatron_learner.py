@@ -213,8 +213,8 @@ def test_a_collective_failing_on_rank_0_alone_ends_the_run_with_its_error(tmp_pa
     from test_checkpoint import _cfg
 
     import async_rl.learners.megatron.checkpoint as mc
-    from async_rl.checkpoint import resolve_resume
-    from async_rl.leftovers import WANDB_TEMP, pid_alive, sweep_wandb_temp_dirs
+    from async_rl.runtime.checkpoint import resolve_resume
+    from async_rl.utils.leftovers import WANDB_TEMP, pid_alive, sweep_wandb_temp_dirs
     from async_rl.trainer import train
 
     def disk_full(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""Tests for async_rl.metrics: every sink is read back from disk after the logger closes.
+"""Tests for async_rl.runtime.metrics: every sink is read back from disk after the logger closes.
 
 Run with ``pytest tests/test_metrics.py`` (a few seconds; W&B runs offline, never online).
 """
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.metrics import LoggingConfig, MetricsLogger, WandbConfig, metric_reduction, reduce_metrics
+from async_rl.runtime.metrics import LoggingConfig, MetricsLogger, WandbConfig, metric_reduction, reduce_metrics
 
 QUIET = dict(progress=False, console_every_steps=0)
 
@@ -56,7 +56,7 @@ def test_config_builds_from_omegaconf_dotlist():
 
 
 def test_wandb_options_without_effect_warn(caplog):
-    with caplog.at_level(logging.WARNING, logger="async_rl.metrics"):
+    with caplog.at_level(logging.WARNING, logger="async_rl.runtime.metrics"):
         WandbConfig(mode="disabled", tags=["x"])
     assert "no effect" in caplog.text
 
@@ -66,7 +66,7 @@ def test_wandb_options_without_effect_warn(caplog):
 
 def test_jsonl_records_values_types_and_nonfinite_as_null(tmp_path, caplog):
     logger = MetricsLogger(LoggingConfig(**QUIET), tmp_path, total_steps=2)
-    with caplog.at_level(logging.WARNING, logger="async_rl.metrics"):
+    with caplog.at_level(logging.WARNING, logger="async_rl.runtime.metrics"):
         logger.log(
             {
                 "loss/pg": torch.tensor(0.25),

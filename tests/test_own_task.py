@@ -84,7 +84,7 @@ def test_warm_start_reads_any_field_of_a_verl_row(tmp_path, tiny_tokenizer, monk
     """The default reads ``extra_info.answer`` where a row has it, else ``reward_model.ground_truth``;
     a set ``response_field`` reads that path, a top-level key included; the warm start trains on
     exactly that text followed by EOS."""
-    import async_rl.evaluation as evaluation
+    import async_rl.step.evaluation as evaluation
 
     rows = [_row(0, reward_model={"style": "rule", "ground_truth": "1"}, extra_info={"answer": "one"}, answer="I"),
             _row(1, reward_model={"style": "rule", "ground_truth": "2"}, extra_info={"index": 1}, answer="II")]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from async_rl.evaluation import warm_start
+from async_rl.step.evaluation import warm_start
 
 
 class _Learner:

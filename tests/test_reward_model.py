@@ -16,7 +16,7 @@ from async_rl.config import ConfigError, load_config
 from async_rl.data.builtin import resolve
 from async_rl.rewards.config import RewardConfig
 from async_rl.rewards.model import ModelInput, RewardModel
-from async_rl.rollout import GroupRequest, make_scorer, sample_groups
+from async_rl.step.rollout import GroupRequest, make_scorer, sample_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -272,7 +272,7 @@ def score(data_source, text, gt, extra):
 
 
 def test_generation_never_waits_on_scoring(tmp_path):
-    from async_rl.rollout import GroupRequest, sample_groups
+    from async_rl.step.rollout import GroupRequest, sample_groups
 
     path = tmp_path / "slow.py"
     path.write_text(SLOW_REWARD)
@@ -308,7 +308,7 @@ def test_generation_never_waits_on_scoring(tmp_path):
 
 
 def test_zero_workers_scores_in_process_and_config_is_checked():
-    from async_rl.rollout import make_scorer
+    from async_rl.step.rollout import make_scorer
 
     scorer = make_scorer(RewardConfig(fn="arithmetic", num_workers=0), "zero")
     assert scorer.workers is None

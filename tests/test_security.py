@@ -142,7 +142,7 @@ def test_tcp_store_listens_on_its_host_only():
 
     import torch.distributed as dist
 
-    from async_rl.cluster import tcp_store
+    from async_rl.runtime.cluster import tcp_store
 
     store = tcp_store("127.0.0.1", 2, datetime.timedelta(seconds=30))
     listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
@@ -316,7 +316,7 @@ def test_a_single_node_run_listens_on_loopback_only_and_writes_no_secret(tmp_pat
 @pytest.mark.slow
 def test_a_run_binding_beyond_loopback_says_so_once(caplog):
     ray = pytest.importorskip("ray")
-    from async_rl.cluster import Cluster, interface_addresses
+    from async_rl.runtime.cluster import Cluster, interface_addresses
 
     found = next((a for n, a in interface_addresses().items() if not a.startswith("127.")), None)
     if found is None:
@@ -324,7 +324,7 @@ def test_a_run_binding_beyond_loopback_says_so_once(caplog):
     if ray.is_initialized():
         ray.shutdown()
     saved = {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
-    with caplog.at_level("WARNING", logger="async_rl.cluster"):
+    with caplog.at_level("WARNING", logger="async_rl.runtime.cluster"):
         cluster = Cluster.connect(None, bind_host=found, num_cpus=1)
         try:
             said = [r.getMessage() for r in caplog.records if "reachable from that network" in r.getMessage()]
@@ -339,7 +339,7 @@ def test_a_users_gloo_interface_beyond_loopback_is_kept_and_said(caplog, monkeyp
     """A single-node run binds loopback, but ``GLOO_SOCKET_IFNAME`` naming another interface is
     the user's choice: kept, and the run says once that its gloo groups listen there."""
     ray = pytest.importorskip("ray")
-    from async_rl.cluster import Cluster, interface_addresses
+    from async_rl.runtime.cluster import Cluster, interface_addresses
 
     found = next((n for n, a in interface_addresses().items() if not a.startswith("127.")), None)
     if found is None:
@@ -347,7 +347,7 @@ def test_a_users_gloo_interface_beyond_loopback_is_kept_and_said(caplog, monkeyp
     if ray.is_initialized():
         ray.shutdown()
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", found)
-    with caplog.at_level("WARNING", logger="async_rl.cluster"):
+    with caplog.at_level("WARNING", logger="async_rl.runtime.cluster"):
         cluster = Cluster.connect(None, num_cpus=1)
         try:
             assert cluster.bind_host == "127.0.0.1" and os.environ["GLOO_SOCKET_IFNAME"] == found

@@ -367,7 +367,7 @@ def _adapter(engine, seed: int) -> list:
 
 
 def _lora_engine(path):
-    from async_rl.lora import LoRAConfig
+    from async_rl.utils.lora import LoRAConfig
 
     return SGLangGenerator(path, GeneratorConfig(backend="sglang"), num_threads=1, lora=LoRAConfig(rank=LORA_RANK))
 

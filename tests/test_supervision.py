@@ -12,7 +12,7 @@ import time
 import pytest
 
 from async_rl.loops.actors import RequestBroker
-from async_rl.rollout import GroupRequest
+from async_rl.step.rollout import GroupRequest
 from pipeline_helpers import small_run_cfg
 
 

@@ -229,7 +229,7 @@ def test_a_name_whose_directory_holds_no_checkpoint_is_not_offered_resume(tmp_pa
 def test_unnamed_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
     import datetime as dt
 
-    from async_rl import checkpoint
+    from async_rl.runtime import checkpoint
     from async_rl.loops.base import TrainerConfig
 
     class Frozen(dt.datetime):
@@ -248,7 +248,7 @@ def test_unnamed_runs_started_in_the_same_second_get_their_own_directories(tmp_p
 
 
 def test_discard_removes_only_what_the_run_made(tmp_path):
-    from async_rl.checkpoint import RunDirectory
+    from async_rl.runtime.checkpoint import RunDirectory
     from async_rl.loops.base import TrainerConfig
 
     made = RunDirectory(TrainerConfig(output_dir=str(tmp_path / "new" / "runs"), run_name="a"))

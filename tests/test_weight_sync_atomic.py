@@ -26,7 +26,7 @@ BUCKET_MB = 0.05  # tiny model: one decoder layer per bucket, so an update spans
 def engines(tiny_model_path, tiny_tokenizer):
     """``{"full": HF engine, "lora": HF engine with rank-8 adapters}``."""
     from async_rl.generators.hf import HFGenerator
-    from async_rl.lora import LoRAConfig
+    from async_rl.utils.lora import LoRAConfig
 
     return {"full": HFGenerator(tiny_model_path, GeneratorConfig(max_batch_size=16), tiny_tokenizer.pad_token_id),
             "lora": HFGenerator(tiny_model_path, GeneratorConfig(max_batch_size=16), tiny_tokenizer.pad_token_id,
@@ -39,7 +39,7 @@ def _update(engine, kind: str):
         named = offset(engine.model.named_parameters())
         return (named, {"lm_head.weight": "model.embed_tokens.weight"}, "model.layers.2.mlp.down_proj.weight",
                 "model.layers.0.mlp.gate_prj.weight")
-    from async_rl.lora import adapter_parameters
+    from async_rl.utils.lora import adapter_parameters
 
     named = offset(adapter_parameters(engine.model).items())
     return (named, {}, "base_model.model.model.layers.2.mlp.down_proj.lora_A.weight",
@@ -109,7 +109,7 @@ def test_conflicting_tied_weights_are_refused(engines, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_a_sender_dying_mid_update_leaves_the_old_weights(engines, kind, transport):
-    from async_rl.lora import adapter_parameters
+    from async_rl.utils.lora import adapter_parameters
 
     engine = engines[kind]
     named, aliases, _, _ = _update(engine, kind)

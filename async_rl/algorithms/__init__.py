@@ -2,7 +2,7 @@
 
 Nothing here calls a model or syncs with `.item()` inside a loss; every function takes tensors
 (per-token `[B, T]`) and returns tensors. Pick parts by spec (a registered name, `builtin:<name>`,
-`pkg.module:attr` or `path/file.py:attr`; one resolver for every kind, `async_rl.registry`):
+`pkg.module:attr` or `path/file.py:attr`; one resolver for every kind, `async_rl.utils.registry`):
 
     from async_rl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
     adv, ret = ADVANTAGE_ESTIMATORS.get("grpo")(AdvantageInputs(rewards, mask, group_ids))
@@ -48,7 +48,7 @@ from async_rl.algorithms.losses import (
     policy_loss,
     register_policy_loss,
 )
-from async_rl.registry import Registry
+from async_rl.utils.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from async_rl.registry import Registry
+from async_rl.utils.registry import Registry
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageInputs", "EstimatorSpec", "ZERO_SPREAD_RTOL", "compute_advantages",
            "has_spread", "register_estimator"]

@@ -212,7 +212,7 @@ class AlgorithmConfig:
         """The advantage estimator (``EstimatorSpec``: function plus its needs) of this config.
 
         Raises:
-            ValueError: the estimator spec cannot be resolved (see ``async_rl.registry``), or the
+            ValueError: the estimator spec cannot be resolved (see ``async_rl.utils.registry``), or the
                 preset has not been applied.
         """
         return ADVANTAGE_ESTIMATORS.get(self.require_resolved().advantage_estimator)
@@ -224,7 +224,7 @@ class AlgorithmConfig:
         with ``options`` from ``loss_options()``.
 
         Raises:
-            ValueError: the spec cannot be resolved (see ``async_rl.registry``), or the preset has
+            ValueError: the spec cannot be resolved (see ``async_rl.utils.registry``), or the preset has
                 not been applied.
         """
         return POLICY_LOSSES.get(self.require_resolved().policy_loss)

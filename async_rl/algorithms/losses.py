@@ -56,7 +56,7 @@ from async_rl.algorithms.kl import LOG_RATIO_CLAMP
 from async_rl.algorithms.logprobs import masked_max, masked_mean, masked_sum
 from async_rl.algorithms.loss_options import (CISPOOptions, GSPOOptions, LossOptions, PolicyLoss, PPOClipOptions,
                                               as_policy_loss, check_options)
-from async_rl.registry import Registry
+from async_rl.utils.registry import Registry
 
 __all__ = ["BEHAVIOR_CORRECTIONS", "OffPolicyCorrection", "POLICY_LOSSES", "PolicyLossInputs", "policy_loss",
            "register_policy_loss"]
@@ -152,7 +152,7 @@ class OffPolicyCorrection:
 
 def policy_loss(name: str, inputs: PolicyLossInputs, correction: OffPolicyCorrection | None = None,
                 options: LossOptions | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """Resolve policy loss `name` (a registered name or a spec, see `async_rl.registry`) and call
+    """Resolve policy loss `name` (a registered name or a spec, see `async_rl.utils.registry`) and call
     it as `fn(inputs, correction, options)`; `correction` None = no correction, `options` None =
     the loss's defaults (`fn.options_type()`).
 

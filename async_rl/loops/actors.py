@@ -48,12 +48,12 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from async_rl.agent import AgentLoop
+from async_rl.step.agent import AgentLoop
 from async_rl.buffers.transport import TrajectoryGroup
-from async_rl.cluster import group_ip, pin_process, use_node_interface, where
+from async_rl.runtime.cluster import group_ip, pin_process, use_node_interface, where
 from async_rl.generators import make_generator
 from async_rl.rewards.config import RewardConfig
-from async_rl.rollout import GroupRequest, SampleCounts, make_scorer, sample_groups
+from async_rl.step.rollout import GroupRequest, SampleCounts, make_scorer, sample_groups
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class GeneratorWorker:
         num_threads: torch intra-op threads of this process (>= 1).
         lora: the learner's ``LoRAConfig`` (``make_generator``); ``None`` = no LoRA.
         agent_cfg: ``AgentConfig``; with tools configured each sample is a multi-turn
-            conversation (``async_rl.agent``) run on this worker's engine.
+            conversation (``async_rl.step.agent``) run on this worker's engine.
         reward_cfg: the ``RewardConfig`` (``reward.num_workers``, ``reward.timeout_s``, the reward
             model's settings; its ``fn`` and ``on_error`` are the two above); ``None``: defaults.
         reward_model: the reward actor (``RewardModel`` under ``ray.remote``) scoring this
@@ -199,7 +199,7 @@ class GeneratorWorker:
         pin_process(gen_cfg.cpu_affinity, "generator.cpu_affinity")
         torch.set_num_threads(max(1, num_threads))
         # Before the engine starts: its processes inherit it, and a broadcast group on another
-        # node then announces this node's address, on a single node loopback (async_rl.cluster).
+        # node then announces this node's address, on a single node loopback (async_rl.runtime.cluster).
         use_node_interface(group_ip(bind_host))
         from transformers.utils import logging as transformers_logging
 
@@ -245,9 +245,9 @@ class GeneratorWorker:
     def close(self) -> None:
         """Stop the reward workers and shut the engine down (vLLM: its processes), then run this
         actor process's exit handlers: ``GeneratorPool.close`` kills the actor next, which runs
-        none (``async_rl.leftovers.run_exit_handlers``; the ``pymp-*`` directory of an SGLang
+        none (``async_rl.utils.leftovers.run_exit_handlers``; the ``pymp-*`` directory of an SGLang
         engine's weight loads would be left)."""
-        from async_rl.leftovers import run_exit_handlers
+        from async_rl.utils.leftovers import run_exit_handlers
 
         try:
             self.scorer.close()
@@ -342,7 +342,7 @@ class GeneratorWorker:
         self._beat()
 
     def _serve(self, batch: list[GroupRequest]) -> None:
-        # The one rollout road of both modes (async_rl.rollout): here each kept trajectory is
+        # The one rollout road of both modes (async_rl.step.rollout): here each kept trajectory is
         # held the moment its sample is scored, and the group sent as one message once all n are.
         sample_groups(self.engine, batch, self.params, self.tokenizer, self.scorer, self.agent,
                       on_trajectory=self._keep, on_group_closed=self._send_group,

@@ -53,8 +53,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_rl.buffers.replay import AdmissionController, ReplayBuffer
 from async_rl.buffers.transport import make_transport
-from async_rl.cluster import Cluster
-from async_rl.cpu_threads import user_num_threads
+from async_rl.runtime.cluster import Cluster
+from async_rl.utils.cpu_threads import user_num_threads
 from async_rl.loops.actors import RequestBroker
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
@@ -63,7 +63,7 @@ from async_rl.loops.intake import Intake, warn_if_exposed
 # probe_difference: kept importable from here, where it was defined before the pool had a module.
 from async_rl.loops.pool import GeneratorPool, engine_tokens_per_s, placer, probe_difference, thread_budget  # noqa: F401
 from async_rl.rewards.model import RewardModel, model_kwargs
-from async_rl.rollout import GroupRequest, RolloutResult, reward_model_path
+from async_rl.step.rollout import GroupRequest, RolloutResult, reward_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class AsyncLoop:
                 "num_reissued": self.dispatch.num_reissued,
                 "trained_by_generator": dict(self.trained_by_generator),
                 "last_rejected_samples": self._last_rejected_samples,
-                # As plain dicts: a checkpoint stores data, never objects (async_rl.checkpoint_format).
+                # As plain dicts: a checkpoint stores data, never objects (async_rl.utils.checkpoint_format).
                 "outstanding": [dataclasses.asdict(r) for r in self.dispatch.pending(self.buffer.is_finished)],
             }
 

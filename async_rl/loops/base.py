@@ -13,20 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from async_rl.checkpoint import CheckpointConfig
+from async_rl.runtime.checkpoint import CheckpointConfig
 
 if TYPE_CHECKING:
     # Annotations only: ``Config`` is a layer above (it imports this module's ``TrainerConfig``), and
     # the components stay unimported until the trainer builds them.
     from transformers import PreTrainedTokenizerBase
 
-    from async_rl.agent import AgentLoop
-    from async_rl.cluster import Cluster
+    from async_rl.step.agent import AgentLoop
+    from async_rl.runtime.cluster import Cluster
     from async_rl.config import Config
     from async_rl.data.dataset import PromptDataset
     from async_rl.generators.base import Generator, SamplingParams
     from async_rl.learners.base import Learner
-    from async_rl.metrics import MetricsLogger
+    from async_rl.runtime.metrics import MetricsLogger
     from async_rl.rewards.scorer import RewardScorer
     from async_rl.weight_sync.publisher import WeightPublisher
 
@@ -105,7 +105,7 @@ class TrainerConfig:
     """Ray cluster to join (``auto``, or the head's ``host:port``), as ``RAY_ADDRESS`` does
     (which is read when this is unset); the trainer process becomes the driver and learner rank 0
     on the node it runs on. ``None`` and no ``RAY_ADDRESS``: async and multi-rank runs start a
-    single-node Ray of their own, bound to loopback (``async_rl.cluster``)."""
+    single-node Ray of their own, bound to loopback (``async_rl.runtime.cluster``)."""
     placement_timeout_s: float = 300.0
     """How long generator actors and learner ranks may wait for the cluster's resources (seconds,
     > 0); then the run stops, naming what it asked for and what each node has. Raise it for a
@@ -133,7 +133,7 @@ class TrainerConfig:
     """Write the final policy as a Hugging Face directory to ``<run_dir>/final_model``."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """When to save checkpoints (``async_rl.checkpoint``)."""
+    """When to save checkpoints (``async_rl.runtime.checkpoint``)."""
     resume: str | None = None
     """``auto``: continue from ``<output_dir>/<run_name>``'s latest checkpoint if there is one;
     a checkpoint or run directory: continue from it; ``None``: start fresh."""
@@ -191,7 +191,7 @@ class RunContext:
         run_dir: the run directory.
         log: the ``MetricsLogger``.
         agent: the ``AgentLoop`` of multi-turn tool rollouts (``agent.tools`` set), else ``None``.
-        cluster: the run's Ray ``async_rl.cluster.Cluster`` (async mode, Ray-placed learner
+        cluster: the run's Ray ``async_rl.runtime.cluster.Cluster`` (async mode, Ray-placed learner
             ranks), else ``None``.
         service_cores: async mode with ``learner.cpu_affinity``: the CPU ids of the trainer's
             threads that do not train (``cluster.split_learner_threads``); threads the loop

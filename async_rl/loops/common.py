@@ -9,13 +9,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from async_rl.algorithms.dapo import fill_groups_with_spread
-from async_rl.batch import make_batch
+from async_rl.step.batch import make_batch
 from async_rl.buffers.replay import staleness as staleness_of
 from async_rl.buffers.trajectory import Trajectory
-from async_rl.cpu_threads import thread_times
-from async_rl.evaluation import accuracy_of
+from async_rl.utils.cpu_threads import thread_times
+from async_rl.step.evaluation import accuracy_of
 from async_rl.loops.base import RunContext
-from async_rl.rollout import RolloutResult
+from async_rl.step.rollout import RolloutResult
 
 
 def dynamic_sampling(take_round: Callable[[int], Sequence[list[Trajectory]]], algo, target_groups: int,

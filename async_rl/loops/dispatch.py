@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any, Callable, Iterable
 
 from async_rl.buffers.replay import AdmissionController
-from async_rl.rollout import GroupRequest, group_seed, longest_sequence
+from async_rl.step.rollout import GroupRequest, group_seed, longest_sequence
 
 
 def buffer_bound(cfg) -> dict[str, int] | None:

@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable
 
 from async_rl.buffers.transport import GroupClosed
-from async_rl.cluster import is_loopback
+from async_rl.runtime.cluster import is_loopback
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 import ray
 
-from async_rl.cluster import PlacementConfig, started_on
-from async_rl.cpu_threads import available_cores
+from async_rl.runtime.cluster import PlacementConfig, started_on
+from async_rl.utils.cpu_threads import available_cores
 from async_rl.loops.actors import GeneratorWorker
 from async_rl.loops.base import GeneratorsGone  # noqa: F401  (raised here; defined where importing needs no Ray)
 from async_rl.rewards import check_rewards_work

@@ -8,7 +8,7 @@ One training step::
 
 1. take ``trainer.prompts_per_step`` prompts; sample ``trainer.samples_per_prompt`` responses
    each (one group per prompt) with the behavior log-probs of the sampled tokens
-   (``async_rl.rollout``); with dynamic sampling, more rounds until enough groups have spread;
+   (``async_rl.step.rollout``); with dynamic sampling, more rounds until enough groups have spread;
 2. score each response; failures become reward 0 or a counted rejection (``reward.on_error``),
    and a reward function that failed on every call of the loop's first step stops the run;
 3. compute advantages within each group; collate; the learner recomputes proximal log-probs and
@@ -30,13 +30,13 @@ from typing import Any
 import torch
 
 from async_rl.algorithms.dapo import rewards_have_spread
-from async_rl.cluster import pin_process
-from async_rl.cpu_threads import SharedCoreGovernor, user_num_threads
+from async_rl.runtime.cluster import pin_process
+from async_rl.utils.cpu_threads import SharedCoreGovernor, user_num_threads
 from async_rl.generators.capabilities import engine_capabilities
 from async_rl.loops.base import RunContext
 from async_rl.loops.common import dynamic_sampling, learn_on
 from async_rl.rewards import check_rewards_work
-from async_rl.rollout import RolloutResult, rollout
+from async_rl.step.rollout import RolloutResult, rollout
 
 MAX_OVERSAMPLING = 16
 """Dynamic sampling asks for at most this many times the missing groups in one round."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from async_rl.registry import Registry
+from async_rl.utils.registry import Registry
 from async_rl.rewards.arithmetic import arithmetic_reward
 from async_rl.rewards.chainsum import chainsum_reward
 from async_rl.rewards.math_rewards import gsm8k_reward, math_reward
@@ -41,7 +41,7 @@ RewardFn = Callable[[str, str, str, "dict | None"], "float | dict"]
 _SIGNATURE = "A reward function is fn(data_source, response_text, ground_truth, extra_info) -> float | dict."
 
 RewardRegistry = Registry
-"""The registry type of ``REWARD_FUNCTIONS`` (the shared ``async_rl.registry.Registry``)."""
+"""The registry type of ``REWARD_FUNCTIONS`` (the shared ``async_rl.utils.registry.Registry``)."""
 
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", help=_SIGNATURE)
 """Built-in and user-registered reward functions by name; ``REWARD_FUNCTIONS[name]`` or, for any
@@ -102,7 +102,7 @@ def default_reward_for(data_source: str) -> RewardFn:
 
 def get_reward_fn(spec: str) -> RewardFn:
     """Resolve a reward-function spec: a registered name, "builtin:name", "pkg.module:fn" or
-    "file.py:fn" (``async_rl.registry`` reads every spec form the same way for every kind).
+    "file.py:fn" (``async_rl.utils.registry`` reads every spec form the same way for every kind).
 
     Args:
         spec: e.g. "gsm8k", "my_pkg.rewards:compute_score", "./rewards.py:score".

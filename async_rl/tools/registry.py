@@ -2,7 +2,7 @@
 configs may use, ``register_tool`` and ``load_tools`` (a spec -> its tools).
 
 A spec is a registered short name, an import path ``"package.module:attr"`` or a file path
-``"path/to/file.py:attr"`` (``async_rl.registry.Registry`` resolves it). The built-ins register
+``"path/to/file.py:attr"`` (``async_rl.utils.registry.Registry`` resolves it). The built-ins register
 in ``async_rl.tools`` (its ``__init__``), so this module never imports the tools built on it.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from async_rl.registry import Registry
+from async_rl.utils.registry import Registry
 from async_rl.tools.definition import Tool, tool
 
 __all__ = ["BUILTIN_TOOLS", "ToolRegistry", "load_tools", "register_tool"]
@@ -165,7 +165,7 @@ def load_tools(spec: str) -> list[Tool]:
 
     A spec is a registered short name (``BUILTIN_TOOLS``: "calculator", "python", and what
     ``register_tool`` added), ``builtin:<name>``, an import path ``"package.module:attr"`` or a
-    file path ``"path/to/file.py:attr"``, resolved by ``async_rl.registry.Registry.get``.
+    file path ``"path/to/file.py:attr"``, resolved by ``async_rl.utils.registry.Registry.get``.
     ``attr`` may be dotted and may name a ``Tool``, a function (wrapped with ``tool()``), a
     ``ToolRegistry``, or a list/tuple of Tools and functions.
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from async_rl.cluster import LOOPBACK, started_on
+from async_rl.runtime.cluster import LOOPBACK, started_on
 from async_rl.weight_sync.config import WeightSyncConfig, replace_transport
 from async_rl.weight_sync.plan import UpdatePlan
 from async_rl.weight_sync.sources import NamedTensors, WeightSource

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from async_rl.cluster import LOOPBACK, tcp_store
+from async_rl.runtime.cluster import LOOPBACK, tcp_store
 from async_rl.weight_sync.config import WeightSyncConfig
 from async_rl.weight_sync.protocols import PROTOCOLS
 from async_rl.weight_sync.plan import DTYPES, UpdatePlan, pack_bucket, plan_update, unpack_bucket

@@ -35,7 +35,7 @@ the owning process, so ``generate`` and ``receive_weights`` may come from differ
   ``mode="abort"``, flushes the cache, and re-issues each unfinished sample with its partial
   tokens appended to the prompt (PipelineRL arXiv 2509.19128; AReaL 2505.24298).
 * **LoRA** (``lora`` with ``rank > 0``): the engine starts with SGLang's LoRA enabled; each update
-  carries only the adapter matrices (peft's saved names, ``async_rl.lora``), checked whole, and is
+  carries only the adapter matrices (peft's saved names, ``async_rl.utils.lora``), checked whole, and is
   loaded as a new adapter (``load_lora_adapter_from_tensors``) that new requests use. A running
   request keeps the adapter it started with (SGLang cannot swap it underneath), so in ``keep``
   mode its tokens keep the old version; ``abort`` re-issues it on the new adapter. An adapter is
@@ -68,7 +68,7 @@ from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, c
 from async_rl.generators.capabilities import EngineCapabilities
 from async_rl.generators.sglang.lora import SGLangAdapters
 from async_rl.generators.sglang.process import engine_files, engine_kwargs, engine_sockets, quiet_warnings, stop_processes
-from async_rl.lora import lora_enabled, spec
+from async_rl.utils.lora import lora_enabled, spec
 
 
 def checkpoint_specs(model_path: str, dtype: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
@@ -369,7 +369,7 @@ class SGLangGenerator(SGLangAdapters):
     def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
         """``(HF parameter names, {}, tied aliases)`` of the served checkpoint: SGLang's
         ``load_weights`` takes HF names and fuses q/k/v and gate/up itself. With LoRA ``(adapter
-        names, {}, {})``: peft's saved-adapter names (``async_rl.lora``), what SGLang's adapter
+        names, {}, {})``: peft's saved-adapter names (``async_rl.utils.lora``), what SGLang's adapter
         loader parses."""
         if self.lora is not None:
             return list(self._adapter_specs()), {}, {}

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from async_rl.lora import PEFT_PREFIX, targets
+from async_rl.utils.lora import PEFT_PREFIX, targets
 
 
 class SGLangAdapters:
     """The LoRA half of ``SGLangGenerator`` (mixed in; not an engine on its own).
 
-    Reads the generator's ``lora`` (``async_rl.lora.spec``), ``_specs`` / ``_tied`` (the
+    Reads the generator's ``lora`` (``async_rl.utils.lora.spec``), ``_specs`` / ``_tied`` (the
     checkpoint's ``{name: (dtype, shape)}`` and tied aliases), ``engine``, ``cfg``, the version
     counters and the pause hooks ``_pause`` / ``_continue``; owns ``_adapter`` (the adapter new
     requests use), ``_adapter_version`` (adapter name -> policy version) and ``_adapter_users``

@@ -39,7 +39,7 @@ def engine_kwargs(model_path: str, cfg: GeneratorConfig, device: str, lora: dict
         cfg: generator settings (``cfg.sglang``: dtype, memory, cache; ``seed``, ``max_batch_size``).
         device: ``cpu`` or ``cuda``; ``cpu`` selects SGLang's torch-native attention without CUDA
             graphs or the overlap scheduler.
-        lora: ``async_rl.lora.spec`` of the adapters (``rank``, ``target_modules``), or ``None``.
+        lora: ``async_rl.utils.lora.spec`` of the adapters (``rank``, ``target_modules``), or ``None``.
     """
     s = cfg.sglang
     kwargs = dict(model_path=model_path, dtype=s.dtype, random_seed=cfg.seed, skip_tokenizer_init=True,

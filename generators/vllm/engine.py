@@ -65,7 +65,7 @@ from async_rl.generators.capabilities import EngineCapabilities
 # names re-exported.
 from async_rl.generators.vllm.process import (SHUTDOWN_TIMEOUT_S, SOCKET_DIR_PREFIX, SOCKET_PATH_MAX,  # noqa: F401
                                               engine_environment, socket_dir)
-from async_rl.lora import VLLM_LORA_RANKS, lora_enabled, spec, vllm_max_lora_rank
+from async_rl.utils.lora import VLLM_LORA_RANKS, lora_enabled, spec, vllm_max_lora_rank
 
 WORKER_EXTENSION = "async_rl.generators.vllm.worker.AsyncRLWorkerExtension"
 

@@ -79,7 +79,7 @@ def engine_environment(ipc_dir: str, error_file: str = ""):
     (``SHUTDOWN_TIMEOUT_S``) and ``FUTURE_WARNING_FILTER``. Values the user set are kept
     (``PYTHONWARNINGS`` is extended). ``error_file``: where the engine's log filter records a
     fatal error's root cause (``model_support.ERROR_FILE_ENV``; empty = nowhere)."""
-    from async_rl.cluster import LOOPBACK, interface_of
+    from async_rl.runtime.cluster import LOOPBACK, interface_of
     from async_rl.generators.model_support import ERROR_FILE_ENV
 
     changes = {

@@ -32,7 +32,7 @@ Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact 
 plan (names, dtypes, shapes, offsets) does.
 
 **LoRA** (engine started with ``enable_lora``): the base weights never change; an update carries
-only the adapter matrices (``async_rl.lora``) and bypasses the reload lifecycle. At start-up
+only the adapter matrices (``async_rl.utils.lora``) and bypasses the reload lifecycle. At start-up
 ``async_rl_init_lora`` registers a zero adapter under one fixed id (the engine then computes
 exactly the base model), which every request names. ``async_rl_load_lora`` receives an update's
 buckets through the same ``WeightReceiver``, builds vLLM's ``LoRAModel`` from the tensors in
@@ -59,7 +59,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from async_rl.generators.model_support import unloaded_aliases
-from async_rl.lora import PEFT_PREFIX, expected_vllm_adapter_names
+from async_rl.utils.lora import PEFT_PREFIX, expected_vllm_adapter_names
 from async_rl.weight_sync import UpdatePlan, WeightReceiver, check_update, dtype_name
 
 BACKEND = "async_rl"
@@ -386,7 +386,7 @@ class AsyncRLWorkerExtension:
         return engine_weight_names(self.model_runner.get_model())
 
     def async_rl_lora_names(self, lora: dict[str, Any]) -> list[str]:
-        """The adapter names an update must carry for LoRA settings ``lora`` (``async_rl.lora.spec``):
+        """The adapter names an update must carry for LoRA settings ``lora`` (``async_rl.utils.lora.spec``):
         one ``lora_A``/``lora_B`` pair per targeted HF projection of vLLM's LoRA modules."""
         manager = self.model_runner.lora_manager._adapter_manager
         return expected_vllm_adapter_names(list(manager.modules), dict(manager.packed_modules_mapping),

@@ -63,7 +63,7 @@ from contextlib import contextmanager
 
 import torch
 
-from async_rl.checkpoint_format import safe_dcp_reads
+from async_rl.utils.checkpoint_format import safe_dcp_reads
 
 FORMAT = "async_rl.megatron_checkpoint/1"
 

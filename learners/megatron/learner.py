@@ -47,7 +47,7 @@ from torch import nn
 
 from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.buffers.trajectory import TrainBatch
-from async_rl.checkpoint_format import LEARNER_STATE, load_learner_state, save_state
+from async_rl.utils.checkpoint_format import LEARNER_STATE, load_learner_state, save_state
 from async_rl.learners.base import LearnerConfig, save_hf_model
 from async_rl.learners.batching import unpack_labels
 from async_rl.learners.capabilities import LearnerCapabilities

@@ -6,7 +6,7 @@ float onto another role's cores cost both, so a role can be pinned to cores of i
 (``generator.cpu_affinity``, ``learner.cpu_affinity``: ``pin_process``), and async mode's rank 0
 splits its own process between the thread that trains and the rest (``split_learner_threads``).
 Linux only (``os.sched_setaffinity``); the thread counts on those cores are
-``async_rl.cpu_threads``'s.
+``async_rl.utils.cpu_threads``'s.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import json
 import random
 from typing import Any, Callable
 
-from async_rl.agent import demonstration_ids
+from async_rl.step.agent import demonstration_ids
 from async_rl.buffers.trajectory import Trajectory, collate
-from async_rl.rollout import rollout
+from async_rl.step.rollout import rollout
 
 EVAL_FIRST_GROUP_ID = -(10**9)
 """Evaluation groups are numbered from here, far from any training group id."""

@@ -11,7 +11,7 @@ Layout under the run directory::
                                       flight), summary so far, the run's elapsed seconds
                                       (``elapsed_s``; absent in older checkpoints, read as 0); plain
                                       data in msgpack, tensors (RNG states) in safetensors
-                                      (``async_rl.checkpoint_format``: nothing is unpickled)
+                                      (``async_rl.utils.checkpoint_format``: nothing is unpickled)
         latest                        text file naming the newest complete checkpoint
 
 A checkpoint is written into ``step_NNNNNN.tmp`` (the step, zero-padded to six digits:
@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from async_rl.checkpoint_format import has_state, load_state, save_state
+from async_rl.utils.checkpoint_format import has_state, load_state, save_state
 
 logger = logging.getLogger(__name__)
 

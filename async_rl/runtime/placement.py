@@ -3,7 +3,7 @@ its placement keys, and the logical CPUs a Ray of the run's own must offer.
 
 A role (the learner ranks, the generator actors) is one Ray placement group of one bundle per
 actor, ``{"CPU": num_cpus, "GPU": num_gpus}`` with optional node labels; ``Cluster.place``
-(``async_rl.cluster``) reserves it. This module holds the request, not the Ray calls, so the
+(``async_rl.runtime.cluster``) reserves it. This module holds the request, not the Ray calls, so the
 configuration can check it without Ray.
 """
 

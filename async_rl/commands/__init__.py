@@ -15,7 +15,7 @@ a checkpoint (``<run_dir>/checkpoints/step_NNNNNN/``: the learner is rebuilt fro
 ``config.yaml``, the checkpoint loaded into it and the policy exported to a temporary directory),
 a run directory (its ``final_model/``, else its latest checkpoint), or, by default, the config's
 ``model.path``. They sample, score and count exactly as a run's held-out evaluation does
-(``async_rl.evaluation.evaluate`` with the config's generator, reward and ``trainer.eval_greedy``)
+(``async_rl.step.evaluation.evaluate`` with the config's generator, reward and ``trainer.eval_greedy``)
 and write nothing but the ``--out`` file: no run directory.
 
 Each ``*_command`` function takes the parsed arguments and returns the exit status; bad input
@@ -73,7 +73,7 @@ def find_policy(spec: str | None, cfg: Config) -> PolicySource:
         FileNotFoundError: ``spec`` is none of these.
         ValueError: an unknown ``builtin:`` name.
     """
-    from async_rl.checkpoint import is_checkpoint, latest_checkpoint
+    from async_rl.runtime.checkpoint import is_checkpoint, latest_checkpoint
     from async_rl.data.builtin import resolve
 
     if spec is None:
@@ -159,9 +159,9 @@ def eval_parts(cfg: Config, model_dir: str, tokenizer_dir: str) -> EvalParts:
     """
     from transformers import AutoTokenizer
 
-    from async_rl.agent import AgentLoop
+    from async_rl.step.agent import AgentLoop
     from async_rl.generators.base import SamplingParams
-    from async_rl.rollout import make_scorer, stop_token_ids
+    from async_rl.step.rollout import make_scorer, stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if tokenizer.pad_token_id is None:
@@ -212,7 +212,7 @@ def loaded_policy(cfg: Config, model: str | None,
     import torch
 
     from async_rl.data.builtin import resolve
-    from async_rl.cpu_threads import available_cores, user_num_threads
+    from async_rl.utils.cpu_threads import available_cores, user_num_threads
     from async_rl.generators import make_generator
 
     source = find_policy(model, cfg)
@@ -247,7 +247,7 @@ def run_eval(cfg: Config, model: str | None = None) -> dict[str, Any]:
     Raises:
         ValueError, FileNotFoundError: see ``find_policy``, ``held_out_prompts``, ``policy_dir``.
     """
-    from async_rl.evaluation import evaluate
+    from async_rl.step.evaluation import evaluate
 
     with loaded_policy(cfg, model, lambda parts: held_out_prompts(cfg, parts)) as (engine, parts, source, ds):
         metrics = evaluate(engine, ds, parts.params, parts.scorer, parts.tokenizer, parts.agent)
@@ -303,9 +303,9 @@ def run_generate(cfg: Config, model: str | None, texts: list[str] | None, n: int
     Raises:
         ValueError: ``n < 1``, or see ``held_out_prompts`` / ``free_prompts``.
     """
-    from async_rl.evaluation import EVAL_FIRST_GROUP_ID
+    from async_rl.step.evaluation import EVAL_FIRST_GROUP_ID
     from async_rl.rewards import RewardScorer
-    from async_rl.rollout import rollout
+    from async_rl.step.rollout import rollout
 
     if not texts and n < 1:
         raise ValueError(f"-n {n}: ask for at least one prompt")
@@ -343,7 +343,7 @@ def generate_command(args) -> int:
 
 def plot_command(args) -> int:
     """``async-rl plot``: write the runs' curves to a PNG and print its path and what was missing."""
-    from async_rl.plot import plot_runs
+    from async_rl.commands.plot import plot_runs
 
     out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "curves.png"
     fig, missing = plot_runs(args.run_dirs)

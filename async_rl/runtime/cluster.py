@@ -29,8 +29,8 @@ every socket binds, and where each actor is placed.
   thread budget (``loops.async_loop.thread_budget``), since Ray does not pin cores; a role can be
   pinned to cores of its own (``generator.cpu_affinity``, ``learner.cpu_affinity``: ``pin_process``).
 
-What each role asks for (``PlacementConfig`` and its checks) is ``async_rl.placement``; the CPU
-pinning is ``async_rl.cpu_affinity``. Both are re-exported here, their import path before they
+What each role asks for (``PlacementConfig`` and its checks) is ``async_rl.runtime.placement``; the CPU
+pinning is ``async_rl.utils.cpu_affinity``. Both are re-exported here, their import path before they
 had modules of their own.
 """
 
@@ -45,10 +45,10 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from async_rl.cpu_affinity import (  # noqa: F401
+from async_rl.utils.cpu_affinity import (  # noqa: F401
     check_cpu_affinity, cpus_restored, pin_process, pin_thread, service_cores, split_learner_threads, started_on,
 )
-from async_rl.placement import (  # noqa: F401
+from async_rl.runtime.placement import (  # noqa: F401
     PLACEMENT_STRATEGIES, PLACEMENT_TIMEOUT_S, PlacementConfig, PlacementError, check_placement, ray_cpus_needed,
 )
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from transformers import GenerationConfig
 
-from async_rl.agent import Conversation
+from async_rl.step.agent import Conversation
 from async_rl.buffers.trajectory import Trajectory
 from async_rl.generators.base import mix_seed
 from async_rl.rewards import RewardScorer
@@ -386,7 +386,7 @@ def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_i
         first_group_id: id of the first group.
         seed: run seed; group g is sampled with ``group_seed(seed, g)``. ``None``: the
             generator's own call-counter seeds (evaluation).
-        agent: an ``async_rl.agent.AgentLoop`` for multi-turn tool use, or ``None``.
+        agent: an ``async_rl.step.agent.AgentLoop`` for multi-turn tool use, or ``None``.
 
     Returns:
         The kept trajectories, ordered by group and then sample index, with the counts.

@@ -552,7 +552,7 @@ def _init_wandb(cfg: WandbConfig, run_dir: Path, run_config: dict | None):
     # Imported here: wandb takes about a second to import and disabled runs never need it.
     import wandb
 
-    from async_rl.leftovers import own_wandb_temp_dirs
+    from async_rl.utils.leftovers import own_wandb_temp_dirs
 
     own_wandb_temp_dirs()  # its temp dirs carry our pid: a killed run's are swept at the next start
     # Without credentials wandb.init would prompt on a terminal and hang a headless job.
