@@ -75,7 +75,7 @@ def train(cfg: "Config") -> dict[str, Any]:
 
 def _train(cfg: "Config") -> dict[str, Any]:
     """``train``'s body (see there)."""
-    sweep_at_start()  # what earlier runs, SIGKILLed, left in /dev/shm and the temp dir (leftovers.py)
+    sweep_at_start()  # what earlier runs, SIGKILLed, left in /dev/shm and the temp dir (utils/leftovers.py)
     resume_from, resumed = resume_point(cfg.trainer)
     run = RunDirectory(cfg.trainer)
     check_inputs(cfg)

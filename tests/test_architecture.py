@@ -1,5 +1,7 @@
 """The package's shape (issue 14): every import arrow points down, no module reaches into another's
-private names, no function grows past a screen, and the installed layout cannot collide.
+private names, no function grows past a screen, and the installed layout cannot collide. The tree
+is the layers: each layer is a set of folders (or files) at the top of the package, and the layer
+table of docs/architecture.md names the same ones.
 
 The import graph is read from the source with ``ast`` (every ``import`` and ``from ... import``,
 including those inside functions, except under ``if TYPE_CHECKING:``), so a cycle hidden behind a
@@ -127,22 +129,31 @@ def test_no_import_cycle():
         "\n".join(" <-> ".join(c) for c in cycles)
 
 
-LAYERS = [  # top to bottom, as docs/architecture.md draws them; an import may only point down or sideways
-    ["async_rl.cli", "async_rl.commands", "async_rl.commands.plot"],
-    ["async_rl.trainer"],
-    ["async_rl.config"],
-    ["async_rl.loops"],
-    ["async_rl.step.rollout", "async_rl.step.batch", "async_rl.step.evaluation"],
-    ["async_rl.learners", "async_rl.generators", "async_rl.buffers", "async_rl.weight_sync", "async_rl.step.agent",
-     "async_rl.runtime.checkpoint", "async_rl.runtime.metrics", "async_rl.data", "async_rl.runtime.inputs", "async_rl.runtime.cluster",
-     "async_rl.runtime.placement"],
-    ["async_rl.algorithms", "async_rl.rewards", "async_rl.tools", "async_rl.utils.lora", "async_rl.utils.registry",
-     "async_rl.utils.cpu_threads", "async_rl.utils.cpu_affinity", "async_rl.utils.checkpoint_format", "async_rl.utils.leftovers"],
-]
+# The layers, top to bottom, as docs/architecture.md draws them: an import may only point down or
+# sideways. Each layer is a list of top-level entries of the package (a folder, or a file at the top
+# of async_rl/), so the tree shows the layers: a layer of several modules is a folder of its own
+# (``step/``) or shares one with its kind (``runtime/`` beside the learners, generators, buffers, ...).
+LAYERS = {
+    "entry": ["async_rl.cli", "async_rl.commands"],
+    "trainer": ["async_rl.trainer"],
+    "config": ["async_rl.config"],
+    "loops": ["async_rl.loops"],
+    "step": ["async_rl.step"],
+    "components": ["async_rl.runtime", "async_rl.learners", "async_rl.generators", "async_rl.buffers",
+                   "async_rl.weight_sync", "async_rl.data"],
+    "library": ["async_rl.utils", "async_rl.algorithms", "async_rl.rewards", "async_rl.tools"],
+}
+# The only modules at the top of async_rl/: the console script (``async_rl.cli:entry``) and the two
+# layers of one module each, the main imports of a user's own driver.
+TOP_LEVEL_FILES = {"cli", "trainer", "config"}
+# In no layer: the package root. It holds only the aliases of moved modules (MOVED_MODULES), which it
+# imports by name when a user imports an old path, never on its own; no module of ours imports an
+# old path (test_no_module_of_ours_names_a_moved_path).
+OUTSIDE_LAYERS = {"async_rl"}
 
 
 def _layer(module: str) -> int | None:
-    for depth, prefixes in enumerate(LAYERS):
+    for depth, prefixes in enumerate(LAYERS.values()):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return depth
     return None
@@ -150,12 +161,76 @@ def _layer(module: str) -> int | None:
 
 def test_every_module_has_a_layer_and_every_import_points_down():
     graph = _graph()
-    unplaced = sorted(m for m in graph if m != "async_rl" and _layer(m) is None)
+    unplaced = sorted(m for m in graph if m not in OUTSIDE_LAYERS and _layer(m) is None)
     assert not unplaced, f"modules in no layer (add them to LAYERS and docs/architecture.md): {unplaced}"
     up = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
           if _layer(m) is not None and _layer(d) is not None and _layer(d) < _layer(m)]
     assert not up, "imports that point up a layer:\n" + "\n".join(sorted(up))
     assert _layer("async_rl.loops.pool") == 3 and _layer("async_rl.utils.lora") == 6
+
+
+def _top_level_entries() -> dict[str, Path]:
+    """``async_rl.<name>`` -> its file or folder, for everything at the top of the installed package."""
+    entries = {f"async_rl.{p.stem}": p for p in (ROOT / "async_rl").glob("*.py") if p.name != "__init__.py"}
+    entries |= {f"async_rl.{p.name}": p for p in (ROOT / "async_rl").iterdir() if (p / "__init__.py").exists()}
+    entries |= {package: ROOT / folder for folder, package in FOLDERS.items() if folder != package}
+    return entries
+
+
+def test_the_tree_is_the_layers():
+    # What the layer check enforces is what the folder shows: every top-level entry is in exactly
+    # one layer, every layer names top-level entries only, and no flat module sits beside the
+    # console script and the one-module layers.
+    entries = _top_level_entries()
+    named = [p for prefixes in LAYERS.values() for p in prefixes]
+    assert sorted(named) == sorted(set(named)), "an entry is in two layers"
+    assert set(named) == set(entries), (f"in no layer: {sorted(set(entries) - set(named))}; "
+                                        f"not a top-level folder or file: {sorted(set(named) - set(entries))}")
+    flat = {p.stem for p in (ROOT / "async_rl").glob("*.py") if p.name != "__init__.py"}
+    assert flat == TOP_LEVEL_FILES, f"modules at the top of async_rl/ (put them in their layer's folder): {sorted(flat)}"
+
+
+def _docs_layers() -> dict[str, list[str]]:
+    """The layer table of docs/architecture.md: layer -> its entries as dotted package names."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| ")]
+    layers = {}
+    for name, cell in rows[1:]:  # the first row is the header
+        paths = [p.strip("`") for p in cell.replace(",", " ").split()]
+        layers[name.strip()] = [p.removesuffix("/").removesuffix(".py").replace("/", ".") for p in paths]
+    return layers
+
+
+def test_docs_draw_the_layers_the_test_enforces():
+    assert _docs_layers() == LAYERS
+
+
+def _named_paths(node: ast.AST) -> list[str]:
+    """The dotted names an import node imports, or a string constant's text; nothing for other nodes."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and not node.level:
+        return [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    return []
+
+
+def test_no_module_of_ours_names_a_moved_path():
+    # The old paths are aliases for users' code: the package's own imports, spec strings
+    # ("module:attr"), monkeypatch and mock paths use the new ones, so the layer check above sees
+    # every real import.
+    import async_rl
+
+    def moved(name: str) -> bool:
+        return any(name == old or name.startswith((old + ".", old + ":")) for old in async_rl.MOVED_MODULES)
+
+    bad = [f"{p.relative_to(ROOT)}:{node.lineno} {name[:60]}" for m, p in MODULES.items() if m not in OUTSIDE_LAYERS
+           for node in ast.walk(ast.parse(p.read_text())) for name in _named_paths(node) if moved(name)]
+    assert not bad, "old module paths named by the package itself:\n" + "\n".join(bad)
+    assert moved("async_rl.step") is False and moved(next(iter(async_rl.MOVED_MODULES)) + ":fn")
+    assert all(new in MODULES and _layer(new) is not None for new in async_rl.MOVED_MODULES.values())
 
 
 def test_no_private_name_imported_from_another_module():
