@@ -215,9 +215,27 @@ def _cross_validate(cfg: Config) -> None:
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
                           "differ, which needs at least 2 samples per prompt")
     _check_splits(cfg)
+    _check_version_unit(cfg)
     _check_token_budgets(cfg)
     _check_lora(cfg)
     _check_partial_rollout(cfg)
+
+
+def _check_version_unit(cfg: Config) -> None:
+    """Refuse ``trainer.policy_version_per=mini_batch`` where a mini-batch is not whole groups
+    taken once: the groups of a step must divide evenly into ``learner.num_mini_batches`` (a group
+    is the unit the buffer hands out and advantages compare within), and ``learner.num_epochs``
+    must be 1 (a second pass over a step's batch would train on versions already published)."""
+    t_cfg, lrn = cfg.trainer, cfg.learner
+    if t_cfg.policy_version_per != "mini_batch":
+        return
+    if t_cfg.prompts_per_step % lrn.num_mini_batches:
+        raise ConfigError(f"trainer.policy_version_per=mini_batch takes whole groups per mini-batch: "
+                          f"trainer.prompts_per_step={t_cfg.prompts_per_step} is not a multiple of "
+                          f"learner.num_mini_batches={lrn.num_mini_batches}")
+    if lrn.num_epochs != 1:
+        raise ConfigError(f"trainer.policy_version_per=mini_batch publishes after each optimizer step: "
+                          f"learner.num_epochs={lrn.num_epochs} would train twice on a published version; set it to 1")
 
 
 def _check_colocated(cfg: Config) -> None:

@@ -417,9 +417,10 @@ class Learner(Protocol):
         """
         ...
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One training step (one or more optimizer steps) on ``batch`` after ``prepare``;
-        ``version += 1``; returns metrics reduced over ranks and micro-batches."""
+    def train_step(self, batch: TrainBatch, num_mini_batches: int | None = None) -> dict[str, float]:
+        """One training step (``num_mini_batches`` optimizer steps, ``None``: the configured
+        number) on ``batch`` after ``prepare``; ``version += 1``; returns metrics reduced over
+        ranks and micro-batches."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -303,7 +303,7 @@ class LearnerCore:
         return list(order.tensor_split(parts))
 
     @collective
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, num_mini_batches: int | None = None) -> dict[str, float]:
         """Policy-gradient update(s) on one step's batch; see the module docstring.
 
         Args:
@@ -311,6 +311,9 @@ class LearnerCore:
                 ``prepare``: its ``proximal_logprobs`` extra is used (computed here if absent), a
                 ``ref_logprobs`` extra for the KL loss term, ``values`` and ``returns`` extras
                 for the critic.
+            num_mini_batches: optimizer steps to split ``batch`` into (``None``: the learner's
+                ``num_mini_batches``); 1 when the async loop publishes a version per mini-batch
+                (``trainer.policy_version_per=mini_batch``) and hands over one mini-batch at a time.
 
         Returns:
             Metrics under ``loss/``, ``actor/``, ``critic/`` and ``mismatch/``, one value per
@@ -322,11 +325,12 @@ class LearnerCore:
         Raises:
             KeyError: a KL loss term or a critic is configured but the batch lacks its extras.
         """
+        parts = num_mini_batches or self.cfg.num_mini_batches
         proximal = self._proximal_logprobs(batch)
         acc = _StepAccumulator()
         dp_size, dp_rank, _ = self._data_parallel()
         for epoch in range(self.cfg.num_epochs):
-            for idx in self._split(len(batch), self.cfg.num_mini_batches, epoch):
+            for idx in self._split(len(batch), parts, epoch):
                 mini, mini_prox = batch.select(idx), proximal[idx]
                 # This rank's contiguous, token-balanced share (every rank holds the whole batch).
                 share = split_by_tokens(mini.attention_mask.sum(1).tolist(), dp_size)[dp_rank]
@@ -353,7 +357,7 @@ class LearnerCore:
                         mb = keep
                     self._micro_batch_backward(mb, mb_prox, num_tokens, num_seqs, acc, real)
                 self._mini_batch_optimizer_step(acc)
-        self._warn_skipped(acc.skipped, len(batch))
+        self._warn_skipped(acc.skipped, len(batch), parts)
         # One policy version per training step (per batch of trajectories), however many optimizer
         # steps it took: staleness is counted in these versions, as in AReaL and PipelineRL.
         self.version += 1
@@ -420,14 +424,13 @@ class LearnerCore:
         acc.weights.append(1.0)
         acc.num_steps += 1
 
-    def _warn_skipped(self, skipped: int, batch_size: int) -> None:
+    def _warn_skipped(self, skipped: int, batch_size: int, parts: int) -> None:
         if skipped and not self._warned_skip:
             self._warned_skip = True
             logger.warning("train_step: %d of %d mini-batches had no valid token (a batch of %d sequences for "
                            "learner.num_mini_batches=%d, or every token masked) and took no optimizer or "
                            "LR-scheduler step; actor/skipped_mini_batches counts them from here on",
-                           skipped, self.cfg.num_epochs * self.cfg.num_mini_batches, batch_size,
-                           self.cfg.num_mini_batches)
+                           skipped, self.cfg.num_epochs * parts, batch_size, parts)
 
     def _step_metrics(self, acc: "_StepAccumulator") -> dict[str, torch.Tensor]:
         """The training step's metrics: token-weighted means over micro-batches (and ranks), or

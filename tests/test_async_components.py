@@ -373,3 +373,25 @@ def test_a_receiver_listening_beyond_the_runs_host_says_so_only_then(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "trainer.zmq_address=tcp://0.0.0.0:*: the trajectory receiver listens on 0.0.0.0, reachable from that "
         "network, not only from this machine"]
+
+
+def test_a_steps_metrics_merge_over_its_policy_versions_by_kind():
+    from async_rl.loops.common import merge_version_metrics
+
+    first = {"loss/pg": 0.2, "loss/ratio_max": 1.5, "actor/optimizer_steps": 1.0, "rollout/num_trajectories": 16.0,
+             "timing/train_s": 1.0, "perf/train_tokens_per_s": 100.0, "policy/version": 5.0, "staleness/max": 1.0,
+             "loss/ratio_min": 0.7, "data/epoch": 0.0}
+    second = {"loss/pg": 0.4, "loss/ratio_max": 1.2, "actor/optimizer_steps": 1.0, "rollout/num_trajectories": 16.0,
+              "timing/train_s": 3.0, "perf/train_tokens_per_s": 300.0, "policy/version": 6.0, "staleness/max": 0.0,
+              "loss/ratio_min": 0.9, "data/epoch": 1.0, "rollout/dynamic_sampling_rounds": 2.0}
+    out = merge_version_metrics([first, second])
+    assert out["loss/pg"] == pytest.approx(0.3)  # a mean
+    assert out["loss/ratio_max"] == 1.5 and out["loss/ratio_min"] == 0.7 and out["staleness/max"] == 1.0
+    assert out["actor/optimizer_steps"] == 2.0 and out["rollout/num_trajectories"] == 32.0  # counts
+    assert out["timing/train_s"] == 4.0
+    assert out["perf/train_tokens_per_s"] == pytest.approx((100.0 * 1 + 300.0 * 3) / 4)  # tokens over time
+    assert out["policy/version"] == 6.0 and out["data/epoch"] == 1.0  # the last version's
+    assert out["rollout/dynamic_sampling_rounds"] == 2.0  # only the version that reports it
+    assert merge_version_metrics([first]) == pytest.approx(first)
+    with pytest.raises(ValueError, match="at least one policy version"):
+        merge_version_metrics([])

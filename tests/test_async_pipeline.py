@@ -151,6 +151,41 @@ def test_every_prompt_ends_exactly_once_through_pool_and_transport(tmp_path, ray
     ray.kill(broker)
 
 
+@pytest.mark.slow
+def test_a_policy_version_per_mini_batch_trains_each_share_once_and_publishes_it(tmp_path, ray_session, monkeypatch):
+    """``trainer.policy_version_per=mini_batch``: a step of 4 groups and 2 mini-batches is two
+    versions of 2 groups, each one optimizer step and one publish; staleness, admission and the
+    buffer bound count those versions; every group is trained once."""
+    from async_rl.learners.fsdp import FSDPLearner
+
+    original = FSDPLearner.train_step
+    calls = []
+
+    def slow_train_step(self, batch, num_mini_batches=None):
+        calls.append((len(batch), num_mini_batches))
+        time.sleep(0.5)  # generators run ahead: admission must hold them to one version
+        return original(self, batch, num_mini_batches=num_mini_batches)
+
+    monkeypatch.setattr(FSDPLearner, "train_step", slow_train_step)
+    summary = train(_cfg(tmp_path, "per_mb", "trainer.mode=async", "trainer.policy_version_per=mini_batch",
+                         "learner.num_mini_batches=2"))
+    steps = _steps(tmp_path, "per_mb")
+    # 3 steps x 2 versions, each on 2 groups of 4 samples in one optimizer step.
+    assert calls == [(8, 1)] * 6
+    assert [s["policy/version"] for s in steps] == [2.0, 4.0, 6.0]
+    assert [s["actor/optimizer_steps"] for s in steps] == [2.0, 2.0, 2.0]
+    assert [s["rollout/num_trajectories"] for s in steps] == [16.0, 16.0, 16.0]
+    assert all(s["staleness/max"] <= 1 for s in steps)
+    assert max(s["staleness/max"] for s in steps) == 1  # the pool ran a version ahead
+    for s in steps:
+        # Admission in versions of 2 groups: (max_staleness + v + 1) * 2.
+        assert s["pipeline/dispatched_groups"] <= (1 + s["policy/version"] + 1) * 2
+        assert s["buffer/bound_groups"] == 4
+    assert summary["pipeline/trained"] == 12
+    assert summary["pipeline/abandoned"] == 0
+    assert summary["pipeline/unstarted_or_in_engine_at_exit"] == 0
+
+
 def test_thread_budget_splits_cores():
     from async_rl.loops.async_loop import thread_budget
 
@@ -168,6 +203,33 @@ def test_async_config_defaults_and_errors():
         load_config(ROOT / "configs/default.yaml", ["trainer.max_staleness=2"])
     with pytest.raises(ConfigError, match="partial_rollout"):
         load_config(ROOT / "configs/default.yaml", ["generator.partial_rollout=pause"])
+
+
+def test_policy_version_per_mini_batch_is_refused_where_a_mini_batch_is_not_whole_groups_taken_once():
+    from async_rl.config import ConfigError
+
+    cfg = load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.policy_version_per=mini_batch"])
+    assert cfg.trainer.policy_version_per == "mini_batch"
+    with pytest.raises(ConfigError, match="sync mode publishes once per step"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.policy_version_per=mini_batch"])
+    with pytest.raises(ConfigError, match="trainer.prompts_per_step=30 is not a multiple of learner.num_mini_batches=4"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.policy_version_per=mini_batch",
+                                                    "trainer.prompts_per_step=30"])
+    with pytest.raises(ConfigError, match="learner.num_epochs=2"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.policy_version_per=mini_batch",
+                                                    "learner.num_epochs=2"])
+    with pytest.raises(ConfigError, match="policy_version_per must be one of"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.policy_version_per=optimizer"])
+
+
+def test_the_buffer_bound_counts_the_groups_of_one_version():
+    from async_rl.loops.dispatch import buffer_bound
+
+    step = load_config(ROOT / "configs/default.yaml", ["trainer.mode=async"])
+    per_mb = load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.policy_version_per=mini_batch"])
+    # default job: 32 groups a step, 4 mini-batches, max_staleness 1.
+    assert buffer_bound(step)["groups"] == 64
+    assert buffer_bound(per_mb)["groups"] == 16
 
 
 @pytest.mark.slow

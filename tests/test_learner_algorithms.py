@@ -311,3 +311,23 @@ def test_learner_has_no_dropout_regression(gpt2_path):
     batch.advantages = batch.loss_mask.clone()
     out = learner.train_step(batch)
     assert float(out["loss/ratio_max"]) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_train_step_given_one_mini_batch_takes_one_optimizer_step_as_a_learner_configured_so(tiny_model_path):
+    """``train_step(batch, num_mini_batches=1)`` (the async loop's version per mini-batch) on a
+    learner configured with 4 mini-batches takes one optimizer step, the same update as a learner
+    configured with 1."""
+    algo = _algo()
+    trajs = [_traj(g, j, [9 + j, 10, 11 + g], float(j % 2)) for g in range(2) for j in range(4)]
+    learners = [FSDPLearner(LearnerConfig(lr=1e-2, num_mini_batches=m), algo, tiny_model_path, temperature=1.0,
+                            total_optimizer_steps=10) for m in (4, 1)]
+    out = []
+    for learner, override in zip(learners, (1, None)):
+        batch, _ = make_batch(trajs, algo, 0, 8, learner)
+        out.append(learner.train_step(batch, num_mini_batches=override))
+    assert float(out[0]["actor/optimizer_steps"]) == float(out[1]["actor/optimizer_steps"]) == 1.0
+    assert float(out[0]["loss/pg"]) == pytest.approx(float(out[1]["loss/pg"]))
+    for (name, a), (_, b) in zip(learners[0].named_weights(), learners[1].named_weights()):
+        torch.testing.assert_close(a, b, msg=name)
+    batch, _ = make_batch(trajs, algo, 0, 8, learners[0])
+    assert float(learners[0].train_step(batch)["actor/optimizer_steps"]) == 4.0  # its own setting otherwise

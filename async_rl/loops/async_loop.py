@@ -26,7 +26,8 @@ state and the exactly-once ledger:
   abandoned (counted) and their prompts dispatched again, once, under new group ids.
 * **Consumption** (here): the learner takes B complete groups (``ReplayBuffer.get_groups`` evicts
   the stale), orders them by group id (so the batch does not depend on which worker finished
-  first), and trains with proximal log-probs recomputed at its current version.
+  first), and trains (``trainer.policy_version_per=mini_batch``: B above is one mini-batch's
+  groups, and a step takes, trains on and publishes ``learner.num_mini_batches`` versions).
 * **Exactly once** (here): every dispatched group ends trained, rejected (all samples rejected by
   the reward), dropped by dynamic sampling, evicted as stale or abandoned, each counted; whatever
   is still in flight at shutdown is counted too (``pipeline/*`` in the summary, checked to add up).
@@ -56,8 +57,8 @@ from async_rl.buffers.transport import make_transport
 from async_rl.runtime.cluster import Cluster
 from async_rl.utils.cpu_threads import user_num_threads
 from async_rl.loops.actors import RequestBroker
-from async_rl.loops.base import RunContext
-from async_rl.loops.common import dynamic_sampling, learn_on
+from async_rl.loops.base import RunContext, versions_per_step
+from async_rl.loops.common import dynamic_sampling, learn_on, merge_version_metrics
 from async_rl.loops.dispatch import Dispatcher, buffer_bound
 from async_rl.loops.intake import Intake, warn_if_exposed
 # probe_difference: kept importable from here, where it was defined before the pool had a module.
@@ -91,6 +92,9 @@ class AsyncLoop:
         cfg, t_cfg, g_cfg = ctx.cfg, ctx.cfg.trainer, ctx.cfg.generator
         self.n = t_cfg.samples_per_prompt
         self.groups_per_step = t_cfg.prompts_per_step
+        # trainer.policy_version_per=mini_batch: a step publishes one version per mini-batch.
+        self.versions_per_step = versions_per_step(t_cfg, cfg.learner)
+        self.groups_per_version = self.groups_per_step // self.versions_per_step
         # A reward model's actor takes one worker's share of the cores (or reward.model_num_threads).
         with_rm = cfg.reward.model is not None
         # Pinned roles (cpu_affinity) get as many threads as their cores, unless set explicitly.
@@ -117,7 +121,7 @@ class AsyncLoop:
         self._last_rejected_samples = 0
         self._rewards_checked = False
         self.dispatch = Dispatcher(
-            AdmissionController(self.groups_per_step, t_cfg.max_staleness),
+            AdmissionController(self.groups_per_version, t_cfg.max_staleness),
             feed=lambda batch: ray.get(self.broker.put_many.remote(batch)),
             forget=lambda ids: self.broker.forget.remote(ids),
             next_prompt=lambda: ctx.train_ds.next_batch(1)[0], group_size=self.n, seed=t_cfg.seed,
@@ -182,8 +186,9 @@ class AsyncLoop:
 
     # ------------------------------------------------------------------ the step
     def _take_groups(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:
-        """B complete groups for this step; with dynamic sampling each round takes the missing
-        number from the buffer and drops those without reward spread (``loops.common``)."""
+        """The complete groups of one policy version (B, or B / ``num_mini_batches`` with
+        ``trainer.policy_version_per=mini_batch``); with dynamic sampling each round takes the
+        missing number from the buffer and drops those without reward spread (``loops.common``)."""
         t0 = time.perf_counter()
 
         def take_round(missing: int) -> list[list[Any]]:
@@ -197,7 +202,7 @@ class AsyncLoop:
                 if time.perf_counter() - t0 > self.stall_timeout_s:
                     raise RuntimeError(f"step {step}: no complete group arrived for {self.stall_timeout_s:.0f} s")
 
-        kept, metrics = dynamic_sampling(take_round, self.ctx.cfg.algorithm, self.groups_per_step, budget="groups")
+        kept, metrics = dynamic_sampling(take_round, self.ctx.cfg.algorithm, self.groups_per_version, budget="groups")
         self.num_dynamic_dropped += int(metrics.get("rollout/dynamic_sampling_rejected_groups", 0))
         metrics["timing/wait_for_data_s"] = time.perf_counter() - t0
         return kept, metrics
@@ -206,13 +211,16 @@ class AsyncLoop:
         # The loop's first step only (``GeneratorPool.check_rewards``: while waiting, since under
         # ``reward.on_error=reject`` a run whose reward always fails never completes a group).
         if not self._rewards_checked:
-            self._rewards_checked = self.pool.check_rewards(self._last_stats, self.groups_per_step * self.n,
+            self._rewards_checked = self.pool.check_rewards(self._last_stats, self.groups_per_version * self.n,
                                                             f"step {step}")
 
     def step(self, step: int) -> dict[str, float]:
         """Wait for B groups, train on them, publish the new weights (with
-        ``weight_sync.overlap_push``: start publishing them); returns the step's metrics, with
-        those of the background pushes collected during it (``weight_sync/publish_lag_s``, ...).
+        ``weight_sync.overlap_push``: start publishing them); with
+        ``trainer.policy_version_per=mini_batch`` the same for each of ``num_mini_batches`` shares
+        of B groups, one optimizer step and one published version each. Returns the step's
+        metrics (merged over its versions, ``loops.common.merge_version_metrics``), with those of
+        the background pushes collected during it (``weight_sync/publish_lag_s``, ...).
 
         Raises:
             ValueError: the reward function failed on every call of the loop's first step.
@@ -221,21 +229,9 @@ class AsyncLoop:
                 repair (an engine's refusal, a timeout): its own error.
         """
         t0 = time.perf_counter()
-        groups, metrics = self._take_groups(step)
-        groups.sort(key=lambda g: g[0].group_id)
-        trajs = [t for g in groups for t in sorted(g, key=lambda t: int(t.trajectory_id.rsplit("/", 1)[1]))]
-        counters = self.buffer.counters
-        ro = RolloutResult(trajs, counters["rejected_samples"] - self._last_rejected_samples, 0,
-                           sum(len(t.response_ids) for t in trajs))
-        self._last_rejected_samples = counters["rejected_samples"]
-        metrics.update(learn_on(self.ctx, step, ro))
-        self.num_trained_groups += len(groups)
-        for t in trajs:
-            self.trained_by_generator[t.generator_id] = self.trained_by_generator.get(t.generator_id, 0) + 1
-        self.dispatch.forget_finished(self.buffer.is_finished)
-        metrics.update(self.pool.publish())
+        results = [self._train_one_version(step) for _ in range(self.versions_per_step)]
+        metrics = merge_version_metrics([m for m, _ in results], [ro for _, ro in results])
         metrics.update(self.pool.take_push_metrics())  # background pushes collected since the last step
-        self.dispatch.wake()  # evictions and dynamic-sampling drops of this step
         now = time.perf_counter()
         stats = self.pool.stats()
         delta = {k: stats[k] - self._last_stats.get(k, 0.0) for k in stats}
@@ -247,7 +243,7 @@ class AsyncLoop:
             # the actors' engines spent sampling and scoring (summed over actors).
             "perf/gen_tokens_per_s": delta.get("generated_tokens", 0.0) / max(now - self._last_t, 1e-9),
             "perf/generator_busy_frac": busy / max(busy + idle, 1e-9),
-            "rollout/rejected_samples": float(ro.num_rejected_samples),
+            "rollout/rejected_samples": float(sum(ro.num_rejected_samples for _, ro in results)),
             "pipeline/dispatched_groups": float(self.dispatch.num_dispatched),
             "pipeline/reissued_groups": float(self.dispatch.num_reissued),
             "pipeline/generator_restarts": float(sum(self.pool.restarts)),
@@ -261,6 +257,26 @@ class AsyncLoop:
         metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/"))})
         self._last_stats, self._last_t = stats, now
         return metrics
+
+    def _train_one_version(self, step: int) -> tuple[dict[str, float], RolloutResult]:
+        """Take one version's groups, train on them, publish the new weights; returns the
+        version's metrics and what it trained on."""
+        groups, metrics = self._take_groups(step)
+        groups.sort(key=lambda g: g[0].group_id)
+        trajs = [t for g in groups for t in sorted(g, key=lambda t: int(t.trajectory_id.rsplit("/", 1)[1]))]
+        counters = self.buffer.counters
+        ro = RolloutResult(trajs, counters["rejected_samples"] - self._last_rejected_samples, 0,
+                           sum(len(t.response_ids) for t in trajs))
+        self._last_rejected_samples = counters["rejected_samples"]
+        # One version per mini-batch: the share of groups taken is the mini-batch.
+        metrics.update(learn_on(self.ctx, step, ro, num_mini_batches=1 if self.versions_per_step > 1 else None))
+        self.num_trained_groups += len(groups)
+        for t in trajs:
+            self.trained_by_generator[t.generator_id] = self.trained_by_generator.get(t.generator_id, 0) + 1
+        self.dispatch.forget_finished(self.buffer.is_finished)
+        metrics.update(self.pool.publish())
+        self.dispatch.wake()  # evictions and dynamic-sampling drops of this version
+        return metrics, ro
 
     def _bound_metrics(self) -> dict[str, float]:
         """``buffer/bound_{groups,samples,tokens}``: the most the buffer can hold (``buffer_bound``),

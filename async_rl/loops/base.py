@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from async_rl.weight_sync.publisher import WeightPublisher
 
 TRAINER_MODES = ("sync", "async")
+POLICY_VERSION_UNITS = ("step", "mini_batch")
+"""Values of ``trainer.policy_version_per``."""
 
 
 DEFAULT_RESPONSE_FIELDS = ("extra_info.answer", "reward_model.ground_truth")
@@ -94,10 +96,22 @@ class TrainerConfig:
     samples_per_prompt: int = 8
     """Responses sampled per prompt, the group size n (>= 1)."""
     max_staleness: int | None = None
-    """Most policy versions (training steps) a sample may lag the learner at train time (>= 0);
-    ``None`` = 0 in sync mode, 1 in async mode. Async with 0 reproduces sync mode."""
+    """Most policy versions (training steps; mini-batches with ``policy_version_per=mini_batch``)
+    a sample may lag the learner at train time (>= 0); ``None`` = 0 in sync mode, 1 in async
+    mode. Async with 0 (and versions per step) reproduces sync mode."""
     max_reuse: int = 1
     """Async: times one group may be trained on (>= 1); 1 = never reused."""
+    policy_version_per: str = "step"
+    """Async: what one policy version is. ``step``: the learner trains on the step's
+    ``prompts_per_step`` groups (``learner.num_mini_batches`` optimizer steps), then publishes its
+    weights. ``mini_batch``: each mini-batch is a version of its own: ``num_mini_batches`` times a
+    step the learner takes ``prompts_per_step / num_mini_batches`` complete groups from the replay
+    buffer, takes one optimizer step on them and publishes (the in-flight weight updates of
+    PipelineRL, Piche et al. 2025, arXiv 2509.19128; verl's fully-async local step of one
+    mini-batch), so a sample trails the weights it trains by ``max_staleness`` optimizer steps at
+    most instead of that many batches of them. Admission, the buffer bound and staleness count
+    these versions. Needs whole groups per mini-batch and ``learner.num_epochs=1``; sync mode
+    takes ``step`` only (its generation is a barrier between steps)."""
     zmq_address: str | None = None
     """Async: ZeroMQ address the trajectory receiver binds; ``None`` = a free TCP port on
     ``bind_host``."""
@@ -155,6 +169,12 @@ class TrainerConfig:
             raise ValueError(f"trainer.placement_timeout_s must be > 0, got {self.placement_timeout_s}")
         if self.max_reuse < 1 or self.zmq_hwm < 1:
             raise ValueError(f"trainer.max_reuse and trainer.zmq_hwm must be >= 1, got {self.max_reuse} and {self.zmq_hwm}")
+        if self.policy_version_per not in POLICY_VERSION_UNITS:
+            raise ValueError(f"trainer.policy_version_per must be one of {POLICY_VERSION_UNITS}, "
+                             f"got {self.policy_version_per!r}")
+        if self.mode == "sync" and self.policy_version_per != "step":
+            raise ValueError(f"trainer.policy_version_per={self.policy_version_per}: sync mode publishes once per "
+                             "step (its generation waits for the step's weights); use trainer.mode=async or step")
         if self.mode == "sync" and self.max_staleness not in (None, 0):
             raise ValueError(f"trainer.mode=sync trains on-policy: trainer.max_staleness must be 0, got {self.max_staleness}")
         if self.run_name is not None and (not self.run_name.strip() or self.run_name.startswith(("/", "~")) or
@@ -165,6 +185,12 @@ class TrainerConfig:
         if self.overwrite and self.resume is not None:
             raise ValueError(f"trainer.overwrite=true deletes the run directory that trainer.resume={self.resume} "
                              "continues: set only one of them")
+
+
+def versions_per_step(trainer: TrainerConfig, learner: Any) -> int:
+    """Policy versions one training step publishes (``trainer.policy_version_per``): 1, or the
+    learner's ``num_mini_batches`` with ``mini_batch``. ``learner`` is the ``learner`` section."""
+    return learner.num_mini_batches if trainer.policy_version_per == "mini_batch" else 1
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""What both loops share: DAPO dynamic sampling over complete groups, and the learner step with
-the step's rollout, staleness and loss metrics."""
+"""What both loops share: DAPO dynamic sampling over complete groups, the learner step with
+the step's rollout, staleness and loss metrics, and the merge of a step's metrics over the
+policy versions it published."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from async_rl.buffers.trajectory import Trajectory
 from async_rl.utils.cpu_threads import thread_times
 from async_rl.step.evaluation import accuracy_of
 from async_rl.loops.base import RunContext
+from async_rl.runtime.metrics import metric_reduction
 from async_rl.step.rollout import RolloutResult
 
 
@@ -55,9 +57,10 @@ def dynamic_sampling(take_round: Callable[[int], Sequence[list[Trajectory]]], al
     return result.groups + result.surplus, metrics
 
 
-def learn_on(ctx: RunContext, step: int, ro: RolloutResult) -> dict[str, float]:
+def learn_on(ctx: RunContext, step: int, ro: RolloutResult, num_mini_batches: int | None = None) -> dict[str, float]:
     """Train on one step's trajectories (both modes): check staleness, build the batch with
-    advantages, take the learner's step; returns rollout, loss and staleness metrics.
+    advantages, take the learner's step (``num_mini_batches`` optimizer steps; ``None``: the
+    learner's own number); returns rollout, loss and staleness metrics.
 
     Raises:
         RuntimeError: no trajectory to train on, or a sample older than ``trainer.max_staleness``
@@ -74,7 +77,8 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult) -> dict[str, float]:
     t1, (cpu1, queued1) = time.perf_counter(), thread_times()
     batch, metrics = make_batch(trajs, cfg.algorithm, ctx.tokenizer.pad_token_id,
                                 cfg.generator.max_response_tokens, learner)
-    train_metrics = learner.train_step(batch)
+    train_metrics = learner.train_step(batch) if num_mini_batches is None else \
+        learner.train_step(batch, num_mini_batches=num_mini_batches)
     t_train = time.perf_counter() - t1
     cpu2, queued2 = thread_times()
     for k, v in train_metrics.items():
@@ -118,3 +122,55 @@ def rollout_metrics(trajs: list[Trajectory], ro: RolloutResult) -> dict[str, flo
         "rollout/rejected_groups": float(ro.num_rejected_groups),
     })
     return metrics
+
+
+SUMMED_METRICS = frozenset({
+    "actor/optimizer_steps", "actor/skipped_mini_batches", "rollout/num_trajectories", "rollout/rejected_samples",
+    "rollout/rejected_groups", "rollout/dynamic_sampling_rounds", "rollout/dynamic_sampling_surplus_groups",
+    "rollout/dynamic_sampling_rejected_groups"})
+"""Counts: a step's value is the sum over its policy versions (with ``timing/*``, in seconds)."""
+
+LAST_METRICS = frozenset({"policy/version", "data/epoch"})
+"""Positions: a step's value is that of its last policy version."""
+
+
+def merge_version_metrics(parts: Sequence[dict[str, float]],
+                          rollouts: Sequence[RolloutResult] = ()) -> dict[str, float]:
+    """One step's metrics from those of its policy versions (``trainer.policy_version_per=mini_batch``
+    publishes several a step), in order: counts (``SUMMED_METRICS``) and ``timing/*`` seconds
+    summed, positions (``LAST_METRICS``) from the last, extremes by ``metric_reduction`` (max /
+    min), ``perf/train_tokens_per_s`` as tokens over the summed ``timing/train_s``, and every
+    other metric the mean over the versions that report it (each trains on equally many groups).
+    With the versions' ``rollouts`` given, ``rollout/*`` is recomputed over every trajectory of
+    the step (``rollout_metrics``), not averaged. One version's metrics come back as they are.
+
+    Raises:
+        ValueError: ``parts`` is empty.
+    """
+    if not parts:
+        raise ValueError("merge_version_metrics needs the metrics of at least one policy version")
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        values = [float(p[key]) for p in parts if key in p]
+        how = metric_reduction(key)
+        if key in SUMMED_METRICS or key.startswith("timing/"):
+            out[key] = sum(values)
+        elif key in LAST_METRICS:
+            out[key] = values[-1]
+        elif how == "max":
+            out[key] = max(values)
+        elif how == "min":
+            out[key] = min(values)
+        else:
+            out[key] = sum(values) / len(values)
+    if all("perf/train_tokens_per_s" in p and "timing/train_s" in p for p in parts):
+        tokens = sum(p["perf/train_tokens_per_s"] * p["timing/train_s"] for p in parts)
+        out["perf/train_tokens_per_s"] = tokens / max(out["timing/train_s"], 1e-9)
+    if rollouts:
+        trajs = [t for ro in rollouts for t in ro.trajectories]
+        out.update(rollout_metrics(trajs, RolloutResult(trajs, sum(ro.num_rejected_samples for ro in rollouts),
+                                                        sum(ro.num_rejected_groups for ro in rollouts),
+                                                        sum(ro.num_generated_tokens for ro in rollouts))))
+    return out

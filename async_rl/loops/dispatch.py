@@ -16,13 +16,16 @@ from collections import deque
 from typing import Any, Callable, Iterable
 
 from async_rl.buffers.replay import AdmissionController
+from async_rl.loops.base import versions_per_step
 from async_rl.step.rollout import GroupRequest, group_seed, longest_sequence
 
 
 def buffer_bound(cfg) -> dict[str, int] | None:
     """Most the replay buffer can hold at once under admission control, from the run's config
     ``cfg`` (``async_rl.config.Config``):
-    ``groups = (max_staleness + 1) · prompts_per_step`` (derived in
+    ``groups = (max_staleness + 1) · B`` with ``B`` the groups of one policy version
+    (``prompts_per_step``, divided by ``learner.num_mini_batches`` with
+    ``trainer.policy_version_per=mini_batch``; derived in
     ``AdmissionController.max_resident_groups``), ``samples = groups · samples_per_prompt``,
     ``tokens = samples ·`` the longest rollout sequence (``data.max_prompt_tokens`` plus
     ``generator.max_response_tokens``, or ``agent.max_response_tokens`` with tools;
@@ -35,7 +38,8 @@ def buffer_bound(cfg) -> dict[str, int] | None:
     t_cfg = cfg.trainer
     if t_cfg.max_reuse > 1:
         return None
-    groups = AdmissionController(t_cfg.prompts_per_step, t_cfg.max_staleness).max_resident_groups()
+    per_version = t_cfg.prompts_per_step // versions_per_step(t_cfg, cfg.learner)
+    groups = AdmissionController(per_version, t_cfg.max_staleness).max_resident_groups()
     samples = groups * t_cfg.samples_per_prompt
     return {"groups": groups, "samples": samples, "tokens": samples * longest_sequence(cfg)[0]}
 
