@@ -268,8 +268,10 @@ class AsyncLoop:
         ro = RolloutResult(trajs, counters["rejected_samples"] - self._last_rejected_samples, 0,
                            sum(len(t.response_ids) for t in trajs))
         self._last_rejected_samples = counters["rejected_samples"]
-        # One version per mini-batch: the share of groups taken is the mini-batch.
-        metrics.update(learn_on(self.ctx, step, ro, num_mini_batches=1 if self.versions_per_step > 1 else None))
+        # One version per mini-batch: the share of groups taken is the mini-batch (the argument
+        # only then, so a wrapper of learn_on written for its three arguments keeps working).
+        metrics.update(learn_on(self.ctx, step, ro, num_mini_batches=1) if self.versions_per_step > 1
+                       else learn_on(self.ctx, step, ro))
         self.num_trained_groups += len(groups)
         for t in trajs:
             self.trained_by_generator[t.generator_id] = self.trained_by_generator.get(t.generator_id, 0) + 1
