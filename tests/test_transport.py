@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import multiprocessing as mp
+import socket
 import time
 
 import msgpack
@@ -306,6 +307,62 @@ def test_zmq_groups_sent_just_before_a_process_exits_all_arrive():
         receiver.close()
     assert proc.exitcode == 0
     assert [m for m in got if isinstance(m, GroupClosed)] == [GroupClosed(g, 8) for g in range(num)]
+
+
+def _send_to_unbound_address_and_exit(factory, num: int, queued) -> None:
+    """Queue ``num`` groups for a receiver not bound yet, signal, close the sender, end the process."""
+    sender = factory()
+    for g in range(num):
+        sender.send(TrajectoryGroup(g, [make_traj(f"{g}/{i}", g, num_prompt=100, num_response=1000, seed=i)
+                                        for i in range(8)]))
+    queued.set()
+    sender.close()
+
+
+def test_zmq_sender_close_delivers_the_queue_before_its_process_may_exit():
+    """``close`` returns only once the queue is delivered (or the linger ends): queued for a
+    receiver that binds 1 s later, every group arrives. With the sockets on pyzmq's shared
+    context, ``close`` returned at once and the exiting interpreter killed ZeroMQ's I/O thread
+    with the queue unsent (CI lost 18 of 200 groups that way under load)."""
+    num = 16  # under the sender's hwm: all of them queue without a receiver
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    queued = ctx.Event()
+    proc = ctx.Process(target=_send_to_unbound_address_and_exit,
+                       args=(ZmqSenderFactory(address, hwm=64), num, queued))
+    proc.start()
+    receiver = None
+    try:
+        assert queued.wait(60), "the sender process did not queue its groups"
+        time.sleep(1.0)
+        assert proc.is_alive(), "the sender's close returned with its queue undelivered"
+        receiver = ZmqTrajectoryReceiver(address, hwm=64)
+        got = []
+        while len(got) < num * 9:
+            batch = receiver.recv_many(512, timeout_s=20.0)
+            assert batch, f"receiver starved after {len(got)} messages"
+            got += batch
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        if receiver is not None:
+            receiver.close()
+    assert [m for m in got if isinstance(m, GroupClosed)] == [GroupClosed(g, 8) for g in range(num)]
+    assert sorted(m.trajectory_id for m in got if isinstance(m, Trajectory)) == sorted(
+        f"{g}/{i}" for g in range(num) for i in range(8))
+
+
+def test_zmq_sender_close_is_idempotent_and_bounded_by_its_linger():
+    sender = ZmqSenderFactory("tcp://127.0.0.1:1", hwm=4, linger_s=0.3)()
+    sender.send(make_traj("never/0"))  # queued for a receiver that never binds
+    t0 = time.monotonic()
+    sender.close()
+    assert 0.2 < time.monotonic() - t0 < 10.0  # waited out the linger, then gave the queue up
+    sender.close()
 
 
 def test_zmq_two_sender_processes_deliver_exactly_once():

@@ -59,7 +59,7 @@ from async_rl.utils.cpu_threads import user_num_threads
 from async_rl.loops.actors import RequestBroker
 from async_rl.loops.base import RunContext, versions_per_step
 from async_rl.loops.common import dynamic_sampling, learn_on, merge_version_metrics
-from async_rl.loops.dispatch import Dispatcher, buffer_bound
+from async_rl.loops.dispatch import Dispatcher, buffer_bound, exactly_once_ledger
 from async_rl.loops.intake import Intake, warn_if_exposed
 # probe_difference: kept importable from here, where it was defined before the pool had a module.
 from async_rl.loops.pool import GeneratorPool, engine_tokens_per_s, placer, probe_difference, thread_budget  # noqa: F401
@@ -147,11 +147,12 @@ class AsyncLoop:
         self.pool.start()
         if resume_state is not None:
             self._load_state_dict(resume_state)
-        self._stop = threading.Event()
+        # The receiver stops after the workers: a worker's sender flushes its queue on close.
+        self._stop, self._stop_intake = threading.Event(), threading.Event()
         self._errors: list[BaseException] = []
         self._threads = [
             threading.Thread(target=self._guard(lambda: self.dispatch.run(self._stop)), name="dispatcher", daemon=True),
-            threading.Thread(target=self._guard(lambda: self.intake.run(self._stop)), name="receiver", daemon=True)]
+            threading.Thread(target=self._guard(lambda: self.intake.run(self._stop_intake)), name="receiver", daemon=True)]
         # The first window of the per-step worker counters opens before any request is
         # dispatched, so no generated token or tool call falls outside every step's window.
         self._last_stats = self.pool.stats()
@@ -323,28 +324,10 @@ class AsyncLoop:
                            count)
 
     def ledger(self) -> dict[str, int]:
-        """Where every dispatched group went; ``accounted == dispatched`` once the pool is stopped."""
-        c = self.buffer.counters
-        m = self.buffer.metrics()
-        out = {
-            "dispatched": self.dispatch.num_dispatched,
-            "trained": self.num_trained_groups,
-            "rejected": c["rejected_groups"],
-            "stale": c["stale_groups"],
-            "abandoned": c["abandoned_groups"],
-            "dynamic_sampling_dropped": self.num_dynamic_dropped,
-            "ready_unused": int(m["buffer/num_groups_ready"]),
-            "partial_at_exit": int(m["buffer/num_partial_groups"]),
-            "queued_at_exit": int(ray.get(self.broker.qsize.remote())),
-        }
-        # Groups dispatched whose first sample never arrived are neither ready nor partial.
-        seen = out["trained"] + out["rejected"] + out["stale"] + out["abandoned"] + out["dynamic_sampling_dropped"] \
-            + out["ready_unused"] + out["partial_at_exit"] + out["queued_at_exit"]
-        out["unstarted_or_in_engine_at_exit"] = out["dispatched"] - seen
-        # Not part of the sum: each re-issue is a new dispatched group, its old one abandoned.
-        out["reissued"] = self.dispatch.num_reissued
-        out["generator_restarts"] = sum(self.pool.restarts)
-        return out
+        """Where every dispatched group went (``loops.dispatch.exactly_once_ledger``);
+        ``accounted == dispatched`` once the pool is stopped."""
+        return exactly_once_ledger(self.dispatch, self.buffer, self.num_trained_groups, self.num_dynamic_dropped,
+                                   int(ray.get(self.broker.qsize.remote())), sum(self.pool.restarts))
 
     # ------------------------------------------------------------------ evaluation and exit
     def sync_eval_engine(self) -> None:
@@ -353,26 +336,12 @@ class AsyncLoop:
         self.pool.settle()
         self.ctx.publisher.push(self.ctx.learner.version)
 
-    def _probe_engines(self, num_prompts: int = 4, max_tokens: int = 16) -> dict[str, float]:
-        """``weight_sync.probe_at_exit``: every actor's engine and the trainer's own (holding the
-        learner's weights) greedily decode the same prompts (``GeneratorPool.probe_against``)."""
-        ds = self.ctx.val_ds if self.ctx.val_ds is not None and len(self.ctx.val_ds) else self.ctx.train_ds
-        prompts = [list(p.prompt_ids) for p in ds.prompts[:num_prompts]]
-
-        def reference() -> dict[str, Any]:
-            self.sync_eval_engine()
-            params = dataclasses.replace(self.ctx.eval_params, greedy=True, max_tokens=max_tokens)
-            rows = self.ctx.generator.generate(prompts, 1, params, seeds=[0] * len(prompts))
-            return {"policy_version": int(self.ctx.learner.version),
-                    "response_ids": [r[0].response_ids for r in rows], "logprobs": [r[0].logprobs for r in rows]}
-        return self.pool.probe_against(prompts, max_tokens, reference, self.ctx.run_dir / "engine_probe.json")
-
     def _summary(self) -> dict[str, Any]:
         """The ``pipeline/*``, ``generator_<i>/*``, ``buffer/peak_*`` and actors' ``reward/*``
         entries of the run's summary, once the pool has stopped and the receiver is drained."""
         summary = {f"pipeline/{k}": v for k, v in self.ledger().items()}
         if self.ctx.cfg.weight_sync.probe_at_exit:
-            summary.update(self._probe_engines())
+            summary.update(self.pool.probe_engines(self.sync_eval_engine))
         for i in range(len(self.pool.workers)):
             summary[f"generator_{i}/trained_samples"] = self.trained_by_generator.get(i, 0)
             summary[f"generator_{i}/restarts"] = self.pool.restarts[i]
@@ -410,6 +379,7 @@ class AsyncLoop:
         self._stop.set()
         self.dispatch.wake()
         self.pool.stop()
+        self._stop_intake.set()
         for th in self._threads:
             th.join(timeout=5)
         self.intake.drain()  # what the workers sent before stopping, so the ledger counts it

@@ -22,11 +22,11 @@ replacement needs a push: neither calls across a file boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -262,24 +262,34 @@ class GeneratorPool:
             check_rewards_work(window, self.reward_first_error(), where)
         return True
 
-    def probe_against(self, prompts: list[list[int]], max_tokens: int, reference: Callable[[], dict],
-                      out_path: Path) -> dict[str, float]:
-        """Every live actor's greedy decode of ``prompts`` (``GeneratorWorker.probe``) against
-        ``reference()``, the same decode by an engine holding the learner's weights (called once
-        the actors answered). The tokens and log-probs, with where each engine ran, go to
-        ``out_path`` (JSON). Returns the largest log-prob difference over the tokens both
-        produced (nats) and the number of actors whose tokens differ (``weight_sync/probe_*``);
-        nothing when an actor fails or does not answer within 300 s (logged)."""
+    def probe_engines(self, sync_trainer_engine: Callable[[], None], num_prompts: int = 4,
+                      max_tokens: int = 16) -> dict[str, float]:
+        """``weight_sync.probe_at_exit``: every live actor's engine (``GeneratorWorker.probe``)
+        and the trainer's own, given the learner's weights by ``sync_trainer_engine()`` once the
+        actors answered, greedily decode the same ``num_prompts`` prompts (validation set, else
+        training set) for up to ``max_tokens`` tokens. The tokens and log-probs, with where each
+        engine ran, go to ``<run_dir>/engine_probe.json``. Returns the largest log-prob
+        difference over the tokens both produced (nats) and the number of actors whose tokens
+        differ (``weight_sync/probe_*``); nothing when an actor fails or does not answer within
+        300 s (logged)."""
+        ctx = self.ctx
+        ds = ctx.val_ds if ctx.val_ds is not None and len(ctx.val_ds) else ctx.train_ds
+        prompts = [list(p.prompt_ids) for p in ds.prompts[:num_prompts]]
         try:
             probes = self._ray.get([self.workers[i].probe.remote(prompts, max_tokens) for i in self.active()],
                                    timeout=300)
         except Exception as e:  # a dead worker was already reported by step()
             logger.warning("engine probe: %s", e)
             return {}
-        ref = reference()
+        sync_trainer_engine()
+        params = dataclasses.replace(ctx.eval_params, greedy=True, max_tokens=max_tokens)
+        rows = ctx.generator.generate(prompts, 1, params, seeds=[0] * len(prompts))
+        ref = {"policy_version": int(ctx.learner.version),
+               "response_ids": [r[0].response_ids for r in rows], "logprobs": [r[0].logprobs for r in rows]}
         diffs = [probe_difference(ref, p) for p in probes]
-        out_path.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "trainer_engine": ref,
-                                        "actors": probes, "differences": diffs}, indent=1))
+        (ctx.run_dir / "engine_probe.json").write_text(json.dumps(
+            {"prompts": prompts, "max_tokens": max_tokens, "trainer_engine": ref, "actors": probes,
+             "differences": diffs}, indent=1))
         return {"weight_sync/probe_max_abs_logprob_diff": max(d["max_abs_logprob_diff"] for d in diffs),
                 "weight_sync/probe_token_mismatches": float(sum(not d["tokens_equal"] for d in diffs))}
 
