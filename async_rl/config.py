@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from async_rl.step.agent import AgentConfig
+from async_rl.step.episodes import EnvConfig
 from async_rl.algorithms.config import ASYNC_CLIP_RATIO_C, AlgorithmConfig
 from async_rl.loops.base import TrainerConfig
 from async_rl.data.dataset import DataConfig
@@ -67,6 +68,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -211,6 +213,7 @@ def _cross_validate(cfg: Config) -> None:
             f"trainer.samples_per_prompt={n}: the {cfg.algorithm.advantage_estimator} "
             "estimator compares samples within a group and needs at least 2 per prompt")
     _check_colocated(cfg)
+    _check_env(cfg)
     if n < 2 and cfg.algorithm.dynamic_sampling:
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
                           "differ, which needs at least 2 samples per prompt")
@@ -219,6 +222,24 @@ def _cross_validate(cfg: Config) -> None:
     _check_token_budgets(cfg)
     _check_lora(cfg)
     _check_partial_rollout(cfg)
+
+
+def _check_env(cfg: Config) -> None:
+    """An environment is the rollout's one road: it answers every turn and gives the reward."""
+    if not cfg.env.enabled:
+        return
+    if cfg.agent.enabled:
+        raise ConfigError(f"env.name={cfg.env.name} and agent.tools={cfg.agent.tools} are both set: an environment "
+                          "runs the whole episode (it offers tools itself, as Environment.tools), so set one of them")
+    if cfg.reward.fn:
+        raise ConfigError(f"env.name={cfg.env.name} and reward.fn={cfg.reward.fn} are both set: the environment's "
+                          "return is the reward; unset reward.fn (reward.model may still add a model's score)")
+    from async_rl.envs import make_env
+
+    try:
+        make_env(cfg.env.name, cfg.env.args)
+    except ValueError as e:
+        raise ConfigError(f"env.name: {e}") from None
 
 
 def _check_version_unit(cfg: Config) -> None:

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from async_rl.runtime.checkpoint import (RunDirectory, StopRequest, latest_checkpoint, load_trainer_state,
                                          resolve_resume, rng_state, save_checkpoint, set_rng_state)
-from async_rl.step.agent import AgentLoop
+from async_rl.step.episodes import make_rollout_agent
 from async_rl.config import to_dict, to_yaml
 from async_rl.utils.cpu_threads import available_cores, user_num_threads
 from async_rl.data.builtin import resolve
@@ -226,7 +226,7 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     stops = stop_token_ids(tokenizer, model_path, cfg.generator.extra_stop_token_ids)
-    agent = AgentLoop(cfg.agent, tokenizer, stops) if cfg.agent.enabled else None
+    agent = make_rollout_agent(cfg, tokenizer, stops)
     # With tools, prompts are rendered with their schemas (the model sees what it may call).
     tools = agent.schemas if agent is not None else None
     # The warm start's reference responses are read (and a row without one refused) as the rows load.
@@ -235,7 +235,7 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
                              reference_hint=WARM_START_HINT, on_bad_row=d.on_bad_row)
     val_ds = (PromptDataset([resolve(f) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
                             limit=d.val_max_prompts, tools=tools, on_bad_row=d.on_bad_row) if d.val_files else None)
-    if not cfg.reward.fn and not cfg.reward.model:
+    if not cfg.reward.fn and not cfg.reward.model and not cfg.env.enabled:
         # Fail before training, not as a reward error on every sample: each data_source needs a reward.
         for source in {p.data_source for ds in (train_ds, val_ds) if ds is not None for p in ds.prompts}:
             default_reward_for(source)

@@ -141,7 +141,7 @@ LAYERS = {
     "step": ["async_rl.step"],
     "components": ["async_rl.runtime", "async_rl.learners", "async_rl.generators", "async_rl.buffers",
                    "async_rl.weight_sync", "async_rl.data"],
-    "library": ["async_rl.utils", "async_rl.algorithms", "async_rl.rewards", "async_rl.tools"],
+    "library": ["async_rl.utils", "async_rl.algorithms", "async_rl.rewards", "async_rl.tools", "async_rl.envs"],
 }
 # The only modules at the top of async_rl/: the console script (``async_rl.cli:entry``) and the two
 # layers of one module each, the main imports of a user's own driver.

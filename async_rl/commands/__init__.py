@@ -159,7 +159,7 @@ def eval_parts(cfg: Config, model_dir: str, tokenizer_dir: str) -> EvalParts:
     """
     from transformers import AutoTokenizer
 
-    from async_rl.step.agent import AgentLoop
+    from async_rl.step.episodes import make_rollout_agent
     from async_rl.generators.base import SamplingParams
     from async_rl.step.rollout import make_scorer, stop_token_ids
 
@@ -167,7 +167,7 @@ def eval_parts(cfg: Config, model_dir: str, tokenizer_dir: str) -> EvalParts:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     stops = stop_token_ids(tokenizer, model_dir, cfg.generator.extra_stop_token_ids)
-    agent = AgentLoop(cfg.agent, tokenizer, stops) if cfg.agent.enabled else None
+    agent = make_rollout_agent(cfg, tokenizer, stops)
     params = SamplingParams.from_config(cfg.generator, stops, greedy=cfg.trainer.eval_greedy)
     # The reward function runs in its worker processes under reward.timeout_s, as in a run: a
     # hanging reward costs its sample, not the command. The reward model is a run's alone.
@@ -193,7 +193,7 @@ def held_out_prompts(cfg: Config, parts: EvalParts, limit: int | None = None):
     ds = PromptDataset([resolve(f) for f in cfg.data.val_files], parts.tokenizer, cfg.data.max_prompt_tokens,
                        cfg.trainer.seed, False, limit=cfg.data.val_max_prompts if limit is None else limit, tools=tools,
                        on_bad_row=cfg.data.on_bad_row)
-    if not cfg.reward.fn:
+    if not cfg.reward.fn and not cfg.env.enabled:  # an environment's return is the reward
         for source in {p.data_source for p in ds.prompts}:
             default_reward_for(source)
     return ds

@@ -49,6 +49,7 @@ import torch
 from transformers import AutoTokenizer
 
 from async_rl.step.agent import AgentLoop
+from async_rl.step.episodes import EpisodeLoop
 from async_rl.buffers.transport import TrajectoryGroup
 from async_rl.runtime.cluster import group_ip, pin_process, use_node_interface, where
 from async_rl.generators import make_generator
@@ -190,11 +191,15 @@ class GeneratorWorker:
         incarnation: how many times the pool replaced the actor at ``worker_id`` before this one
             (its claims at the ``RequestBroker`` are kept apart from its predecessors').
         bind_host: the run's ``Cluster.bind_host`` (loopback: this actor's groups use loopback too).
+        env_cfg: ``EnvConfig``; with ``env.name`` set each sample is an episode of the
+            environment (``async_rl.step.episodes``), whose first observation may have at most
+            ``max_prompt_tokens`` tokens.
     """
 
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
                  reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None,
-                 reward_cfg=None, reward_model=None, incarnation: int = 0, bind_host: str | None = None) -> None:
+                 reward_cfg=None, reward_model=None, incarnation: int = 0, bind_host: str | None = None,
+                 env_cfg=None, max_prompt_tokens: int = 0) -> None:
         # First: the engine's threads and processes inherit the mask (generator.cpu_affinity).
         pin_process(gen_cfg.cpu_affinity, "generator.cpu_affinity")
         torch.set_num_threads(max(1, num_threads))
@@ -211,7 +216,9 @@ class GeneratorWorker:
         self.engine = make_generator(gen_cfg, model_path, pad, num_threads=max(1, num_threads), lora=lora)
         self.params = params
         self.agent = None
-        if agent_cfg is not None and agent_cfg.enabled:
+        if env_cfg is not None and env_cfg.enabled:
+            self.agent = EpisodeLoop(env_cfg, self.tokenizer, params.stop_token_ids, max_prompt_tokens)
+        elif agent_cfg is not None and agent_cfg.enabled:
             self.agent = AgentLoop(agent_cfg, self.tokenizer, params.stop_token_ids)
         # This actor's own reward workers (reward.num_workers processes, started on the first
         # sample): a reward function that hangs or crashes costs a sample, never this engine.

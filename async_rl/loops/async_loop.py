@@ -255,7 +255,7 @@ class AsyncLoop:
         if speed is not None:
             metrics["perf/engine_tokens_per_s"] = speed
         # Training rollouts are scored in the actors: their counters, not the trainer's scorer.
-        metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/"))})
+        metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/", "env/"))})
         self._last_stats, self._last_t = stats, now
         return metrics
 

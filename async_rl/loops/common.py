@@ -102,13 +102,18 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult, num_mini_batches: in
 
 def rollout_metrics(trajs: list[Trajectory], ro: RolloutResult) -> dict[str, float]:
     """``rollout/*`` of the trajectories a step trains on: reward mean/std, accuracy, response
-    length (tokens), truncated fraction, counts, and per-conversation tool use (agent runs)."""
+    length (tokens), truncated fraction, counts, per-conversation tool use (agent runs) and
+    per-episode environment infos (``rollout/env_info_<key>_mean``)."""
     rewards = torch.tensor([t.reward for t in trajs])
     lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
     metrics: dict[str, Any] = {}
     for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors", "agent/max_turns"):
         if key in trajs[0].reward_extras:
             metrics[f"rollout/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / len(trajs)
+    # An environment's step infos (env/info/<key>), summed per episode, averaged over episodes.
+    for key in sorted({k for t in trajs for k in t.reward_extras if k.startswith("env/info/")}):
+        metrics[f"rollout/env_info_{key[len('env/info/'):]}_mean"] = sum(
+            t.reward_extras.get(key, 0.0) for t in trajs) / len(trajs)
     if "model_score" in trajs[0].reward_extras:  # reward.model: its raw score, before reward.model_weight
         metrics["rollout/model_score_mean"] = sum(t.reward_extras.get("model_score", 0.0) for t in trajs) / len(trajs)
     metrics.update({

@@ -109,6 +109,7 @@ def placer(ctx, cluster, worker_args: tuple, reward_actor) -> Callable[[list[int
                                    scheduling_strategy=strategies[i]).remote(
                     i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn, cfg.reward.on_error, sender_factory,
                     per_worker, cfg.learner.lora, cfg.agent, reward_cfg=cfg.reward, reward_model=reward_actor,
+                    env_cfg=cfg.env, max_prompt_tokens=cfg.data.max_prompt_tokens,
                     incarnation=incarnation, bind_host=cluster.bind_host)
                 for i in (range(g_cfg.num_workers) if indices is None else indices)]
     return place

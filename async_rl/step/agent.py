@@ -144,7 +144,8 @@ def demonstration_ids(tokenizer, prompt_messages: list[dict], demonstration: lis
         tokenizer: tokenizer with a tool-aware chat template.
         prompt_messages: the prompt's messages (rendered with a generation prompt before this).
         demonstration: the messages after the prompt: assistant (with ``tool_calls``), tool, ...,
-            ending with the final assistant message.
+            ending with the final assistant message (an environment's observations are user
+            messages).
         tools: tool schemas passed to the template.
         end_of_turn_ids: ids that end an assistant turn.
 
@@ -154,7 +155,7 @@ def demonstration_ids(tokenizer, prompt_messages: list[dict], demonstration: lis
 
     Raises:
         ValueError: a demonstration that does not end with an assistant message, a message
-            role other than assistant/tool, or a template that is not prefix-stable.
+            role other than assistant/tool/user, or a template that is not prefix-stable.
     """
     if not demonstration or demonstration[-1].get("role") != "assistant":
         raise ValueError("a demonstration must end with an assistant message")
@@ -175,16 +176,19 @@ def demonstration_ids(tokenizer, prompt_messages: list[dict], demonstration: lis
             messages.append(message)
             k += 1
             mask_value = 1
-        elif message.get("role") == "tool":
+        elif message.get("role") in ("tool", "user"):
+            # An environment's observations are user messages, a tool loop's tool messages:
+            # either is appended as the template renders it, untrained.
             tool_messages = []
-            while k < len(demonstration) and demonstration[k].get("role") == "tool":
+            while k < len(demonstration) and demonstration[k].get("role") in ("tool", "user"):
                 tool_messages.append(demonstration[k])
                 k += 1
             turn = tool_turn_ids(tokenizer, messages, tool_messages, tools, end_of_turn_ids)
             messages.extend(tool_messages)
             mask_value = 0
         else:
-            raise ValueError(f"demonstration message {k} has role {message.get('role')!r}; expected assistant or tool")
+            raise ValueError(f"demonstration message {k} has role {message.get('role')!r}; expected assistant, tool "
+                             "or user")
         ids += turn
         mask += [mask_value] * len(turn)
         context = context + turn
@@ -254,6 +258,12 @@ class AgentLoop:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The rendered prompt with the tools' schemas and a generation prompt."""
         return render_ids(self.tokenizer, messages, self.schemas, add_generation_prompt=True)
+
+    def run_groups(self, generator, requests: Sequence[Any], n: int, params, seeds: Sequence[int] | None,
+                   on_sample: Callable[[int, int, Conversation], None] | None = None) -> list[list[Conversation]]:
+        """``run`` over ``GroupRequest``s (their ``prompt_ids`` and ``messages``), as
+        ``EpisodeLoop.run_groups``: the one call a rollout makes of either loop."""
+        return self.run(generator, [(r.prompt_ids, r.messages) for r in requests], n, params, seeds, on_sample)
 
     def run(self, generator, prompts: Sequence[tuple[list[int], list[dict]]], n: int, params,
             seeds: Sequence[int] | None, on_sample: Callable[[int, int, Conversation], None] | None = None,

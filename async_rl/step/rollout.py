@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 from transformers import GenerationConfig
 
 from async_rl.step.agent import Conversation
+from async_rl.step.episodes import Episode
 from async_rl.buffers.trajectory import Trajectory
 from async_rl.generators.base import mix_seed
 from async_rl.rewards import RewardScorer
@@ -41,13 +42,17 @@ def longest_sequence(cfg: Any) -> tuple[int, str]:
 
     A prompt has at most ``data.max_prompt_tokens`` tokens (longer ones are rejected at load); a
     response at most ``generator.max_response_tokens``, or with tools (``agent.tools``) a whole
-    conversation at most ``agent.max_response_tokens`` (generated and tool tokens together).
+    conversation at most ``agent.max_response_tokens`` (generated and tool tokens together), or
+    with an environment (``env.name``) a whole episode at most ``env.max_response_tokens`` (an
+    environment's first observation longer than the prompt limit is rejected).
 
     Returns:
         ``(tokens, "data.max_prompt_tokens=P + <key>=R")``.
     """
     prompt = cfg.data.max_prompt_tokens
-    if cfg.agent.enabled:
+    if cfg.env.enabled:
+        response, key = cfg.env.max_response_tokens, "env.max_response_tokens"
+    elif cfg.agent.enabled:
         response, key = cfg.agent.max_response_tokens, "agent.max_response_tokens"
     else:
         response, key = cfg.generator.max_response_tokens, "generator.max_response_tokens"
@@ -200,6 +205,8 @@ so any other reason is a bug, not something to score as truncated."""
 def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str, prompt_ids: list[int]) -> Trajectory:
     """An unscored ``Trajectory`` of a generator ``Sample`` or an agent ``Conversation``.
 
+    An environment's ``Episode`` also carries its prompt ids (its first observation), its return
+    as the reward and ``env/return``, ``env/info/<key>`` in ``reward_extras``.
     A conversation keeps its loss mask (0 on tool tokens), its per-token versions, its turn and
     tool counts (in ``reward_extras``: ``agent/turns``, ``agent/tool_calls``,
     ``agent/tool_errors``, ``agent/max_turns``) and its final answer as ``response_text`` (what
@@ -214,8 +221,11 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
                          f"{sorted(_FINISH_REASONS)}; an unfinished sample must not be scored as truncated")
     conversation = isinstance(sample, Conversation)
     text = sample.final_text if conversation else tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    episode = isinstance(sample, Episode)
     traj = Trajectory(
-        trajectory_id=f"{group_id}/{index}", group_id=group_id, prompt_uid=prompt_uid, prompt_ids=prompt_ids,
+        trajectory_id=f"{group_id}/{index}", group_id=group_id, prompt_uid=prompt_uid,
+        # An environment's reset may give a first observation of its own (a game's start).
+        prompt_ids=list(sample.prompt_ids) if episode else prompt_ids,
         response_ids=list(sample.response_ids), behavior_logprobs=list(sample.logprobs),
         loss_mask=list(sample.loss_mask) if conversation else [1] * len(sample.response_ids),
         finish_reason=_FINISH_REASONS[sample.finish_reason],
@@ -224,6 +234,13 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
         traj.reward_extras = {"agent/turns": float(sample.num_turns), "agent/tool_calls": float(sample.num_tool_calls),
                               "agent/tool_errors": float(sample.num_tool_errors),
                               "agent/max_turns": float(sample.finish_reason == "max_turns")}
+    if episode:
+        # The environment's return is the reward (its reward model, if any, adds on top).
+        traj.reward = float(sample.env_return)
+        traj.reward_extras.update({"env/return": traj.reward,
+                                   **{f"env/info/{k}": float(v) for k, v in sample.info.items()}})
+        for key in ("agent/tool_calls", "agent/tool_errors"):
+            del traj.reward_extras[key]
     return traj
 
 
@@ -300,7 +317,9 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
         params: ``SamplingParams`` (of one assistant turn with an agent).
         tokenizer: decodes single-turn responses for the reward.
         scorer: the ``RewardScorer``.
-        agent: an ``AgentLoop`` (each sample is a multi-turn conversation) or ``None``.
+        agent: an ``AgentLoop`` (each sample is a multi-turn conversation), an ``EpisodeLoop``
+            (each sample is an episode of an environment, whose return is its reward; a
+            rejected episode leaves its group) or ``None``.
         on_trajectory: receives each kept trajectory, in finishing order.
         on_group_closed: called as ``(request, num_kept)`` once all ``n`` samples of a group are
             scored, rejected ones included.
@@ -335,8 +354,11 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
         counts.samples += 1
         counts.generated_tokens += sum(sample.loss_mask) if isinstance(sample, Conversation) else len(sample.response_ids)
         r = requests[i]
+        if getattr(sample, "rejected", None):  # an environment's fault, counted by the episode loop
+            hand_on(i, None)
+            return
         traj = trajectory_of(sample, tokenizer, r.group_id, j, r.prompt_uid, r.prompt_ids)
-        if scorer.fn is None:  # the reward model alone scores
+        if scorer.fn is None or isinstance(sample, Episode):  # the environment or the reward model scores
             scored(i, traj)
         else:
             scorer.submit(r.data_source, traj.response_text, r.ground_truth, r.extra_info,
@@ -363,7 +385,7 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
                 on_group_closed(requests[i], kept[i])
 
     if agent is not None:
-        agent.run(engine, [(r.prompt_ids, r.messages) for r in requests], n, params, seeds, on_sample=on_sample)
+        agent.run_groups(engine, requests, n, params, seeds, on_sample=on_sample)
     else:
         engine.generate([r.prompt_ids for r in requests], n, params, seeds=seeds, on_sample=on_sample)
     if wait_scored:

@@ -1,0 +1,23 @@
+"""Environments for rollouts: the episode protocol, its registry, and the built-in environments.
+
+- ``Environment``: ``reset(task, seed) -> messages``, ``step(action) -> EnvStep``, ``close()``,
+  all coroutines; one object per episode (``async_rl.envs.base``).
+- ``ENVIRONMENTS`` / ``register_env`` / ``make_env``: environments by spec (``builtin:name``,
+  ``pkg.mod:attr``, ``path/to/file.py:attr``).
+- Built-ins, registered here: ``guess_number`` (``GuessNumber``, a multi-turn guessing game) and
+  ``gym`` (``GymTextEnv``: a gymnasium environment with text observations and actions; needs the
+  ``gymnasium`` package).
+
+The rollout side (turns on an engine, tokens, masks, faults) is ``async_rl.step.episodes``.
+"""
+
+from async_rl.envs.base import (ENVIRONMENTS, EnvStep, Environment, MalformedEnvStepError, Task, check_messages,
+                                check_step, make_env, register_env)
+from async_rl.envs.guess import GuessNumber, guess_prompt
+from async_rl.envs.gym import GymTextEnv
+
+register_env(GuessNumber, "guess_number")
+register_env(GymTextEnv, "gym")
+
+__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "GuessNumber", "GymTextEnv", "MalformedEnvStepError", "Task",
+           "check_messages", "check_step", "guess_prompt", "make_env", "register_env"]

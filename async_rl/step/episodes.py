@@ -1,0 +1,348 @@
+"""Environment rollouts: episodes of an ``async_rl.envs.Environment``, advanced turn by turn on an engine.
+
+One episode per sample. ``reset`` gives the first observation (the prompt's messages); each turn
+the engine continues the episode's token ids up to the chat template's end-of-turn token; the
+turn's text (special tokens removed) goes to the environment's ``step``, whose observation
+messages are appended as tokens and the engine continues. The episode ends when the environment
+says ``done`` (finish reason ``stop``), at ``env.max_turns`` assistant turns (``max_turns``) or
+when the response reaches ``env.max_response_tokens`` (``length``: a turn cut mid-way is not sent
+to the environment, and an observation that would pass the budget is left out). The episode's
+return, the sum of its turns' rewards, is the sample's reward.
+
+Token-in, token-out, as the tool loop (``async_rl.step.agent``): generated ids are kept exactly
+as sampled, and only the observations are tokenised, as the difference between two renders of
+the chat template (``tool_turn_ids``), so the sequence equals the template's rendering of the
+whole conversation whenever the model wrote what the template would have. Per response token the
+episode keeps the id, the behavior log-prob (0 on observation tokens), the loss mask (1 on
+generated tokens, 0 on observations) and the policy version.
+
+The environments' coroutines run on an event loop of the ``EpisodeLoop``'s own (one thread): all
+resets of a batch, then each turn's steps, run concurrently, each under ``env.step_timeout_s``.
+Faults reject the episode, counted with the reason (``env/rejected_<reason>``), never a reward
+0: ``error`` (``reset`` or ``step`` raised), ``timeout``, ``malformed`` (not a list of messages
+or an ``EnvStep``: ``async_rl.envs.check_step``), ``prompt_too_long`` (a first observation over
+``data.max_prompt_tokens``). A rejected episode leaves its group as a rejected reward does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine, Sequence
+
+from async_rl.envs.base import MalformedEnvStepError, Task, check_messages, check_step, make_env
+from async_rl.generators.base import mix_seed
+from async_rl.step.agent import Conversation, render_ids, tool_turn_ids
+
+logger = logging.getLogger(__name__)
+
+REJECT_REASONS = ("error", "timeout", "malformed", "prompt_too_long")
+"""Why an episode is rejected (``env/rejected_<reason>``)."""
+
+
+@dataclass
+class EnvConfig:
+    """Episodes of an environment (``env.*``); off while ``name`` is unset."""
+
+    name: str | None = None
+    """The environment's spec: a built-in name (``guess_number``, ``gym``), an import path
+    (``my_pkg.envs:MyEnv``) or a file path (``path/to/envs.py:MyEnv``) of an ``Environment``
+    subclass or a function returning one (``async_rl.envs``). ``None``: no environment."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's class or function, one fresh object per episode."""
+    max_turns: int = 4
+    """Most assistant turns per episode (>= 1); the last turn's step still gives its reward."""
+    max_response_tokens: int = 512
+    """Most response tokens per episode, generated and observation tokens together (>= 1)."""
+    step_timeout_s: float = 30.0
+    """Seconds one ``reset`` or ``step`` may take (> 0); past it the episode is rejected (``timeout``)."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_turns", "max_response_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"env.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"env.step_timeout_s must be > 0 seconds, got {self.step_timeout_s}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts are episodes of an environment."""
+        return bool(self.name)
+
+
+@dataclass
+class Episode(Conversation):
+    """One sample's episode: a ``Conversation`` (per-token ids, log-probs, loss mask, versions)
+    plus what the environment returned.
+
+    Attributes:
+        env_return: the sum of ``turn_rewards``; the sample's reward.
+        turn_rewards: one reward per ``step`` answered.
+        info: the steps' ``info`` numbers, summed.
+        rejected: why the episode was rejected (one of ``REJECT_REASONS``), or ``None``.
+    """
+
+    env_return: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)
+    info: dict[str, float] = field(default_factory=dict)
+    rejected: str | None = None
+    env: Any = None
+
+
+class _Timeout(Exception):
+    """A coroutine of an environment ran past ``env.step_timeout_s``."""
+
+
+class EpisodeLoop:
+    """Runs episodes of one environment on any generator backend (the ``agent`` of a rollout).
+
+    Args:
+        cfg: ``env`` settings.
+        tokenizer: the policy's tokenizer (with a chat template).
+        stop_token_ids: ids that end an assistant turn (EOS / end-of-turn).
+        max_prompt_tokens: most tokens of a first observation (``data.max_prompt_tokens``).
+        factory: makes one ``Environment`` per episode; default ``make_env(cfg.name, cfg.args)``.
+
+    Raises:
+        ValueError: the spec names no environment, or it cannot be made with ``cfg.args``.
+    """
+
+    def __init__(self, cfg: EnvConfig, tokenizer, stop_token_ids: Sequence[int], max_prompt_tokens: int,
+                 factory: Callable[[], Any] | None = None) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.factory = factory if factory is not None else make_env(cfg.name, cfg.args)
+        self.schemas = getattr(self.factory(), "tools", None)
+        self._counts: Counter[str] = Counter()
+        self._popped: Counter[str] = Counter()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the environments' event loop
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="env-loop", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    def _run_all(self, coros: list[Coroutine]) -> list[Any]:
+        """Run ``coros`` concurrently on the event loop, each under ``env.step_timeout_s``; each
+        result is the coroutine's value or the exception it raised (``_Timeout`` past the limit,
+        also for one that returned late).
+        A coroutine that blocks the loop itself (synchronous work inside ``async def``) cannot
+        be cancelled: past twice the limit the loop is given up (its thread left to end) and
+        every coroutine of the call counts as timed out."""
+        if not coros:
+            return []
+        timeout = self.cfg.step_timeout_s
+
+        async def one(coro):
+            t0 = time.monotonic()
+            try:
+                result = await asyncio.wait_for(coro, timeout)
+            except asyncio.TimeoutError:
+                return _Timeout(f"past env.step_timeout_s={timeout} s")
+            except Exception as e:  # noqa: BLE001 - the environment's fault, reported per episode
+                return e
+            # A coroutine that blocked the loop finishes before wait_for can cancel it: late is late.
+            elapsed = time.monotonic() - t0
+            return _Timeout(f"took {elapsed:.1f} s, past env.step_timeout_s={timeout} s") if elapsed > timeout else result
+
+        async def gather():
+            return await asyncio.gather(*(one(c) for c in coros))
+
+        loop = self._event_loop()
+        future = asyncio.run_coroutine_threadsafe(gather(), loop)
+        try:
+            return future.result(timeout=2 * timeout + 5)
+        except TimeoutError:
+            future.cancel()
+            logger.error("an environment blocked its event loop past %.0f s (synchronous work in a coroutine?); "
+                         "a new loop serves the next episodes", 2 * timeout + 5)
+            with self._lock:
+                self._loop = None
+            return [_Timeout("the environment blocked its event loop")] * len(coros)
+
+    def _reject(self, c: Episode, error: BaseException) -> None:
+        reason = ("timeout" if isinstance(error, _Timeout) else
+                  "malformed" if isinstance(error, MalformedEnvStepError) else "error")
+        c.rejected = reason
+        c.finish_reason = "stop"
+        self._counts[f"env/rejected_{reason}"] += 1
+        if self._counts[f"env/rejected_{reason}"] == 1:  # the first of each reason, then counted only
+            logger.warning("environment %s: episode rejected (%s): %s: %s", self.cfg.name, reason,
+                           type(error).__name__, error)
+
+    # ------------------------------------------------------------------ episodes
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The rendered prompt with the environment's tool schemas and a generation prompt."""
+        return render_ids(self.tokenizer, messages, self.schemas, add_generation_prompt=True)
+
+    def run_groups(self, generator, requests: Sequence[Any], n: int, params, seeds: Sequence[int] | None,
+                   on_sample: Callable[[int, int, Episode], None] | None = None) -> list[list[Episode]]:
+        """``n`` episodes per request (``GroupRequest``), advanced turn by turn in one engine batch.
+
+        The ``n`` episodes of a group reset with the same environment seed (the group's seed;
+        unseeded groups, as in evaluation, use a hash of the prompt's uid), so the group's
+        baseline compares episodes that started alike.
+
+        Args:
+            generator: a ``Generator`` (HF, vLLM, SGLang).
+            requests: the groups; their rows are the episodes' ``Task``.
+            n: episodes per group.
+            params: ``SamplingParams`` of one assistant turn.
+            seeds: one per request; episode j's turn k is sampled with ``mix_seed(seeds[i], j, k)``.
+            on_sample: called as ``on_sample(i, j, episode)`` when an episode ends or is rejected.
+
+        Returns:
+            One list of ``n`` finished ``Episode`` per request.
+        """
+        episodes = []
+        for i, r in enumerate(requests):
+            env_seed = (seeds[i] if seeds is not None else zlib.crc32(r.prompt_uid.encode())) % 2**31
+            task = Task(r.prompt_uid, [dict(m) for m in r.messages], r.data_source, r.ground_truth, dict(r.extra_info))
+            row = [Episode(list(r.prompt_ids), [], mix_seed(seeds[i], j) if seeds is not None else -1,
+                           env=self.factory()) for j in range(n)]
+            episodes.append((i, r, task, env_seed, row))
+        flat = [(i, j, c) for i, _, _, _, row in episodes for j, c in enumerate(row)]
+        self._counts["env/episodes"] += len(flat)
+        firsts = self._run_all([c.env.reset(task, env_seed) for _, r, task, env_seed, row in episodes for c in row])
+        for (i, j, c), first in zip(flat, firsts):
+            self._start(c, requests[i], first)
+        self._finish([c for _, _, c in flat if c.finish_reason is not None], flat, on_sample)
+        for turn in range(self.cfg.max_turns):
+            active = [(i, j, c) for i, j, c in flat if c.finish_reason is None]
+            if not active:
+                break
+            # As in the tool loop: each episode generates up to its own remaining budget, the
+            # batch runs to the largest and each sample is cut to its own.
+            budgets = [min(params.max_tokens, self.cfg.max_response_tokens - len(c.response_ids))
+                       for _, _, c in active]
+            turn_params = dataclasses.replace(params, max_tokens=max(budgets))
+            turn_seeds = [mix_seed(c.seed, turn) for _, _, c in active] if seeds is not None else None
+            samples = generator.generate([c.prompt_ids + c.response_ids for _, _, c in active], 1, turn_params,
+                                         seeds=turn_seeds)
+            acted = [c for (_, _, c), budget, (sample,) in zip(active, budgets, samples)
+                     if self._generated(c, sample, budget)]
+            steps = self._run_all([c.env.step(c.messages[-1]["content"]) for c in acted])
+            for c, step in zip(acted, steps):
+                self._after_step(c, step, last_turn=turn == self.cfg.max_turns - 1)
+            self._finish([c for _, _, c in active if c.finish_reason is not None], flat, on_sample)
+        return [row for *_, row in episodes]
+
+    def _start(self, c: Episode, request, first: Any) -> None:
+        if isinstance(first, BaseException):
+            return self._reject(c, first)
+        try:
+            c.messages = check_messages(first, "reset()", roles=("system", "user", "assistant", "tool"))
+        except MalformedEnvStepError as e:
+            return self._reject(c, e)
+        if c.messages != list(request.messages):
+            c.prompt_ids = self.prompt_ids(c.messages)
+            if len(c.prompt_ids) > self.max_prompt_tokens:
+                c.rejected, c.finish_reason = "prompt_too_long", "stop"
+                self._counts["env/rejected_prompt_too_long"] += 1
+
+    def _generated(self, c: Episode, sample, budget: int) -> bool:
+        """Append a generated turn; whether it goes to the environment (it ended at an end-of-turn token)."""
+        c.num_turns += 1
+        ids = list(sample.response_ids)[:budget]
+        c.append(ids, list(sample.logprobs)[:budget], 1, list(sample.policy_version)[:budget] or [0] * len(ids))
+        ended = bool(ids) and ids[-1] in self.stop_token_ids
+        text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True).strip()
+        c.final_text = text
+        if not ended:
+            c.finish_reason = "length"  # cut mid-turn: the environment never sees half an answer
+            return False
+        c.messages.append({"role": "assistant", "content": text})
+        return True
+
+    def _after_step(self, c: Episode, step: Any, last_turn: bool) -> None:
+        if isinstance(step, BaseException):
+            return self._reject(c, step)
+        try:
+            step = check_step(step)
+        except MalformedEnvStepError as e:
+            return self._reject(c, e)
+        c.turn_rewards.append(float(step.reward))
+        c.env_return += float(step.reward)
+        for k, v in step.info.items():
+            c.info[k] = c.info.get(k, 0.0) + float(v)
+        if step.done:
+            c.finish_reason = "stop"
+            return
+        if last_turn:
+            c.finish_reason = "max_turns"
+            return
+        ids = tool_turn_ids(self.tokenizer, c.messages, step.observation, self.schemas, self.stop_token_ids)
+        room = self.cfg.max_response_tokens - len(c.response_ids)
+        if len(ids) >= room:  # no room for the observation and a next turn
+            c.finish_reason = "length"
+            return
+        c.messages.extend(step.observation)
+        version = c.policy_version[-1] if c.policy_version else 0
+        c.append(ids, [0.0] * len(ids), 0, [version] * len(ids))
+
+    def _finish(self, ended: list[Episode], flat, on_sample) -> None:
+        """Close the environments of the episodes that ended now, then hand each episode on."""
+        ended = [c for c in ended if c.env is not None]
+        closes = self._run_all([c.env.close() for c in ended])
+        self._counts["env/close_errors"] += sum(isinstance(r, BaseException) for r in closes)
+        done = {id(c) for c in ended}
+        for c in ended:
+            c.env = None
+        if on_sample is not None:
+            for i, j, c in flat:
+                if id(c) in done:
+                    on_sample(i, j, c)
+
+    # ------------------------------------------------------------------ counters
+    def pop_metrics(self) -> dict[str, float]:
+        """Episode counters since the last call (``env/episodes``, ``env/rejected_<reason>``,
+        ``env/close_errors``), those that moved."""
+        out = {k: float(v - self._popped[k]) for k, v in self._counts.items() if v > self._popped[k]}
+        self._popped = Counter(self._counts)
+        return out
+
+    @contextlib.contextmanager
+    def counted_apart(self):
+        """A block whose episodes stay out of ``pop_metrics`` (evaluation between two training
+        steps); yields a dict that holds the block's own counters on exit."""
+        before = Counter(self._counts)
+        own: dict[str, float] = {}
+        try:
+            yield own
+        finally:
+            own.update({k: float(v - before[k]) for k, v in self._counts.items() if v > before[k]})
+            self._popped.update({k: v - before[k] for k, v in self._counts.items() if v > before[k]})
+
+    def counts(self) -> dict[str, float]:
+        """Episode counters since the start (cumulative; a pool reports deltas of these)."""
+        return {k: float(v) for k, v in self._counts.items() if v}
+
+
+def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]):
+    """What turns a run's samples into multi-turn rollouts: an ``EpisodeLoop`` with ``env.name``
+    set, an ``AgentLoop`` with ``agent.tools``, else ``None`` (single-turn samples).
+
+    Args:
+        cfg: the run's ``Config`` (its ``env``, ``agent`` and ``data.max_prompt_tokens``).
+
+    Raises:
+        ValueError: as ``EpisodeLoop`` and ``AgentLoop``.
+    """
+    from async_rl.step.agent import AgentLoop
+
+    if cfg.env.enabled:
+        return EpisodeLoop(cfg.env, tokenizer, stop_token_ids, cfg.data.max_prompt_tokens)
+    return AgentLoop(cfg.agent, tokenizer, stop_token_ids) if cfg.agent.enabled else None

@@ -1,0 +1,433 @@
+"""Environments: the episode protocol, the episode loop's tokens and faults, the built-ins (a
+guessing game, gymnasium text games), and whole runs through both modes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from async_rl.envs import (ENVIRONMENTS, EnvStep, Environment, GuessNumber, MalformedEnvStepError, Task, check_step,
+                           make_env, register_env)
+from async_rl.generators.base import Sample, SamplingParams
+from async_rl.step.agent import render_ids
+from async_rl.step.episodes import EnvConfig, Episode, EpisodeLoop
+from async_rl.step.rollout import GroupRequest, sample_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from async_rl.data.builtin import resolve
+
+    return AutoTokenizer.from_pretrained(resolve("builtin:tiny-qwen2"))
+
+
+class ScriptedGenerator:
+    """Assistant turn k of every episode is ``replies[k]`` (cut at ``max_tokens``), log-prob -0.5,
+    policy version 7; records each prompt's ids."""
+
+    def __init__(self, tok, replies: list[str]):
+        self.tok, self.replies, self.prompts = tok, replies, []
+
+    def generate(self, prompts, n, params, seeds=None):
+        out = []
+        for ids in prompts:
+            self.prompts.append(list(ids))
+            turn = self.tok.decode(ids).count("<|im_start|>assistant") - 1
+            reply = self.tok(self.replies[turn], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            reply = reply[: params.max_tokens]
+            out.append([Sample(reply, [-0.5] * len(reply), "stop" if reply[-1] == self.tok.eos_token_id else "length",
+                               [7] * len(reply))])
+        return out
+
+
+def _request(tok, group_id=0, n=2, content="Guess.", extra=None, seed=11):
+    messages = [{"role": "user", "content": content}]
+    return GroupRequest(group_id, render_ids(tok, messages, None, True), f"uid-{group_id}", "game", None,
+                        dict(extra or {}), n, seed, messages)
+
+
+def _loop(tok, factory, **cfg):
+    return EpisodeLoop(EnvConfig(name="guess_number", **cfg), tok, [tok.eos_token_id], max_prompt_tokens=256,
+                       factory=factory)
+
+
+def _params(max_tokens=32):
+    return SamplingParams(max_tokens=max_tokens, stop_token_ids=(0,))
+
+
+# ------------------------------------------------------------------ the protocol
+def test_check_step_refuses_each_malformed_field():
+    assert check_step(EnvStep([{"role": "user", "content": "x"}], 1, False)).reward == 1
+    assert check_step(EnvStep([], 0.5, True, {"k": 2})).done
+    for bad, match in [("nope", "must return an EnvStep"), (EnvStep([], float("nan"), True), "finite"),
+                       (EnvStep([], True, True), "finite"), (EnvStep([], 0.0, 1), "bool"),
+                       (EnvStep([{"role": "assistant", "content": "x"}], 0.0, False), r"observation\[0\]"),
+                       (EnvStep([{"role": "user", "content": 3}], 0.0, False), r"observation\[0\]"),
+                       (EnvStep([], 0.0, False), "empty but the episode is not done"),
+                       (EnvStep([], 0.0, True, {"k": "v"}), "info")]:
+        with pytest.raises(MalformedEnvStepError, match=match):
+            check_step(bad)
+
+
+def test_environment_specs_resolve_or_fail_in_one_line(tmp_path):
+    assert isinstance(make_env("guess_number", {"low": 1, "high": 4})(), GuessNumber)
+    assert isinstance(make_env("builtin:guess_number")(), GuessNumber)
+    user = tmp_path / "my_envs.py"
+    user.write_text("from async_rl.envs import Environment, EnvStep\n"
+                    "class Echo(Environment):\n"
+                    "    async def step(self, action):\n"
+                    "        return EnvStep([], float(action == 'hi'), True)\n"
+                    "class NotAnEnv:\n    pass\n"
+                    "def returns_int():\n    return 3\n")
+    assert type(make_env(f"{user}:Echo")()).__name__ == "Echo"
+    for spec, args, match in [("no_such_env", {}, "unknown environment 'no_such_env'"),
+                              (f"{user}:NotAnEnv", {}, "not an Environment subclass"),
+                              (f"{user}:returns_int", {}, "returned a int, not an Environment"),
+                              ("guess_number", {"low": 5, "high": 1}, "low=5 is above high=1"),
+                              ("guess_number", {"colour": "red"}, "unexpected keyword argument 'colour'")]:
+        with pytest.raises(ValueError, match=match) as info:
+            make_env(spec, args)
+        assert "\n" not in str(info.value)
+
+    @register_env(name="test_registered_env")
+    class Registered(Environment):
+        pass
+
+    try:
+        assert make_env("test_registered_env")().__class__ is Registered
+    finally:
+        ENVIRONMENTS.pop("test_registered_env")
+
+
+def test_guess_number_plays_by_its_rules():
+    env = GuessNumber(1, 16)
+    first = asyncio.run(env.reset(Task("u", [], "game", None, {}), seed=3))
+    assert first[0]["role"] == "user" and "between 1 and 16" in first[0]["content"]
+    secret = env.secret
+    again = GuessNumber(1, 16)
+    asyncio.run(again.reset(Task("u", [], "game", None, {}), seed=3))
+    assert again.secret == secret  # a group's episodes share the seed, hence the secret
+    asyncio.run(env.reset(Task("u", [{"role": "user", "content": "row"}], "game", None, {"secret": 9}), seed=3))
+    assert env.secret == 9
+    assert asyncio.run(env.step("maybe 4?")).observation[0]["content"] == "4 is wrong: higher."
+    assert asyncio.run(env.step("12")).observation[0]["content"] == "12 is wrong: lower."
+    no_number = asyncio.run(env.step("no idea"))
+    assert no_number.reward == 0.0 and not no_number.done and no_number.info == {"invalid": 1.0}
+    right = asyncio.run(env.step("It is 9."))
+    assert (right.reward, right.done, right.info) == (1.0, True, {"guesses": 3.0})
+
+
+# ------------------------------------------------------------------ the episode loop
+class Countdown(Environment):
+    """Feedback 'again' with reward 0.25 per turn, done after ``turns`` steps."""
+
+    def __init__(self, turns: int = 2):
+        self.turns, self.steps, self.closed = turns, 0, False
+
+    async def step(self, action):
+        self.steps += 1
+        done = self.steps >= self.turns
+        return EnvStep([] if done else [{"role": "user", "content": f"again {self.steps}"}], 0.25, done,
+                       {"chars": float(len(action))})
+
+
+def test_episode_ids_equal_the_template_and_the_return_sums_the_turns(tok):
+    loop = _loop(tok, lambda: Countdown(3))
+    gen = ScriptedGenerator(tok, ["first", "second", "third"])
+    seen = []
+    (row,) = loop.run_groups(gen, [_request(tok)], 2, _params(), seeds=[5], on_sample=lambda i, j, c: seen.append(j))
+    assert sorted(seen) == [0, 1]
+    for c in row:
+        assert isinstance(c, Episode) and c.finish_reason == "stop" and c.rejected is None
+        assert c.turn_rewards == [0.25] * 3 and c.env_return == 0.75 and c.info == {"chars": 5 + 6 + 5}
+        whole = render_ids(tok, c.messages, None, add_generation_prompt=False)
+        # Generated ids and observation glue together are the template's rendering of the episode
+        # (up to the last end-of-turn token; the template adds a newline after it).
+        assert c.prompt_ids + c.response_ids == whole[: len(c.prompt_ids) + len(c.response_ids)]
+        assert [m["role"] for m in c.messages] == ["user", "assistant", "user", "assistant", "user", "assistant"]
+        assert len(c.response_ids) == len(c.logprobs) == len(c.loss_mask) == len(c.policy_version)
+        generated = [k for k, m in enumerate(c.loss_mask) if m]
+        assert all(c.logprobs[k] == -0.5 and c.policy_version[k] == 7 for k in generated)
+        assert all(c.logprobs[k] == 0.0 for k in range(len(c.loss_mask)) if not c.loss_mask[k])
+        assert c.num_turns == 3 and c.env is None
+    assert loop.pop_metrics() == {"env/episodes": 2.0}
+    assert loop.pop_metrics() == {}
+
+
+def test_turn_and_token_limits_end_episodes(tok):
+    loop = _loop(tok, lambda: Countdown(10), max_turns=2)
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["a", "b"]), [_request(tok, n=1)], 1, _params(), seeds=[1])
+    assert row[0].finish_reason == "max_turns" and row[0].turn_rewards == [0.25, 0.25]
+    # A turn cut by the budget never reaches the environment.
+    loop = _loop(tok, lambda: Countdown(10), max_response_tokens=3)
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["a long answer that goes on"]), [_request(tok, n=1)], 1,
+                             _params(), seeds=[1])
+    assert row[0].finish_reason == "length" and row[0].turn_rewards == [] and len(row[0].response_ids) == 3
+    # An observation with no room for a next turn after it ends the episode with "length".
+    loop = _loop(tok, lambda: Countdown(10), max_response_tokens=8)
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["ok", "ok"]), [_request(tok, n=1)], 1, _params(), seeds=[1])
+    assert row[0].finish_reason == "length" and row[0].turn_rewards == [0.25] and set(row[0].loss_mask) == {1}
+
+
+class Faulty(Environment):
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    async def reset(self, task, seed):
+        if self.mode == "reset_raises":
+            raise RuntimeError("no server")
+        if self.mode == "long_prompt":
+            return [{"role": "user", "content": "word " * 400}]
+        if self.mode == "reset_malformed":
+            return "not messages"
+        return list(task.messages)
+
+    async def step(self, action):
+        if self.mode == "step_raises":
+            raise ConnectionError("server gone")
+        if self.mode == "hangs":
+            await asyncio.sleep(60)
+        if self.mode == "blocks":
+            time.sleep(1.5)  # synchronous work inside a coroutine: blocks the loop itself
+        if self.mode == "malformed":
+            return {"reward": 1}
+        return EnvStep([], 1.0, True)
+
+
+@pytest.mark.parametrize("mode,reason", [("reset_raises", "error"), ("reset_malformed", "malformed"),
+                                         ("long_prompt", "prompt_too_long"), ("step_raises", "error"),
+                                         ("hangs", "timeout"), ("malformed", "malformed"), ("blocks", "timeout")])
+def test_environment_faults_reject_the_episode_with_its_reason(tok, mode, reason):
+    loop = _loop(tok, lambda: Faulty(mode), step_timeout_s=1.0)
+    t0 = time.monotonic()
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["x"]), [_request(tok, n=2)], 2, _params(), seeds=[1])
+    assert time.monotonic() - t0 < 30
+    assert [c.rejected for c in row] == [reason, reason]
+    assert loop.pop_metrics() == {"env/episodes": 2.0, f"env/rejected_{reason}": 2.0}
+    # The loop serves the next episodes (a blocked event loop was replaced).
+    loop.factory = lambda: Faulty("fine")
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["x"]), [_request(tok, n=2)], 2, _params(), seeds=[1])
+    assert [c.rejected for c in row] == [None, None] and [c.env_return for c in row] == [1.0, 1.0]
+
+
+def test_an_environment_that_blocks_its_event_loop_is_given_up_and_replaced(tok):
+    class Blocks(Environment):
+        async def step(self, action):
+            time.sleep(7)  # past twice the timeout plus 5 s: the loop itself is stuck
+            return EnvStep([], 1.0, True)
+
+    loop = _loop(tok, Blocks, step_timeout_s=0.5)
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["x"]), [_request(tok, n=1)], 1, _params(), seeds=[1])
+    assert [c.rejected for c in row] == ["timeout"]
+    loop.factory = lambda: Countdown(1)
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["x"]), [_request(tok, n=1)], 1, _params(), seeds=[1])
+    assert [c.env_return for c in row] == [0.25]
+
+
+class Recording:
+    """A reward scorer that must never be asked: episodes carry their return."""
+
+    fn = object()
+    model = None
+
+    def submit(self, *args, **kwargs):
+        raise AssertionError("an episode's reward went to the reward function")
+
+    def drain(self):
+        pass
+
+
+class HalfFaulty(Environment):
+    """Odd seeds of the per-episode counter raise in ``step``; the others score 1 at once."""
+
+    made = 0
+
+    def __init__(self):
+        HalfFaulty.made += 1
+        self.bad = HalfFaulty.made % 2 == 0
+
+    async def reset(self, task, seed):
+        return [{"role": "user", "content": f"seed {seed}"}]
+
+    async def step(self, action):
+        if self.bad:
+            raise RuntimeError("boom")
+        return EnvStep([], 1.0, True)
+
+
+def test_sample_groups_takes_the_return_as_reward_and_drops_rejected_episodes(tok):
+    HalfFaulty.made = 0
+    loop = _loop(tok, HalfFaulty)
+    kept, closed = [], []
+    requests = [_request(tok, group_id=g, n=2, seed=100 + g) for g in range(2)]
+    counts = sample_groups(ScriptedGenerator(tok, ["a"]), requests, _params(), tok, Recording(), loop, kept.append,
+                           lambda r, k: closed.append((r.group_id, k)))
+    assert (counts.samples, counts.rejected_samples, counts.groups, counts.rejected_groups) == (4, 2, 2, 0)
+    assert sorted(closed) == [(0, 1), (1, 1)]
+    for t in kept:
+        assert t.reward == 1.0 and t.reward_extras["env/return"] == 1.0
+        # The first observation of reset (not the row's prompt) is the trajectory's prompt.
+        seed = int(tok.decode(t.prompt_ids).split("seed ")[1].split("<")[0])
+        assert list(t.prompt_ids) == render_ids(tok, [{"role": "user", "content": f"seed {seed}"}], None, True)
+        assert seed == requests[t.group_id].seed % 2**31
+
+
+def test_evaluation_episodes_are_counted_apart(tok):
+    loop = _loop(tok, lambda: Countdown(1))
+    loop.run_groups(ScriptedGenerator(tok, ["a"]), [_request(tok, n=1)], 1, _params(), seeds=None)
+    with loop.counted_apart() as own:
+        loop.run_groups(ScriptedGenerator(tok, ["a"]), [_request(tok, n=3)], 3, _params(), seeds=None)
+    assert own == {"env/episodes": 3.0}
+    assert loop.pop_metrics() == {"env/episodes": 1.0}
+    assert loop.counts() == {"env/episodes": 4.0}
+
+
+# ------------------------------------------------------------------ gymnasium text games
+GAME = '''
+import gymnasium
+from gymnasium import spaces
+
+
+class SayTheWord(gymnasium.Env):
+    """Text in, text out: say the word of the round; two rounds."""
+
+    WORDS = ["one", "two", "three", "four"]
+
+    def __init__(self, rounds: int = 2):
+        self.observation_space = spaces.Text(64)
+        self.action_space = spaces.Text(64)
+        self.rounds = rounds
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.round = 0
+        self.word = self.WORDS[int(self.np_random.integers(len(self.WORDS)))]
+        return f"Say {self.word}.", {}
+
+    def step(self, action):
+        self.round += 1
+        reward = float(self.word in action.lower())
+        self.word = self.WORDS[int(self.np_random.integers(len(self.WORDS)))]
+        done = self.round >= self.rounds
+        return ("" if done else f"Say {self.word}."), reward, done, False, {"round": self.round}
+
+
+def parse(text):
+    if not text.strip():
+        raise ValueError("say something")
+    return text
+'''
+
+
+def test_a_gymnasium_text_game_runs_unchanged(tok, tmp_path):
+    pytest.importorskip("gymnasium")
+    game = tmp_path / "game.py"
+    game.write_text(GAME)
+    factory = make_env("gym", {"id": f"{game}:SayTheWord", "kwargs": {"rounds": 2}, "action": f"{game}:parse",
+                               "system_prompt": "Repeat the word."})
+    loop = _loop(tok, factory)
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["one two", "three four"]), [_request(tok, n=2, seed=4)], 2,
+                             _params(), seeds=[4])
+    for c in row:
+        assert c.finish_reason == "stop" and c.rejected is None
+        assert c.messages[0] == {"role": "system", "content": "Repeat the word."}
+        assert c.messages[1]["content"].startswith("Say ") and len(c.turn_rewards) == 2
+        assert c.env_return == sum(c.turn_rewards) and c.info == {"round": 1.0 + 2.0}
+    assert row[0].messages == row[1].messages  # one seed per group: the same game
+    assert loop.pop_metrics() == {"env/episodes": 2.0}
+    invalid = loop.factory()
+    asyncio.run(invalid.reset(None, 0))
+    step = asyncio.run(invalid.step("  "))
+    assert step.observation == [{"role": "user", "content": "Invalid action: say something"}] and not step.done
+    with pytest.raises(ValueError, match="gymnasium environment 'NoSuchGame-v0'"):
+        make_env("gym", {"id": "NoSuchGame-v0"})
+
+
+# ------------------------------------------------------------------ whole runs
+def _guess_rows(path: Path, count: int, offset: int) -> Path:
+    from async_rl.envs import guess_prompt
+
+    with path.open("w") as f:
+        for k in range(count):
+            # The warm start's demonstration: a short answer that ends its turn, so turns reach
+            # the environment (the untrained model rarely ends a turn within the budget).
+            f.write(json.dumps({"prompt": [{"role": "user", "content": guess_prompt(1, 4)}],
+                                "data_source": "guess_number",
+                                "extra_info": {"secret": 1 + (k + offset) % 4,
+                                               "demonstration": [{"role": "assistant", "content": "one 2"}]}})
+                    + "\n")
+    return path
+
+
+def _run(tmp_path, name, *overrides, env=("env.name=guess_number", "env.args={low: 1, high: 4}")):
+    from async_rl.config import load_config
+    from async_rl.trainer import train
+
+    train_file = _guess_rows(tmp_path / "train.jsonl", 16, 0)
+    val_file = _guess_rows(tmp_path / "val.jsonl", 4, 1)
+    cfg = load_config(None, [
+        "model.path=builtin:tiny-qwen2", f"data.train_files=[{train_file}]", f"data.val_files=[{val_file}]",
+        f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", "trainer.total_steps=2",
+        "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2", "trainer.eval_every_steps=2",
+        "trainer.warm_start.steps=30", "trainer.warm_start.batch_size=8", "trainer.warm_start.lr=3e-3",
+        "trainer.warm_start.response_field=extra_info.demonstration", "logging.progress=false",
+        "generator.max_response_tokens=8",
+        *env, "env.max_turns=3", "env.max_response_tokens=48",
+        "generator.num_workers=1", *overrides])
+    summary = train(cfg)
+    lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return summary, [line for line in lines if line["step"] >= 1 and "loss/pg" in line]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_guess_number_runs_end_to_end(tmp_path, mode):
+    summary, steps = _run(tmp_path, mode, f"trainer.mode={mode}")
+    assert [s["policy/version"] for s in steps] == [1, 2]
+    for s in steps:
+        assert 1.0 <= s["rollout/turns_mean"] <= 3.0 and s["rollout/num_trajectories"] > 0
+        assert 0.0 <= s["rollout/reward_mean"] <= 1.0
+    assert sum(s.get("env/episodes", 0.0) for s in steps) >= 8
+    assert "eval_final" in summary
+    if mode == "async":
+        ledger = {k.split("/", 1)[1]: v for k, v in summary.items() if k.startswith("pipeline/")}
+        assert ledger["trained"] == 8
+
+
+def test_a_gymnasium_text_game_runs_end_to_end_in_async_mode(tmp_path):
+    """The game's file is named by path: each generator actor loads it."""
+    pytest.importorskip("gymnasium")
+    game = tmp_path / "game.py"
+    game.write_text(GAME)
+    summary, steps = _run(tmp_path, "gym", "trainer.mode=async",
+                          env=("env.name=gym", f"env.args={{id: '{game}:SayTheWord', kwargs: {{rounds: 2}}}}"))
+    assert [s["policy/version"] for s in steps] == [1, 2]
+    for s in steps:
+        # After the warm start turns end and reach the game ("one 2" says the word "one" or "two").
+        assert s["rollout/env_info_round_mean"] > 1.0 and s["rollout/turns_mean"] > 1.0
+    assert summary["pipeline/trained"] == 8
+
+
+def test_env_config_is_checked_at_load(tmp_path):
+    from async_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="env.name=guess_number and agent.tools"):
+        load_config(None, ["model.path=x", "data.train_files=[x]", "env.name=guess_number", "agent.tools=[calculator]"])
+    with pytest.raises(ConfigError, match="the environment's return is the reward"):
+        load_config(None, ["model.path=x", "data.train_files=[x]", "env.name=guess_number", "reward.fn=math"])
+    with pytest.raises(ConfigError, match="env.name: unknown environment 'nope'"):
+        load_config(None, ["model.path=x", "data.train_files=[x]", "env.name=nope"])
+    with pytest.raises(ConfigError, match="env.step_timeout_s must be > 0"):
+        load_config(None, ["model.path=x", "data.train_files=[x]", "env.step_timeout_s=0"])
+    cfg = load_config(None, ["model.path=x", "data.train_files=[x]", "env.name=guess_number",
+                             "env.max_response_tokens=100", "data.max_prompt_tokens=50"])
+    from async_rl.step.rollout import longest_sequence
+
+    assert longest_sequence(cfg) == (150, "data.max_prompt_tokens=50 + env.max_response_tokens=100")
