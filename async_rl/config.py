@@ -226,6 +226,9 @@ def _cross_validate(cfg: Config) -> None:
 
 def _check_env(cfg: Config) -> None:
     """An environment is the rollout's one road: it answers every turn and gives the reward."""
+    env_files = [f for f in [*cfg.data.train_files, *cfg.data.val_files] if f.startswith("env:")]
+    if env_files and not cfg.env.enabled:
+        raise ConfigError(f"data files {env_files} are an environment's task rows, but env.name is unset")
     if not cfg.env.enabled:
         return
     if cfg.agent.enabled:
@@ -240,6 +243,11 @@ def _check_env(cfg: Config) -> None:
         make_env(cfg.env.name, cfg.env.args)
     except ValueError as e:
         raise ConfigError(f"env.name: {e}") from None
+    from async_rl.envs import ENVIRONMENTS
+
+    if env_files and not hasattr(ENVIRONMENTS.get(cfg.env.name), "task_rows"):
+        raise ConfigError(f"data files {env_files}: environment {cfg.env.name!r} offers no task rows; name data "
+                          "files of your own")
 
 
 def _check_version_unit(cfg: Config) -> None:

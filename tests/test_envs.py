@@ -431,3 +431,81 @@ def test_env_config_is_checked_at_load(tmp_path):
     from async_rl.step.rollout import longest_sequence
 
     assert longest_sequence(cfg) == (150, "data.max_prompt_tokens=50 + env.max_response_tokens=100")
+
+
+# ------------------------------------------------------------------ reasoning-gym
+RG_TASKS = {"chain_sum": {"weight": 1, "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}},
+            "spell_backward": {"weight": 1, "config": {"min_word_len": 3, "max_word_len": 4}}}
+
+
+def test_reasoning_gym_rows_mix_tasks_and_hold_out_unseen_questions():
+    pytest.importorskip("reasoning_gym")
+    from async_rl.envs.reasoning_gym import task_rows
+
+    train = task_rows("train", tasks=RG_TASKS, size=300, val_size=40, seed=3)
+    val = task_rows("val", tasks=RG_TASKS, size=300, val_size=40, seed=3)
+    assert len(train) == 300 and len(val) == 40
+    assert {r["data_source"] for r in train} == {"reasoning_gym/chain_sum", "reasoning_gym/spell_backward"}
+    assert {r["data_source"] for r in val} == {"reasoning_gym/chain_sum", "reasoning_gym/spell_backward"}
+    questions = {r["prompt"][0]["content"] for r in train}
+    assert not questions & {r["prompt"][0]["content"] for r in val}
+    assert len({r["prompt"][0]["content"] for r in val}) == 40
+    assert train == task_rows("train", tasks=RG_TASKS, size=300, val_size=40, seed=3)  # seeded
+    row = train[0]
+    assert row["reward_model"]["ground_truth"] == row["extra_info"]["entry"]["answer"]
+    json.dumps(row)  # plain JSON: the entry's tuples became lists
+    small = {"chain_sum": {"config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}}
+    with pytest.raises(ValueError, match="only 0 distinct held-out questions .* too small"):
+        task_rows("val", tasks=small, size=3000, val_size=10, seed=0)
+    with pytest.raises(ValueError, match="unknown keys \\['wieght'\\]"):
+        task_rows("train", tasks={"chain_sum": {"wieght": 1}})
+    with pytest.raises(ValueError, match="reasoning_gym"):
+        make_env("reasoning_gym", {"tasks": ["no_such_task"]})
+
+
+def test_reasoning_gym_scores_exact_answers_and_partial_credit():
+    pytest.importorskip("reasoning_gym")
+    from async_rl.envs.reasoning_gym import task_rows
+
+    rows = task_rows("train", tasks={"spell_backward": RG_TASKS["spell_backward"]}, size=5, seed=1)
+    entry = rows[0]["extra_info"]["entry"]
+    task = Task("u", rows[0]["prompt"], rows[0]["data_source"], None, rows[0]["extra_info"])
+    env = make_env("reasoning_gym", {"tasks": ["spell_backward"]})()
+    assert asyncio.run(env.reset(task, 0)) == rows[0]["prompt"]
+    exact = asyncio.run(env.step(f"  {entry['answer']} "))
+    assert (exact.reward, exact.done, exact.info) == (1.0, True, {"score": 1.0, "acc": 1.0})
+    partial = asyncio.run(env.step(entry["answer"][:-1]))
+    assert 0.0 < partial.reward < 1.0 and partial.info["acc"] == 0.0
+    tagged = make_env("reasoning_gym", {"tasks": ["spell_backward"], "answer_tag": "answer"})()
+    asyncio.run(tagged.reset(task, 0))
+    assert asyncio.run(tagged.step(f"I think <answer>{entry['answer']}</answer>")).info["acc"] == 1.0
+    with pytest.raises(ValueError, match="no extra_info.entry"):
+        asyncio.run(env.reset(Task("u", [], "x", None, {}), 0))
+
+
+def test_reasoning_gym_tasks_run_end_to_end(tmp_path):
+    pytest.importorskip("reasoning_gym")
+    from async_rl.config import load_config
+    from async_rl.trainer import train
+
+    cfg = load_config(None, [
+        "model.path=builtin:tiny-qwen2", "data.train_files=[env:train]", "data.val_files=[env:val]",
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=rg", "trainer.total_steps=2",
+        "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2", "trainer.eval_every_steps=2",
+        "trainer.warm_start.steps=20", "trainer.warm_start.batch_size=8", "trainer.warm_start.lr=3e-3",
+        "trainer.warm_start.response_field=reward_model.ground_truth", "logging.progress=false",
+        "generator.max_response_tokens=8", "env.name=reasoning_gym",
+        f"env.args={json.dumps({'tasks': RG_TASKS, 'size': 64, 'val_size': 8, 'seed': 1})}"])
+    summary = train(cfg)
+    lines = [json.loads(line) for line in (tmp_path / "rg" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if line["step"] >= 1 and "loss/pg" in line]
+    assert [s["policy/version"] for s in steps] == [1, 2]
+    assert all(s["env/episodes"] == 8 for s in steps)
+    # Partial credit and exact accuracy side by side; accuracy counts full scores only.
+    assert any("rollout/env_info_score_mean" in s for s in steps)
+    for s in steps:
+        if "rollout/env_info_acc_mean" in s:
+            assert s["rollout/accuracy"] == s["rollout/env_info_acc_mean"] <= s["rollout/env_info_score_mean"]
+    evals = [line for line in lines if "eval/num_prompts" in line]
+    assert evals and all(e["eval/num_prompts"] == 8.0 for e in evals)
+    assert 0.0 <= summary["eval_final"] <= 1.0

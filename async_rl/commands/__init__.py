@@ -183,14 +183,14 @@ def held_out_prompts(cfg: Config, parts: EvalParts, limit: int | None = None):
         ValueError: ``data.val_files`` is empty, a malformed row, or a data source without a
             reward function.
     """
-    from async_rl.data.builtin import resolve
     from async_rl.data.dataset import PromptDataset
+    from async_rl.step.episodes import data_file
     from async_rl.rewards import default_reward_for
 
     if not cfg.data.val_files:
         raise ValueError("data.val_files is empty: nothing held out to evaluate on (set data.val_files=[FILE])")
     tools = parts.agent.schemas if parts.agent is not None else None
-    ds = PromptDataset([resolve(f) for f in cfg.data.val_files], parts.tokenizer, cfg.data.max_prompt_tokens,
+    ds = PromptDataset([data_file(f, cfg.env) for f in cfg.data.val_files], parts.tokenizer, cfg.data.max_prompt_tokens,
                        cfg.trainer.seed, False, limit=cfg.data.val_max_prompts if limit is None else limit, tools=tools,
                        on_bad_row=cfg.data.on_bad_row)
     if not cfg.reward.fn and not cfg.env.enabled:  # an environment's return is the reward

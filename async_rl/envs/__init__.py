@@ -6,7 +6,8 @@
   ``pkg.mod:attr``, ``path/to/file.py:attr``).
 - Built-ins, registered here: ``guess_number`` (``GuessNumber``, a multi-turn guessing game) and
   ``gym`` (``GymTextEnv``: a gymnasium environment with text observations and actions; needs the
-  ``gymnasium`` package).
+  ``gymnasium`` package), ``reasoning_gym`` (``ReasoningGym``: reasoning-gym's procedural tasks,
+  their rows and their scorers; needs the ``reasoning-gym`` package).
 
 The rollout side (turns on an engine, tokens, masks, faults) is ``async_rl.step.episodes``.
 """
@@ -15,9 +16,11 @@ from async_rl.envs.base import (ENVIRONMENTS, EnvStep, Environment, MalformedEnv
                                 check_step, make_env, register_env)
 from async_rl.envs.guess import GuessNumber, guess_prompt
 from async_rl.envs.gym import GymTextEnv
+from async_rl.envs.reasoning_gym import ReasoningGym
 
 register_env(GuessNumber, "guess_number")
 register_env(GymTextEnv, "gym")
+register_env(ReasoningGym, "reasoning_gym")
 
-__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "GuessNumber", "GymTextEnv", "MalformedEnvStepError", "Task",
+__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "GuessNumber", "GymTextEnv", "MalformedEnvStepError", "ReasoningGym", "Task",
            "check_messages", "check_step", "guess_prompt", "make_env", "register_env"]

@@ -70,7 +70,7 @@ def check_data_files(files_by_key: dict[str, list[str]]) -> None:
     missing, wrong = [], []
     for key, files in files_by_key.items():
         for f in files:
-            if f.startswith(BUILTIN_PREFIX):
+            if f.startswith((BUILTIN_PREFIX, "env:")):  # built, or the environment's own rows
                 continue
             path = Path(f)
             if not path.exists():

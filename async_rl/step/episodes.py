@@ -346,3 +346,54 @@ def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]):
     if cfg.env.enabled:
         return EpisodeLoop(cfg.env, tokenizer, stop_token_ids, cfg.data.max_prompt_tokens)
     return AgentLoop(cfg.agent, tokenizer, stop_token_ids) if cfg.agent.enabled else None
+
+
+ENV_ROWS_PREFIX = "env:"
+"""A data file ``env:<split>`` (``env:train``, ``env:val``) holds the environment's own task rows."""
+
+
+def env_task_rows(env_cfg: EnvConfig, split: str) -> list[dict[str, Any]]:
+    """The task rows the environment of ``env_cfg`` offers for ``split``: its class's
+    ``task_rows(split, **env.args)`` (``async_rl.envs.reasoning_gym.task_rows``).
+
+    Raises:
+        ValueError: ``env.name`` unset, an environment without ``task_rows``, or its own error.
+    """
+    from async_rl.envs import ENVIRONMENTS
+
+    if not env_cfg.enabled:
+        raise ValueError(f"data file {ENV_ROWS_PREFIX}{split} takes the rows of an environment, but env.name is unset")
+    rows_fn = getattr(ENVIRONMENTS.get(env_cfg.name), "task_rows", None)
+    if rows_fn is None:
+        raise ValueError(f"data file {ENV_ROWS_PREFIX}{split}: environment {env_cfg.name!r} offers no task rows "
+                         "(no task_rows); name data files of your own instead")
+    return rows_fn(split, **env_cfg.args)
+
+
+def data_file(uri: str, env_cfg: EnvConfig) -> str:
+    """The local path of a data file entry: ``env:<split>`` writes the environment's task rows
+    (``env_task_rows``) as JSON lines under the artefact cache (``$ASYNC_RL_CACHE/env_rows``,
+    named by a hash of the environment, its arguments and the split; written whole, then
+    renamed, so a reader never sees half a file) and returns that file; a ``builtin:`` URI is
+    built (``async_rl.data.builtin.resolve``); any other string is returned unchanged.
+
+    Raises:
+        ValueError: as ``env_task_rows`` and ``resolve``.
+    """
+    import hashlib
+    import json
+    import os
+
+    from async_rl.data.builtin import cache_dir, resolve
+
+    if not uri.startswith(ENV_ROWS_PREFIX):
+        return resolve(uri)
+    split = uri[len(ENV_ROWS_PREFIX):]
+    rows = env_task_rows(env_cfg, split)
+    key = hashlib.sha256(json.dumps([env_cfg.name, env_cfg.args, split], sort_keys=True, default=str).encode())
+    path = cache_dir() / "env_rows" / f"{split}-{key.hexdigest()[:16]}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp, path)
+    return str(path)

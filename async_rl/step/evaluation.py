@@ -8,6 +8,7 @@ import random
 from typing import Any, Callable
 
 from async_rl.step.agent import demonstration_ids
+from async_rl.step.episodes import EpisodeLoop
 from async_rl.buffers.trajectory import Trajectory, collate
 from async_rl.step.rollout import rollout
 
@@ -68,7 +69,9 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
     With an agent (multi-turn tool use) the field holds a demonstration instead: the messages
     after the prompt (assistant tool calls, tool responses, the final answer) as a list or JSON
     text; it is tokenised turn by turn as a rollout would be (``agent.demonstration_ids``), and
-    only the assistant turns are trained. Prompts are drawn with their own seeded RNG so the RL
+    only the assistant turns are trained. With an environment (``EpisodeLoop``) a list of
+    messages is such a demonstration (observations as user messages) and a string the answer of one
+    turn. Prompts are drawn with their own seeded RNG so the RL
     data stream is not advanced.
 
     Args:
@@ -91,7 +94,10 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
         trajs = []
         for k, p in enumerate(rng.choices(dataset.prompts, k=cfg.batch_size)):
             value = _reference(p)
-            if agent is not None:
+            # An environment's reference is a demonstration when it is a list of messages, else
+            # the answer of a single turn (a task's reference answer); a tool loop's is always a
+            # demonstration (a list, or its JSON text).
+            if agent is not None and (isinstance(value, list) or not isinstance(agent, EpisodeLoop)):
                 demo = json.loads(value) if isinstance(value, str) else value
                 ids, mask = demonstration_ids(tokenizer, p.messages, demo, agent.schemas, agent.stop_token_ids)
             else:

@@ -239,6 +239,8 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
         traj.reward = float(sample.env_return)
         traj.reward_extras.update({"env/return": traj.reward,
                                    **{f"env/info/{k}": float(v) for k, v in sample.info.items()}})
+        if "acc" in sample.info:  # the environment's own accuracy (a full score, not partial credit)
+            traj.reward_extras["acc"] = float(sample.info["acc"])
         for key in ("agent/tool_calls", "agent/tool_errors"):
             del traj.reward_extras[key]
     return traj
