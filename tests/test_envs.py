@@ -483,7 +483,8 @@ def test_reasoning_gym_scores_exact_answers_and_partial_credit():
         asyncio.run(env.reset(Task("u", [], "x", None, {}), 0))
 
 
-def test_reasoning_gym_tasks_run_end_to_end(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_reasoning_gym_tasks_run_end_to_end_with_per_task_metrics(tmp_path, mode):
     pytest.importorskip("reasoning_gym")
     from async_rl.config import load_config
     from async_rl.trainer import train
@@ -494,18 +495,30 @@ def test_reasoning_gym_tasks_run_end_to_end(tmp_path):
         "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2", "trainer.eval_every_steps=2",
         "trainer.warm_start.steps=20", "trainer.warm_start.batch_size=8", "trainer.warm_start.lr=3e-3",
         "trainer.warm_start.response_field=reward_model.ground_truth", "logging.progress=false",
-        "generator.max_response_tokens=8", "env.name=reasoning_gym",
+        "generator.max_response_tokens=8", "env.name=reasoning_gym", f"trainer.mode={mode}",
         f"env.args={json.dumps({'tasks': RG_TASKS, 'size': 64, 'val_size': 8, 'seed': 1})}"])
     summary = train(cfg)
     lines = [json.loads(line) for line in (tmp_path / "rg" / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if line["step"] >= 1 and "loss/pg" in line]
     assert [s["policy/version"] for s in steps] == [1, 2]
-    assert all(s["env/episodes"] == 8 for s in steps)
+    if mode == "sync":
+        assert all(s["env/episodes"] == 8 for s in steps)
+    else:  # the actors' episodes between two steps: sampling runs ahead, but every trained one counted
+        assert sum(s.get("env/episodes", 0.0) for s in steps) >= 16
     # Partial credit and exact accuracy side by side; accuracy counts full scores only.
     assert any("rollout/env_info_score_mean" in s for s in steps)
     for s in steps:
         if "rollout/env_info_acc_mean" in s:
             assert s["rollout/accuracy"] == s["rollout/env_info_acc_mean"] <= s["rollout/env_info_score_mean"]
+    tasks = ["reasoning_gym/chain_sum", "reasoning_gym/spell_backward"]
+    for s in steps:  # the two tasks' figures apart, adding up to the step's
+        counts = [s.get(f"env/{task}/num_trajectories", 0.0) for task in tasks]
+        assert sum(counts) == s["rollout/num_trajectories"]
+        assert sum(s.get(f"env/{task}/reward_mean", 0.0) * c for task, c in zip(tasks, counts)) == pytest.approx(
+            s["rollout/reward_mean"] * s["rollout/num_trajectories"])
     evals = [line for line in lines if "eval/num_prompts" in line]
     assert evals and all(e["eval/num_prompts"] == 8.0 for e in evals)
+    for e in evals:
+        assert sum(e.get(f"eval/{task}/num_prompts", 0.0) for task in tasks) == 8.0
+        assert all(0.0 <= e.get(f"eval/{task}/accuracy", 0.0) <= 1.0 for task in tasks)
     assert 0.0 <= summary["eval_final"] <= 1.0

@@ -310,6 +310,8 @@ class PromptDataset:
         if on_bad_row not in ON_BAD_ROW_MODES:
             raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW_MODES}, got {on_bad_row!r}")
         self.prompts: list[Prompt] = []
+        self._sources: dict[str, str] | None = None
+        self._distinct_sources: list[str] | None = None
         self.rejected: dict[str, int] = {}
         self.reference_sources: dict[str, int] = {}
         for file in files:
@@ -401,6 +403,26 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def source_of(self, uid: str) -> str:
+        """The ``data_source`` of the prompt ``uid`` (``Prompt.uid``).
+
+        Raises:
+            KeyError: no prompt of this dataset has that uid.
+        """
+        return self._source_map()[uid]
+
+    @property
+    def sources(self) -> list[str]:
+        """The distinct ``data_source`` values of the prompts, sorted."""
+        if self._distinct_sources is None or len(self._source_map()) != len(self.prompts):
+            self._distinct_sources = sorted(set(self._source_map().values()))
+        return self._distinct_sources
+
+    def _source_map(self) -> dict[str, str]:
+        if self._sources is None or len(self._sources) != len(self.prompts):
+            self._sources = {p.uid: p.data_source for p in self.prompts}
+        return self._sources
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))

@@ -58,7 +58,7 @@ from async_rl.runtime.cluster import Cluster
 from async_rl.utils.cpu_threads import user_num_threads
 from async_rl.loops.actors import RequestBroker
 from async_rl.loops.base import RunContext, versions_per_step
-from async_rl.loops.common import dynamic_sampling, learn_on, merge_version_metrics
+from async_rl.loops.common import dynamic_sampling, learn_on, merge_version_metrics, mixed_sources
 from async_rl.loops.dispatch import Dispatcher, buffer_bound, exactly_once_ledger
 from async_rl.loops.intake import Intake, warn_if_exposed
 # probe_difference: kept importable from here, where it was defined before the pool had a module.
@@ -231,7 +231,7 @@ class AsyncLoop:
         """
         t0 = time.perf_counter()
         results = [self._train_one_version(step) for _ in range(self.versions_per_step)]
-        metrics = merge_version_metrics([m for m, _ in results], [ro for _, ro in results])
+        metrics = merge_version_metrics([m for m, _ in results], [ro for _, ro in results], mixed_sources(self.ctx))
         metrics.update(self.pool.take_push_metrics())  # background pushes collected since the last step
         now = time.perf_counter()
         stats = self.pool.stats()

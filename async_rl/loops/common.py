@@ -84,7 +84,7 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult, num_mini_batches: in
     for k, v in train_metrics.items():
         # The loss returns its mismatch metrics under loss/; they belong to their own namespace.
         metrics[k.replace("loss/mismatch_", "mismatch/")] = v
-    metrics.update(rollout_metrics(trajs, ro))
+    metrics.update(rollout_metrics(trajs, ro, mixed_sources(ctx)))
     metrics.update({
         "staleness/mean": sum(staleness) / len(staleness),
         "staleness/max": float(max(staleness)),
@@ -100,10 +100,30 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult, num_mini_batches: in
     return metrics
 
 
-def rollout_metrics(trajs: list[Trajectory], ro: RolloutResult) -> dict[str, float]:
+def per_source_metrics(trajs: list[Trajectory], source_of: Callable[[str], str], prefix: str) -> dict[str, float]:
+    """Reward, accuracy, response length (tokens), truncated fraction and count of the
+    trajectories of each data source (task or environment), as ``<prefix><source>/<metric>``;
+    ``source_of`` maps a trajectory's ``prompt_uid`` to its source (``PromptDataset.source_of``)."""
+    by_source: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        by_source.setdefault(source_of(t.prompt_uid), []).append(t)
+    out: dict[str, float] = {}
+    for source, group in sorted(by_source.items()):
+        n = len(group)
+        out.update({f"{prefix}{source}/reward_mean": sum(t.reward for t in group) / n,
+                    f"{prefix}{source}/accuracy": accuracy_of(group),
+                    f"{prefix}{source}/response_length_mean": sum(len(t.response_ids) for t in group) / n,
+                    f"{prefix}{source}/truncated_frac": sum(t.finish_reason == "length" for t in group) / n,
+                    f"{prefix}{source}/num_trajectories": float(n)})
+    return out
+
+
+def rollout_metrics(trajs: list[Trajectory], ro: RolloutResult,
+                    source_of: Callable[[str], str] | None = None) -> dict[str, float]:
     """``rollout/*`` of the trajectories a step trains on: reward mean/std, accuracy, response
     length (tokens), truncated fraction, counts, per-conversation tool use (agent runs) and
-    per-episode environment infos (``rollout/env_info_<key>_mean``)."""
+    per-episode environment infos (``rollout/env_info_<key>_mean``); with ``source_of`` (a run
+    whose data mixes sources) the same per data source, ``env/<source>/*`` (``per_source_metrics``)."""
     rewards = torch.tensor([t.reward for t in trajs])
     lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
     metrics: dict[str, Any] = {}
@@ -126,7 +146,16 @@ def rollout_metrics(trajs: list[Trajectory], ro: RolloutResult) -> dict[str, flo
         "rollout/rejected_samples": float(ro.num_rejected_samples),
         "rollout/rejected_groups": float(ro.num_rejected_groups),
     })
+    if source_of is not None:
+        metrics.update(per_source_metrics(trajs, source_of, "env/"))
     return metrics
+
+
+def mixed_sources(ctx: RunContext) -> Callable[[str], str] | None:
+    """``ctx.train_ds.source_of`` when the training data holds more than one ``data_source``
+    (tasks or environments mixed in one run: their metrics are also reported apart), else ``None``."""
+    ds = ctx.train_ds
+    return ds.source_of if ds is not None and len(ds.sources) > 1 else None
 
 
 SUMMED_METRICS = frozenset({
@@ -139,15 +168,16 @@ LAST_METRICS = frozenset({"policy/version", "data/epoch"})
 """Positions: a step's value is that of its last policy version."""
 
 
-def merge_version_metrics(parts: Sequence[dict[str, float]],
-                          rollouts: Sequence[RolloutResult] = ()) -> dict[str, float]:
+def merge_version_metrics(parts: Sequence[dict[str, float]], rollouts: Sequence[RolloutResult] = (),
+                          source_of: Callable[[str], str] | None = None) -> dict[str, float]:
     """One step's metrics from those of its policy versions (``trainer.policy_version_per=mini_batch``
     publishes several a step), in order: counts (``SUMMED_METRICS``) and ``timing/*`` seconds
     summed, positions (``LAST_METRICS``) from the last, extremes by ``metric_reduction`` (max /
     min), ``perf/train_tokens_per_s`` as tokens over the summed ``timing/train_s``, and every
     other metric the mean over the versions that report it (each trains on equally many groups).
     With the versions' ``rollouts`` given, ``rollout/*`` is recomputed over every trajectory of
-    the step (``rollout_metrics``), not averaged. One version's metrics come back as they are.
+    the step (``rollout_metrics``, per data source with ``source_of``), not averaged. One
+    version's metrics come back as they are.
 
     Raises:
         ValueError: ``parts`` is empty.
@@ -177,5 +207,5 @@ def merge_version_metrics(parts: Sequence[dict[str, float]],
         trajs = [t for ro in rollouts for t in ro.trajectories]
         out.update(rollout_metrics(trajs, RolloutResult(trajs, sum(ro.num_rejected_samples for ro in rollouts),
                                                         sum(ro.num_rejected_groups for ro in rollouts),
-                                                        sum(ro.num_generated_tokens for ro in rollouts))))
+                                                        sum(ro.num_generated_tokens for ro in rollouts)), source_of))
     return out

@@ -33,7 +33,8 @@ def evaluate(generator, dataset, params, scorer, tokenizer, agent=None) -> dict[
 
     Returns:
         ``eval/accuracy``, ``eval/reward_mean``, ``eval/response_length_mean`` (tokens),
-        ``eval/num_prompts``.
+        ``eval/num_prompts``; with prompts of several data sources also ``eval/<source>/accuracy``,
+        ``eval/<source>/reward_mean`` and ``eval/<source>/num_prompts`` per source.
     """
     with (agent.counted_apart() if agent is not None else contextlib.nullcontext()):
         result = rollout(generator, list(dataset), 1, params, scorer, tokenizer, EVAL_FIRST_GROUP_ID, agent=agent)
@@ -48,6 +49,15 @@ def evaluate(generator, dataset, params, scorer, tokenizer, agent=None) -> dict[
     if agent is not None:
         for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors"):
             out[f"eval/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / n
+    sources = {p.uid: p.data_source for p in dataset}
+    if len(set(sources.values())) > 1:  # tasks or environments mixed: each one's held-out figures too
+        by_source: dict[str, list[Trajectory]] = {}
+        for t in trajs:
+            by_source.setdefault(sources[t.prompt_uid], []).append(t)
+        for source, group in sorted(by_source.items()):
+            out[f"eval/{source}/accuracy"] = accuracy_of(group)
+            out[f"eval/{source}/reward_mean"] = sum(t.reward for t in group) / len(group)
+            out[f"eval/{source}/num_prompts"] = float(len(group))
     return out
 
 
