@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from async_rl.runtime.checkpoint import (RunDirectory, StopRequest, latest_checkpoint, load_trainer_state,
                                          resolve_resume, rng_state, save_checkpoint, set_rng_state)
-from async_rl.step.episodes import data_file, make_rollout_agent
+from async_rl.step.episodes import data_file, environment_services, make_rollout_agent
 from async_rl.config import to_dict, to_yaml
 from async_rl.utils.cpu_threads import available_cores, user_num_threads
 from async_rl.data.builtin import resolve
@@ -80,7 +80,8 @@ def _train(cfg: "Config") -> dict[str, Any]:
     run = RunDirectory(cfg.trainer)
     check_inputs(cfg)
     progress = Progress(summary={})
-    with _kept_only_if_trained(run, progress):
+    # An environment's servers (env.args.serve) run for the whole run, before its actors start.
+    with environment_services(cfg.env), _kept_only_if_trained(run, progress):
         ctx, learner_handle = build(cfg, run)
         progress.summary.update({"run_dir": str(ctx.run_dir), "mode": cfg.trainer.mode, **ctx.train_ds.summary()})
         loop: Loop | None = None

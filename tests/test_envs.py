@@ -522,3 +522,130 @@ def test_reasoning_gym_tasks_run_end_to_end_with_per_task_metrics(tmp_path, mode
         assert sum(e.get(f"eval/{task}/num_prompts", 0.0) for task in tasks) == 8.0
         assert all(0.0 <= e.get(f"eval/{task}/accuracy", 0.0) <= 1.0 for task in tasks)
     assert 0.0 <= summary["eval_final"] <= 1.0
+
+
+# ------------------------------------------------------------------ servers lost mid-episode, OpenEnv
+class LosesItsServer(Environment):
+    """The environments made ``lost`` (numbered as made, per class) lose their server at the first step."""
+
+    made = 0
+    lost: set[int] = set()
+
+    def __init__(self):
+        LosesItsServer.made += 1
+        self.number = LosesItsServer.made
+
+    async def step(self, action):
+        from async_rl.envs import EnvironmentLost
+
+        if self.number in LosesItsServer.lost:
+            raise EnvironmentLost("server gone")
+        return EnvStep([], 1.0, True)
+
+
+@pytest.mark.parametrize("lost,rejected", [({2}, False), ({2, 4}, True)])
+def test_an_episode_whose_server_is_lost_starts_over_once(tok, lost, rejected):
+    """Environments are made in order: 1 the loop's own probe of the spec, 2 and 3 episodes 0 and
+    1, 4 episode 0's second start. Lost once, episode 0 starts over and scores; lost twice, it is
+    rejected. Episode 1 is unaffected."""
+    LosesItsServer.made, LosesItsServer.lost = 0, lost
+    loop = _loop(tok, LosesItsServer)
+    seen = []
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["a", "b"]), [_request(tok, n=2)], 2, _params(), seeds=[1],
+                             on_sample=lambda i, j, c: seen.append((j, c.rejected, c.env_return)))
+    assert sorted(seen) == [(0, "lost" if rejected else None, 0.0 if rejected else 1.0), (1, None, 1.0)]
+    assert row[0].restarted and not row[1].restarted
+    expected = {"env/episodes": 2.0, "env/reissued_episodes": 1.0}
+    if rejected:
+        expected["env/rejected_lost"] = 1.0
+    assert loop.pop_metrics() == expected
+
+
+GUESS_SERVER = ROOT / "examples" / "openenv_guess" / "server.py"
+
+
+def test_openenv_servers_are_health_checked_restarted_and_stopped():
+    pytest.importorskip("openenv")
+    from async_rl.envs import OpenEnvServers
+
+    with OpenEnvServers(f"{GUESS_SERVER}:app", replicas=1) as servers:
+        (proc,) = servers.procs
+        proc.kill()
+        deadline = time.monotonic() + 60
+        while servers.restarts != [1] or servers.procs[0] is proc:
+            assert time.monotonic() < deadline, "the killed server was not restarted"
+            time.sleep(0.1)
+        servers._wait_healthy(0)  # the replacement answers on the same URL
+        replacement = servers.procs[0]
+    assert replacement.poll() is not None  # stopped with the run
+    with pytest.raises(ValueError, match="did not answer /health within 3 s"):
+        OpenEnvServers(f"{GUESS_SERVER}:no_such_app", replicas=1, startup_timeout_s=3).start()
+
+
+class KillsTheServer(ScriptedGenerator):
+    """Kills the OpenEnv server before generating the second turn (once)."""
+
+    def __init__(self, tok, replies, servers):
+        super().__init__(tok, replies)
+        self.servers, self.killed = servers, False
+
+    def generate(self, prompts, n, params, seeds=None):
+        if not self.killed and any(self.tok.decode(p).count("<|im_start|>assistant") == 2 for p in prompts):
+            self.servers.procs[0].kill()
+            self.servers.procs[0].wait()
+            self.killed = True
+        return super().generate(prompts, n, params, seeds)
+
+
+def test_openenv_episodes_play_the_served_game_and_start_over_when_it_dies(tok):
+    pytest.importorskip("openenv")
+    from async_rl.envs import OpenEnvServers
+
+    with OpenEnvServers(f"{GUESS_SERVER}:app", replicas=1) as servers:
+        loop = _loop(tok, make_env("openenv", {"url": servers.urls}), max_turns=8)
+        guesses = [str(k) for k in range(1, 9)]  # a guess per turn: 1, 2, ... finds any secret in 1..8
+        (row,) = loop.run_groups(ScriptedGenerator(tok, guesses), [_request(tok, n=2, seed=3)], 2, _params(),
+                                 seeds=[3])
+        for c in row:
+            assert c.finish_reason == "stop" and c.env_return == 1.0 and c.rejected is None
+            assert c.messages[0]["content"].startswith("I am thinking of a number between 1 and 8")
+            assert c.messages[2]["content"] == "1 is wrong: higher." or c.num_turns == 1
+        assert loop.pop_metrics() == {"env/episodes": 2.0}
+        # The server dies before the second turn: each episode starts over on its replacement.
+        killer = KillsTheServer(tok, guesses, servers)
+        (row,) = loop.run_groups(killer, [_request(tok, n=2, seed=5)], 2, _params(), seeds=[5])
+        assert killer.killed
+        assert [c.restarted for c in row] == [True, True] and all(c.env_return == 1.0 for c in row)
+        assert loop.pop_metrics() == {"env/episodes": 2.0, "env/reissued_episodes": 2.0}
+
+
+def test_openenv_game_served_by_the_run_survives_its_server_being_killed(tmp_path, caplog):
+    """A run that starts its own OpenEnv server; the server is killed after the first step: it is
+    restarted, the episodes it held start over, and the ledger balances."""
+    pytest.importorskip("openenv")
+    import logging
+    import os
+    import signal
+    import threading
+
+    def kill_after_first_step():
+        metrics = tmp_path / "openenv" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if metrics.exists() and '"loss/pg"' in metrics.read_text():
+                break
+            time.sleep(0.2)
+        for line in os.popen(f"pgrep -P {os.getpid()} -f 'uvicorn server:app'").read().split():  # ours only
+            os.kill(int(line), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    with caplog.at_level(logging.INFO, logger="async_rl.envs.openenv"):
+        summary, steps = _run(tmp_path, "openenv", "trainer.mode=async", "trainer.total_steps=4",
+                              env=("env.name=openenv", f"env.args={{serve: {{app: '{GUESS_SERVER}:app'}}}}"))
+    killer.join(timeout=5)
+    assert [s["policy/version"] for s in steps] == [1, 2, 3, 4]
+    ledger = {k.split("/", 1)[1]: v for k, v in summary.items() if k.startswith("pipeline/")}
+    assert ledger["trained"] == 16
+    assert any("exited" in r.message and "restart 1" in r.message for r in caplog.records)
+    assert any("replica restarts [1]" in r.message for r in caplog.records)

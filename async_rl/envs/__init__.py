@@ -7,20 +7,24 @@
 - Built-ins, registered here: ``guess_number`` (``GuessNumber``, a multi-turn guessing game) and
   ``gym`` (``GymTextEnv``: a gymnasium environment with text observations and actions; needs the
   ``gymnasium`` package), ``reasoning_gym`` (``ReasoningGym``: reasoning-gym's procedural tasks,
-  their rows and their scorers; needs the ``reasoning-gym`` package).
+  their rows and their scorers; needs the ``reasoning-gym`` package), ``openenv``
+  (``OpenEnvEnv``: sessions on OpenEnv servers, which a run may start and supervise itself,
+  ``OpenEnvServers``; needs ``openenv-core``).
 
 The rollout side (turns on an engine, tokens, masks, faults) is ``async_rl.step.episodes``.
 """
 
-from async_rl.envs.base import (ENVIRONMENTS, EnvStep, Environment, MalformedEnvStepError, Task, check_messages,
+from async_rl.envs.base import (ENVIRONMENTS, EnvStep, Environment, EnvironmentLost, MalformedEnvStepError, Task, check_messages,
                                 check_step, make_env, register_env)
 from async_rl.envs.guess import GuessNumber, guess_prompt
 from async_rl.envs.gym import GymTextEnv
+from async_rl.envs.openenv import OpenEnvEnv, OpenEnvServers
 from async_rl.envs.reasoning_gym import ReasoningGym
 
 register_env(GuessNumber, "guess_number")
 register_env(GymTextEnv, "gym")
 register_env(ReasoningGym, "reasoning_gym")
+register_env(OpenEnvEnv, "openenv")
 
-__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "GuessNumber", "GymTextEnv", "MalformedEnvStepError", "ReasoningGym", "Task",
+__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentLost", "GuessNumber", "OpenEnvEnv", "OpenEnvServers", "GymTextEnv", "MalformedEnvStepError", "ReasoningGym", "Task",
            "check_messages", "check_step", "guess_prompt", "make_env", "register_env"]

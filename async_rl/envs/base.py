@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from async_rl.utils.registry import Registry
 
-__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "MalformedEnvStepError", "Task", "check_messages",
+__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentLost", "MalformedEnvStepError", "Task", "check_messages",
            "check_step", "make_env", "register_env"]
 
 OBSERVATION_ROLES = ("user", "tool", "system")
@@ -67,6 +67,11 @@ class EnvStep:
     reward: float = 0.0
     done: bool = False
     info: dict[str, float] = field(default_factory=dict)
+
+
+class EnvironmentLost(ConnectionError):
+    """The environment's server (or whatever hosts it) went away mid-episode: not a fault of the
+    episode. The episode loop starts such an episode over, once (``env/reissued_episodes``)."""
 
 
 class MalformedEnvStepError(ValueError):

@@ -21,7 +21,9 @@ resets of a batch, then each turn's steps, run concurrently, each under ``env.st
 Faults reject the episode, counted with the reason (``env/rejected_<reason>``), never a reward
 0: ``error`` (``reset`` or ``step`` raised), ``timeout``, ``malformed`` (not a list of messages
 or an ``EnvStep``: ``async_rl.envs.check_step``), ``prompt_too_long`` (a first observation over
-``data.max_prompt_tokens``). A rejected episode leaves its group as a rejected reward does.
+``data.max_prompt_tokens``). A rejected episode leaves its group as a rejected reward does. An
+episode whose server went away (``EnvironmentLost``) starts over, once, in its group's slot
+(``env/reissued_episodes``); lost a second time it is rejected (``lost``).
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Sequence
 
-from async_rl.envs.base import MalformedEnvStepError, Task, check_messages, check_step, make_env
+from async_rl.envs.base import EnvironmentLost, MalformedEnvStepError, Task, check_messages, check_step, make_env
 from async_rl.generators.base import mix_seed
 from async_rl.step.agent import Conversation, render_ids, tool_turn_ids
 
 logger = logging.getLogger(__name__)
 
-REJECT_REASONS = ("error", "timeout", "malformed", "prompt_too_long")
+REJECT_REASONS = ("error", "timeout", "malformed", "prompt_too_long", "lost")
 """Why an episode is rejected (``env/rejected_<reason>``)."""
 
 
@@ -87,6 +89,9 @@ class Episode(Conversation):
         turn_rewards: one reward per ``step`` answered.
         info: the steps' ``info`` numbers, summed.
         rejected: why the episode was rejected (one of ``REJECT_REASONS``), or ``None``.
+        env: the episode's ``Environment`` until it ends (``None`` after).
+        lost: the ``EnvironmentLost`` that ended it, if its server went away.
+        restarted: this is the episode's second start (its first one's server was lost).
     """
 
     env_return: float = 0.0
@@ -94,6 +99,8 @@ class Episode(Conversation):
     info: dict[str, float] = field(default_factory=dict)
     rejected: str | None = None
     env: Any = None
+    lost: BaseException | None = None
+    restarted: bool = False
 
 
 class _Timeout(Exception):
@@ -174,7 +181,7 @@ class EpisodeLoop:
             return [_Timeout("the environment blocked its event loop")] * len(coros)
 
     def _reject(self, c: Episode, error: BaseException) -> None:
-        reason = ("timeout" if isinstance(error, _Timeout) else
+        reason = ("timeout" if isinstance(error, _Timeout) else "lost" if isinstance(error, EnvironmentLost) else
                   "malformed" if isinstance(error, MalformedEnvStepError) else "error")
         c.rejected = reason
         c.finish_reason = "stop"
@@ -207,40 +214,52 @@ class EpisodeLoop:
         Returns:
             One list of ``n`` finished ``Episode`` per request.
         """
-        episodes = []
+        tasks, env_seeds, rows = [], [], []
         for i, r in enumerate(requests):
-            env_seed = (seeds[i] if seeds is not None else zlib.crc32(r.prompt_uid.encode())) % 2**31
-            task = Task(r.prompt_uid, [dict(m) for m in r.messages], r.data_source, r.ground_truth, dict(r.extra_info))
-            row = [Episode(list(r.prompt_ids), [], mix_seed(seeds[i], j) if seeds is not None else -1,
-                           env=self.factory()) for j in range(n)]
-            episodes.append((i, r, task, env_seed, row))
-        flat = [(i, j, c) for i, _, _, _, row in episodes for j, c in enumerate(row)]
-        self._counts["env/episodes"] += len(flat)
-        firsts = self._run_all([c.env.reset(task, env_seed) for _, r, task, env_seed, row in episodes for c in row])
-        for (i, j, c), first in zip(flat, firsts):
-            self._start(c, requests[i], first)
-        self._finish([c for _, _, c in flat if c.finish_reason is not None], flat, on_sample)
-        for turn in range(self.cfg.max_turns):
-            active = [(i, j, c) for i, j, c in flat if c.finish_reason is None]
-            if not active:
-                break
-            # As in the tool loop: each episode generates up to its own remaining budget, the
-            # batch runs to the largest and each sample is cut to its own.
-            budgets = [min(params.max_tokens, self.cfg.max_response_tokens - len(c.response_ids))
-                       for _, _, c in active]
-            turn_params = dataclasses.replace(params, max_tokens=max(budgets))
-            turn_seeds = [mix_seed(c.seed, turn) for _, _, c in active] if seeds is not None else None
-            samples = generator.generate([c.prompt_ids + c.response_ids for _, _, c in active], 1, turn_params,
-                                         seeds=turn_seeds)
-            acted = [c for (_, _, c), budget, (sample,) in zip(active, budgets, samples)
-                     if self._generated(c, sample, budget)]
-            steps = self._run_all([c.env.step(c.messages[-1]["content"]) for c in acted])
-            for c, step in zip(acted, steps):
-                self._after_step(c, step, last_turn=turn == self.cfg.max_turns - 1)
-            self._finish([c for _, _, c in active if c.finish_reason is not None], flat, on_sample)
-        return [row for *_, row in episodes]
+            env_seeds.append((seeds[i] if seeds is not None else zlib.crc32(r.prompt_uid.encode())) % 2**31)
+            tasks.append(Task(r.prompt_uid, [dict(m) for m in r.messages], r.data_source, r.ground_truth,
+                              dict(r.extra_info)))
+            rows.append([self._new_episode(r, seeds, i, j) for j in range(n)])
+        self._counts["env/episodes"] += n * len(requests)
+        starting = [(i, j) for i in range(len(requests)) for j in range(n)]
+        while starting:
+            # Resets first (all at once), then one turn of every live episode per engine batch. An
+            # episode whose server was lost starts over here, once, in its group's slot.
+            firsts = self._run_all([rows[i][j].env.reset(tasks[i], env_seeds[i]) for i, j in starting])
+            for (i, j), first in zip(starting, firsts):
+                self._start(rows[i][j], requests[i], first)
+            ended = [(i, j) for i, j in starting if rows[i][j].finish_reason is not None]
+            starting = self._finish(ended, rows, requests, seeds, on_sample)
+            while not starting:
+                active = [(i, j) for i, row in enumerate(rows) for j, c in enumerate(row) if c.finish_reason is None]
+                if not active:
+                    break
+                # As in the tool loop: each episode generates up to its own remaining budget, the
+                # batch runs to the largest and each sample is cut to its own.
+                budgets = [min(params.max_tokens, self.cfg.max_response_tokens - len(rows[i][j].response_ids))
+                           for i, j in active]
+                turn_params = dataclasses.replace(params, max_tokens=max(budgets))
+                turn_seeds = ([mix_seed(rows[i][j].seed, rows[i][j].num_turns) for i, j in active]
+                              if seeds is not None else None)
+                samples = generator.generate([rows[i][j].prompt_ids + rows[i][j].response_ids for i, j in active], 1,
+                                             turn_params, seeds=turn_seeds)
+                acted = [(i, j) for (i, j), budget, (sample,) in zip(active, budgets, samples)
+                         if self._generated(rows[i][j], sample, budget)]
+                steps = self._run_all([rows[i][j].env.step(rows[i][j].messages[-1]["content"]) for i, j in acted])
+                for (i, j), step in zip(acted, steps):
+                    self._after_step(rows[i][j], step)
+                ended = [(i, j) for i, j in active if rows[i][j].finish_reason is not None]
+                starting = self._finish(ended, rows, requests, seeds, on_sample)
+        return rows
+
+    def _new_episode(self, request, seeds: Sequence[int] | None, i: int, j: int, restarted: bool = False) -> Episode:
+        seed = mix_seed(seeds[i], j) if seeds is not None else -1
+        return Episode(list(request.prompt_ids), [], seed, env=self.factory(), restarted=restarted)
 
     def _start(self, c: Episode, request, first: Any) -> None:
+        if isinstance(first, EnvironmentLost):
+            c.lost, c.finish_reason = first, "stop"
+            return
         if isinstance(first, BaseException):
             return self._reject(c, first)
         try:
@@ -267,7 +286,10 @@ class EpisodeLoop:
         c.messages.append({"role": "assistant", "content": text})
         return True
 
-    def _after_step(self, c: Episode, step: Any, last_turn: bool) -> None:
+    def _after_step(self, c: Episode, step: Any) -> None:
+        if isinstance(step, EnvironmentLost):
+            c.lost, c.finish_reason = step, "stop"
+            return
         if isinstance(step, BaseException):
             return self._reject(c, step)
         try:
@@ -281,7 +303,7 @@ class EpisodeLoop:
         if step.done:
             c.finish_reason = "stop"
             return
-        if last_turn:
+        if c.num_turns >= self.cfg.max_turns:
             c.finish_reason = "max_turns"
             return
         ids = tool_turn_ids(self.tokenizer, c.messages, step.observation, self.schemas, self.stop_token_ids)
@@ -293,18 +315,29 @@ class EpisodeLoop:
         version = c.policy_version[-1] if c.policy_version else 0
         c.append(ids, [0.0] * len(ids), 0, [version] * len(ids))
 
-    def _finish(self, ended: list[Episode], flat, on_sample) -> None:
-        """Close the environments of the episodes that ended now, then hand each episode on."""
-        ended = [c for c in ended if c.env is not None]
-        closes = self._run_all([c.env.close() for c in ended])
+    def _finish(self, ended: list[tuple[int, int]], rows: list[list[Episode]], requests, seeds,
+                on_sample) -> list[tuple[int, int]]:
+        """Close the environments of the episodes that ended now; an episode whose server was lost
+        gets a fresh one in its slot (once: a second loss rejects it, ``lost``); hand on the
+        others. Returns the slots to reset."""
+        closes = self._run_all([rows[i][j].env.close() for i, j in ended])
         self._counts["env/close_errors"] += sum(isinstance(r, BaseException) for r in closes)
-        done = {id(c) for c in ended}
-        for c in ended:
+        restart = []
+        for i, j in ended:
+            c = rows[i][j]
             c.env = None
-        if on_sample is not None:
-            for i, j, c in flat:
-                if id(c) in done:
-                    on_sample(i, j, c)
+            if c.lost is not None and not c.restarted:
+                self._counts["env/reissued_episodes"] += 1
+                logger.warning("environment %s: episode %d/%d starts over: %s", self.cfg.name, requests[i].group_id,
+                               j, c.lost)
+                rows[i][j] = self._new_episode(requests[i], seeds, i, j, restarted=True)
+                restart.append((i, j))
+                continue
+            if c.lost is not None:
+                self._reject(c, c.lost)
+            if on_sample is not None:
+                on_sample(i, j, c)
+        return restart
 
     # ------------------------------------------------------------------ counters
     def pop_metrics(self) -> dict[str, float]:
@@ -397,3 +430,28 @@ def data_file(uri: str, env_cfg: EnvConfig) -> str:
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
     os.replace(tmp, path)
     return str(path)
+
+
+@contextlib.contextmanager
+def environment_services(env_cfg: EnvConfig):
+    """Run what the environment needs for the run's length: its class's ``services(args)``
+    context manager (``OpenEnvEnv.services`` starts and supervises OpenEnv servers), whose
+    yielded arguments replace ``env.args`` meanwhile (the generator actors get them). Nothing
+    for an environment without ``services``, or with none configured.
+
+    Raises:
+        ValueError: the services could not start (a server that never became healthy).
+    """
+    from async_rl.envs import ENVIRONMENTS
+
+    serve = getattr(ENVIRONMENTS.get(env_cfg.name), "services", None) if env_cfg.enabled else None
+    if serve is None:
+        yield
+        return
+    original = env_cfg.args
+    with serve(dict(original)) as args:
+        env_cfg.args = args
+        try:
+            yield
+        finally:
+            env_cfg.args = original
