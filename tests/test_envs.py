@@ -649,3 +649,50 @@ def test_openenv_game_served_by_the_run_survives_its_server_being_killed(tmp_pat
     assert ledger["trained"] == 16
     assert any("exited" in r.message and "restart 1" in r.message for r in caplog.records)
     assert any("replica restarts [1]" in r.message for r in caplog.records)
+
+
+# ------------------------------------------------------------------ several environments in one run
+MIX = {"guess": {"name": "guess_number", "weight": 1, "args": {"low": 1, "high": 4}},
+       "sums": {"name": "reasoning_gym", "weight": 3,
+                "args": {"tasks": {"chain_sum": RG_TASKS["chain_sum"]}, "size": 200, "val_size": 20}}}
+
+
+def test_mixed_environments_draw_rows_by_weight_and_dispatch_episodes_by_row(tok):
+    pytest.importorskip("reasoning_gym")
+    from async_rl.envs import MixedEnv
+
+    rows = MixedEnv.task_rows("train", envs=MIX, size=40, seed=2)
+    assert len(rows) == 40 and sum(r["extra_info"]["env"] == "sums" for r in rows) == 30
+    assert {r["data_source"] for r in rows} == {"guess_number", "reasoning_gym/chain_sum"}
+    assert rows == MixedEnv.task_rows("train", envs=MIX, size=40, seed=2)
+    assert len(MixedEnv.task_rows("val", envs=MIX, size=40, val_size=8, seed=2)) == 8
+    with pytest.raises(ValueError, match="envs.g \\(gym\\) offers no task rows"):
+        MixedEnv.task_rows("train", envs={"g": {"name": "gym", "args": {}}})
+    with pytest.raises(ValueError, match="is itself a mix"):
+        make_env("mix", {"envs": {"m": {"name": "mix"}}})
+    # Each episode goes to its row's environment: the guessing game answers, a sum is scored.
+    guess = next(r for r in rows if r["extra_info"]["env"] == "guess")
+    total = next(r for r in rows if r["extra_info"]["env"] == "sums")
+    env = make_env("mix", {"envs": MIX})()
+    asyncio.run(env.reset(Task("g", guess["prompt"], guess["data_source"], None, guess["extra_info"]), 0))
+    secret = guess["extra_info"]["secret"]
+    assert asyncio.run(env.step(str(secret))).reward == 1.0
+    asyncio.run(env.reset(Task("s", total["prompt"], total["data_source"], None, total["extra_info"]), 0))
+    assert asyncio.run(env.step(total["reward_model"]["ground_truth"])).info == {"score": 1.0, "acc": 1.0}
+    with pytest.raises(ValueError, match="names none of the mixed environments"):
+        asyncio.run(env.reset(Task("x", [], "x", None, {"env": "nope"}), 0))
+
+
+def test_mixed_environments_run_end_to_end_with_per_environment_metrics(tmp_path):
+    pytest.importorskip("reasoning_gym")
+    mix = {**MIX, "sums": {**MIX["sums"], "weight": 1}}
+    summary, steps = _run(tmp_path, "mix", "data.train_files=[env:train]", "data.val_files=[env:val]",
+                          "trainer.warm_start.steps=0",
+                          env=("env.name=mix", f"env.args={json.dumps({'envs': mix, 'size': 64, 'val_size': 8})}"))
+    sources = ["guess_number", "reasoning_gym/chain_sum"]
+    for s in steps:
+        assert sum(s.get(f"env/{src}/num_trajectories", 0.0) for src in sources) == s["rollout/num_trajectories"]
+    lines = [json.loads(line) for line in (tmp_path / "mix" / "metrics.jsonl").read_text().splitlines()]
+    evals = [line for line in lines if "eval/num_prompts" in line]
+    assert evals and all(e["eval/guess_number/num_prompts"] == e["eval/reasoning_gym/chain_sum/num_prompts"] == 4.0
+                         for e in evals)

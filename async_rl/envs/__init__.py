@@ -9,7 +9,8 @@
   ``gymnasium`` package), ``reasoning_gym`` (``ReasoningGym``: reasoning-gym's procedural tasks,
   their rows and their scorers; needs the ``reasoning-gym`` package), ``openenv``
   (``OpenEnvEnv``: sessions on OpenEnv servers, which a run may start and supervise itself,
-  ``OpenEnvServers``; needs ``openenv-core``).
+  ``OpenEnvServers``; needs ``openenv-core``), ``mix`` (``MixedEnv``: several of these in one
+  run, by weight).
 
 The rollout side (turns on an engine, tokens, masks, faults) is ``async_rl.step.episodes``.
 """
@@ -18,6 +19,7 @@ from async_rl.envs.base import (ENVIRONMENTS, EnvStep, Environment, EnvironmentL
                                 check_step, make_env, register_env)
 from async_rl.envs.guess import GuessNumber, guess_prompt
 from async_rl.envs.gym import GymTextEnv
+from async_rl.envs.mix import MixedEnv
 from async_rl.envs.openenv import OpenEnvEnv, OpenEnvServers
 from async_rl.envs.reasoning_gym import ReasoningGym
 
@@ -25,6 +27,7 @@ register_env(GuessNumber, "guess_number")
 register_env(GymTextEnv, "gym")
 register_env(ReasoningGym, "reasoning_gym")
 register_env(OpenEnvEnv, "openenv")
+register_env(MixedEnv, "mix")
 
-__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentLost", "GuessNumber", "OpenEnvEnv", "OpenEnvServers", "GymTextEnv", "MalformedEnvStepError", "ReasoningGym", "Task",
+__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentLost", "GuessNumber", "MixedEnv", "OpenEnvEnv", "OpenEnvServers", "GymTextEnv", "MalformedEnvStepError", "ReasoningGym", "Task",
            "check_messages", "check_step", "guess_prompt", "make_env", "register_env"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Any
 
 from async_rl.envs.base import Environment, EnvStep, Task
 
@@ -28,6 +29,7 @@ class GuessNumber(Environment):
 
     Args:
         low, high: the secret's range, inclusive (``low <= high``).
+        size, val_size: the rows' (``task_rows``).
 
     The secret is ``extra_info["secret"]`` of the task's row when set (fixed held-out episodes),
     else drawn from the environment seed, so the episodes of a group share it.
@@ -36,7 +38,7 @@ class GuessNumber(Environment):
         ValueError: ``low > high``.
     """
 
-    def __init__(self, low: int = 1, high: int = 16) -> None:
+    def __init__(self, low: int = 1, high: int = 16, size: int = 1000, val_size: int = 100) -> None:
         if low > high:
             raise ValueError(f"guess_number: low={low} is above high={high}")
         self.low, self.high = int(low), int(high)
@@ -51,6 +53,23 @@ class GuessNumber(Environment):
         if not self.low <= self.secret <= self.high:
             raise ValueError(f"guess_number: secret {self.secret} outside [{self.low}, {self.high}]")
         return list(task.messages) or [{"role": "user", "content": guess_prompt(self.low, self.high)}]
+
+    @staticmethod
+    def task_rows(split: str, low: int = 1, high: int = 16, size: int = 1000, val_size: int = 100,
+                  **_: Any) -> list[dict[str, Any]]:
+        """Rows of the game (``data.train_files: [env:train]``): its instruction, and the secret
+        ``extra_info.secret`` cycling through ``[low, high]`` (``size`` training rows, ``val_size``
+        held-out ones, which start the cycle elsewhere). A game has few secrets: held-out rows
+        differ from training rows by their episodes (their turns' seeds), not their secrets.
+
+        Raises:
+            ValueError: an unknown split.
+        """
+        if split not in ("train", "val"):
+            raise ValueError(f"guess_number: unknown split {split!r}; valid: train, val")
+        count, offset = (size, 0) if split == "train" else (val_size, (high - low + 1) // 2)
+        return [{"prompt": [{"role": "user", "content": guess_prompt(low, high)}], "data_source": "guess_number",
+                 "extra_info": {"secret": low + (k + offset) % (high - low + 1)}} for k in range(count)]
 
     async def step(self, action: str) -> EnvStep:
         """Reward 1 and done for the secret; else feedback, reward 0."""
