@@ -256,16 +256,24 @@ class EpisodeLoop:
         seed = mix_seed(seeds[i], j) if seeds is not None else -1
         return Episode(list(request.prompt_ids), [], seed, env=self.factory(), restarted=restarted)
 
-    def _start(self, c: Episode, request, first: Any) -> None:
-        if isinstance(first, EnvironmentLost):
-            c.lost, c.finish_reason = first, "stop"
-            return
-        if isinstance(first, BaseException):
-            return self._reject(c, first)
+    def _checked(self, c: Episode, result: Any, check: Callable[[Any], Any]) -> Any:
+        """``check(result)`` of an environment's answer, or ``None`` once the answer ended the
+        episode: its server lost (``c.lost``), an exception or a malformed answer (rejected)."""
+        if isinstance(result, EnvironmentLost):
+            c.lost, c.finish_reason = result, "stop"
+            return None
+        if isinstance(result, BaseException):
+            return self._reject(c, result)
         try:
-            c.messages = check_messages(first, "reset()", roles=("system", "user", "assistant", "tool"))
+            return check(result)
         except MalformedEnvStepError as e:
             return self._reject(c, e)
+
+    def _start(self, c: Episode, request, first: Any) -> None:
+        messages = self._checked(c, first, lambda m: check_messages(m, "reset()", ("system", "user", "assistant", "tool")))
+        if messages is None:
+            return
+        c.messages = messages
         if c.messages != list(request.messages):
             c.prompt_ids = self.prompt_ids(c.messages)
             if len(c.prompt_ids) > self.max_prompt_tokens:
@@ -287,15 +295,9 @@ class EpisodeLoop:
         return True
 
     def _after_step(self, c: Episode, step: Any) -> None:
-        if isinstance(step, EnvironmentLost):
-            c.lost, c.finish_reason = step, "stop"
+        step = self._checked(c, step, check_step)
+        if step is None:
             return
-        if isinstance(step, BaseException):
-            return self._reject(c, step)
-        try:
-            step = check_step(step)
-        except MalformedEnvStepError as e:
-            return self._reject(c, e)
         c.turn_rewards.append(float(step.reward))
         c.env_return += float(step.reward)
         for k, v in step.info.items():

@@ -48,7 +48,8 @@ def evaluate(generator, dataset, params, scorer, tokenizer, agent=None) -> dict[
     }
     if agent is not None:
         for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors"):
-            out[f"eval/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / n
+            if any(key in t.reward_extras for t in trajs):  # an environment's episodes count no tool calls
+                out[f"eval/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / n
     sources = {p.uid: p.data_source for p in dataset}
     if len(set(sources.values())) > 1:  # tasks or environments mixed: each one's held-out figures too
         by_source: dict[str, list[Trajectory]] = {}
