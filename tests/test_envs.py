@@ -696,3 +696,23 @@ def test_mixed_environments_run_end_to_end_with_per_environment_metrics(tmp_path
     evals = [line for line in lines if "eval/num_prompts" in line]
     assert evals and all(e["eval/guess_number/num_prompts"] == e["eval/reasoning_gym/chain_sum/num_prompts"] == 4.0
                          for e in evals)
+
+
+def test_the_openenv_example_rows_demonstrate_one_guess_or_binary_search():
+    pytest.importorskip("openenv")
+    from async_rl.utils.registry import load_file_module
+
+    client = load_file_module(str(ROOT / "examples" / "openenv_guess" / "client.py"), "async_rl_test", "example")
+    for secret in range(1, 9):
+        demo = client.binary_search(secret)
+        guesses = [int(m["content"]) for m in demo if m["role"] == "assistant"]
+        assert guesses[-1] == secret and len(guesses) <= 4 and len(set(guesses)) == len(guesses)
+        assert all(m["content"].endswith(("higher.", "lower.")) for m in demo if m["role"] == "user")
+    rows = client.GuessClient.task_rows("train", size=16)
+    assert [r["extra_info"]["demonstration"] for r in rows[:2]] == [[{"role": "assistant", "content": "1"}],
+                                                                    [{"role": "assistant", "content": "2"}]]
+    assert rows[0]["prompt"][0]["content"] == client.INSTRUCTION
+    assert client.GuessClient.task_rows("val", size=16, val_size=3, demonstration="binary_search")[2][
+        "extra_info"]["demonstration"] == client.binary_search(3)
+    with pytest.raises(ValueError, match="guess or binary_search"):
+        client.GuessClient.task_rows("train", demonstration="bogus")
