@@ -36,8 +36,8 @@ from async_rl.runtime.inputs import check_inputs
 from async_rl.utils.leftovers import sweep_at_start
 from async_rl.generators import make_generator
 from async_rl.generators.base import Generator, SamplingParams
-from async_rl.runtime.cluster import (Cluster, PlacementConfig, cpus_restored, pin_process, split_learner_threads,
-                                      started_on)
+from async_rl.runtime.cluster import (LOOPBACK, Cluster, PlacementConfig, cpus_restored, pin_process,
+                                      split_learner_threads, started_on)
 from async_rl.learners.launch import LearnerHandle, LearnerRankDied, launch_learner, launched_by_torchrun
 from async_rl.loops.base import Loop, RunContext, TrainerConfig
 from async_rl.loops.sync import SyncLoop
@@ -81,7 +81,7 @@ def _train(cfg: "Config") -> dict[str, Any]:
     check_inputs(cfg)
     progress = Progress(summary={})
     # An environment's servers (env.args.serve) run for the whole run, before its actors start.
-    with environment_services(cfg.env), _kept_only_if_trained(run, progress):
+    with environment_services(cfg.env, LOOPBACK), _kept_only_if_trained(run, progress):
         ctx, learner_handle = build(cfg, run)
         progress.summary.update({"run_dir": str(ctx.run_dir), "mode": cfg.trainer.mode, **ctx.train_ds.summary()})
         loop: Loop | None = None

@@ -568,7 +568,7 @@ def test_openenv_servers_are_health_checked_restarted_and_stopped():
     pytest.importorskip("openenv")
     from async_rl.envs import OpenEnvServers
 
-    with OpenEnvServers(f"{GUESS_SERVER}:app", replicas=1) as servers:
+    with OpenEnvServers(f"{GUESS_SERVER}:app", "127.0.0.1", replicas=1) as servers:
         (proc,) = servers.procs
         proc.kill()
         deadline = time.monotonic() + 60
@@ -579,7 +579,7 @@ def test_openenv_servers_are_health_checked_restarted_and_stopped():
         replacement = servers.procs[0]
     assert replacement.poll() is not None  # stopped with the run
     with pytest.raises(ValueError, match="did not answer /health within 3 s"):
-        OpenEnvServers(f"{GUESS_SERVER}:no_such_app", replicas=1, startup_timeout_s=3).start()
+        OpenEnvServers(f"{GUESS_SERVER}:no_such_app", "127.0.0.1", replicas=1, startup_timeout_s=3).start()
 
 
 class KillsTheServer(ScriptedGenerator):
@@ -601,7 +601,7 @@ def test_openenv_episodes_play_the_served_game_and_start_over_when_it_dies(tok):
     pytest.importorskip("openenv")
     from async_rl.envs import OpenEnvServers
 
-    with OpenEnvServers(f"{GUESS_SERVER}:app", replicas=1) as servers:
+    with OpenEnvServers(f"{GUESS_SERVER}:app", "127.0.0.1", replicas=1) as servers:
         loop = _loop(tok, make_env("openenv", {"url": servers.urls}), max_turns=8)
         guesses = [str(k) for k in range(1, 9)]  # a guess per turn: 1, 2, ... finds any secret in 1..8
         (row,) = loop.run_groups(ScriptedGenerator(tok, guesses), [_request(tok, n=2, seed=3)], 2, _params(),

@@ -247,11 +247,12 @@ def run_eval(cfg: Config, model: str | None = None) -> dict[str, Any]:
     Raises:
         ValueError, FileNotFoundError: see ``find_policy``, ``held_out_prompts``, ``policy_dir``.
     """
+    from async_rl.runtime.cluster import LOOPBACK
     from async_rl.step.episodes import environment_services
     from async_rl.step.evaluation import evaluate
 
     # An environment's servers (env.args.serve) run while the policy plays it, as in a run.
-    with environment_services(cfg.env), \
+    with environment_services(cfg.env, LOOPBACK), \
             loaded_policy(cfg, model, lambda parts: held_out_prompts(cfg, parts)) as (engine, parts, source, ds):
         metrics = evaluate(engine, ds, parts.params, parts.scorer, parts.tokenizer, parts.agent)
     return {"model": source.label, "val_files": list(cfg.data.val_files),

@@ -120,15 +120,15 @@ class MixedEnv(Environment):
 
     @staticmethod
     @contextlib.contextmanager
-    def services(args: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """Every mixed environment's services (OpenEnv servers...) for the run; yields ``args``
-        with each one's arguments as its services gave them."""
+    def services(args: dict[str, Any], host: str) -> Iterator[dict[str, Any]]:
+        """Every mixed environment's services (OpenEnv servers...) for the run, binding ``host``
+        by default; yields ``args`` with each one's arguments as its services gave them."""
         entries = _entries(args["envs"])
         with contextlib.ExitStack() as stack:
             envs = {}
             for key, (spec, sub_args, weight) in entries.items():
                 serve = getattr(ENVIRONMENTS.get(spec), "services", None)
                 if serve is not None:
-                    sub_args = stack.enter_context(serve(sub_args))
+                    sub_args = stack.enter_context(serve(sub_args, host))
                 envs[key] = {"name": spec, "weight": weight, "args": sub_args}
             yield {**args, "envs": envs}

@@ -15,7 +15,7 @@ error is the environment's own fault and rejects the episode.
 
 With ``serve`` the run starts the servers itself (``OpenEnvServers``): ``replicas`` uvicorn
 processes of the ASGI app ``app`` (``pkg.mod:app`` or ``path/to/server.py:app``), on loopback ports
-unless ``host`` says otherwise (a warning says so), with the ``python`` of the environment's own
+unless ``serve.host`` says otherwise (a warning says so), with the ``python`` of the environment's own
 venv when it needs one; each is health-checked (``GET /health``) before the run starts and
 restarted when it dies.
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import json
 import logging
@@ -172,17 +173,25 @@ class OpenEnvEnv(Environment):
 
     @staticmethod
     @contextlib.contextmanager
-    def services(args: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """With ``serve`` in ``args``: start the servers (``OpenEnvServers``) for the run, yield
-        ``args`` with their URLs as ``url``, stop them at the end. Without it: ``args`` as they are."""
+    def services(args: dict[str, Any], host: str) -> Iterator[dict[str, Any]]:
+        """With ``serve`` in ``args``: start the servers (``OpenEnvServers``, binding ``host``
+        unless ``serve.host`` is set) for the run, yield ``args`` with their URLs as ``url``, stop
+        them at the end. Without it: ``args`` as they are."""
         if not args.get("serve"):
             yield args
             return
-        with OpenEnvServers(**args["serve"]) as servers:
+        with OpenEnvServers(**{"host": host, **args["serve"]}) as servers:
             try:
                 yield {**{k: v for k, v in args.items() if k != "serve"}, "url": servers.urls}
             finally:
                 logger.info("openenv: replica restarts %s", servers.restarts)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return host == "localhost"
 
 
 def _free_port(host: str) -> int:
@@ -198,8 +207,9 @@ class OpenEnvServers:
         app: the ASGI app, ``pkg.mod:app`` (imported from the working directory) or
             ``path/to/server.py:app``.
         replicas: servers to run (>= 1).
-        host: the address they bind; loopback by default (another address is logged: the
-            servers run no authentication).
+        host: the address they bind (``services`` gives the run's loopback default unless
+            ``serve.host`` says otherwise; an address that is not loopback is logged: the servers
+            run no authentication).
         python: the interpreter of the environment's own venv (it needs ``uvicorn`` and the
             app's packages); default this one.
         startup_timeout_s: seconds a server may take to answer ``/health``.
@@ -214,7 +224,7 @@ class OpenEnvServers:
             last output lines in the message).
     """
 
-    def __init__(self, app: str, replicas: int = 1, host: str = "127.0.0.1", python: str | None = None,
+    def __init__(self, app: str, host: str, replicas: int = 1, python: str | None = None,
                  startup_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
         if replicas < 1:
             raise ValueError(f"openenv serve: replicas must be >= 1, got {replicas}")
@@ -228,7 +238,7 @@ class OpenEnvServers:
         self.host, self.python = host, python or sys.executable
         self.startup_timeout_s = startup_timeout_s
         self.extra_env = dict(env or {})
-        if host not in ("127.0.0.1", "localhost", "::1"):
+        if not _is_loopback(host):
             logger.warning("openenv servers bind %s, not loopback: anyone who can reach it can drive them "
                            "(OpenEnv servers run no authentication)", host)
         self.ports = [_free_port(host) for _ in range(replicas)]

@@ -435,9 +435,10 @@ def data_file(uri: str, env_cfg: EnvConfig) -> str:
 
 
 @contextlib.contextmanager
-def environment_services(env_cfg: EnvConfig):
-    """Run what the environment needs for the run's length: its class's ``services(args)``
-    context manager (``OpenEnvEnv.services`` starts and supervises OpenEnv servers), whose
+def environment_services(env_cfg: EnvConfig, host: str):
+    """Run what the environment needs for the run's length: its class's ``services(args, host)``
+    context manager (servers bind ``host``, the run's loopback default, unless their own
+    arguments say otherwise) (``OpenEnvEnv.services`` starts and supervises OpenEnv servers), whose
     yielded arguments replace ``env.args`` meanwhile (the generator actors get them). Nothing
     for an environment without ``services``, or with none configured.
 
@@ -451,7 +452,7 @@ def environment_services(env_cfg: EnvConfig):
         yield
         return
     original = env_cfg.args
-    with serve(dict(original)) as args:
+    with serve(dict(original), host) as args:
         env_cfg.args = args
         try:
             yield
