@@ -225,7 +225,8 @@ def _cross_validate(cfg: Config) -> None:
 
 
 def _check_env(cfg: Config) -> None:
-    """An environment is the rollout's one road: it answers every turn and gives the reward."""
+    """An environment is the rollout's one road: it answers every turn and gives the reward, or
+    leaves the reward to the run's (``Environment.reward_from_run``: then ``reward.fn`` may be set)."""
     env_files = [f for f in [*cfg.data.train_files, *cfg.data.val_files] if f.startswith("env:")]
     if env_files and not cfg.env.enabled:
         raise ConfigError(f"data files {env_files} are an environment's task rows, but env.name is unset")
@@ -234,17 +235,16 @@ def _check_env(cfg: Config) -> None:
     if cfg.agent.enabled:
         raise ConfigError(f"env.name={cfg.env.name} and agent.tools={cfg.agent.tools} are both set: an environment "
                           "runs the whole episode (it offers tools itself, as Environment.tools), so set one of them")
-    if cfg.reward.fn:
+    from async_rl.envs import ENVIRONMENTS, make_env
+
+    if cfg.reward.fn and getattr(ENVIRONMENTS.get(cfg.env.name), "reward_from_run", False) is not True:
         raise ConfigError(f"env.name={cfg.env.name} and reward.fn={cfg.reward.fn} are both set: the environment's "
                           "return is the reward; unset reward.fn (reward.model may still add a model's score)")
-    from async_rl.envs import make_env
 
     try:
         make_env(cfg.env.name, cfg.env.args)
     except ValueError as e:
         raise ConfigError(f"env.name: {e}") from None
-    from async_rl.envs import ENVIRONMENTS
-
     if env_files and not hasattr(ENVIRONMENTS.get(cfg.env.name), "task_rows"):
         raise ConfigError(f"data files {env_files}: environment {cfg.env.name!r} offers no task rows; name data "
                           "files of your own")

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from async_rl.envs import Environment
 from async_rl.step.agent import AgentConfig, AgentLoop, demonstration_ids, render_ids, tool_turn_ids
 from async_rl.generators.base import Sample, SamplingParams
 
@@ -254,6 +255,59 @@ def test_tool_calls_are_parsed_from_exactly_what_was_generated(tag_tok, parser, 
     first = tag_tok(turn, add_special_tokens=False)["input_ids"] + [tag_tok.eos_token_id]
     assert conv.response_ids[: len(first)] == first and set(conv.loss_mask[: len(first)]) == {1}
     assert len(conv.response_ids) == len(conv.logprobs) == len(conv.loss_mask) == len(conv.policy_version)
+
+
+@pytest.mark.parametrize("turn", [row[2] for row in GENERATED_TURNS[:5]], ids=[row[0] for row in GENERATED_TURNS[:5]])
+def test_the_tool_environment_plays_a_conversation_as_the_tool_loop_does(tag_tok, turn):
+    """The tool loop as an implementation of the episode protocol (``env.name: tools``): the same
+    generated turns give the same token ids, log-probs, loss mask, versions, tool responses and
+    answer as ``AgentLoop``; the tool counts reach the trajectory as ``agent/*``."""
+    from async_rl.envs import make_env
+    from async_rl.step.episodes import EnvConfig, EpisodeLoop
+    from async_rl.step.rollout import GroupRequest, trajectory_of
+    from async_rl.tools import ToolRegistry, calculator_tool
+
+    turn = turn.replace('"record"', '"calculator"').replace('{"a": 1}', '{"expression": "6*7"}')
+    script = {"q": [turn, "done"]}
+    msgs = [{"role": "user", "content": "q"}]
+    registry = ToolRegistry()
+    registry.register(calculator_tool)
+    agent = AgentLoop(AgentConfig(tools=["calculator"]), tag_tok, [tag_tok.eos_token_id], registry=registry)
+    episodes = EpisodeLoop(EnvConfig(name="tools", args={"tools": ["calculator"]}, max_turns=4,
+                                     max_observation_tokens=128), tag_tok, [tag_tok.eos_token_id], 256)
+    assert episodes.schemas == agent.schemas and isinstance(make_env("tools", {"tools": ["calculator"]})(), Environment)
+    prompt = agent.prompt_ids(msgs)
+    (conv,), = agent.run(ScriptedGenerator(tag_tok, script), [(prompt, msgs)], 1, _params(max_tokens=200), seeds=[1])
+    request = GroupRequest(0, prompt, "u", "calc", "42", {}, 1, 1, msgs)
+    (episode,), = episodes.run_groups(ScriptedGenerator(tag_tok, script), [request], 1, _params(max_tokens=200), [1])
+    assert episode.finish_reason == conv.finish_reason == "stop" and episode.rejected is None
+    for name in ("response_ids", "logprobs", "loss_mask", "policy_version", "num_turns"):
+        assert getattr(episode, name) == getattr(conv, name), name
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == \
+        [m["content"] for m in conv.messages if m["role"] == "tool"]
+    assert episode.final_text == conv.final_text == "done" and episode.reward_from_run
+    assert (episode.info.get("tool_calls", 0), episode.info.get("tool_errors", 0)) == (conv.num_tool_calls,
+                                                                                       conv.num_tool_errors)
+    extras = trajectory_of(episode, tag_tok, 0, 0, "u", prompt).reward_extras
+    assert (extras["agent/tool_calls"], extras["agent/tool_errors"]) == (conv.num_tool_calls, conv.num_tool_errors)
+
+
+def test_the_tool_environment_answers_calls_past_its_limit_and_needs_a_tool():
+    import asyncio
+
+    from async_rl.envs import ToolUse
+
+    env = ToolUse(["calculator"], max_tool_calls_per_turn=2)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    step = asyncio.run(env.step(call * 5))
+    assert [m["content"] for m in step.observation][:2] == ["5", "5"] and not step.done
+    assert step.info == {"tool_calls": 5.0, "tool_errors": 3.0, "error_too_many_calls": 3.0}
+    assert "at most 2 tool calls" in step.observation[4]["content"]
+    assert asyncio.run(env.step("It is 5.")).done
+    with pytest.raises(ValueError, match="name at least one tool"):
+        ToolUse([])
+    with pytest.raises(ValueError, match="max_tool_calls_per_turn must be >= 1"):
+        ToolUse(["calculator"], max_tool_calls_per_turn=0)
 
 
 def test_turn_and_token_limits(tok):

@@ -38,6 +38,20 @@ def test_builtin_is_cached(tmp_path, monkeypatch):
     assert (tmp_path / first).stat().st_mtime_ns == mtime
 
 
+def test_builtin_small_model_is_larger_with_the_same_tokenizer_and_its_context():
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    small, tiny = resolve("builtin:small-qwen2"), resolve("builtin:tiny-qwen2")
+    config = AutoConfig.from_pretrained(small)
+    assert (config.hidden_size, config.num_hidden_layers, config.max_position_embeddings) == (256, 6, 512)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(small).parameters())
+    assert 4.5e6 < params < 5.0e6
+    small_tok, tiny_tok = AutoTokenizer.from_pretrained(small), AutoTokenizer.from_pretrained(tiny)
+    assert small_tok.get_vocab() == tiny_tok.get_vocab() and small_tok.chat_template == tiny_tok.chat_template
+    # Each tokenizer knows its model's context.
+    assert (small_tok.model_max_length, tiny_tok.model_max_length) == (512, 256)
+
+
 def test_unknown_builtin_lists_valid():
     with pytest.raises(ValueError, match="builtin:tiny-qwen2"):
         resolve("builtin:nope")

@@ -177,6 +177,40 @@ def test_turn_and_token_limits_end_episodes(tok):
     assert row[0].finish_reason == "length" and row[0].turn_rewards == [0.25] and set(row[0].loss_mask) == {1}
 
 
+class Shouts(Environment):
+    """Answers every turn with a long observation."""
+
+    async def step(self, action):
+        return EnvStep([{"role": "user", "content": "é" * 40}], 0.0, False)
+
+
+def test_long_observations_are_cut_to_env_max_observation_tokens(tok):
+    loop = _loop(tok, Shouts, max_turns=2, max_observation_tokens=10)
+    (row,) = loop.run_groups(ScriptedGenerator(tok, ["a", "b"]), [_request(tok, n=1)], 1, _params(), seeds=[1])
+    # 10 byte-level tokens hold 5 whole two-byte characters; the cut is marked.
+    assert row[0].messages[2]["content"] == "é" * 5 + " ...[truncated]"
+    assert row[0].finish_reason == "max_turns"
+    (row,) = _loop(tok, Shouts, max_turns=2).run_groups(ScriptedGenerator(tok, ["a", "b"]), [_request(tok, n=1)], 1,
+                                                       _params(), seeds=[1])
+    assert row[0].messages[2]["content"] == "é" * 40
+    with pytest.raises(ValueError, match="env.max_observation_tokens must be >= 1"):
+        EnvConfig(max_observation_tokens=0)
+
+
+def test_warm_start_reads_an_environments_demonstration_from_a_list_or_its_json_text(tok):
+    from async_rl.step.evaluation import _demonstration
+
+    loop = _loop(tok, Countdown)
+    demo = [{"role": "assistant", "content": "3"}, {"role": "user", "content": "higher"},
+            {"role": "assistant", "content": "5"}]
+    assert _demonstration(demo, loop) == demo
+    assert _demonstration(json.dumps(demo), loop) == demo
+    # Answers of one turn, even ones that read as JSON, are not demonstrations.
+    for answer in ["42", "[1, 2]", "[not json", '{"a": 1}', ""]:
+        assert _demonstration(answer, loop) is None
+    assert _demonstration("42", None) is None
+
+
 class Faulty(Environment):
     def __init__(self, mode: str):
         self.mode = mode
@@ -288,6 +322,75 @@ def test_evaluation_episodes_are_counted_apart(tok):
     assert own == {"env/episodes": 3.0}
     assert loop.pop_metrics() == {"env/episodes": 1.0}
     assert loop.counts() == {"env/episodes": 4.0}
+
+
+# ------------------------------------------------------------------ single-turn prompts as an environment
+class ScriptedSampler(ScriptedGenerator):
+    """``ScriptedGenerator`` with ``n`` samples per prompt and the streaming callback, as the plain
+    single-turn road calls an engine."""
+
+    def generate(self, prompts, n, params, seeds=None, on_sample=None):
+        out = [[s for _ in range(n) for s in super(ScriptedSampler, self).generate([ids], 1, params)[0]]
+               for ids in prompts]
+        for i, row in enumerate(out):
+            for j, sample in enumerate(row):
+                if on_sample is not None:
+                    on_sample(i, j, sample)
+        return out
+
+
+def test_single_turn_episodes_are_scored_by_the_run_reward_as_plain_samples_are(tok):
+    from async_rl.rewards.config import RewardConfig
+    from async_rl.step.rollout import make_scorer
+
+    def requests():
+        return [GroupRequest(g, render_ids(tok, [{"role": "user", "content": f"{g}+7="}], None, True), f"u{g}",
+                             "async_rl/arithmetic", str(g + 7), {}, 2, 100 + g, [{"role": "user", "content": f"{g}+7="}])
+                for g in range(2)]
+
+    scorer = make_scorer(RewardConfig(fn="arithmetic", num_workers=0), "zero")
+    loop = EpisodeLoop(EnvConfig(name="single_turn"), tok, [tok.eos_token_id], max_prompt_tokens=256)
+    episodes, plain = [], []
+    sample_groups(ScriptedSampler(tok, ["8"]), requests(), _params(), tok, scorer, loop, episodes.append)
+    sample_groups(ScriptedSampler(tok, ["8"]), requests(), _params(), tok, scorer, None, plain.append)
+    key = lambda t: t.trajectory_id  # noqa: E731
+    assert [t.trajectory_id for t in sorted(episodes, key=key)] == ["0/0", "0/1", "1/0", "1/1"]
+    for e, p in zip(sorted(episodes, key=key), sorted(plain, key=key)):
+        # 1+7=8 is right, 0+7=8 is not: the run's reward function scored the episode's answer.
+        assert e.reward == p.reward == float(e.group_id == 1)
+        eight = tok("8", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert list(e.response_ids) == list(p.response_ids) == eight
+        assert list(e.prompt_ids) == list(p.prompt_ids) and list(e.loss_mask) == list(p.loss_mask) == [1, 1]
+        assert e.response_text == "8" and "env/return" not in e.reward_extras
+    assert loop.pop_metrics() == {"env/episodes": 4.0}
+
+
+def test_single_turn_takes_the_run_reward_and_other_environments_refuse_it():
+    from async_rl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["model.path=x", "data.train_files=[x]", "env.name=single_turn", "reward.fn=arithmetic"])
+    assert cfg.reward.fn == "arithmetic"
+    for name in ("guess_number", "mix"):
+        with pytest.raises(ConfigError, match="the environment's return is the reward"):
+            load_config(None, ["model.path=x", "data.train_files=[x]", f"env.name={name}", "reward.fn=arithmetic",
+                               "env.args={envs: {g: {name: guess_number}}}"] if name == "mix" else
+                        ["model.path=x", "data.train_files=[x]", f"env.name={name}", "reward.fn=arithmetic"])
+
+
+def test_the_default_job_runs_through_the_single_turn_environment(tmp_path):
+    from async_rl.trainer import train
+
+    from async_rl.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        "env.name=single_turn", "env.max_response_tokens=8", "trainer.total_steps=2", "trainer.warm_start.steps=20",
+        "trainer.prompts_per_step=8", "trainer.eval_every_steps=2", "data.val_max_prompts=16",
+        f"trainer.output_dir={tmp_path}", "logging.console_every_steps=1"])
+    train(cfg)
+    metrics = [json.loads(line) for line in next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()]
+    steps = [m for m in metrics if "rollout/reward_mean" in m]
+    assert len(steps) == 2 and all(m["env/episodes"] == 64 for m in steps)
+    assert all("env/return_mean" not in m for m in steps)
 
 
 # ------------------------------------------------------------------ gymnasium text games
@@ -716,3 +819,17 @@ def test_the_openenv_example_rows_demonstrate_one_guess_or_binary_search():
         "extra_info"]["demonstration"] == client.binary_search(3)
     with pytest.raises(ValueError, match="guess or binary_search"):
         client.GuessClient.task_rows("train", demonstration="bogus")
+
+
+def test_the_throughput_bench_samples_both_roads_and_prints_their_ratio():
+    """``bench/bench_env_throughput.py`` in a short form: both roads keep every sample (the bench
+    exits non-zero otherwise) and the ratio row is printed; no time is asserted."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_env_throughput.py"), "--prompts", "2", "--n",
+                          "2", "--reps", "1"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "protocol (env single_turn)" in out.stdout and ">= 0.95: wall" in out.stdout

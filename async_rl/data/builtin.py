@@ -18,6 +18,8 @@ loading code that reads a user's model directory or verl parquet reads them too:
 - ``builtin:tiny-llama``, ``tiny-qwen3``, ``tiny-mistral``, ``tiny-gemma2``, ``tiny-phi3``,
   ``tiny-olmo2``: tiny models of other architectures with the same tokenizer
   (``async_rl.data.architectures``).
+- ``builtin:small-qwen2``: a Qwen2 of the same kind about 5x larger (4.8M parameters, 512
+  positions, the same tokenizer), for tasks whose prompts are sentences (``SMALL_QWEN2_SPEC``).
 - ``builtin:tiny-qwen2-reward``: the same tiny Qwen2 with a scalar head
   (``Qwen2ForSequenceClassification``, one label), a reward model for ``reward.model``.
 
@@ -59,6 +61,21 @@ TINY_QWEN2_SPEC: dict[str, Any] = {
     "tie_word_embeddings": True,
     "seed": 0,
 }
+
+SMALL_QWEN2_SPEC: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "seed": 0,
+}
+"""``builtin:small-qwen2``: the tiny Qwen2's tokenizer in a model about 5x its size (4.8M
+parameters): enough to learn tasks whose prompts are whole sentences (reasoning-gym's) from a
+warm start, where the tiny one learns only the compact prompts it was built for."""
 
 ARITHMETIC_SPEC: dict[str, Any] = {
     "max_operand": 19,
@@ -195,13 +212,15 @@ def _build_cached(name: str, spec: dict[str, Any], build) -> Path:
     return target
 
 
-def build_tokenizer(out_dir: Path, tools: bool = False):
+def build_tokenizer(out_dir: Path, tools: bool = False, model_max_length: int | None = None):
     """Write a byte-level BPE tokenizer with ChatML special tokens to ``out_dir``.
 
     Vocabulary: the 256 byte symbols, three special tokens (``<|endoftext|>`` = pad,
     ``<|im_start|>``, ``<|im_end|>`` = EOS) and the role names as single tokens; no merges, so
     any UTF-8 text round-trips exactly. With ``tools``: also the tool-call markup as single
     (non-special) tokens and the tool-aware chat template ``TOOLS_CHAT_TEMPLATE``.
+    ``model_max_length``: the model's positions (default: the tiny model's, 256, or 512 with
+    ``tools``).
 
     Returns:
         The ``transformers.PreTrainedTokenizerFast`` that was saved.
@@ -222,7 +241,8 @@ def build_tokenizer(out_dir: Path, tools: bool = False):
         pad_token="<|endoftext|>",
         bos_token=None,
         unk_token=None,
-        model_max_length=(TINY_QWEN2_TOOLS_SPEC if tools else TINY_QWEN2_SPEC)["max_position_embeddings"],
+        model_max_length=model_max_length or (TINY_QWEN2_TOOLS_SPEC if tools else
+                                              TINY_QWEN2_SPEC)["max_position_embeddings"],
         padding_side="left",
         chat_template=TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
     )
@@ -246,7 +266,8 @@ def build_qwen2(out_dir: Path, spec: dict[str, Any] = TINY_QWEN2_SPEC) -> None:
     spec = dict(spec)
     seed = spec.pop("seed")
     spec.pop("template_sha", None)
-    tokenizer = build_tokenizer(out_dir, tools=spec.pop("variant", None) == "tools")
+    tokenizer = build_tokenizer(out_dir, tools=spec.pop("variant", None) == "tools",
+                                model_max_length=spec["max_position_embeddings"])
     vocab_size = spec.pop("vocab_size", len(tokenizer))
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size={vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
@@ -458,6 +479,7 @@ _BUILDERS = {
     "tiny-qwen2": (TINY_QWEN2_SPEC, build_qwen2),
     "tiny-qwen2-tools": (TINY_QWEN2_TOOLS_SPEC, lambda out: build_qwen2(out, TINY_QWEN2_TOOLS_SPEC)),
     "tiny-qwen2-reward": (TINY_QWEN2_REWARD_SPEC, _build_tiny_qwen2_reward),
+    "small-qwen2": (SMALL_QWEN2_SPEC, lambda out: build_qwen2(out, SMALL_QWEN2_SPEC)),
     "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
     "chainsum": (CHAINSUM_SPEC, _build_chainsum),
     "calc": (CALC_SPEC, _build_calc),

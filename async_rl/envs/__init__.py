@@ -10,7 +10,9 @@
   their rows and their scorers; needs the ``reasoning-gym`` package), ``openenv``
   (``OpenEnvEnv``: sessions on OpenEnv servers, which a run may start and supervise itself,
   ``OpenEnvServers``; needs ``openenv-core``), ``mix`` (``MixedEnv``: several of these in one
-  run, by weight).
+  run, by weight), ``single_turn`` (``SingleTurn``: one prompt, one response, scored by the run's
+  reward function, the plain rollout as an environment), ``tools`` (``ToolUse``: multi-turn tool
+  calls, the tools run by the environment, the answer scored by the run's reward function).
 
 The rollout side (turns on an engine, tokens, masks, faults) is ``async_rl.step.episodes``.
 """
@@ -22,12 +24,16 @@ from async_rl.envs.gym import GymTextEnv
 from async_rl.envs.mix import MixedEnv
 from async_rl.envs.openenv import OpenEnvEnv, OpenEnvServers
 from async_rl.envs.reasoning_gym import ReasoningGym
+from async_rl.envs.single_turn import SingleTurn
+from async_rl.envs.tools import ToolUse
 
 register_env(GuessNumber, "guess_number")
 register_env(GymTextEnv, "gym")
 register_env(ReasoningGym, "reasoning_gym")
 register_env(OpenEnvEnv, "openenv")
 register_env(MixedEnv, "mix")
+register_env(SingleTurn, "single_turn")
+register_env(ToolUse, "tools")
 
-__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentLost", "GuessNumber", "MixedEnv", "OpenEnvEnv", "OpenEnvServers", "GymTextEnv", "MalformedEnvStepError", "ReasoningGym", "Task",
+__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentLost", "GuessNumber", "MixedEnv", "OpenEnvEnv", "OpenEnvServers", "GymTextEnv", "MalformedEnvStepError", "ReasoningGym", "SingleTurn", "Task", "ToolUse",
            "check_messages", "check_step", "guess_prompt", "make_env", "register_env"]

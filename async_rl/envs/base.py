@@ -84,9 +84,20 @@ class Environment:
     Attributes:
         tools: JSON schemas of the tools the model may call, passed to the chat template (the
             environment parses and answers the calls itself); ``None``: no tools.
+        reward_from_run: the environment gives no reward of its own: the run's reward
+            (``reward.fn``, or the function registered for the row's ``data_source``, and
+            ``reward.model``) scores the episode's answer, the text of its last assistant turn,
+            as it scores a single-turn response, in the reward workers under
+            ``reward.timeout_s`` (``async_rl.envs.single_turn``, ``async_rl.envs.tools``).
+            ``False``: the episode's return is the reward (``reward.model`` may add to it).
+        keep_special_tokens: ``step`` receives each turn as generated, special tokens kept (its
+            end-of-turn token left out), e.g. to parse tool-call tags that a tokenizer makes
+            special tokens; ``False``: special tokens removed.
     """
 
     tools: list[dict[str, Any]] | None = None
+    reward_from_run: bool = False
+    keep_special_tokens: bool = False
 
     async def reset(self, task: Task, seed: int) -> list[dict[str, Any]]:
         """Start the episode; return the first observation: the chat messages the model answers.
@@ -102,7 +113,8 @@ class Environment:
         return list(task.messages)
 
     async def step(self, action: str) -> EnvStep:
-        """Take one assistant turn (its text, special tokens removed); return the next step."""
+        """Take one assistant turn (its text, special tokens removed unless
+        ``keep_special_tokens``); return the next step."""
         raise NotImplementedError(f"{type(self).__name__}.step is not implemented")
 
     async def close(self) -> None:

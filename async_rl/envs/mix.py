@@ -81,6 +81,16 @@ class MixedEnv(Environment):
         self.current = self.factories[key]()
         return await self.current.reset(task, seed)
 
+    @property
+    def reward_from_run(self) -> bool:  # type: ignore[override]
+        """The row's environment's (once reset): whether the run's reward scores its episode."""
+        return bool(getattr(self.current, "reward_from_run", False))
+
+    @property
+    def keep_special_tokens(self) -> bool:  # type: ignore[override]
+        """The row's environment's (once reset): whether its steps read special tokens."""
+        return bool(getattr(self.current, "keep_special_tokens", False))
+
     async def step(self, action: str) -> EnvStep:
         """The row's environment's step."""
         return await self.current.step(action)

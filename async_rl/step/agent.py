@@ -195,6 +195,33 @@ def demonstration_ids(tokenizer, prompt_messages: list[dict], demonstration: lis
     return ids, mask
 
 
+def cap_tokens(tokenizer, text: str, limit: int) -> str:
+    """``text`` whole if it has at most ``limit`` tokens, else cut to at most that many tokens at a
+    character boundary plus `` ...[truncated]`` (a tool's output, an environment's observation),
+    so one observation cannot fill the context."""
+    # Tokenise only a prefix, so a huge output is never tokenised whole: common vocabularies'
+    # tokens cover far fewer than 16 characters. A prefix that still fits is widened (tokens
+    # longer than that, e.g. runs of spaces), never returned as if whole.
+    window = 16 * limit + 16
+    while True:
+        ids = tokenizer(text[:window], add_special_tokens=False, verbose=False)["input_ids"]
+        if len(ids) > limit:
+            break
+        if window >= len(text):
+            return text
+        window *= 4
+    # A cut inside a multi-byte character decodes to U+FFFD: step back to the last whole one (at
+    # most 3 tokens for UTF-8 bytes). A tokenizer whose decoding is not a prefix of the text
+    # (normalisation) keeps the plain cut.
+    head = tokenizer.decode(ids[:limit])
+    for keep in range(limit, max(limit - 4, -1), -1):
+        candidate = tokenizer.decode(ids[:keep])
+        if text.startswith(candidate):
+            head = candidate
+            break
+    return head + " ...[truncated]"
+
+
 @dataclass
 class Conversation:
     """One sample's multi-turn rollout state (response side: everything after the prompt).
@@ -368,30 +395,7 @@ class AgentLoop:
         return content.strip()
 
     def _cap(self, text: str) -> str:
-        """``text`` whole if it has at most ``max_tool_response_tokens`` tokens, else cut to at
-        most that many tokens at a character boundary plus `` ...[truncated]``."""
-        limit = self.cfg.max_tool_response_tokens
-        # Tokenise only a prefix, so a huge tool output is never tokenised whole: common
-        # vocabularies' tokens cover far fewer than 16 characters. A prefix that still fits is
-        # widened (tokens longer than that, e.g. runs of spaces), never returned as if whole.
-        window = 16 * limit + 16
-        while True:
-            ids = self.tokenizer(text[:window], add_special_tokens=False, verbose=False)["input_ids"]
-            if len(ids) > limit:
-                break
-            if window >= len(text):
-                return text
-            window *= 4
-        # A cut inside a multi-byte character decodes to U+FFFD: step back to the last whole
-        # one (at most 3 tokens for UTF-8 bytes). A tokenizer whose decoding is not a prefix of
-        # the text (normalisation) keeps the plain cut.
-        head = self.tokenizer.decode(ids[:limit])
-        for keep in range(limit, max(limit - 4, -1), -1):
-            candidate = self.tokenizer.decode(ids[:keep])
-            if text.startswith(candidate):
-                head = candidate
-                break
-        return head + " ...[truncated]"
+        return cap_tokens(self.tokenizer, text, self.cfg.max_tool_response_tokens)
 
     def pop_metrics(self) -> dict[str, float]:
         """Tool-execution counters since the last call (``tools/calls``, ``tools/error_*``, ...)."""

@@ -41,7 +41,7 @@ from typing import Any, Callable, Coroutine, Sequence
 
 from async_rl.envs.base import EnvironmentLost, MalformedEnvStepError, Task, check_messages, check_step, make_env
 from async_rl.generators.base import mix_seed
-from async_rl.step.agent import Conversation, render_ids, tool_turn_ids
+from async_rl.step.agent import Conversation, cap_tokens, render_ids, tool_turn_ids
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +65,17 @@ class EnvConfig:
     """Most response tokens per episode, generated and observation tokens together (>= 1)."""
     step_timeout_s: float = 30.0
     """Seconds one ``reset`` or ``step`` may take (> 0); past it the episode is rejected (``timeout``)."""
+    max_observation_tokens: int | None = None
+    """An observation message (a tool's output, a game's feedback) longer than this many tokens is
+    cut to at most this many (whole characters) and marked `` ...[truncated]``, so one
+    observation cannot fill the episode's budget (>= 1); ``None``: kept whole."""
 
     def __post_init__(self) -> None:
         for key in ("max_turns", "max_response_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"env.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_observation_tokens is not None and self.max_observation_tokens < 1:
+            raise ValueError(f"env.max_observation_tokens must be >= 1 or null, got {self.max_observation_tokens}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"env.step_timeout_s must be > 0 seconds, got {self.step_timeout_s}")
 
@@ -92,6 +98,8 @@ class Episode(Conversation):
         env: the episode's ``Environment`` until it ends (``None`` after).
         lost: the ``EnvironmentLost`` that ended it, if its server went away.
         restarted: this is the episode's second start (its first one's server was lost).
+        reward_from_run: the run's reward scores the episode's answer (``final_text``), its
+            environment having no reward of its own (``Environment.reward_from_run``).
     """
 
     env_return: float = 0.0
@@ -101,6 +109,9 @@ class Episode(Conversation):
     env: Any = None
     lost: BaseException | None = None
     restarted: bool = False
+    reward_from_run: bool = False
+    action: str = ""
+    """The last assistant turn as its ``step`` receives it."""
 
 
 class _Timeout(Exception):
@@ -245,7 +256,7 @@ class EpisodeLoop:
                                              turn_params, seeds=turn_seeds)
                 acted = [(i, j) for (i, j), budget, (sample,) in zip(active, budgets, samples)
                          if self._generated(rows[i][j], sample, budget)]
-                steps = self._run_all([rows[i][j].env.step(rows[i][j].messages[-1]["content"]) for i, j in acted])
+                steps = self._run_all([rows[i][j].env.step(rows[i][j].action) for i, j in acted])
                 for (i, j), step in zip(acted, steps):
                     self._after_step(rows[i][j], step)
                 ended = [(i, j) for i, j in active if rows[i][j].finish_reason is not None]
@@ -274,6 +285,7 @@ class EpisodeLoop:
         if messages is None:
             return
         c.messages = messages
+        c.reward_from_run = bool(getattr(c.env, "reward_from_run", False))
         if c.messages != list(request.messages):
             c.prompt_ids = self.prompt_ids(c.messages)
             if len(c.prompt_ids) > self.max_prompt_tokens:
@@ -292,6 +304,10 @@ class EpisodeLoop:
             c.finish_reason = "length"  # cut mid-turn: the environment never sees half an answer
             return False
         c.messages.append({"role": "assistant", "content": text})
+        # An environment that parses markup the tokenizer makes special tokens (tool-call tags)
+        # reads the turn as generated, special tokens kept.
+        c.action = (self.tokenizer.decode(ids[:-1], skip_special_tokens=False, spaces_between_special_tokens=False)
+                    if getattr(c.env, "keep_special_tokens", False) else text)
         return True
 
     def _after_step(self, c: Episode, step: Any) -> None:
@@ -308,6 +324,9 @@ class EpisodeLoop:
         if c.num_turns >= self.cfg.max_turns:
             c.finish_reason = "max_turns"
             return
+        if self.cfg.max_observation_tokens is not None:
+            step.observation = [{**m, "content": cap_tokens(self.tokenizer, m["content"], self.cfg.max_observation_tokens)}
+                                for m in step.observation]
         ids = tool_turn_ids(self.tokenizer, c.messages, step.observation, self.schemas, self.stop_token_ids)
         room = self.cfg.max_response_tokens - len(c.response_ids)
         if len(ids) >= room:  # no room for the observation and a next turn

@@ -71,6 +71,29 @@ def _reference(prompt) -> Any:
     return prompt.reference
 
 
+def _demonstration(value: Any, agent) -> list[dict] | None:
+    """The demonstration (messages after the prompt) a reference holds, or ``None`` for the
+    answer of one turn. A tool loop's reference is always a demonstration (a list, or its JSON
+    text); an environment's is one when it is a list of messages or JSON text of such a list,
+    else the answer of a single turn (a task's reference answer, even one that reads as JSON).
+
+    Raises:
+        ValueError: a tool loop's reference that is not JSON.
+    """
+    if agent is None:
+        return None
+    if not isinstance(agent, EpisodeLoop):
+        return json.loads(value) if isinstance(value, str) else value
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
+        return value
+    return None
+
+
 def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Callable[[str], None],
                agent=None, on_step: Callable[[int, float], None] | None = None) -> None:
     """Supervised warm start: ``cfg.steps`` NLL steps on ``prompt -> reference response + EOS``.
@@ -81,8 +104,8 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
     after the prompt (assistant tool calls, tool responses, the final answer) as a list or JSON
     text; it is tokenised turn by turn as a rollout would be (``agent.demonstration_ids``), and
     only the assistant turns are trained. With an environment (``EpisodeLoop``) a list of
-    messages is such a demonstration (observations as user messages) and a string the answer of one
-    turn. Prompts are drawn with their own seeded RNG so the RL
+    messages, or its JSON text, is such a demonstration (observations as user or tool messages)
+    and any other reference the answer of one turn. Prompts are drawn with their own seeded RNG so the RL
     data stream is not advanced.
 
     Args:
@@ -104,15 +127,11 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
     for step in range(1, cfg.steps + 1):
         trajs = []
         for k, p in enumerate(rng.choices(dataset.prompts, k=cfg.batch_size)):
-            value = _reference(p)
-            # An environment's reference is a demonstration when it is a list of messages, else
-            # the answer of a single turn (a task's reference answer); a tool loop's is always a
-            # demonstration (a list, or its JSON text).
-            if agent is not None and (isinstance(value, list) or not isinstance(agent, EpisodeLoop)):
-                demo = json.loads(value) if isinstance(value, str) else value
+            demo = _demonstration(_reference(p), agent)
+            if demo is not None:
                 ids, mask = demonstration_ids(tokenizer, p.messages, demo, agent.schemas, agent.stop_token_ids)
             else:
-                ids = tokenizer(str(value), add_special_tokens=False)["input_ids"] + [eos_id]
+                ids = tokenizer(str(_reference(p)), add_special_tokens=False)["input_ids"] + [eos_id]
                 mask = [1] * len(ids)
             trajs.append(Trajectory(
                 trajectory_id=f"sft/{step}/{k}", group_id=k, prompt_uid=p.uid, prompt_ids=p.prompt_ids,

@@ -206,7 +206,9 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
     """An unscored ``Trajectory`` of a generator ``Sample`` or an agent ``Conversation``.
 
     An environment's ``Episode`` also carries its prompt ids (its first observation), its return
-    as the reward and ``env/return``, ``env/info/<key>`` in ``reward_extras``.
+    as the reward and ``env/return``, ``env/info/<key>`` in ``reward_extras`` (an episode the
+    run's reward scores, ``Episode.reward_from_run``, has no ``env/return``: its reward is set
+    when it is scored).
     A conversation keeps its loss mask (0 on tool tokens), its per-token versions, its turn and
     tool counts (in ``reward_extras``: ``agent/turns``, ``agent/tool_calls``,
     ``agent/tool_errors``, ``agent/max_turns``) and its final answer as ``response_text`` (what
@@ -235,14 +237,20 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
                               "agent/tool_errors": float(sample.num_tool_errors),
                               "agent/max_turns": float(sample.finish_reason == "max_turns")}
     if episode:
-        # The environment's return is the reward (its reward model, if any, adds on top).
+        # The environment's return is the reward (its reward model, if any, adds on top), unless
+        # the run's reward scores the episode's answer (``reward_from_run``: replaced once scored).
         traj.reward = float(sample.env_return)
-        traj.reward_extras.update({"env/return": traj.reward,
-                                   **{f"env/info/{k}": float(v) for k, v in sample.info.items()}})
+        if not sample.reward_from_run:
+            traj.reward_extras["env/return"] = traj.reward
+        traj.reward_extras.update({f"env/info/{k}": float(v) for k, v in sample.info.items()})
         if "acc" in sample.info:  # the environment's own accuracy (a full score, not partial credit)
             traj.reward_extras["acc"] = float(sample.info["acc"])
-        for key in ("agent/tool_calls", "agent/tool_errors"):
-            del traj.reward_extras[key]
+        # An environment that runs tools (``async_rl.envs.tools``) counts them in its info.
+        for key in ("tool_calls", "tool_errors"):
+            if key in sample.info:
+                traj.reward_extras[f"agent/{key}"] = float(sample.info[key])
+            else:
+                del traj.reward_extras[f"agent/{key}"]
     return traj
 
 
@@ -268,8 +276,8 @@ def scored_trajectory(sample, tokenizer, scorer, request: GroupRequest, index: i
         index: the sample's index in its group.
     """
     traj = trajectory_of(sample, tokenizer, request.group_id, index, request.prompt_uid, request.prompt_ids)
-    if scorer.fn is None:  # the reward model alone scores (``ModelRewardStage``)
-        return traj
+    if scorer.fn is None or (isinstance(sample, Episode) and not sample.reward_from_run):
+        return traj  # the reward model alone scores (``ModelRewardStage``), or the environment's return
     return with_reward(traj, scorer.score(request.data_source, traj.response_text, request.ground_truth,
                                           request.extra_info))
 
@@ -360,8 +368,8 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
             hand_on(i, None)
             return
         traj = trajectory_of(sample, tokenizer, r.group_id, j, r.prompt_uid, r.prompt_ids)
-        if scorer.fn is None or isinstance(sample, Episode):  # the environment or the reward model scores
-            scored(i, traj)
+        if scorer.fn is None or (isinstance(sample, Episode) and not sample.reward_from_run):
+            scored(i, traj)  # the reward model or the environment's return scores it
         else:
             scorer.submit(r.data_source, traj.response_text, r.ground_truth, r.extra_info,
                           done=lambda result: scored(i, with_reward(traj, result)))
