@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from async_rl.step.agent import AgentConfig
-from async_rl.step.episodes import EnvConfig
+from async_rl.step.episodes import EnvConfig, env_gives_reward
 from async_rl.algorithms.config import ASYNC_CLIP_RATIO_C, AlgorithmConfig
 from async_rl.loops.base import TrainerConfig
 from async_rl.data.dataset import DataConfig
@@ -237,7 +237,7 @@ def _check_env(cfg: Config) -> None:
                           "runs the whole episode (it offers tools itself, as Environment.tools), so set one of them")
     from async_rl.envs import ENVIRONMENTS, make_env
 
-    if cfg.reward.fn and getattr(ENVIRONMENTS.get(cfg.env.name), "reward_from_run", False) is not True:
+    if cfg.reward.fn and env_gives_reward(cfg.env):
         raise ConfigError(f"env.name={cfg.env.name} and reward.fn={cfg.reward.fn} are both set: the environment's "
                           "return is the reward; unset reward.fn (reward.model may still add a model's score)")
 

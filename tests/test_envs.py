@@ -377,6 +377,27 @@ def test_single_turn_takes_the_run_reward_and_other_environments_refuse_it():
                         ["model.path=x", "data.train_files=[x]", f"env.name={name}", "reward.fn=arithmetic"])
 
 
+def test_a_single_turn_row_without_a_reward_function_stops_the_run_at_load(tmp_path, monkeypatch):
+    import async_rl.trainer
+    from async_rl.config import load_config
+    from async_rl.trainer import train
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started: the missing reward function was not caught at load")
+
+    monkeypatch.setattr(async_rl.trainer, "make_generator", no_engine)
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "data_source": "nobody/scores_this",
+                                "reward_model": {"ground_truth": "1"}}) + "\n")
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        "env.name=single_turn", f"data.train_files=[{rows}]", "data.val_files=[]", "trainer.warm_start.steps=0",
+        f"trainer.output_dir={tmp_path / 'out'}", "trainer.prompts_per_step=1"])
+    with pytest.raises(ValueError, match="no built-in reward for data_source .nobody/scores_this"):
+        train(cfg)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_the_default_job_runs_through_the_single_turn_environment(tmp_path):
     from async_rl.trainer import train
 

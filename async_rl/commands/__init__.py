@@ -184,7 +184,7 @@ def held_out_prompts(cfg: Config, parts: EvalParts, limit: int | None = None):
             reward function.
     """
     from async_rl.data.dataset import PromptDataset
-    from async_rl.step.episodes import data_file
+    from async_rl.step.episodes import data_file, env_gives_reward
     from async_rl.rewards import default_reward_for
 
     if not cfg.data.val_files:
@@ -193,7 +193,7 @@ def held_out_prompts(cfg: Config, parts: EvalParts, limit: int | None = None):
     ds = PromptDataset([data_file(f, cfg.env) for f in cfg.data.val_files], parts.tokenizer, cfg.data.max_prompt_tokens,
                        cfg.trainer.seed, False, limit=cfg.data.val_max_prompts if limit is None else limit, tools=tools,
                        on_bad_row=cfg.data.on_bad_row)
-    if not cfg.reward.fn and not cfg.env.enabled:  # an environment's return is the reward
+    if not cfg.reward.fn and not env_gives_reward(cfg.env):  # an environment's return is the reward
         for source in {p.data_source for p in ds.prompts}:
             default_reward_for(source)
     return ds

@@ -385,6 +385,16 @@ class EpisodeLoop:
         return {k: float(v) for k, v in self._counts.items() if v}
 
 
+def env_gives_reward(env_cfg: EnvConfig) -> bool:
+    """Whether the run's environment scores its episodes itself (its return is the reward), so
+    the rows' ``data_source`` need no reward function; ``False`` without an environment or with
+    one that leaves the reward to the run (``Environment.reward_from_run``: ``single_turn``,
+    ``tools``)."""
+    from async_rl.envs import ENVIRONMENTS
+
+    return env_cfg.enabled and getattr(ENVIRONMENTS.get(env_cfg.name), "reward_from_run", False) is not True
+
+
 def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]):
     """What turns a run's samples into multi-turn rollouts: an ``EpisodeLoop`` with ``env.name``
     set, an ``AgentLoop`` with ``agent.tools``, else ``None`` (single-turn samples).
