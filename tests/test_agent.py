@@ -1,5 +1,6 @@
-"""The multi-turn agent loop: token-in/token-out equality with the chat template, faults as
-observations, aligned per-token lists, turn and token limits."""
+"""Multi-turn tool use (``agent.tools``, run as the ``tools`` environment of the episode loop):
+token-in/token-out equality with the chat template, faults as observations, aligned per-token
+lists, turn and token limits, ``tools/*`` counters."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import pytest
 
 from async_rl.envs import Environment
-from async_rl.step.agent import AgentConfig, AgentLoop, demonstration_ids, render_ids, tool_turn_ids
+from async_rl.step.agent import AgentConfig, demonstration_ids, render_ids, tool_turn_ids
+from async_rl.step.episodes import EpisodeLoop, tools_env_config
+from async_rl.step.rollout import GroupRequest
 from async_rl.generators.base import Sample, SamplingParams
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
@@ -106,13 +109,27 @@ def _turn_text(message) -> str:
     return (message.get("content") or "") + calls
 
 
-def _loop(tok, tools, **cfg):
+def _tool_loop(tok, registry, **cfg) -> EpisodeLoop:
+    """The episode loop a run with ``agent.tools`` (``AgentConfig(**cfg)``) builds, on ``registry``'s tools."""
+    return EpisodeLoop(tools_env_config(AgentConfig(tools=registry.names(), **cfg), registry), tok,
+                       [tok.eos_token_id], 4096)
+
+
+def _loop(tok, tools, **cfg) -> EpisodeLoop:
     from async_rl.tools import ToolRegistry
 
     registry = ToolRegistry()
     for t in tools:
         registry.register(t)
-    return AgentLoop(AgentConfig(tools=["calculator"], **cfg), tok, [tok.eos_token_id], registry=registry)
+    return _tool_loop(tok, registry, **cfg)
+
+
+def _play(loop: EpisodeLoop, gen, msgs: list[dict], params, seed: int = 1):
+    """One conversation of ``msgs`` (a group of one), as a rollout runs it."""
+    request = GroupRequest(0, loop.prompt_ids(msgs), "u", "calc", "", {}, 1, seed, msgs)
+    (episode,), = loop.run_groups(gen, [request], 1, params, [seed])
+    assert episode.rejected is None
+    return episode
 
 
 def _params(max_tokens=64):
@@ -129,7 +146,7 @@ def test_rollout_ids_equal_the_template_and_lists_stay_aligned(tag_tok):
     script = [_turn_text(m) for m in CONVERSATION if m["role"] == "assistant"]
     gen = ScriptedGenerator(tok, {PROMPT[0]["content"]: script})
     prompt = loop.prompt_ids(PROMPT)
-    (conv,), = loop.run(gen, [(prompt, PROMPT)], 1, _params(), seeds=[7])
+    conv = _play(loop, gen, PROMPT, _params(), seed=7)
     assert conv.finish_reason == "stop" and conv.num_turns == 3 and conv.num_tool_calls == 3
     assert conv.final_text == "48"
     assert prompt + conv.response_ids == _whole(tok, PROMPT + CONVERSATION)
@@ -160,8 +177,7 @@ def test_tool_call_argument_strings(tok, arguments, called_with):
     loop = _loop(tok, [record])
     call = '<tool_call>\n{"name": "record", "arguments": ' + json.dumps(arguments) + "}\n</tool_call>"
     gen = ScriptedGenerator(tok, {"q": [call, "done"]})
-    (conv,), = loop.run(gen, [(loop.prompt_ids([{"role": "user", "content": "q"}]), [{"role": "user", "content": "q"}])],
-                        1, _params(), seeds=[1])
+    conv = _play(loop, gen, [{"role": "user", "content": "q"}], _params())
     assert seen == ([] if called_with is None else [called_with])
     # The rollout continued in every case: the model saw the tool turn and answered.
     assert conv.num_turns == 2 and conv.finish_reason == "stop" and conv.final_text == "done"
@@ -202,7 +218,7 @@ def _recording_loop(tok, parser="hermes", **cfg):
 
     registry = ToolRegistry()
     registry.register(record)
-    loop = AgentLoop(AgentConfig(tools=["record"], parser=parser, **cfg), tok, [tok.eos_token_id], registry=registry)
+    loop = _tool_loop(tok, registry, parser=parser, **cfg)
     loop.seen = seen
     return loop
 
@@ -245,8 +261,7 @@ def test_tool_calls_are_parsed_from_exactly_what_was_generated(tag_tok, parser, 
     has_calls = bool(called_with) or bool(errors)
     gen = ScriptedGenerator(tag_tok, {"q": [turn, "done"] if has_calls else [turn]})
     msgs = [{"role": "user", "content": "q"}]
-    prompt = loop.prompt_ids(msgs)
-    (conv,), = loop.run(gen, [(prompt, msgs)], 1, _params(max_tokens=200), seeds=[1])
+    conv = _play(loop, gen, msgs, _params(max_tokens=200))
     assert loop.seen == called_with
     assert (conv.num_turns, conv.num_tool_calls, conv.num_tool_errors) == (1 + has_calls, len(called_with) + errors,
                                                                             errors)
@@ -258,37 +273,38 @@ def test_tool_calls_are_parsed_from_exactly_what_was_generated(tag_tok, parser, 
 
 
 @pytest.mark.parametrize("turn", [row[2] for row in GENERATED_TURNS[:5]], ids=[row[0] for row in GENERATED_TURNS[:5]])
-def test_the_tool_environment_plays_a_conversation_as_the_tool_loop_does(tag_tok, turn):
-    """The tool loop as an implementation of the episode protocol (``env.name: tools``): the same
-    generated turns give the same token ids, log-probs, loss mask, versions, tool responses and
-    answer as ``AgentLoop``; the tool counts reach the trajectory as ``agent/*``."""
+def test_agent_tools_and_env_name_tools_play_a_conversation_alike(tag_tok, turn):
+    """``agent.tools`` is a spelling of the ``tools`` environment: a run with it and a run with
+    ``env.name: tools`` build the same episode loop, so the same generated turns give the same
+    token ids, log-probs, loss mask, versions, tool responses and answer; the tool counts reach
+    the trajectory as ``agent/*``."""
+    from async_rl.config import load_config
     from async_rl.envs import make_env
-    from async_rl.step.episodes import EnvConfig, EpisodeLoop
-    from async_rl.step.rollout import GroupRequest, trajectory_of
-    from async_rl.tools import ToolRegistry, calculator_tool
+    from async_rl.step.episodes import EnvConfig, make_rollout_agent
+    from async_rl.step.rollout import trajectory_of
 
     turn = turn.replace('"record"', '"calculator"').replace('{"a": 1}', '{"expression": "6*7"}')
     script = {"q": [turn, "done"]}
     msgs = [{"role": "user", "content": "q"}]
-    registry = ToolRegistry()
-    registry.register(calculator_tool)
-    agent = AgentLoop(AgentConfig(tools=["calculator"]), tag_tok, [tag_tok.eos_token_id], registry=registry)
-    episodes = EpisodeLoop(EnvConfig(name="tools", args={"tools": ["calculator"]}, max_turns=4,
-                                     max_observation_tokens=128), tag_tok, [tag_tok.eos_token_id], 256)
-    assert episodes.schemas == agent.schemas and isinstance(make_env("tools", {"tools": ["calculator"]})(), Environment)
-    prompt = agent.prompt_ids(msgs)
-    (conv,), = agent.run(ScriptedGenerator(tag_tok, script), [(prompt, msgs)], 1, _params(max_tokens=200), seeds=[1])
-    request = GroupRequest(0, prompt, "u", "calc", "42", {}, 1, 1, msgs)
-    (episode,), = episodes.run_groups(ScriptedGenerator(tag_tok, script), [request], 1, _params(max_tokens=200), [1])
-    assert episode.finish_reason == conv.finish_reason == "stop" and episode.rejected is None
-    for name in ("response_ids", "logprobs", "loss_mask", "policy_version", "num_turns"):
+    spelt = make_rollout_agent(load_config(None, ["model.path=builtin:tiny-qwen2-tools", "data.train_files=[x.parquet]",
+                                                  "agent.tools=[calculator]",
+                                                  "data.max_prompt_tokens=256",
+                                                  "agent.max_response_tokens=512"]), tag_tok, [tag_tok.eos_token_id])
+    assert spelt.cfg.name == "tools" and spelt.cfg.max_observation_tokens == 128 and spelt.cfg.max_turns == 4
+    named = EpisodeLoop(EnvConfig(name="tools", args={"tools": ["calculator"]}, max_turns=4, max_response_tokens=512,
+                                  max_observation_tokens=128), tag_tok, [tag_tok.eos_token_id], 256)
+    assert spelt.schemas == named.schemas and spelt.schemas[0]["function"]["name"] == "calculator"
+    assert isinstance(make_env("tools", {"tools": ["calculator"]})(), Environment)
+    conv = _play(spelt, ScriptedGenerator(tag_tok, script), msgs, _params(max_tokens=200))
+    episode = _play(named, ScriptedGenerator(tag_tok, script), msgs, _params(max_tokens=200))
+    assert episode.finish_reason == conv.finish_reason == "stop"
+    for name in ("prompt_ids", "response_ids", "logprobs", "loss_mask", "policy_version", "num_turns",
+                 "num_tool_calls", "num_tool_errors", "messages", "final_text", "info"):
         assert getattr(episode, name) == getattr(conv, name), name
-    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == \
-        [m["content"] for m in conv.messages if m["role"] == "tool"]
-    assert episode.final_text == conv.final_text == "done" and episode.reward_from_run
+    assert episode.final_text == "done" and episode.reward_from_run and conv.num_tool_calls >= 1
     assert (episode.info.get("tool_calls", 0), episode.info.get("tool_errors", 0)) == (conv.num_tool_calls,
                                                                                        conv.num_tool_errors)
-    extras = trajectory_of(episode, tag_tok, 0, 0, "u", prompt).reward_extras
+    extras = trajectory_of(episode, tag_tok, 0, 0, "u", episode.prompt_ids).reward_extras
     assert (extras["agent/tool_calls"], extras["agent/tool_errors"]) == (conv.num_tool_calls, conv.num_tool_errors)
 
 
@@ -317,13 +333,15 @@ def test_turn_and_token_limits(tok):
     again = _turn_text({"content": "", "tool_calls": [_call("1+1")]})
     gen = ScriptedGenerator(tok, {"loop": [again] * 5})
     msgs = [{"role": "user", "content": "loop"}]
-    (conv,), = loop.run(gen, [(loop.prompt_ids(msgs), msgs)], 1, _params(), seeds=[1])
-    assert conv.finish_reason == "max_turns" and conv.num_turns == 2 and conv.num_tool_calls == 1
-    assert conv.loss_mask[-1] == 1  # ends on the generated turn, whose call was not run
+    conv = _play(loop, gen, msgs, _params())
+    # The last turn's call runs (an environment's last step does) but its output is not shown.
+    assert conv.finish_reason == "max_turns" and conv.num_turns == 2 and conv.num_tool_calls == 2
+    assert conv.loss_mask[-1] == 1  # ends on the generated turn
+    assert [m["role"] for m in conv.messages[1:]] == ["assistant", "tool", "assistant"]
 
     loop = _loop(tok, [calculator], max_response_tokens=30)
     gen = ScriptedGenerator(tok, {"loop": [again] * 5})
-    (conv,), = loop.run(gen, [(loop.prompt_ids(msgs), msgs)], 1, _params(), seeds=[1])
+    conv = _play(loop, gen, msgs, _params())
     assert conv.finish_reason == "length" and len(conv.response_ids) <= 30
 
 
@@ -338,14 +356,16 @@ def test_evaluation_tool_calls_are_counted_apart(tok):
 
     def run():
         gen = ScriptedGenerator(tok, {"q": [two, "done"]})
-        loop.run(gen, [(loop.prompt_ids(msgs), msgs)], 1, _params(), seeds=[1])
+        _play(loop, gen, msgs, _params())
 
     run()  # training rollout: one call run, one refused
     with loop.counted_apart() as own:
         run()
         run()
-    assert own == {"tools/calls": 2.0, "tools/ok": 2.0, "tools/error_too_many_calls": 2.0}
-    assert loop.pop_metrics() == {"tools/calls": 1.0, "tools/ok": 1.0, "tools/error_too_many_calls": 1.0}
+    # A call answered without running counts as a call too: tools/calls = ok + every error.
+    assert own == {"env/episodes": 2.0, "tools/calls": 4.0, "tools/ok": 2.0, "tools/error_too_many_calls": 2.0}
+    assert loop.pop_metrics() == {"env/episodes": 1.0, "tools/calls": 2.0, "tools/ok": 1.0,
+                                  "tools/error_too_many_calls": 1.0}
     assert loop.pop_metrics() == {}
 
 
@@ -410,9 +430,28 @@ def test_too_many_calls_in_one_turn_are_answered_not_run(tok):
     calls = "".join('<tool_call>\n{"name": "record", "arguments": {}}\n</tool_call>' for _ in range(5))
     gen = ScriptedGenerator(tok, {"q": [calls, "done"]})
     msgs = [{"role": "user", "content": "q"}]
-    (conv,), = loop.run(gen, [(loop.prompt_ids(msgs), msgs)], 1, _params(max_tokens=400), seeds=[1])
+    conv = _play(loop, gen, msgs, _params(max_tokens=400))
     assert len(seen) == 2 and conv.num_tool_calls == 5 and conv.num_tool_errors == 3
     assert conv.final_text == "done"
     metrics = loop.pop_metrics()
-    assert metrics["tools/error_too_many_calls"] == 3 and metrics["tools/calls"] == 2
+    assert metrics["tools/error_too_many_calls"] == 3 and metrics["tools/calls"] == 5 and metrics["tools/ok"] == 2
     assert "tools/error_too_many_calls" not in loop.pop_metrics()
+
+
+def test_a_tool_step_may_take_its_calls_timeouts():
+    """``agent.tools`` as the ``tools`` environment: one step runs a turn's calls in waves of the
+    executor's workers, each under its tool's ``timeout_s``, so the step's own limit covers them
+    (a tool past its timeout is an error observation, never a rejected episode)."""
+    from async_rl.tools import ToolRegistry, tool
+
+    @tool(name="slow", parameters={"type": "object", "properties": {}}, timeout_s=50.0)
+    def slow():
+        return "done"
+
+    registry = ToolRegistry()
+    registry.register(slow)
+    cfg = tools_env_config(AgentConfig(tools=["slow"], max_tool_calls_per_turn=4, max_tool_response_tokens=7), registry)
+    assert (cfg.name, cfg.step_timeout_s, cfg.max_observation_tokens) == ("tools", 80.0, 7)
+    assert tools_env_config(AgentConfig(tools=["slow"], max_tool_calls_per_turn=5), registry).step_timeout_s == 130.0
+    with pytest.raises(ValueError, match="unknown tool|no_such_tool"):
+        tools_env_config(AgentConfig(tools=["no_such_tool"]))

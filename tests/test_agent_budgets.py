@@ -1,4 +1,4 @@
-"""The agent loop's budgets at their boundaries (issue 13, kind 5): every limit is tested with an
+"""Tool use's budgets (``agent.*``, run by the episode loop) at their boundaries (issue 13, kind 5): every limit is tested with an
 input one under it, exactly at it and one over it, with the exact token counts, loss masks,
 finish reasons and calls made.
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from async_rl.step.agent import AgentConfig, AgentLoop
-from test_agent import ScriptedGenerator, _hermes_call, _params, _recording_loop
+from test_agent import ScriptedGenerator, _hermes_call, _params, _play, _recording_loop, _tool_loop
 
 MSGS = [{"role": "user", "content": "q"}]
 
@@ -34,7 +33,7 @@ def _n(tok, text: str) -> int:
 
 def _run(loop, tok, turns: list[str], max_tokens: int = 400):
     gen = ScriptedGenerator(tok, {"q": turns})
-    (conv,), = loop.run(gen, [(loop.prompt_ids(MSGS), MSGS)], 1, _params(max_tokens=max_tokens), seeds=[1])
+    conv = _play(loop, gen, MSGS, _params(max_tokens=max_tokens))
     assert len(conv.response_ids) == len(conv.logprobs) == len(conv.loss_mask) == len(conv.policy_version)
     return conv, gen
 
@@ -49,7 +48,7 @@ def _echo_loop(tok, output: str, **cfg):
 
     registry = ToolRegistry()
     registry.register(echo)
-    return AgentLoop(AgentConfig(tools=["echo"], **cfg), tok, [tok.eos_token_id], registry=registry)
+    return _tool_loop(tok, registry, **cfg)
 
 
 ECHO = '<tool_call>\n{"name": "echo", "arguments": {}}\n</tool_call>'
@@ -90,15 +89,17 @@ def test_tool_response_that_exactly_fills_the_response_budget_is_appended(tok, o
 @pytest.mark.parametrize("answer_turn", [2, 3, 4], ids=["limit-1", "limit", "limit+1"])
 def test_max_turns_are_all_taken(tok, answer_turn):
     """``agent.max_turns=3``: a conversation answering in turn 2 or 3 ends with ``stop`` after
-    that many turns; one that would answer in turn 4 takes all 3 turns, its third call is not run
-    and it ends with ``max_turns`` on the generated turn (mask 1)."""
+    that many turns; one that would answer in turn 4 takes all 3 turns, its third call runs (an
+    environment's last step does) without its output shown, and it ends with ``max_turns`` on
+    the generated turn (mask 1)."""
     max_turns = 3
     turns = [_hermes_call({"k": k}) for k in range(answer_turn - 1)] + ["the answer"]
     loop = _recording_loop(tok, max_turns=max_turns)
     conv, gen = _run(loop, tok, turns)
     taken = min(answer_turn, max_turns)
     assert conv.num_turns == taken and len(gen.calls) == taken
-    assert loop.seen == [{"k": k} for k in range(taken - 1)] and conv.num_tool_calls == taken - 1
+    called = taken if answer_turn > max_turns else taken - 1
+    assert loop.seen == [{"k": k} for k in range(called)] and conv.num_tool_calls == called
     if answer_turn <= max_turns:
         assert (conv.finish_reason, conv.final_text) == ("stop", "the answer")
     else:
@@ -164,7 +165,8 @@ def test_exactly_max_tool_calls_per_turn_all_run(tok, calls):
     assert tool_messages[:ran] == ["recorded"] * ran and len(tool_messages) == calls
     assert all(m.startswith("Error: at most 3 tool calls") for m in tool_messages[ran:])
     metrics = loop.pop_metrics()
-    assert metrics["tools/calls"] == ran and metrics.get("tools/error_too_many_calls", 0) == calls - ran
+    assert metrics["tools/calls"] == calls and metrics["tools/ok"] == ran
+    assert metrics.get("tools/error_too_many_calls", 0) == calls - ran
     assert conv.finish_reason == "stop" and conv.final_text == "done"
 
 
@@ -210,10 +212,13 @@ def test_each_conversation_gets_its_own_generation_budget(tok):
     prompts = {u: [{"role": "user", "content": u}] for u in scripts}
 
     def run(users):
+        from async_rl.step.rollout import GroupRequest
+
         loop = _recording_loop(tok, max_response_tokens=max_response)
         gen = ScriptedGenerator(tok, {u: scripts[u] for u in users})
-        batch = [(loop.prompt_ids(prompts[u]), prompts[u]) for u in users]
-        convs = loop.run(gen, batch, 1, _params(max_tokens=400), seeds=[1] * len(users))
+        batch = [GroupRequest(i, loop.prompt_ids(prompts[u]), u, "calc", "", {}, 1, 1, prompts[u])
+                 for i, u in enumerate(users)]
+        convs = loop.run_groups(gen, batch, 1, _params(max_tokens=400), [1] * len(users))
         return {u: c for u, (c,) in zip(users, convs)}
 
     alone = {u: run([u])[u] for u in scripts}

@@ -4,6 +4,7 @@ guessing game, gymnasium text games), and whole runs through both modes."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from pathlib import Path
@@ -562,6 +563,17 @@ RG_TASKS = {"chain_sum": {"weight": 1, "config": {"min_terms": 2, "max_terms": 2
             "spell_backward": {"weight": 1, "config": {"min_word_len": 3, "max_word_len": 4}}}
 
 
+def test_weighted_shares_sum_to_the_total_in_proportion():
+    from async_rl.envs.base import weighted_shares
+
+    assert weighted_shares([1, 1, 1], 100) == [34, 33, 33]  # rounding each share gave 99
+    assert weighted_shares([1, 3], 8) == [2, 6]
+    assert weighted_shares([2, 1], 1) == [1, 0]
+    assert sum(weighted_shares([0.1, 0.7, 0.2], 1001)) == 1001
+    with pytest.raises(ValueError, match="positive"):
+        weighted_shares([1, 0], 10)
+
+
 def test_reasoning_gym_rows_mix_tasks_and_hold_out_unseen_questions():
     pytest.importorskip("reasoning_gym")
     from async_rl.envs.reasoning_gym import task_rows
@@ -579,7 +591,18 @@ def test_reasoning_gym_rows_mix_tasks_and_hold_out_unseen_questions():
     assert row["reward_model"]["ground_truth"] == row["extra_info"]["entry"]["answer"]
     json.dumps(row)  # plain JSON: the entry's tuples became lists
     small = {"chain_sum": {"config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}}
-    with pytest.raises(ValueError, match="only 0 distinct held-out questions .* too small"):
+    def per_task(rows):
+        return collections.Counter(r["data_source"].split("/")[1] for r in rows)
+
+    assert per_task(train) == {"chain_sum": 150, "spell_backward": 150} and per_task(val) == {"chain_sum": 20,
+                                                                                              "spell_backward": 20}
+    # A small task space (chain_sum of one-digit terms repeats its questions) keeps its weighted share
+    # of the held-out rows: a mixed draw filtered afterwards gave it 30 of 100 at weights 1:1.
+    tilted = {"chain_sum": {"weight": 1, "config": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}},
+              "spell_backward": {"weight": 3, "config": RG_TASKS["spell_backward"]["config"]}}
+    assert per_task(task_rows("val", tasks=tilted, size=2000, val_size=100, seed=1)) == {"chain_sum": 25,
+                                                                                         "spell_backward": 75}
+    with pytest.raises(ValueError, match="only 0 distinct held-out chain_sum questions .* too small"):
         task_rows("val", tasks=small, size=3000, val_size=10, seed=0)
     with pytest.raises(ValueError, match="unknown keys \\['wieght'\\]"):
         task_rows("train", tasks={"chain_sum": {"wieght": 1}})

@@ -117,6 +117,13 @@ class Environment:
         ``keep_special_tokens``); return the next step."""
         raise NotImplementedError(f"{type(self).__name__}.step is not implemented")
 
+    def answer(self, action: str) -> str | None:
+        """The answer a turn gives, as the run's reward should score it (``reward_from_run``), from
+        the turn as ``step`` receives it; the episode loop removes the tokenizer's special tokens
+        from it. ``None`` (default): the turn's text, special tokens removed. A tool environment
+        answers with the text outside its calls (``async_rl.envs.tools``)."""
+        return None
+
     async def close(self) -> None:
         """Release what the episode holds (called once per episode, however it ended)."""
 
@@ -217,3 +224,19 @@ def make_env(spec: str, args: dict[str, Any] | None = None) -> Callable[[], Envi
     except Exception as e:
         raise ValueError(f"environment {spec!r} with env.args={kwargs}: {type(e).__name__}: {e}") from e
     return new
+
+
+def weighted_shares(weights: list[float], total: int) -> list[int]:
+    """``total`` rows split in proportion to ``weights`` by largest remainder (Hamilton's method),
+    so the shares sum to exactly ``total``; a small weight may get 0 of a small total.
+
+    Raises:
+        ValueError: no weight, or a weight that is not positive.
+    """
+    if not weights or any(not w > 0 for w in weights):
+        raise ValueError(f"weights must be positive numbers, got {weights!r}")
+    exact = [total * w / sum(weights) for w in weights]
+    shares = [int(x) for x in exact]
+    for i in sorted(range(len(weights)), key=lambda i: (shares[i] - exact[i], i))[:total - sum(shares)]:
+        shares[i] += 1
+    return shares

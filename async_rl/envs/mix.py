@@ -3,7 +3,8 @@
 Each episode goes to the environment its row names (``extra_info.env``, a key of ``envs``). The
 rows (``data.train_files: [env:train]``, ``[env:val]``) are every environment's own task rows
 (``task_rows``), tagged with its key, and drawn in proportion to the weights: ``size`` training rows
-in all (``val_size`` held-out), split by weight, each environment's share sampled from its rows
+in all (``val_size`` held-out), split by weight (largest remainder, so the shares sum to the
+total), each environment's share sampled from its rows
 (with replacement when it has fewer). Rows keep their ``data_source``, so every environment's (or
 task's) reward, accuracy and length are reported apart (``env/<source>/*``, ``eval/<source>/*``).
 
@@ -27,7 +28,7 @@ import contextlib
 import random
 from typing import Any, Iterator
 
-from async_rl.envs.base import ENVIRONMENTS, Environment, EnvStep, Task, make_env
+from async_rl.envs.base import ENVIRONMENTS, Environment, EnvStep, Task, make_env, weighted_shares
 
 
 def _entries(envs: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], float]]:
@@ -111,17 +112,18 @@ class MixedEnv(Environment):
         """
         entries = _entries(envs)
         total = size if split == "train" else val_size
-        weight_sum = sum(w for _, _, w in entries.values())
         rng = random.Random(f"{seed}/{split}")
         out = []
-        for key, (spec, args, weight) in entries.items():
+        shares = weighted_shares([w for _, _, w in entries.values()], total)
+        for (key, (spec, args, _)), share in zip(entries.items(), shares):
             rows_fn = getattr(ENVIRONMENTS.get(spec), "task_rows", None)
             if rows_fn is None:
                 raise ValueError(f"mix: envs.{key} ({spec}) offers no task rows; mix environments that do")
+            if not share:
+                continue
             rows = rows_fn(split, **args)
             if not rows:
                 raise ValueError(f"mix: envs.{key} ({spec}) has no {split} rows")
-            share = max(1, round(total * weight / weight_sum))
             picked = rng.sample(rows, share) if share <= len(rows) else [rng.choice(rows) for _ in range(share)]
             for row in picked:
                 out.append({**row, "extra_info": {**row.get("extra_info", {}), "env": key}})

@@ -2,10 +2,10 @@
 single-turn environment scored by each task's own answer scorer.
 
 Rows (``data.train_files: [env:train]``, ``data.val_files: [env:val]``) come from
-``reasoning_gym.create_dataset``: one task, or several mixed by weight (its ``composite`` dataset),
-``size`` training rows from ``seed`` and ``val_size`` held-out rows from another seed, with every
-held-out question that also appears among the training rows left out (small task spaces repeat
-questions often). Each row keeps the task's entry (question, answer, metadata) in
+``reasoning_gym.create_dataset``: one task, or several mixed by weight, each task drawing its share
+of the ``size`` training rows (from ``seed``) and of the ``val_size`` held-out rows (from another
+seed) from its own generator, with every held-out question that also appears among that task's
+training rows left out (small task spaces repeat questions often). Each row keeps the task's entry (question, answer, metadata) in
 ``extra_info.entry``, its ``data_source`` is ``reasoning_gym/<task>`` and its
 ``reward_model.ground_truth`` the reference answer (a warm start's reference).
 
@@ -33,9 +33,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import random
 from typing import Any
 
-from async_rl.envs.base import Environment, EnvStep, Task
+from async_rl.envs.base import Environment, EnvStep, Task, weighted_shares
 
 logger = logging.getLogger(__name__)
 
@@ -79,19 +80,12 @@ def _specs(tasks: dict[str, Any] | list[str] | str) -> list[tuple[str, float, di
     return out
 
 
-def _create(tasks, size: int, seed: int):
+def _create(name: str, config: dict[str, Any], size: int, seed: int):
     rg = _import()
-    specs = _specs(tasks)
     try:
-        if len(specs) == 1:
-            name, _, config = specs[0]
-            return rg.create_dataset(name, size=size, seed=seed, **config)
-        from reasoning_gym.composite import DatasetSpec
-
-        return rg.create_dataset("composite", size=size, seed=seed,
-                                 datasets=[DatasetSpec(name, weight, config) for name, weight, config in specs])
+        return rg.create_dataset(name, size=size, seed=seed, **config)
     except (KeyError, TypeError, ValueError, AssertionError) as e:
-        raise ValueError(f"reasoning_gym: cannot create {[s[0] for s in specs]} (size {size}, seed {seed}): "
+        raise ValueError(f"reasoning_gym: cannot create {name!r} (size {size}, seed {seed}): "
                          f"{type(e).__name__}: {e}") from None
 
 
@@ -113,7 +107,8 @@ def task_rows(split: str, tasks: Any = None, size: int = 1000, val_size: int = 1
 
     Returns:
         ``size`` training rows, or ``val_size`` held-out rows none of whose questions is among
-        the training rows'.
+        the training rows'; with several tasks, each task's share of either split follows its
+        weight (largest remainder), the rows in a seeded shuffled order.
 
     Raises:
         ValueError: an unknown split or task, bad sizes, or fewer than ``val_size`` held-out
@@ -124,21 +119,42 @@ def task_rows(split: str, tasks: Any = None, size: int = 1000, val_size: int = 1
         raise ValueError(f"reasoning_gym: unknown split {split!r}; valid: train, val")
     if size < 1 or val_size < 0:
         raise ValueError(f"reasoning_gym: size must be >= 1 and val_size >= 0, got {size} and {val_size}")
-    train = [_row(e) for e in _create(tasks, size, seed)]
-    if split == "train":
-        return train
-    seen = {r["prompt"][0]["content"] for r in train}
-    candidates = _create(tasks, max(10 * val_size, 100), seed + VAL_SEED_OFFSET)
+    specs = _specs(tasks)
+    rows = []
+    # Each task draws its own share (by weight) from its own generator, in both splits: the held-out
+    # filter removes far more questions of a small task space than of a large one, so a mixed draw
+    # filtered afterwards would tilt the held-out split toward the larger space.
+    for (name, _, config), train_share, val_share in zip(specs, weighted_shares([w for _, w, _ in specs], size),
+                                                           weighted_shares([w for _, w, _ in specs], val_size)):
+        train = [_row(e) for e in _create(name, config, train_share, seed)] if train_share else []
+        if split == "train":
+            rows += train
+        elif val_share:
+            rows += _held_out(name, config, {r["prompt"][0]["content"] for r in train}, val_share, seed,
+                              train_share)
+    if len(specs) > 1:
+        random.Random(f"{seed}/{split}").shuffle(rows)
+    return rows
+
+
+def _held_out(name: str, config: dict[str, Any], seen: set[str], count: int, seed: int,
+              train_size: int) -> list[dict[str, Any]]:
+    """``count`` rows of task ``name`` whose questions are distinct and not in ``seen``.
+
+    Raises:
+        ValueError: the task space is too small to find ``count`` such questions.
+    """
+    candidates = _create(name, config, max(10 * count, 100), seed + VAL_SEED_OFFSET)
     held_out, questions = [], set()
     for entry in candidates:
         if entry["question"] not in seen and entry["question"] not in questions:
             questions.add(entry["question"])
             held_out.append(_row(entry))
-            if len(held_out) == val_size:
+            if len(held_out) == count:
                 return held_out
-    raise ValueError(f"reasoning_gym: only {len(held_out)} distinct held-out questions of {len(candidates)} drawn "
-                     f"fall outside the {size} training rows, fewer than val_size={val_size}: the task space is "
-                     "too small (lower size or val_size, or widen the task's config)")
+    raise ValueError(f"reasoning_gym: only {len(held_out)} distinct held-out {name} questions of {len(candidates)} "
+                     f"drawn fall outside its {train_size} training rows, fewer than the {count} asked: the task "
+                     "space is too small (lower size or val_size, or widen the task's config)")
 
 
 @functools.lru_cache(maxsize=None)

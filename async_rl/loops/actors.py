@@ -48,7 +48,6 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from async_rl.step.agent import AgentLoop
 from async_rl.step.episodes import EpisodeLoop
 from async_rl.buffers.transport import TrajectoryGroup
 from async_rl.runtime.cluster import group_ip, pin_process, use_node_interface, where
@@ -182,8 +181,6 @@ class GeneratorWorker:
         sender: ``ZmqSenderFactory`` (or any picklable callable returning a sender).
         num_threads: torch intra-op threads of this process (>= 1).
         lora: the learner's ``LoRAConfig`` (``make_generator``); ``None`` = no LoRA.
-        agent_cfg: ``AgentConfig``; with tools configured each sample is a multi-turn
-            conversation (``async_rl.step.agent``) run on this worker's engine.
         reward_cfg: the ``RewardConfig`` (``reward.num_workers``, ``reward.timeout_s``, the reward
             model's settings; its ``fn`` and ``on_error`` are the two above); ``None``: defaults.
         reward_model: the reward actor (``RewardModel`` under ``ray.remote``) scoring this
@@ -191,13 +188,14 @@ class GeneratorWorker:
         incarnation: how many times the pool replaced the actor at ``worker_id`` before this one
             (its claims at the ``RequestBroker`` are kept apart from its predecessors').
         bind_host: the run's ``Cluster.bind_host`` (loopback: this actor's groups use loopback too).
-        env_cfg: ``EnvConfig``; with ``env.name`` set each sample is an episode of the
-            environment (``async_rl.step.episodes``), whose first observation may have at most
-            ``max_prompt_tokens`` tokens.
+        env_cfg: ``EnvConfig`` (``async_rl.step.episodes.rollout_env_config``: ``env``, or the
+            ``tools`` environment of ``agent.tools``); with a name set each sample is an episode
+            of the environment (``async_rl.step.episodes``), whose first observation may have at
+            most ``max_prompt_tokens`` tokens.
     """
 
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
-                 reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None, agent_cfg=None,
+                 reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None,
                  reward_cfg=None, reward_model=None, incarnation: int = 0, bind_host: str | None = None,
                  env_cfg=None, max_prompt_tokens: int = 0) -> None:
         # First: the engine's threads and processes inherit the mask (generator.cpu_affinity).
@@ -215,11 +213,8 @@ class GeneratorWorker:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.engine = make_generator(gen_cfg, model_path, pad, num_threads=max(1, num_threads), lora=lora)
         self.params = params
-        self.agent = None
-        if env_cfg is not None and env_cfg.enabled:
-            self.agent = EpisodeLoop(env_cfg, self.tokenizer, params.stop_token_ids, max_prompt_tokens)
-        elif agent_cfg is not None and agent_cfg.enabled:
-            self.agent = AgentLoop(agent_cfg, self.tokenizer, params.stop_token_ids)
+        self.agent = (EpisodeLoop(env_cfg, self.tokenizer, params.stop_token_ids, max_prompt_tokens)
+                      if env_cfg is not None and env_cfg.enabled else None)
         # This actor's own reward workers (reward.num_workers processes, started on the first
         # sample): a reward function that hangs or crashes costs a sample, never this engine.
         reward_cfg = dataclasses.replace(reward_cfg or RewardConfig(), fn=reward_fn, on_error=on_error,

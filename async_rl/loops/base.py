@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     # the components stay unimported until the trainer builds them.
     from transformers import PreTrainedTokenizerBase
 
-    from async_rl.step.agent import AgentLoop
     from async_rl.step.episodes import EpisodeLoop
     from async_rl.runtime.cluster import Cluster
     from async_rl.config import Config
@@ -217,8 +216,8 @@ class RunContext:
         publisher: the ``WeightPublisher`` into ``generator`` (every push to it goes through it).
         run_dir: the run directory.
         log: the ``MetricsLogger``.
-        agent: the ``AgentLoop`` of multi-turn tool rollouts (``agent.tools`` set), the
-            ``EpisodeLoop`` of an environment (``env.name`` set), else ``None``.
+        agent: the ``EpisodeLoop`` of an environment (``env.name``, or the tools of
+            ``agent.tools``), else ``None``.
         cluster: the run's Ray ``async_rl.runtime.cluster.Cluster`` (async mode, Ray-placed learner
             ranks), else ``None``.
         service_cores: async mode with ``learner.cpu_affinity``: the CPU ids of the trainer's
@@ -240,7 +239,7 @@ class RunContext:
     publisher: WeightPublisher
     run_dir: Path
     log: MetricsLogger
-    agent: AgentLoop | EpisodeLoop | None = None
+    agent: EpisodeLoop | None = None
     cluster: Cluster | None = None
     service_cores: list[int] = field(default_factory=list)
 

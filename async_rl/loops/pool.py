@@ -36,6 +36,7 @@ from async_rl.utils.cpu_threads import available_cores
 from async_rl.loops.actors import GeneratorWorker
 from async_rl.loops.base import GeneratorsGone  # noqa: F401  (raised here; defined where importing needs no Ray)
 from async_rl.rewards import check_rewards_work
+from async_rl.step.episodes import rollout_env_config
 from async_rl.weight_sync import RayTarget, WeightPublisher, engine_protocol, transports_for_targets
 
 logger = logging.getLogger(__name__)
@@ -108,8 +109,8 @@ def placer(ctx, cluster, worker_args: tuple, reward_actor) -> Callable[[list[int
         return [worker_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                                    scheduling_strategy=strategies[i]).remote(
                     i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn, cfg.reward.on_error, sender_factory,
-                    per_worker, cfg.learner.lora, cfg.agent, reward_cfg=cfg.reward, reward_model=reward_actor,
-                    env_cfg=cfg.env, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                    per_worker, cfg.learner.lora, reward_cfg=cfg.reward, reward_model=reward_actor,
+                    env_cfg=rollout_env_config(cfg), max_prompt_tokens=cfg.data.max_prompt_tokens,
                     incarnation=incarnation, bind_host=cluster.bind_host)
                 for i in (range(g_cfg.num_workers) if indices is None else indices)]
     return place

@@ -1,51 +1,31 @@
-"""Multi-turn tool-call rollouts: generate, parse tool calls, run the tools, append, continue.
+"""Multi-turn rollouts' token bookkeeping, and the ``agent.*`` settings of tool use.
 
-One conversation per sample. Each turn the engine continues the conversation's token ids; the
-assistant turn ends at the chat template's end-of-turn token (a stop token). The turn's text is
-parsed for tool calls in the template's format (``agent.parser``: Hermes/Qwen
-``<tool_call>{...}</tool_call>`` by default); when there are any, the tools run
-(``async_rl.tools``) and their responses are appended as tokens, and the engine continues. The
-conversation ends at a turn without tool calls (the answer), at ``agent.max_turns`` assistant
-turns, or when the response reaches ``agent.max_response_tokens``: each turn may generate up to
-the conversation's own remaining budget (and the engine's per-turn ``max_tokens``), and a tool
-turn that exactly fills the budget is appended before the conversation ends with ``length``
-(one that would exceed it is not).
+Tool use runs as an environment of the episode protocol (``async_rl.envs.tools``, driven by
+``async_rl.step.episodes.EpisodeLoop``): ``agent.tools`` is its spelling
+(``rollout_env_config``). This module holds what every multi-turn rollout shares:
 
 Token-in, token-out. Generated ids are kept exactly as sampled: the text is decoded only to find
-tool calls and is never re-encoded. Only the appended tool turn is tokenised, as the difference
-between two renders of the chat template (``tool_turn_ids``): the conversation up to the
-assistant turn, cut right after that turn's end-of-turn token, and the conversation with the
-tool messages and the next generation prompt. The appended ids therefore hold exactly the
-template's glue (the newline after the end-of-turn token, the tool role header, the tool
-response, the next assistant header), so the whole sequence equals the template's rendering of
-the whole conversation when the model wrote what the template would have, and no BOS is
-repeated.
+tool calls (or to give an environment its action) and is never re-encoded. Only an appended
+observation (tool responses, an environment's feedback) is tokenised, as the difference between
+two renders of the chat template (``tool_turn_ids``): the conversation up to the assistant turn,
+cut right after that turn's end-of-turn token, and the conversation with the observation messages
+and the next generation prompt. The appended ids therefore hold exactly the template's glue (the
+newline after the end-of-turn token, the tool role header, the tool response, the next assistant
+header), so the whole sequence equals the template's rendering of the whole conversation when
+the model wrote what the template would have, and no BOS is repeated.
 
-A turn is decoded for parsing with special tokens kept (only its end-of-turn token is left out):
-tokenizers often make the tool-call tags special tokens, and arguments may hold special-token
-text, so the calls are read from exactly what was generated. The answer (``final_text``, what the
-reward scores) is the text outside the calls without any special token or tool-call tag.
-
-Per response token the rollout keeps: the id, the behavior log-prob (0 on tool tokens), the loss
-mask (1 on generated tokens, 0 on tool output and template glue) and the policy version (tool
-tokens carry the version of the turn before them); the three lists have the same length after
-every turn (checked).
-
-Faults become observations: malformed or truncated tool-call JSON, non-object arguments, an
-unknown tool, bad arguments, a tool that raises or runs past its timeout each return an error
-message to the model as the tool's response, and are counted (``tools/*`` metrics).
+Per response token a ``Conversation`` keeps: the id, the behavior log-prob (0 on observation
+tokens), the loss mask (1 on generated tokens, 0 on observations and template glue) and the
+policy version (observation tokens carry the version of the turn before them); the lists have the
+same length after every turn (checked). A demonstration (``demonstration_ids``) is tokenised the
+same way for the warm start; ``cap_tokens`` cuts an observation to a token budget.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-
-from async_rl.generators.base import mix_seed
-from async_rl.tools import ToolExecutor, ToolRegistry, ToolResult, get_parser
+from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +41,12 @@ class AgentConfig:
     parser: str = "hermes"
     """Tool-call format of the model's chat template (``async_rl.tools.parsers.PARSERS``)."""
     max_turns: int = 4
-    """Most assistant turns per conversation (>= 1); a tool call in the last one is not run."""
+    """Most assistant turns per conversation (>= 1); a tool call in the last one still runs (as
+    any environment's last step does: ``tools/*`` count it), its output is not shown."""
     max_response_tokens: int = 512
     """Most response tokens per conversation, generated and tool tokens together (>= 1); a
-    conversation that reaches it ends with finish reason ``length`` (a tool turn that would go
-    past it is left out)."""
+    conversation that reaches it ends with finish reason ``length`` (a tool turn that would leave
+    no room for a next turn is left out)."""
     max_tool_response_tokens: int = 128
     """A tool output longer than this many tokens is cut to at most this many (whole characters,
     its text before rendering) and marked `` ...[truncated]``, so one tool output cannot fill the
@@ -177,7 +158,7 @@ def demonstration_ids(tokenizer, prompt_messages: list[dict], demonstration: lis
             k += 1
             mask_value = 1
         elif message.get("role") in ("tool", "user"):
-            # An environment's observations are user messages, a tool loop's tool messages:
+            # An environment's observations are user messages, a tool environment's tool messages:
             # either is appended as the template renders it, untrained.
             tool_messages = []
             while k < len(demonstration) and demonstration[k].get("role") in ("tool", "user"):
@@ -254,175 +235,3 @@ class Conversation:
             raise AssertionError("per-token lists out of step: ids/logprobs/mask/versions "
                                  f"{len(self.response_ids)}/{len(self.logprobs)}/{len(self.loss_mask)}/"
                                  f"{len(self.policy_version)}")
-
-
-class AgentLoop:
-    """Runs multi-turn tool-call conversations on any generator backend.
-
-    Args:
-        cfg: ``agent`` settings.
-        tokenizer: the policy's tokenizer (chat template with tool support).
-        stop_token_ids: ids that end an assistant turn (EOS / end-of-turn).
-        registry: the tools (``async_rl.tools.ToolRegistry``); built from ``cfg.tools`` if ``None``.
-
-    Raises:
-        ValueError: an unknown parser or tool spec.
-    """
-
-    def __init__(self, cfg: AgentConfig, tokenizer, stop_token_ids: Sequence[int], registry=None) -> None:
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.stop_token_ids = tuple(stop_token_ids)
-        self.registry = registry if registry is not None else ToolRegistry.from_specs(cfg.tools)
-        self.schemas = self.registry.schemas()
-        self.parser = get_parser(cfg.parser)
-        self.executor = ToolExecutor(self.registry)
-        self._too_many = self._too_many_popped = 0
-        special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-        # Longest first, so a special token that contains another is removed whole.
-        self._not_answer = sorted({*special, *tokenizer.all_special_tokens, *self.parser.tags} - {""},
-                                  key=len, reverse=True)
-
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The rendered prompt with the tools' schemas and a generation prompt."""
-        return render_ids(self.tokenizer, messages, self.schemas, add_generation_prompt=True)
-
-    def run_groups(self, generator, requests: Sequence[Any], n: int, params, seeds: Sequence[int] | None,
-                   on_sample: Callable[[int, int, Conversation], None] | None = None) -> list[list[Conversation]]:
-        """``run`` over ``GroupRequest``s (their ``prompt_ids`` and ``messages``), as
-        ``EpisodeLoop.run_groups``: the one call a rollout makes of either loop."""
-        return self.run(generator, [(r.prompt_ids, r.messages) for r in requests], n, params, seeds, on_sample)
-
-    def run(self, generator, prompts: Sequence[tuple[list[int], list[dict]]], n: int, params,
-            seeds: Sequence[int] | None, on_sample: Callable[[int, int, Conversation], None] | None = None,
-            ) -> list[list[Conversation]]:
-        """``n`` conversations per prompt, advanced turn by turn in one engine batch.
-
-        Args:
-            generator: a ``Generator`` (HF, vLLM, ...).
-            prompts: ``(prompt_ids, messages)`` per prompt; ``prompt_ids`` must be the rendering of
-                ``messages`` with the tool schemas (``prompt_ids``).
-            n: conversations per prompt (the group size).
-            params: ``SamplingParams`` of one assistant turn (``max_tokens`` per turn; a turn
-                also stops at its conversation's remaining ``agent.max_response_tokens``).
-            seeds: one per prompt; conversation j's turn k is sampled with
-                ``mix_seed(seeds[i], j, k)``, independent of the batch. ``None``: unseeded.
-            on_sample: called as ``on_sample(i, j, conversation)`` when a conversation ends.
-
-        Returns:
-            One list of ``n`` finished ``Conversation`` per prompt.
-        """
-        convs = [[Conversation(list(ids), [dict(m) for m in msgs], mix_seed(seeds[i], j) if seeds is not None else -1)
-                  for j in range(n)] for i, (ids, msgs) in enumerate(prompts)]
-        flat = [(i, j, c) for i, row in enumerate(convs) for j, c in enumerate(row)]
-        for turn in range(self.cfg.max_turns):
-            active = [(i, j, c) for i, j, c in flat if c.finish_reason is None]
-            if not active:
-                break
-            # Each conversation generates up to its own remaining budget (>= 1: one with none left
-            # has ended with "length"). The batch runs to the largest and each sample is cut to its
-            # own; per-sample seeds make the cut sample the one a smaller max_tokens would give, so
-            # no conversation's turn depends on the others in its batch.
-            budgets = [min(params.max_tokens, self.cfg.max_response_tokens - len(c.response_ids))
-                       for _, _, c in active]
-            turn_params = dataclasses.replace(params, max_tokens=max(budgets))
-            turn_seeds = [mix_seed(c.seed, turn) for _, _, c in active] if seeds is not None else None
-            samples = generator.generate([c.prompt_ids + c.response_ids for _, _, c in active], 1, turn_params,
-                                         seeds=turn_seeds)
-            for (i, j, c), budget, (sample,) in zip(active, budgets, samples):
-                self._after_turn(c, sample, budget, last_turn=turn == self.cfg.max_turns - 1)
-                if c.finish_reason is not None and on_sample is not None:
-                    on_sample(i, j, c)
-        for i, j, c in flat:
-            if c.finish_reason is None:  # cannot happen: the last turn always finishes
-                c.finish_reason = "length"
-        return convs
-
-    def _after_turn(self, c: Conversation, sample, budget: int, last_turn: bool) -> None:
-        c.num_turns += 1
-        ids = list(sample.response_ids)[:budget]
-        c.append(ids, list(sample.logprobs)[:budget], 1, list(sample.policy_version)[:budget] or [0] * len(ids))
-        ended = bool(ids) and ids[-1] in self.stop_token_ids
-        content, calls = self.parser.parse(self._turn_text(ids[:-1] if ended else ids))
-        content = self._answer(content)
-        if not ended:
-            # Cut by the token budget mid-turn: a half-written call is not run.
-            c.finish_reason, c.final_text = "length", content
-            return
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [{"type": "function", "function": {
-                "name": call.name or "", "arguments": call.arguments if call.arguments is not None else {}}}
-                for call in calls]
-        c.messages.append(message)
-        if not calls:
-            c.finish_reason, c.final_text = "stop", content
-            return
-        if last_turn:
-            c.finish_reason, c.final_text = "max_turns", content
-            return
-        limit = self.cfg.max_tool_calls_per_turn
-        results = self.executor.execute(list(calls[:limit]))
-        if len(calls) > limit:
-            self._too_many += len(calls) - limit
-            results += [ToolResult(name=call.name, ok=False, error_kind="too_many_calls",
-                                   content=f"Error: at most {limit} tool calls per turn; this one was not run")
-                        for call in calls[limit:]]
-        c.num_tool_calls += len(results)
-        c.num_tool_errors += sum(not r.ok for r in results)
-        tool_messages = [{"role": "tool", "name": r.name or "", "content": self._cap(r.content)} for r in results]
-        ids = tool_turn_ids(self.tokenizer, c.messages, tool_messages, self.schemas, self.stop_token_ids)
-        room = self.cfg.max_response_tokens - len(c.response_ids)
-        if len(ids) > room:
-            c.finish_reason, c.final_text = "length", content
-            return
-        c.messages.extend(tool_messages)
-        version = c.policy_version[-1] if c.policy_version else 0
-        c.append(ids, [0.0] * len(ids), 0, [version] * len(ids))
-        if len(ids) == room:  # nothing left to generate the next turn with
-            c.finish_reason, c.final_text = "length", content
-
-    def _turn_text(self, ids: list[int]) -> str:
-        """The text of generated ids (end-of-turn token already left out), special tokens kept:
-        the parser must see the tags even where the tokenizer makes them special tokens."""
-        return self.tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
-
-    def _answer(self, content: str) -> str:
-        """The answer text of a turn's content, as the reward should see it: without special tokens
-        (as a decode with ``skip_special_tokens=True`` gives) and without the parser's tags, whether
-        or not the tokenizer makes them special tokens."""
-        for token in self._not_answer:
-            content = content.replace(token, "")
-        return content.strip()
-
-    def _cap(self, text: str) -> str:
-        return cap_tokens(self.tokenizer, text, self.cfg.max_tool_response_tokens)
-
-    def pop_metrics(self) -> dict[str, float]:
-        """Tool-execution counters since the last call (``tools/calls``, ``tools/error_*``, ...)."""
-        out = {k: float(v) for k, v in self.executor.pop_counts().items()}
-        if self._too_many > self._too_many_popped:
-            out["tools/error_too_many_calls"] = float(self._too_many - self._too_many_popped)
-            self._too_many_popped = self._too_many
-        return out
-
-    @contextlib.contextmanager
-    def counted_apart(self):
-        """A block whose tool executions stay out of ``pop_metrics`` (evaluation between two
-        training steps must not show up in the next step's ``tools/*``). Yields a dict that
-        holds the block's own counters on exit."""
-        saved = self.pop_metrics()
-        own: dict[str, float] = {}
-        try:
-            yield own
-        finally:
-            own.update(self.pop_metrics())
-            too_many = int(saved.pop("tools/error_too_many_calls", 0))
-            self._too_many_popped -= too_many
-            self.executor.restore_counts({k: int(v) for k, v in saved.items()})
-
-    def counts(self) -> dict[str, float]:
-        """Tool-execution counters since the start (cumulative; a pool reports deltas of these)."""
-        out = {k: float(v) for k, v in self.executor.counts().items()}
-        if self._too_many:
-            out["tools/error_too_many_calls"] = float(self._too_many)
-        return out

@@ -6,10 +6,11 @@ turn's text (special tokens removed) goes to the environment's ``step``, whose o
 messages are appended as tokens and the engine continues. The episode ends when the environment
 says ``done`` (finish reason ``stop``), at ``env.max_turns`` assistant turns (``max_turns``) or
 when the response reaches ``env.max_response_tokens`` (``length``: a turn cut mid-way is not sent
-to the environment, and an observation that would pass the budget is left out). The episode's
+to the environment, and an observation that would pass the budget is left out; one that fills it
+exactly is appended, and the episode ends). The episode's
 return, the sum of its turns' rewards, is the sample's reward.
 
-Token-in, token-out, as the tool loop (``async_rl.step.agent``): generated ids are kept exactly
+Token-in, token-out (``async_rl.step.agent``): generated ids are kept exactly
 as sampled, and only the observations are tokenised, as the difference between two renders of
 the chat template (``tool_turn_ids``), so the sequence equals the template's rendering of the
 whole conversation whenever the model wrote what the template would have. Per response token the
@@ -138,7 +139,12 @@ class EpisodeLoop:
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_prompt_tokens = max_prompt_tokens
         self.factory = factory if factory is not None else make_env(cfg.name, cfg.args)
-        self.schemas = getattr(self.factory(), "tools", None)
+        probe = self.factory()
+        self.schemas = getattr(probe, "tools", None)
+        # An environment that runs tools through a ToolExecutor shared by its episodes (``tools``)
+        # has the executor's counters reported with the loop's (``tools/*``).
+        self._executor = getattr(probe, "executor", None)
+        self._special: list[str] | None = None
         self._counts: Counter[str] = Counter()
         self._popped: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -245,7 +251,7 @@ class EpisodeLoop:
                 active = [(i, j) for i, row in enumerate(rows) for j, c in enumerate(row) if c.finish_reason is None]
                 if not active:
                     break
-                # As in the tool loop: each episode generates up to its own remaining budget, the
+                # Each episode generates up to its own remaining budget, the
                 # batch runs to the largest and each sample is cut to its own.
                 budgets = [min(params.max_tokens, self.cfg.max_response_tokens - len(rows[i][j].response_ids))
                            for i, j in active]
@@ -298,17 +304,30 @@ class EpisodeLoop:
         ids = list(sample.response_ids)[:budget]
         c.append(ids, list(sample.logprobs)[:budget], 1, list(sample.policy_version)[:budget] or [0] * len(ids))
         ended = bool(ids) and ids[-1] in self.stop_token_ids
-        text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True).strip()
-        c.final_text = text
+        body = ids[:-1] if ended else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=True).strip()
+        # An environment that parses markup the tokenizer makes special tokens (tool-call tags)
+        # reads the turn as generated, special tokens kept.
+        action = (self.tokenizer.decode(body, skip_special_tokens=False, spaces_between_special_tokens=False)
+                  if getattr(c.env, "keep_special_tokens", False) else text)
+        answer = c.env.answer(action)
+        c.final_text = text if answer is None else self._without_special_tokens(answer)
         if not ended:
             c.finish_reason = "length"  # cut mid-turn: the environment never sees half an answer
             return False
         c.messages.append({"role": "assistant", "content": text})
-        # An environment that parses markup the tokenizer makes special tokens (tool-call tags)
-        # reads the turn as generated, special tokens kept.
-        c.action = (self.tokenizer.decode(ids[:-1], skip_special_tokens=False, spaces_between_special_tokens=False)
-                    if getattr(c.env, "keep_special_tokens", False) else text)
+        c.action = action
         return True
+
+    def _without_special_tokens(self, text: str) -> str:
+        if self._special is None:
+            tok = self.tokenizer
+            special = {t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.special}
+            # Longest first, so a special token that contains another is removed whole.
+            self._special = sorted({*special, *tok.all_special_tokens} - {""}, key=len, reverse=True)
+        for token in self._special:
+            text = text.replace(token, "")
+        return text.strip()
 
     def _after_step(self, c: Episode, step: Any) -> None:
         step = self._checked(c, step, check_step)
@@ -318,6 +337,9 @@ class EpisodeLoop:
         c.env_return += float(step.reward)
         for k, v in step.info.items():
             c.info[k] = c.info.get(k, 0.0) + float(v)
+        # A tool environment's counts are the conversation's too (``async_rl.envs.tools``).
+        c.num_tool_calls += int(step.info.get("tool_calls", 0))
+        c.num_tool_errors += int(step.info.get("tool_errors", 0))
         if step.done:
             c.finish_reason = "stop"
             return
@@ -329,12 +351,14 @@ class EpisodeLoop:
                                 for m in step.observation]
         ids = tool_turn_ids(self.tokenizer, c.messages, step.observation, self.schemas, self.stop_token_ids)
         room = self.cfg.max_response_tokens - len(c.response_ids)
-        if len(ids) >= room:  # no room for the observation and a next turn
+        if len(ids) > room:  # the observation would pass the budget: left out
             c.finish_reason = "length"
             return
         c.messages.extend(step.observation)
         version = c.policy_version[-1] if c.policy_version else 0
         c.append(ids, [0.0] * len(ids), 0, [version] * len(ids))
+        if len(ids) == room:  # within the budget, which it fills: nothing left to generate with
+            c.finish_reason = "length"
 
     def _finish(self, ended: list[tuple[int, int]], rows: list[list[Episode]], requests, seeds,
                 on_sample) -> list[tuple[int, int]]:
@@ -363,9 +387,12 @@ class EpisodeLoop:
     # ------------------------------------------------------------------ counters
     def pop_metrics(self) -> dict[str, float]:
         """Episode counters since the last call (``env/episodes``, ``env/rejected_<reason>``,
-        ``env/close_errors``), those that moved."""
+        ``env/close_errors``; with tools, ``tools/calls``, ``tools/ok``, ``tools/error_<kind>``),
+        those that moved."""
         out = {k: float(v - self._popped[k]) for k, v in self._counts.items() if v > self._popped[k]}
         self._popped = Counter(self._counts)
+        if self._executor is not None:
+            out.update({k: float(v) for k, v in self._executor.pop_counts().items() if v})
         return out
 
     @contextlib.contextmanager
@@ -373,16 +400,24 @@ class EpisodeLoop:
         """A block whose episodes stay out of ``pop_metrics`` (evaluation between two training
         steps); yields a dict that holds the block's own counters on exit."""
         before = Counter(self._counts)
+        pending_tools = self._executor.pop_counts() if self._executor is not None else {}
         own: dict[str, float] = {}
         try:
             yield own
         finally:
             own.update({k: float(v - before[k]) for k, v in self._counts.items() if v > before[k]})
             self._popped.update({k: v - before[k] for k, v in self._counts.items() if v > before[k]})
+            if self._executor is not None:
+                own.update({k: float(v) for k, v in self._executor.pop_counts().items() if v})
+                self._executor.restore_counts(pending_tools)
 
     def counts(self) -> dict[str, float]:
-        """Episode counters since the start (cumulative; a pool reports deltas of these)."""
-        return {k: float(v) for k, v in self._counts.items() if v}
+        """Episode counters since the start (cumulative; a pool reports deltas of these). With
+        tools, the executor's counters since its last pop (an actor never pops them: cumulative)."""
+        out = {k: float(v) for k, v in self._counts.items() if v}
+        if self._executor is not None:
+            out.update({k: float(v) for k, v in self._executor.counts().items() if v})
+        return out
 
 
 def env_gives_reward(env_cfg: EnvConfig) -> bool:
@@ -395,21 +430,56 @@ def env_gives_reward(env_cfg: EnvConfig) -> bool:
     return env_cfg.enabled and getattr(ENVIRONMENTS.get(env_cfg.name), "reward_from_run", False) is not True
 
 
-def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]):
-    """What turns a run's samples into multi-turn rollouts: an ``EpisodeLoop`` with ``env.name``
-    set, an ``AgentLoop`` with ``agent.tools``, else ``None`` (single-turn samples).
+def rollout_env_config(cfg) -> EnvConfig | None:
+    """The environment a run's rollouts are episodes of: ``env`` when ``env.name`` is set, the
+    ``tools`` environment when ``agent.tools`` is (``agent.*`` is its spelling), else ``None``
+    (single-turn samples).
+
+    ``agent.max_tool_response_tokens`` becomes ``env.max_observation_tokens``, and one step may
+    take as long as its calls run in waves of the executor's workers, each under its tool's own
+    ``timeout_s`` (a call past it is answered with an error, not a rejected episode), plus 30 s.
+
+    Raises:
+        ValueError: an unknown tool spec or parser.
+    """
+    if cfg.env.enabled:
+        return cfg.env
+    return tools_env_config(cfg.agent) if cfg.agent.enabled else None
+
+
+def tools_env_config(agent, registry=None) -> EnvConfig:
+    """The ``env`` settings of the ``tools`` environment that ``agent`` (``AgentConfig``) spells
+    (see ``rollout_env_config``); ``registry``: a ``ToolRegistry`` built in code instead of
+    ``agent.tools``' specs.
+
+    Raises:
+        ValueError: an unknown tool spec or parser, or no tool.
+    """
+    from async_rl.envs.tools import _toolbox
+
+    executor, _, _ = _toolbox(tuple(agent.tools), agent.parser, registry)
+    waves = -(-agent.max_tool_calls_per_turn // executor.max_workers)
+    step_timeout_s = 30.0 + waves * max(tool.timeout_s for tool in executor.registry)
+    args = {"tools": list(agent.tools), "parser": agent.parser, "max_tool_calls_per_turn": agent.max_tool_calls_per_turn}
+    if registry is not None:
+        args["registry"] = registry
+    return EnvConfig(name="tools", args=args, max_turns=agent.max_turns, max_response_tokens=agent.max_response_tokens,
+                     step_timeout_s=step_timeout_s, max_observation_tokens=agent.max_tool_response_tokens)
+
+
+def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]) -> EpisodeLoop | None:
+    """The ``EpisodeLoop`` that turns a run's samples into episodes of its environment
+    (``rollout_env_config``: ``env.name``, or the tools of ``agent.tools``), else ``None``
+    (single-turn samples).
 
     Args:
         cfg: the run's ``Config`` (its ``env``, ``agent`` and ``data.max_prompt_tokens``).
 
     Raises:
-        ValueError: as ``EpisodeLoop`` and ``AgentLoop``.
+        ValueError: as ``EpisodeLoop``.
     """
-    from async_rl.step.agent import AgentLoop
-
-    if cfg.env.enabled:
-        return EpisodeLoop(cfg.env, tokenizer, stop_token_ids, cfg.data.max_prompt_tokens)
-    return AgentLoop(cfg.agent, tokenizer, stop_token_ids) if cfg.agent.enabled else None
+    env_cfg = rollout_env_config(cfg)
+    return EpisodeLoop(env_cfg, tokenizer, stop_token_ids, cfg.data.max_prompt_tokens) if env_cfg else None
 
 
 ENV_ROWS_PREFIX = "env:"

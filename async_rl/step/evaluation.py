@@ -8,7 +8,6 @@ import random
 from typing import Any, Callable
 
 from async_rl.step.agent import demonstration_ids
-from async_rl.step.episodes import EpisodeLoop
 from async_rl.buffers.trajectory import Trajectory, collate
 from async_rl.step.rollout import rollout
 
@@ -73,17 +72,11 @@ def _reference(prompt) -> Any:
 
 def _demonstration(value: Any, agent) -> list[dict] | None:
     """The demonstration (messages after the prompt) a reference holds, or ``None`` for the
-    answer of one turn. A tool loop's reference is always a demonstration (a list, or its JSON
-    text); an environment's is one when it is a list of messages or JSON text of such a list,
-    else the answer of a single turn (a task's reference answer, even one that reads as JSON).
-
-    Raises:
-        ValueError: a tool loop's reference that is not JSON.
-    """
+    answer of one turn. With an environment (tool use included) a reference is a demonstration
+    when it is a list of messages or JSON text of such a list, else the answer of a single turn
+    (a task's reference answer, even one that reads as JSON)."""
     if agent is None:
         return None
-    if not isinstance(agent, EpisodeLoop):
-        return json.loads(value) if isinstance(value, str) else value
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:
             value = json.loads(value)
@@ -100,13 +93,12 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
 
     The reference of each prompt is ``Prompt.reference``, read from its row's
     ``cfg.response_field`` (``WarmStartConfig.reference_fields``) when the dataset was loaded.
-    With an agent (multi-turn tool use) the field holds a demonstration instead: the messages
-    after the prompt (assistant tool calls, tool responses, the final answer) as a list or JSON
-    text; it is tokenised turn by turn as a rollout would be (``agent.demonstration_ids``), and
-    only the assistant turns are trained. With an environment (``EpisodeLoop``) a list of
-    messages, or its JSON text, is such a demonstration (observations as user or tool messages)
-    and any other reference the answer of one turn. Prompts are drawn with their own seeded RNG so the RL
-    data stream is not advanced.
+    With an environment (``EpisodeLoop``, tool use included) the field may hold a demonstration
+    instead: the messages after the prompt (assistant turns and tool calls, observations as user
+    or tool messages, the final answer) as a list or its JSON text; it is tokenised turn by turn
+    as a rollout would be (``agent.demonstration_ids``), and only the assistant turns are
+    trained. Any other reference is the answer of one turn. Prompts are drawn with their own
+    seeded RNG so the RL data stream is not advanced.
 
     Args:
         learner: the ``Learner`` (its ``sft_step``).
@@ -115,7 +107,7 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
         eos_id: appended to single-turn references.
         seed: the run seed.
         log: prints a progress line (five in all, and the last step's).
-        agent: the ``AgentLoop`` of tool-use runs, or ``None``.
+        agent: the run's ``EpisodeLoop`` (environment or tool-use runs), or ``None``.
         on_step: called after every step with ``(step, loss)``: the 1-based step and its mean NLL
             per trained token (nats), e.g. to move a progress bar; ``None`` = not called.
 

@@ -2,7 +2,7 @@
 
 ::
 
-    GroupRequest x k ──> engine.generate / AgentLoop.run ──on_sample(i, j, sample)──> decode, submit
+    GroupRequest x k ──> engine.generate / EpisodeLoop ──on_sample(i, j, sample)──> decode, submit
                                                                                          │ RewardScorer:
                                                                                          │ worker processes
                       on_trajectory(Trajectory)  <──── kept sample ─── scorer's thread ─┤ (reward.timeout_s)
@@ -327,9 +327,9 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
         params: ``SamplingParams`` (of one assistant turn with an agent).
         tokenizer: decodes single-turn responses for the reward.
         scorer: the ``RewardScorer``.
-        agent: an ``AgentLoop`` (each sample is a multi-turn conversation), an ``EpisodeLoop``
-            (each sample is an episode of an environment, whose return is its reward; a
-            rejected episode leaves its group) or ``None``.
+        agent: an ``EpisodeLoop`` (each sample is an episode of an environment, whose return is
+            its reward unless the run's reward scores it, tool use included; a rejected episode
+            leaves its group) or ``None`` (single-turn samples).
         on_trajectory: receives each kept trajectory, in finishing order.
         on_group_closed: called as ``(request, num_kept)`` once all ``n`` samples of a group are
             scored, rejected ones included.
@@ -418,7 +418,8 @@ def rollout(generator, prompts, n: int, params, scorer, tokenizer, first_group_i
         first_group_id: id of the first group.
         seed: run seed; group g is sampled with ``group_seed(seed, g)``. ``None``: the
             generator's own call-counter seeds (evaluation).
-        agent: an ``async_rl.step.agent.AgentLoop`` for multi-turn tool use, or ``None``.
+        agent: an ``async_rl.step.episodes.EpisodeLoop`` (environment episodes, tool use
+            included), or ``None``.
 
     Returns:
         The kept trajectories, ordered by group and then sample index, with the counts.
