@@ -455,3 +455,23 @@ def test_a_tool_step_may_take_its_calls_timeouts():
     assert tools_env_config(AgentConfig(tools=["slow"], max_tool_calls_per_turn=5), registry).step_timeout_s == 130.0
     with pytest.raises(ValueError, match="unknown tool|no_such_tool"):
         tools_env_config(AgentConfig(tools=["no_such_tool"]))
+
+
+def test_two_runs_in_one_process_keep_their_tool_counts_apart(tok):
+    """Regression: the ``tools/*`` counters were the process-wide tool executor's, shared by every
+    run with the same tools, so a run's first step counted calls made earlier by another run in
+    the same process (CI: a test's scripted conversations showed up in the calculator recipe's
+    step 1). Each episode loop now counts its own calls."""
+    from async_rl.config import load_config
+    from async_rl.step.episodes import make_rollout_agent
+
+    cfg = load_config(None, ["model.path=builtin:tiny-qwen2-tools", "data.train_files=[x.parquet]",
+                             "agent.tools=[calculator]", "agent.max_tool_calls_per_turn=1"])
+    first, second = (make_rollout_agent(cfg, tok, [tok.eos_token_id]) for _ in range(2))
+    assert first.factory().executor is second.factory().executor  # tools are loaded once per process
+    two = _turn_text({"content": "", "tool_calls": [_call("1+1"), _call("2+2")]})
+    msgs = [{"role": "user", "content": "q"}]
+    _play(first, ScriptedGenerator(tok, {"q": [two, "done"]}), msgs, _params())
+    assert second.pop_metrics() == {} and second.counts() == {}
+    assert first.pop_metrics() == {"env/episodes": 1.0, "tools/calls": 2.0, "tools/ok": 1.0,
+                                   "tools/error_too_many_calls": 1.0}

@@ -13,9 +13,9 @@ Faults become observations: malformed or truncated call JSON, an unknown
 tool, bad arguments, a tool that raises or runs past its timeout each answer with an error message
 (``async_rl.tools.ToolExecutor``); calls past ``max_tool_calls_per_turn`` in one turn are answered
 with an error instead of running. Each episode reports ``tool_calls``, ``tool_errors`` and
-``error_<kind>`` in its info (``agent/*`` and ``env/info/*`` metrics); the process's executor
-counts every call of a step (``tools/calls``, ``tools/ok``, ``tools/error_<kind>``, the
-episode loop's counters).
+``error_<kind>`` in its info (``agent/*`` and ``env/info/*`` metrics), which the episode loop also
+counts as ``tools/calls``, ``tools/ok`` and ``tools/error_<kind>`` (every call of a step, those
+answered without running included).
 
 ``agent.tools`` is this environment's spelling in a run without ``env.name``: ``agent.parser``,
 ``agent.max_tool_calls_per_turn``, ``agent.max_turns``, ``agent.max_response_tokens`` and
@@ -45,10 +45,11 @@ from async_rl.envs.base import Environment, EnvStep
 
 
 @functools.lru_cache(maxsize=None)
-def _toolbox(tools: tuple[str, ...], parser: str, registry: Any = None) -> tuple[Any, list[dict[str, Any]], Any]:
+def toolbox(tools: tuple[str, ...], parser: str, registry: Any = None) -> tuple[Any, list[dict[str, Any]], Any]:
     """``(executor, schemas, parser)`` of a tool list (or of a ``ToolRegistry`` built in code),
-    built once per process: every episode of a run shares them (tools are loaded once, and the
-    executor's ``tools/*`` counters are the run's).
+    built once per process: every episode of a run shares them (tools are loaded once). The
+    executor's own counters are not the run's: the episode loop counts each loop's calls from
+    the steps' ``info`` (``tools/*``), so two runs in one process never mix their counts.
 
     Raises:
         ValueError: an unknown tool spec or parser, or no tool.
@@ -87,7 +88,7 @@ class ToolUse(Environment):
             tools = [tools]
         if max_tool_calls_per_turn < 1:
             raise ValueError(f"tools: max_tool_calls_per_turn must be >= 1, got {max_tool_calls_per_turn}")
-        self.executor, self.tools, self.parser = _toolbox(tuple(tools), parser, registry)
+        self.executor, self.tools, self.parser = toolbox(tuple(tools), parser, registry)
         self.max_calls = max_tool_calls_per_turn
 
     def answer(self, action: str) -> str:
@@ -114,7 +115,6 @@ class ToolUse(Environment):
         not_run = [ToolResult(name=call.name, ok=False, error_kind="too_many_calls",
                               content=f"Error: at most {self.max_calls} tool calls per turn; this one was not run")
                    for call in calls[self.max_calls:]]
-        self.executor.count(not_run)
         results += not_run
         info = {"tool_calls": float(len(results)), "tool_errors": float(sum(not r.ok for r in results))}
         for r in results:

@@ -139,11 +139,7 @@ class EpisodeLoop:
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_prompt_tokens = max_prompt_tokens
         self.factory = factory if factory is not None else make_env(cfg.name, cfg.args)
-        probe = self.factory()
-        self.schemas = getattr(probe, "tools", None)
-        # An environment that runs tools through a ToolExecutor shared by its episodes (``tools``)
-        # has the executor's counters reported with the loop's (``tools/*``).
-        self._executor = getattr(probe, "executor", None)
+        self.schemas = getattr(self.factory(), "tools", None)
         self._special: list[str] | None = None
         self._counts: Counter[str] = Counter()
         self._popped: Counter[str] = Counter()
@@ -337,9 +333,8 @@ class EpisodeLoop:
         c.env_return += float(step.reward)
         for k, v in step.info.items():
             c.info[k] = c.info.get(k, 0.0) + float(v)
-        # A tool environment's counts are the conversation's too (``async_rl.envs.tools``).
-        c.num_tool_calls += int(step.info.get("tool_calls", 0))
-        c.num_tool_errors += int(step.info.get("tool_errors", 0))
+        if self.schemas:
+            self._count_tool_calls(c, step.info)
         if step.done:
             c.finish_reason = "stop"
             return
@@ -359,6 +354,21 @@ class EpisodeLoop:
         c.append(ids, [0.0] * len(ids), 0, [version] * len(ids))
         if len(ids) == room:  # within the budget, which it fills: nothing left to generate with
             c.finish_reason = "length"
+
+    def _count_tool_calls(self, c: Episode, info: dict[str, float]) -> None:
+        """A tool environment's step reports its calls in ``info`` (``tool_calls``, ``tool_errors``,
+        ``error_<kind>``: ``async_rl.envs.tools``): they are the conversation's counts and this
+        loop's ``tools/*`` counters (kept per loop, so evaluation counted apart and two runs in one
+        process stay apart)."""
+        calls, errors = int(info.get("tool_calls", 0)), int(info.get("tool_errors", 0))
+        c.num_tool_calls += calls
+        c.num_tool_errors += errors
+        if calls:
+            self._counts["tools/calls"] += calls
+            self._counts["tools/ok"] += calls - errors
+        for key, value in info.items():
+            if key.startswith("error_") and value:
+                self._counts[f"tools/{key}"] += int(value)
 
     def _finish(self, ended: list[tuple[int, int]], rows: list[list[Episode]], requests, seeds,
                 on_sample) -> list[tuple[int, int]]:
@@ -391,8 +401,6 @@ class EpisodeLoop:
         those that moved."""
         out = {k: float(v - self._popped[k]) for k, v in self._counts.items() if v > self._popped[k]}
         self._popped = Counter(self._counts)
-        if self._executor is not None:
-            out.update({k: float(v) for k, v in self._executor.pop_counts().items() if v})
         return out
 
     @contextlib.contextmanager
@@ -400,24 +408,16 @@ class EpisodeLoop:
         """A block whose episodes stay out of ``pop_metrics`` (evaluation between two training
         steps); yields a dict that holds the block's own counters on exit."""
         before = Counter(self._counts)
-        pending_tools = self._executor.pop_counts() if self._executor is not None else {}
         own: dict[str, float] = {}
         try:
             yield own
         finally:
             own.update({k: float(v - before[k]) for k, v in self._counts.items() if v > before[k]})
             self._popped.update({k: v - before[k] for k, v in self._counts.items() if v > before[k]})
-            if self._executor is not None:
-                own.update({k: float(v) for k, v in self._executor.pop_counts().items() if v})
-                self._executor.restore_counts(pending_tools)
 
     def counts(self) -> dict[str, float]:
-        """Episode counters since the start (cumulative; a pool reports deltas of these). With
-        tools, the executor's counters since its last pop (an actor never pops them: cumulative)."""
-        out = {k: float(v) for k, v in self._counts.items() if v}
-        if self._executor is not None:
-            out.update({k: float(v) for k, v in self._executor.counts().items() if v})
-        return out
+        """Episode counters since the start (cumulative; a pool reports deltas of these)."""
+        return {k: float(v) for k, v in self._counts.items() if v}
 
 
 def env_gives_reward(env_cfg: EnvConfig) -> bool:
@@ -455,9 +455,9 @@ def tools_env_config(agent, registry=None) -> EnvConfig:
     Raises:
         ValueError: an unknown tool spec or parser, or no tool.
     """
-    from async_rl.envs.tools import _toolbox
+    from async_rl.envs.tools import toolbox
 
-    executor, _, _ = _toolbox(tuple(agent.tools), agent.parser, registry)
+    executor, _, _ = toolbox(tuple(agent.tools), agent.parser, registry)
     waves = -(-agent.max_tool_calls_per_turn // executor.max_workers)
     step_timeout_s = 30.0 + waves * max(tool.timeout_s for tool in executor.registry)
     args = {"tools": list(agent.tools), "parser": agent.parser, "max_tool_calls_per_turn": agent.max_tool_calls_per_turn}

@@ -210,7 +210,7 @@ class ToolExecutor:
             self._run(jobs, results)
         done = [r for r in results if r is not None]
         assert len(done) == len(calls)
-        self.count(done)
+        self._count(done)
         return done
 
     async def execute_async(self, calls: list[ToolCall]) -> list[ToolResult]:
@@ -237,9 +237,7 @@ class ToolExecutor:
 
     # ----------------------------------------------------------------------------------------
 
-    def count(self, results: list[ToolResult]) -> None:
-        """Count ``results`` as ``execute`` counts its own: also for calls answered without running
-        (``too_many_calls``), so ``tools/calls`` stays ``tools/ok`` plus every ``tools/error_*``."""
+    def _count(self, results: list[ToolResult]) -> None:
         with self._lock:
             for r in results:
                 self._counts["tools/calls"] += 1
