@@ -5,7 +5,8 @@ Rows (``data.train_files: [env:train]``, ``data.val_files: [env:val]``) come fro
 ``reasoning_gym.create_dataset``: one task, or several mixed by weight, each task drawing its share
 of the ``size`` training rows (from ``seed``) and of the ``val_size`` held-out rows (from another
 seed) from its own generator, with every held-out question that also appears among that task's
-training rows left out (small task spaces repeat questions often). Each row keeps the task's entry (question, answer, metadata) in
+training rows left out (small task spaces repeat questions often). Each row keeps the task's
+entry (question, answer, metadata) in
 ``extra_info.entry``, its ``data_source`` is ``reasoning_gym/<task>`` and its
 ``reward_model.ground_truth`` the reference answer (a warm start's reference).
 

@@ -112,10 +112,9 @@ class ToolUse(Environment):
         if not calls:
             return EnvStep(done=True)
         results = await self.executor.execute_async(list(calls[: self.max_calls]))
-        not_run = [ToolResult(name=call.name, ok=False, error_kind="too_many_calls",
-                              content=f"Error: at most {self.max_calls} tool calls per turn; this one was not run")
-                   for call in calls[self.max_calls:]]
-        results += not_run
+        results += [ToolResult(name=call.name, ok=False, error_kind="too_many_calls",
+                               content=f"Error: at most {self.max_calls} tool calls per turn; this one was not run")
+                    for call in calls[self.max_calls:]]
         info = {"tool_calls": float(len(results)), "tool_errors": float(sum(not r.ok for r in results))}
         for r in results:
             if not r.ok:
