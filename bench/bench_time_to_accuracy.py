@@ -49,6 +49,7 @@ a plot of the mean curves against RL time and against steps to ``<out>/time_to_a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -296,8 +297,9 @@ def evaluate_snapshots(warm: Path, args, snaps: Snapshots) -> list[dict]:
                 held_out.generator.update_weights(list(weights.items()), version)
             greedy = held_out.accuracy()
             # The same seed for every snapshot: two snapshots differ only by their weights.
-            ro = rollout(held_out.generator, prompts, args.eval_samples, sampled, held_out.scorer,
-                         held_out.tokenizer, EVAL_FIRST_GROUP_ID, seed=12345)
+            with (held_out.agent.counted_apart() if held_out.agent is not None else contextlib.nullcontext()):
+                ro = rollout(held_out.generator, prompts, args.eval_samples, sampled, held_out.scorer,
+                             held_out.tokenizer, EVAL_FIRST_GROUP_ID, seed=12345, agent=held_out.agent)
             curve.append({"step": step, "rl_s": rl_s, "greedy": greedy, "sampled": accuracy_of(ro.trajectories)})
     finally:
         held_out.close()

@@ -64,7 +64,9 @@ def warm_started_model(out_dir: Path, config: Path = DEFAULT_CONFIG, overrides=(
 
     from async_rl.data.builtin import resolve
     from async_rl.data.dataset import PromptDataset
+    from async_rl.step.episodes import data_file, make_rollout_agent
     from async_rl.step.evaluation import warm_start
+    from async_rl.step.rollout import stop_token_ids
     from async_rl.learners.launch import launch_learner
     from async_rl.trainer import learner_args
 
@@ -73,12 +75,17 @@ def warm_started_model(out_dir: Path, config: Path = DEFAULT_CONFIG, overrides=(
     model_path = resolve(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     torch_seed(t_cfg.seed)
-    train_ds = PromptDataset([resolve(f) for f in cfg.data.train_files], tokenizer, cfg.data.max_prompt_tokens,
-                             t_cfg.seed, cfg.data.shuffle, reference_fields=t_cfg.warm_start.reference_fields())
+    # The rows and prompts a run trains on: an environment's task rows (env:train) and tool
+    # schemas included, as async_rl.trainer builds them.
+    agent = make_rollout_agent(cfg, tokenizer, stop_token_ids(tokenizer, model_path, cfg.generator.extra_stop_token_ids))
+    train_ds = PromptDataset([data_file(f, cfg.env) for f in cfg.data.train_files], tokenizer,
+                             cfg.data.max_prompt_tokens, t_cfg.seed, cfg.data.shuffle,
+                             tools=agent.schemas if agent is not None else None,
+                             reference_fields=t_cfg.warm_start.reference_fields())
     learner, handle = launch_learner(*learner_args(cfg, model_path))
     try:
         t0 = time.perf_counter()
-        warm_start(learner, train_ds, tokenizer, t_cfg.warm_start, tokenizer.eos_token_id, t_cfg.seed, print)
+        warm_start(learner, train_ds, tokenizer, t_cfg.warm_start, tokenizer.eos_token_id, t_cfg.seed, print, agent)
         learner.export_hf(str(target), tokenizer)
         print(f"warm start: {t_cfg.warm_start.steps} steps in {time.perf_counter() - t0:.1f} s -> {target}")
     finally:
@@ -98,21 +105,15 @@ class HeldOut:
     our evaluation path (``async_rl.step.evaluation.evaluate`` on the HF generator)."""
 
     def __init__(self, model_dir: Path, config: Path = DEFAULT_CONFIG, overrides=()) -> None:
-        from transformers import AutoTokenizer
-
-        from async_rl.data.builtin import resolve
-        from async_rl.data.dataset import PromptDataset
+        from async_rl.commands import eval_parts, held_out_prompts
         from async_rl.generators import make_generator
-        from async_rl.generators.base import SamplingParams
-        from async_rl.step.rollout import make_scorer, stop_token_ids
 
         self.cfg = cfg = default_config([*overrides, f"model.path={model_dir}"], config)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.val_ds = PromptDataset([resolve(f) for f in cfg.data.val_files], self.tokenizer,
-                                    cfg.data.max_prompt_tokens, cfg.trainer.seed, False)
-        stops = stop_token_ids(self.tokenizer, str(model_dir), cfg.generator.extra_stop_token_ids)
-        self.params = SamplingParams.from_config(cfg.generator, stops, greedy=cfg.trainer.eval_greedy)
-        self.scorer = make_scorer(cfg.reward, "zero", None)
+        # The evaluation a run makes (async_rl.commands.eval_parts): its prompts, reward and, for
+        # an environment's job, the environment's episodes, on every row of data.val_files.
+        parts = eval_parts(cfg, str(model_dir), str(model_dir))
+        self.tokenizer, self.params, self.scorer, self.agent = parts.tokenizer, parts.params, parts.scorer, parts.agent
+        self.val_ds = held_out_prompts(cfg, parts, limit=0)
         self.generator = make_generator(cfg.generator, str(model_dir), self.tokenizer.pad_token_id)
         self.version = 0
 
@@ -124,7 +125,8 @@ class HeldOut:
             # named_parameters yields tied weights once (the engine ties them back itself).
             self.version += 1
             self.generator.update_weights([(k, p.detach()) for k, p in model.named_parameters()], self.version)
-        return evaluate(self.generator, self.val_ds, self.params, self.scorer, self.tokenizer)["eval/accuracy"]
+        return evaluate(self.generator, self.val_ds, self.params, self.scorer, self.tokenizer,
+                        self.agent)["eval/accuracy"]
 
     def close(self) -> None:
         self.generator.close()
@@ -204,6 +206,9 @@ def trl_trainer(warm: Path, cfg, steps: int, out_dir: Path, callbacks=(), extra:
     and ``gradient_checkpointing=False`` (TRL's default on; our learner does not recompute
     activations). ``extra`` overrides any ``GRPOConfig`` field (``{"bf16": True}`` gives TRL's
     defaults back).
+
+    Raises:
+        ValueError: the job's rollouts are an environment's episodes (``env.name`` set).
     """
     import torch
     from datasets import Dataset
@@ -215,6 +220,11 @@ def trl_trainer(warm: Path, cfg, steps: int, out_dir: Path, callbacks=(), extra:
     from async_rl.rewards.registry import default_reward_for
 
     lc, t_cfg = cfg.learner, cfg.trainer
+    if cfg.env.enabled:
+        # TRL's GRPOTrainer samples one completion per prompt and scores it with a function: an
+        # environment's episodes (its rows, turns and scorer) have no counterpart there.
+        raise ValueError(f"the TRL contender runs single-turn jobs with a reward function; this job's rollouts are "
+                         f"episodes of env.name={cfg.env.name} (run --contenders sync,async)")
     rows = [r for f in cfg.data.train_files for r in read_rows(resolve(f))]
     train = Dataset.from_list([{"prompt": r["prompt"], "data_source": r["data_source"],
                                 "ground_truth": str(r["reward_model"]["ground_truth"])} for r in rows])

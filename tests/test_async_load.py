@@ -42,17 +42,20 @@ def test_generators_far_faster_than_the_learner_stay_bounded(tmp_path, ray_sessi
     original = FSDPLearner.train_step
     train_calls: list[tuple[int, float]] = []  # (samples, seconds) per step, as the learner saw them
 
-    def slow_train_step(self, batch):
+    def slow_train_step(self, batch, **kwargs):
         t0 = time.perf_counter()
         time.sleep(LEARNER_SLEEP_S)
-        out = original(self, batch)
+        out = original(self, batch, **kwargs)
         train_calls.append((len(batch), time.perf_counter() - t0))
         return out
 
     monkeypatch.setattr(FSDPLearner, "train_step", slow_train_step)
     steps, B, n, name = 6, 4, 4, f"load{max_staleness}"
+    # A version per step (B groups each): the bounds below are in steps (a version per mini-batch
+    # has its own admission test in test_async_pipeline.py).
     summary = train(small_run_cfg(tmp_path, name, "trainer.mode=async", f"trainer.max_staleness={max_staleness}",
-                                  f"trainer.total_steps={steps}", "generator.num_workers=2"))
+                                  f"trainer.total_steps={steps}", "generator.num_workers=2",
+                                  "trainer.policy_version_per=step"))
     rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] >= 1]
 

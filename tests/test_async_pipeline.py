@@ -50,24 +50,26 @@ def test_async_with_zero_staleness_reproduces_sync(tmp_path, ray_session):
 
 
 @pytest.mark.slow
-def test_slow_learner_never_trains_on_stale_data(tmp_path, ray_session, monkeypatch):
+@pytest.mark.parametrize("unit,groups_per_version", [("step", 4), ("mini_batch", 1)])
+def test_slow_learner_never_trains_on_stale_data(tmp_path, ray_session, monkeypatch, unit, groups_per_version):
     from async_rl.learners.fsdp import FSDPLearner
 
     original = FSDPLearner.train_step
 
-    def slow_train_step(self, batch):
-        time.sleep(1.5)  # generators run far ahead; admission and eviction must hold them back
-        return original(self, batch)
+    def slow_train_step(self, batch, **kwargs):
+        time.sleep(1.5 / 4 if unit == "mini_batch" else 1.5)  # generators run far ahead; admission and eviction must hold them back
+        return original(self, batch, **kwargs)
 
     monkeypatch.setattr(FSDPLearner, "train_step", slow_train_step)
     summary = train(_cfg(tmp_path, "slow", "trainer.mode=async", "trainer.max_staleness=1",
-                         "trainer.total_steps=4"))
+                         "trainer.total_steps=4", f"trainer.policy_version_per={unit}"))
     steps = _steps(tmp_path, "slow")
     assert all(s["staleness/max"] <= 1 for s in steps)
     assert all(s.get("staleness/hist_2", 0) == 0 for s in steps)
-    # Admission: never more than (max_staleness + v + 1) * B groups started.
+    # Admission: never more than (max_staleness + v + 1) versions' groups started (4 groups a
+    # step: 4 per version, or 1 per version with one version per each of 4 mini-batches).
     for s in steps:
-        assert s["pipeline/dispatched_groups"] <= (1 + s["policy/version"] + 1) * 4
+        assert s["pipeline/dispatched_groups"] <= (1 + s["policy/version"] + 1) * groups_per_version
     # Generators ran ahead: some data was one version old.
     assert max(s["staleness/max"] for s in steps) == 1
     assert summary["pipeline/unstarted_or_in_engine_at_exit"] == 0
@@ -222,11 +224,25 @@ def test_policy_version_per_mini_batch_is_refused_where_a_mini_batch_is_not_whol
         load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.policy_version_per=optimizer"])
 
 
+def test_async_takes_a_version_per_mini_batch_by_default_where_it_applies():
+    def unit(*overrides):
+        return load_config(ROOT / "configs/default.yaml", list(overrides)).trainer.policy_version_per
+
+    assert unit("trainer.mode=async") == "mini_batch"
+    assert unit("trainer.mode=async", "trainer.policy_version_per=step") == "step"
+    # Where a mini-batch is not whole groups taken once, the default is a version per step (no refusal).
+    assert unit("trainer.mode=async", "trainer.prompts_per_step=30") == "step"
+    assert unit("trainer.mode=async", "learner.num_epochs=2") == "step"
+    # Staleness 0: async trains on exactly the samples sync mode would, a step at a time.
+    assert unit("trainer.mode=async", "trainer.max_staleness=0") == "step"
+    assert unit() == "step"
+
+
 def test_the_buffer_bound_counts_the_groups_of_one_version():
     from async_rl.loops.dispatch import buffer_bound
 
-    step = load_config(ROOT / "configs/default.yaml", ["trainer.mode=async"])
-    per_mb = load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.policy_version_per=mini_batch"])
+    step = load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.policy_version_per=step"])
+    per_mb = load_config(ROOT / "configs/default.yaml", ["trainer.mode=async"])
     # default job: 32 groups a step, 4 mini-batches, max_staleness 1.
     assert buffer_bound(step)["groups"] == 64
     assert buffer_bound(per_mb)["groups"] == 16
@@ -235,10 +251,12 @@ def test_the_buffer_bound_counts_the_groups_of_one_version():
 @pytest.mark.slow
 def test_async_hf_pool_over_gloo_broadcast(tmp_path, ray_session):
     # The broadcast transport with the HF engine in two actors: every version reaches both.
-    summary = train(_cfg(tmp_path, "bcast", "trainer.mode=async", "weight_sync.transport=broadcast",
-                         "weight_sync.bucket_size_mb=0.5"))
+    cfg = _cfg(tmp_path, "bcast", "trainer.mode=async", "weight_sync.transport=broadcast", "weight_sync.bucket_size_mb=0.5")
+    summary = train(cfg)
     steps = _steps(tmp_path, "bcast")
-    assert [s["policy/version"] for s in steps] == [1, 2, 3]
+    # A version per mini-batch (async's default): 4 of 1 group each a step.
+    assert cfg.trainer.policy_version_per == "mini_batch"
+    assert [s["policy/version"] for s in steps] == [4, 8, 12]
     assert all(s["weight_sync/bytes"] > 0 and s["staleness/max"] <= 1 for s in steps)
     assert summary["pipeline/trained"] == 12 and summary["pipeline/unstarted_or_in_engine_at_exit"] >= 0
     # One node: every actor on the trainer's, reached as forced; both actors' samples trained.
@@ -255,7 +273,8 @@ def test_vllm_engine_in_sync_and_async_mode(tmp_path, ray_session, mode):
     summary = train(_cfg(tmp_path, f"vllm-{mode}", "generator.backend=vllm", f"trainer.mode={mode}",
                          "generator.num_workers=1"))
     steps = _steps(tmp_path, f"vllm-{mode}")
-    assert [s["policy/version"] for s in steps] == [1, 2, 3]
+    # Async publishes a version per mini-batch (its default; 4 a step), sync one a step.
+    assert [s["policy/version"] for s in steps] == ([1, 2, 3] if mode == "sync" else [4, 8, 12])
     # vLLM's sampled-token log-probs agree with the learner's recomputation (same weights in sync mode).
     if mode == "sync":
         assert all(s["mismatch/logprob_abs_diff"] < 1e-4 and s["staleness/max"] == 0 for s in steps)

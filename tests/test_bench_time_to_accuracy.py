@@ -158,3 +158,23 @@ def test_trl_runs_in_float32_like_ours_unless_asked_for_its_defaults(tmp_path, t
     own = vs_trl.trl_trainer(Path(tiny_model_path), cfg, 1, tmp_path / "b",
                              extra={"bf16": True, "gradient_checkpointing": True})
     assert own.args.bf16 is True and own.args.gradient_checkpointing is True
+
+
+def test_an_environments_job_warm_starts_and_evaluates_on_its_own_rows(tmp_path, tiny_model_path):
+    # The bench's warm start and held-out evaluation once read data files as paths, so a job whose
+    # rows come from its environment (data files env:train / env:val) could not be benched.
+    pytest.importorskip("reasoning_gym")
+    vs_trl = bench_module("bench_vs_trl")
+    config = ROOT / "examples" / "reasoning_gym" / "spell_backward.yaml"
+    overrides = [f"model.path={tiny_model_path}", "env.args.size=40", "env.args.val_size=6",
+                 "trainer.warm_start.steps=2", "trainer.warm_start.batch_size=4"]
+    warm = vs_trl.warm_started_model(tmp_path, config, overrides)
+    assert (warm / "config.json").exists()
+    held_out = vs_trl.HeldOut(warm, config, overrides)
+    try:
+        # Every held-out row of the environment (no data.val_max_prompts cap), run as its episodes.
+        assert len(held_out.val_ds) == 6 and held_out.agent is not None
+        assert {p.data_source for p in held_out.val_ds} == {"reasoning_gym/spell_backward"}
+        assert 0.0 <= held_out.accuracy() <= 1.0
+    finally:
+        held_out.close()

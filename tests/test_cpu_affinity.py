@@ -220,18 +220,22 @@ def _async_threads_in_child(tmp: str, gen_core: int, learn_core: int, queue) -> 
     seen: dict = {}
     learn_on = async_loop.learn_on
 
-    def spying_learn_on(ctx, step, ro):
+    def spying_learn_on(ctx, step, ro, **kwargs):
         if step == 2:  # the pipeline has run a whole step: every thread it starts is up
             seen.update(main=threading.get_native_id(), tasks=_all_tasks_affinity(),
                         names={t.native_id: t.name for t in threading.enumerate()},
                         comms={int(t): Path(f"/proc/self/task/{t}/comm").read_text().strip()
                                for t in os.listdir("/proc/self/task")},
                         processes=_descendant_masks(), torch_threads=torch.get_num_threads())
-        return learn_on(ctx, step, ro)
+        return learn_on(ctx, step, ro, **kwargs)
 
     async_loop.learn_on = spying_learn_on
     before = _all_tasks_affinity()
-    summary = train(small_run_cfg(tmp, "pinned", "trainer.mode=async", "generator.num_workers=1",
+    # A version per step, one push a step: this test's subject is where threads run, and its
+    # child's 300 s were sized for that run (with four pushes a step it ran out of them once,
+    # beside a loaded machine).
+    summary = train(small_run_cfg(tmp, "pinned", "trainer.mode=async", "trainer.policy_version_per=step",
+                                  "generator.num_workers=1",
                                   f"generator.cpu_affinity=[{gen_core}]", f"learner.cpu_affinity=[{learn_core}]",
                                   "trainer.warm_start.steps=2", "data.val_files=[]"))
     queue.put({"seen": seen, "trained": summary["pipeline/trained"], "before": before,

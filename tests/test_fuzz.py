@@ -997,9 +997,9 @@ def test_fuzz_async_run_survives_bad_rows_rewards_and_messages(tmp_path, ray_ses
     trained: list[str] = []
     learn_on = async_loop.learn_on
 
-    def learn_on_recording(ctx, step, ro):
+    def learn_on_recording(ctx, step, ro, **kwargs):
         trained.extend(t.trajectory_id for t in ro.trajectories)
-        return learn_on(ctx, step, ro)
+        return learn_on(ctx, step, ro, **kwargs)
 
     monkeypatch.setattr(async_loop, "make_transport", make_transport_with_injector)
     monkeypatch.setattr(async_loop, "learn_on", learn_on_recording)

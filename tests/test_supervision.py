@@ -187,10 +187,10 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
 
     original_learn_on = async_loop.learn_on
 
-    def learn_on(ctx, step, ro):
+    def learn_on(ctx, step, ro, **kwargs):
         trained_groups.extend(sorted({t.group_id for t in ro.trajectories}))
         trained_trajs.extend(t.trajectory_id for t in ro.trajectories)
-        return original_learn_on(ctx, step, ro)
+        return original_learn_on(ctx, step, ro, **kwargs)
 
     monkeypatch.setattr(async_loop.AsyncLoop, "step", step)
     monkeypatch.setattr(WeightPublisher, "push", push)

@@ -101,7 +101,7 @@ class TrainerConfig:
     mode. Async with 0 (and versions per step) reproduces sync mode."""
     max_reuse: int = 1
     """Async: times one group may be trained on (>= 1); 1 = never reused."""
-    policy_version_per: str = "step"
+    policy_version_per: str | None = None
     """Async: what one policy version is. ``step``: the learner trains on the step's
     ``prompts_per_step`` groups (``learner.num_mini_batches`` optimizer steps), then publishes its
     weights. ``mini_batch``: each mini-batch is a version of its own: ``num_mini_batches`` times a
@@ -111,7 +111,9 @@ class TrainerConfig:
     mini-batch), so a sample trails the weights it trains by ``max_staleness`` optimizer steps at
     most instead of that many batches of them. Admission, the buffer bound and staleness count
     these versions. Needs whole groups per mini-batch and ``learner.num_epochs=1``; sync mode
-    takes ``step`` only (its generation is a barrier between steps)."""
+    takes ``step`` only (its generation is a barrier between steps). ``None`` resolves to
+    ``mini_batch`` in async mode where it applies (whole groups per mini-batch, one epoch,
+    ``max_staleness`` >= 1), else to ``step`` (``async_rl.config``)."""
     zmq_address: str | None = None
     """Async: ZeroMQ address the trajectory receiver binds; ``None`` = a free TCP port on
     ``bind_host``."""
@@ -169,10 +171,10 @@ class TrainerConfig:
             raise ValueError(f"trainer.placement_timeout_s must be > 0, got {self.placement_timeout_s}")
         if self.max_reuse < 1 or self.zmq_hwm < 1:
             raise ValueError(f"trainer.max_reuse and trainer.zmq_hwm must be >= 1, got {self.max_reuse} and {self.zmq_hwm}")
-        if self.policy_version_per not in POLICY_VERSION_UNITS:
+        if self.policy_version_per is not None and self.policy_version_per not in POLICY_VERSION_UNITS:
             raise ValueError(f"trainer.policy_version_per must be one of {POLICY_VERSION_UNITS}, "
                              f"got {self.policy_version_per!r}")
-        if self.mode == "sync" and self.policy_version_per != "step":
+        if self.mode == "sync" and self.policy_version_per not in (None, "step"):
             raise ValueError(f"trainer.policy_version_per={self.policy_version_per}: sync mode publishes once per "
                              "step (its generation waits for the step's weights); use trainer.mode=async or step")
         if self.mode == "sync" and self.max_staleness not in (None, 0):
