@@ -263,11 +263,22 @@ def _default_version_unit(cfg: Config) -> str:
     5, and on reasoning-gym's spell_backward (2 seeds) it kept a gain that a version per step lost
     (figures: docs/time_to_accuracy.md). ``max_staleness`` 0 keeps ``step``: async then trains on
     exactly the samples sync mode would."""
+    t_cfg = cfg.trainer
+    applies = t_cfg.mode == "async" and t_cfg.max_staleness >= 1 and _mini_batch_version_problem(cfg) is None
+    return "mini_batch" if applies else "step"
+
+
+def _mini_batch_version_problem(cfg: Config) -> str | None:
+    """Why a mini-batch cannot be a policy version of this run (one line), or ``None``."""
     t_cfg, lrn = cfg.trainer, cfg.learner
-    if (t_cfg.mode == "async" and t_cfg.max_staleness >= 1 and lrn.num_epochs == 1
-            and t_cfg.prompts_per_step % lrn.num_mini_batches == 0):
-        return "mini_batch"
-    return "step"
+    if t_cfg.prompts_per_step % lrn.num_mini_batches:
+        return (f"trainer.policy_version_per=mini_batch takes whole groups per mini-batch: "
+                f"trainer.prompts_per_step={t_cfg.prompts_per_step} is not a multiple of "
+                f"learner.num_mini_batches={lrn.num_mini_batches}")
+    if lrn.num_epochs != 1:
+        return (f"trainer.policy_version_per=mini_batch publishes after each optimizer step: "
+                f"learner.num_epochs={lrn.num_epochs} would train twice on a published version; set it to 1")
+    return None
 
 
 def _check_version_unit(cfg: Config) -> None:
@@ -275,16 +286,11 @@ def _check_version_unit(cfg: Config) -> None:
     taken once: the groups of a step must divide evenly into ``learner.num_mini_batches`` (a group
     is the unit the buffer hands out and advantages compare within), and ``learner.num_epochs``
     must be 1 (a second pass over a step's batch would train on versions already published)."""
-    t_cfg, lrn = cfg.trainer, cfg.learner
-    if t_cfg.policy_version_per != "mini_batch":
+    if cfg.trainer.policy_version_per != "mini_batch":
         return
-    if t_cfg.prompts_per_step % lrn.num_mini_batches:
-        raise ConfigError(f"trainer.policy_version_per=mini_batch takes whole groups per mini-batch: "
-                          f"trainer.prompts_per_step={t_cfg.prompts_per_step} is not a multiple of "
-                          f"learner.num_mini_batches={lrn.num_mini_batches}")
-    if lrn.num_epochs != 1:
-        raise ConfigError(f"trainer.policy_version_per=mini_batch publishes after each optimizer step: "
-                          f"learner.num_epochs={lrn.num_epochs} would train twice on a published version; set it to 1")
+    problem = _mini_batch_version_problem(cfg)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _check_colocated(cfg: Config) -> None:
