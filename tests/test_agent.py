@@ -87,7 +87,7 @@ class ScriptedGenerator:
     def __init__(self, tok, scripts: dict[str, list[str]], version: int = 3):
         self.tok, self.scripts, self.version, self.calls = tok, scripts, version, []
 
-    def generate(self, prompts, n, params, seeds=None):
+    def generate(self, prompts, n, params, seeds=None, on_sample=None):
         out = []
         for ids in prompts:
             text = self.tok.decode(ids)

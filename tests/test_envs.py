@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ class ScriptedGenerator:
     def __init__(self, tok, replies: list[str]):
         self.tok, self.replies, self.prompts = tok, replies, []
 
-    def generate(self, prompts, n, params, seeds=None):
+    def generate(self, prompts, n, params, seeds=None, on_sample=None):
         out = []
         for ids in prompts:
             self.prompts.append(list(ids))
@@ -46,6 +47,8 @@ class ScriptedGenerator:
             reply = reply[: params.max_tokens]
             out.append([Sample(reply, [-0.5] * len(reply), "stop" if reply[-1] == self.tok.eos_token_id else "length",
                                [7] * len(reply))])
+            if on_sample is not None:  # as an engine streams its samples
+                on_sample(len(out) - 1, 0, out[-1][0])
         return out
 
 
@@ -399,13 +402,53 @@ def test_a_single_turn_row_without_a_reward_function_stops_the_run_at_load(tmp_p
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+def test_a_plain_run_takes_the_episode_road_of_single_turn():
+    from async_rl.config import load_config
+    from async_rl.step.episodes import rollout_env_config
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", ["generator.max_response_tokens=12"])
+    assert not cfg.env.enabled and not cfg.agent.enabled
+    env_cfg = rollout_env_config(cfg)
+    assert (env_cfg.name, env_cfg.max_turns, env_cfg.max_response_tokens) == ("single_turn", 1, 12)
+
+
+def test_episodes_are_handed_on_while_the_engine_still_decodes(tok):
+    """An episode that ends is scored the moment its turn is sampled, as a plain sample is, not
+    when the engine's whole batch is done."""
+    handed = threading.Event()
+
+    class Streaming(ScriptedGenerator):
+        waited: list[bool] = []  # per generate call: whether the first episode was handed on meanwhile
+
+        def generate(self, prompts, n, params, seeds=None, on_sample=None):
+            out = super().generate(prompts, n, params, seeds)
+            on_sample(0, 0, out[0][0])
+            # The engine is still decoding the second row: the first must reach on_sample meanwhile.
+            self.waited.append(handed.wait(timeout=10))
+            on_sample(1, 0, out[1][0])
+            return out
+
+    loop = EpisodeLoop(EnvConfig(name="single_turn", max_turns=1), tok, [tok.eos_token_id], max_prompt_tokens=256)
+    got = []
+
+    def on_sample(i, j, episode):
+        got.append((i, j))
+        handed.set()
+
+    engine = Streaming(tok, ["8"])
+    (row,) = loop.run_groups(engine, [_request(tok, n=2)], 2, _params(), seeds=[1], on_sample=on_sample)
+    assert engine.waited == [True] and sorted(got) == [(0, 0), (0, 1)]
+    assert [c.finish_reason for c in row] == ["stop", "stop"]
+
+
 def test_the_default_job_runs_through_the_single_turn_environment(tmp_path):
     from async_rl.trainer import train
 
     from async_rl.config import load_config
 
+    # No env.name: the default road is single_turn's episodes.
     cfg = load_config(ROOT / "configs" / "default.yaml", [
-        "env.name=single_turn", "env.max_response_tokens=8", "trainer.total_steps=2", "trainer.warm_start.steps=20",
+        "trainer.total_steps=2", "trainer.warm_start.steps=20",
         "trainer.prompts_per_step=8", "trainer.eval_every_steps=2", "data.val_max_prompts=16",
         f"trainer.output_dir={tmp_path}", "logging.console_every_steps=1"])
     train(cfg)
@@ -736,12 +779,12 @@ class KillsTheServer(ScriptedGenerator):
         super().__init__(tok, replies)
         self.servers, self.killed = servers, False
 
-    def generate(self, prompts, n, params, seeds=None):
+    def generate(self, prompts, n, params, seeds=None, on_sample=None):
         if not self.killed and any(self.tok.decode(p).count("<|im_start|>assistant") == 2 for p in prompts):
             self.servers.procs[0].kill()
             self.servers.procs[0].wait()
             self.killed = True
-        return super().generate(prompts, n, params, seeds)
+        return super().generate(prompts, n, params, seeds, on_sample)
 
 
 def test_openenv_episodes_play_the_served_game_and_start_over_when_it_dies(tok):

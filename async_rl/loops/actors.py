@@ -188,10 +188,11 @@ class GeneratorWorker:
         incarnation: how many times the pool replaced the actor at ``worker_id`` before this one
             (its claims at the ``RequestBroker`` are kept apart from its predecessors').
         bind_host: the run's ``Cluster.bind_host`` (loopback: this actor's groups use loopback too).
-        env_cfg: ``EnvConfig`` (``async_rl.step.episodes.rollout_env_config``: ``env``, or the
-            ``tools`` environment of ``agent.tools``); with a name set each sample is an episode
-            of the environment (``async_rl.step.episodes``), whose first observation may have at
-            most ``max_prompt_tokens`` tokens.
+        env_cfg: ``EnvConfig`` (``async_rl.step.episodes.rollout_env_config``: ``env``, the
+            ``tools`` environment of ``agent.tools``, or ``single_turn``); with a name set each
+            sample is an episode of the environment (``async_rl.step.episodes``), whose first
+            observation may have at most ``max_prompt_tokens`` tokens; ``None`` (tests and
+            benches driving an engine directly): plain samples, one engine call per batch.
     """
 
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,

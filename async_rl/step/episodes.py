@@ -18,7 +18,10 @@ episode keeps the id, the behavior log-prob (0 on observation tokens), the loss 
 generated tokens, 0 on observations) and the policy version.
 
 The environments' coroutines run on an event loop of the ``EpisodeLoop``'s own (one thread): all
-resets of a batch, then each turn's steps, run concurrently, each under ``env.step_timeout_s``.
+resets of a batch run concurrently, then each turn is sampled in one engine batch and each
+episode taken on the moment its turn is sampled: its ``step`` (and, once it ends, its ``close``
+and its hand-on to be scored) runs while the engine decodes the others, each under
+``env.step_timeout_s``.
 Faults reject the episode, counted with the reason (``env/rejected_<reason>``), never a reward
 0: ``error`` (``reset`` or ``step`` raised), ``timeout``, ``malformed`` (not a list of messages
 or an ``EnvStep``: ``async_rl.envs.check_step``), ``prompt_too_long`` (a first observation over
@@ -30,6 +33,7 @@ episode whose server went away (``EnvironmentLost``) starts over, once, in its g
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -113,6 +117,11 @@ class Episode(Conversation):
     reward_from_run: bool = False
     action: str = ""
     """The last assistant turn as its ``step`` receives it."""
+    handed_on: bool = False
+    """The episode went to ``on_sample`` (exactly once)."""
+    multi_turn: bool = True
+    """Its environment allows more than one turn (``env.max_turns > 1``); a single-turn episode
+    (a plain prompt dataset's ``single_turn``) reports no turn counts."""
 
 
 class _Timeout(Exception):
@@ -145,6 +154,10 @@ class EpisodeLoop:
         self._popped: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
+        # Fast tokenizers refuse concurrent use ("Already borrowed"): a turn is decoded on the
+        # engine's thread while another episode's observation is tokenized on the event loop.
+        self._tokenizer_lock = threading.Lock()
+        self._hand_on_lock = threading.Lock()
 
     # ------------------------------------------------------------------ the environments' event loop
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -155,42 +168,52 @@ class EpisodeLoop:
                 self._loop = loop
             return self._loop
 
-    def _run_all(self, coros: list[Coroutine]) -> list[Any]:
-        """Run ``coros`` concurrently on the event loop, each under ``env.step_timeout_s``; each
-        result is the coroutine's value or the exception it raised (``_Timeout`` past the limit,
-        also for one that returned late).
+    async def _timed(self, coro: Coroutine, late_is_timeout: bool = True) -> Any:
+        """``coro``'s value, or the exception it raised (``_Timeout`` past ``env.step_timeout_s``,
+        also for one that returned late unless ``late_is_timeout`` is false: a ``close``, whose
+        lateness may be another episode's blocking and costs its own episode nothing)."""
+        timeout = self.cfg.step_timeout_s
+        t0 = time.monotonic()
+        try:
+            result = await asyncio.wait_for(coro, timeout)
+        except asyncio.TimeoutError:
+            return _Timeout(f"past env.step_timeout_s={timeout} s")
+        except Exception as e:  # noqa: BLE001 - the environment's fault, reported per episode
+            return e
+        # A coroutine that blocked the loop finishes before wait_for can cancel it: late is late.
+        elapsed = time.monotonic() - t0
+        late = late_is_timeout and elapsed > timeout
+        return _Timeout(f"took {elapsed:.1f} s, past env.step_timeout_s={timeout} s") if late else result
+
+    def _blocked_loop_s(self) -> float:
+        """Seconds past which a call's coroutines count as stuck behind a blocked event loop."""
+        return 2 * self.cfg.step_timeout_s + 5
+
+    def _loop_blocked(self) -> None:
+        logger.error("an environment blocked its event loop past %.0f s (synchronous work in a coroutine?); "
+                     "a new loop serves the next episodes", self._blocked_loop_s())
+        with self._lock:
+            self._loop = None
+
+    def _run_all(self, coros: list[Coroutine], timed: bool = True) -> list[Any]:
+        """Run ``coros`` concurrently on the event loop, each under ``env.step_timeout_s``
+        (``timed``; else they bound their own awaits); each result is the coroutine's value or
+        the exception it raised (``_Timeout`` past the limit, also for one that returned late).
         A coroutine that blocks the loop itself (synchronous work inside ``async def``) cannot
         be cancelled: past twice the limit the loop is given up (its thread left to end) and
         every coroutine of the call counts as timed out."""
         if not coros:
             return []
-        timeout = self.cfg.step_timeout_s
-
-        async def one(coro):
-            t0 = time.monotonic()
-            try:
-                result = await asyncio.wait_for(coro, timeout)
-            except asyncio.TimeoutError:
-                return _Timeout(f"past env.step_timeout_s={timeout} s")
-            except Exception as e:  # noqa: BLE001 - the environment's fault, reported per episode
-                return e
-            # A coroutine that blocked the loop finishes before wait_for can cancel it: late is late.
-            elapsed = time.monotonic() - t0
-            return _Timeout(f"took {elapsed:.1f} s, past env.step_timeout_s={timeout} s") if elapsed > timeout else result
 
         async def gather():
-            return await asyncio.gather(*(one(c) for c in coros))
+            return await asyncio.gather(*(self._timed(c) if timed else c for c in coros))
 
-        loop = self._event_loop()
-        future = asyncio.run_coroutine_threadsafe(gather(), loop)
+        future = asyncio.run_coroutine_threadsafe(gather(), self._event_loop())
         try:
-            return future.result(timeout=2 * timeout + 5)
+            return future.result(timeout=self._blocked_loop_s())
         except TimeoutError:
             future.cancel()
-            logger.error("an environment blocked its event loop past %.0f s (synchronous work in a coroutine?); "
-                         "a new loop serves the next episodes", 2 * timeout + 5)
-            with self._lock:
-                self._loop = None
+            self._loop_blocked()
             return [_Timeout("the environment blocked its event loop")] * len(coros)
 
     def _reject(self, c: Episode, error: BaseException) -> None:
@@ -254,20 +277,14 @@ class EpisodeLoop:
                 turn_params = dataclasses.replace(params, max_tokens=max(budgets))
                 turn_seeds = ([mix_seed(rows[i][j].seed, rows[i][j].num_turns) for i, j in active]
                               if seeds is not None else None)
-                samples = generator.generate([rows[i][j].prompt_ids + rows[i][j].response_ids for i, j in active], 1,
-                                             turn_params, seeds=turn_seeds)
-                acted = [(i, j) for (i, j), budget, (sample,) in zip(active, budgets, samples)
-                         if self._generated(rows[i][j], sample, budget)]
-                steps = self._run_all([rows[i][j].env.step(rows[i][j].action) for i, j in acted])
-                for (i, j), step in zip(acted, steps):
-                    self._after_step(rows[i][j], step)
-                ended = [(i, j) for i, j in active if rows[i][j].finish_reason is not None]
-                starting = self._finish(ended, rows, requests, seeds, on_sample)
+                starting = self._turn(generator, active, budgets, turn_params, turn_seeds, rows, requests, seeds,
+                                      on_sample)
         return rows
 
     def _new_episode(self, request, seeds: Sequence[int] | None, i: int, j: int, restarted: bool = False) -> Episode:
         seed = mix_seed(seeds[i], j) if seeds is not None else -1
-        return Episode(list(request.prompt_ids), [], seed, env=self.factory(), restarted=restarted)
+        return Episode(list(request.prompt_ids), [], seed, env=self.factory(), restarted=restarted,
+                       multi_turn=self.cfg.max_turns > 1)
 
     def _checked(self, c: Episode, result: Any, check: Callable[[Any], Any]) -> Any:
         """``check(result)`` of an environment's answer, or ``None`` once the answer ended the
@@ -370,28 +387,103 @@ class EpisodeLoop:
             if key.startswith("error_") and value:
                 self._counts[f"tools/{key}"] += int(value)
 
+    def _turn(self, generator, active: list[tuple[int, int]], budgets: list[int], params, turn_seeds,
+              rows: list[list[Episode]], requests, seeds, on_sample) -> list[tuple[int, int]]:
+        """One assistant turn of every ``active`` episode in one engine batch. Each episode is taken
+        on the moment its turn is sampled (the engine's ``on_sample``): its ``step``, and once it
+        ends its ``close`` and hand-on, run on the event loop while the engine decodes the others,
+        so an episode that ends is scored while the batch still decodes, as a plain sample
+        would be. Returns the slots to reset (episodes whose server was lost)."""
+        loop = self._event_loop()
+        futures: dict[int, concurrent.futures.Future] = {}
+        restart: list[tuple[int, int]] = []
+
+        def sampled(k: int, _index: int, sample) -> None:
+            if k in futures:
+                return
+            i, j = active[k]
+            with self._tokenizer_lock:
+                acted = self._generated(rows[i][j], sample, budgets[k])
+            futures[k] = asyncio.run_coroutine_threadsafe(
+                self._after_turn(i, j, acted, rows, requests, seeds, on_sample, restart), loop)
+
+        samples = generator.generate([rows[i][j].prompt_ids + rows[i][j].response_ids for i, j in active], 1,
+                                     params, seeds=turn_seeds, on_sample=sampled)
+        for k, (sample,) in enumerate(samples):  # an engine that returned a sample without its callback
+            sampled(k, 0, sample)
+        done, stuck = concurrent.futures.wait(list(futures.values()), timeout=self._blocked_loop_s())
+        if stuck:
+            self._loop_blocked()
+            for k, future in futures.items():
+                if future in stuck and active[k] not in restart:
+                    future.cancel()
+                    self._give_up(*active[k], rows, on_sample)
+        for future in done:
+            if future.exception() is not None:  # a fault of ours (on_sample), not the environment's
+                raise future.exception()
+        return restart
+
+    async def _after_turn(self, i: int, j: int, acted: bool, rows: list[list[Episode]], requests, seeds, on_sample,
+                          restart: list[tuple[int, int]]) -> None:
+        """Step the episode in slot ``(i, j)`` with its turn (``acted``: the turn ended at an
+        end-of-turn token) and end it if it is over."""
+        c = rows[i][j]
+        if acted:
+            step = await self._timed(c.env.step(c.action))
+            with self._tokenizer_lock:
+                self._after_step(c, step)
+        if c.finish_reason is not None:
+            await self._end(i, j, rows, requests, seeds, on_sample, restart)
+
+    async def _end(self, i: int, j: int, rows: list[list[Episode]], requests, seeds, on_sample,
+                   restart: list[tuple[int, int]]) -> None:
+        """Close the environment of the episode that ended in slot ``(i, j)``; an episode whose
+        server was lost gets a fresh one in its slot (once: a second loss rejects it, ``lost``)
+        and its slot joins ``restart``; any other is handed on."""
+        c = rows[i][j]
+        closed = await self._timed(c.env.close(), late_is_timeout=False)
+        if isinstance(closed, BaseException):
+            self._counts["env/close_errors"] += 1
+        c.env = None
+        if c.handed_on:  # given up while its loop was blocked
+            return
+        if c.lost is not None and not c.restarted:
+            self._counts["env/reissued_episodes"] += 1
+            logger.warning("environment %s: episode %d/%d starts over: %s", self.cfg.name, requests[i].group_id,
+                           j, c.lost)
+            rows[i][j] = self._new_episode(requests[i], seeds, i, j, restarted=True)
+            restart.append((i, j))
+            return
+        if c.lost is not None:
+            self._reject(c, c.lost)
+        self._hand_on(i, j, c, on_sample)
+
+    def _hand_on(self, i: int, j: int, c: Episode, on_sample, blocked: bool = False) -> None:
+        """Give episode ``c`` (slot ``(i, j)``) to ``on_sample``, once; ``blocked``: rejected
+        first, its coroutine stuck behind a blocked event loop."""
+        with self._hand_on_lock:
+            if c.handed_on:
+                return
+            c.handed_on = True
+        if blocked:
+            self._reject(c, _Timeout("the environment blocked its event loop"))
+            c.env = None
+        if on_sample is not None:
+            on_sample(i, j, c)
+
+    def _give_up(self, i: int, j: int, rows: list[list[Episode]], on_sample) -> None:
+        """Reject and hand on the episode of slot ``(i, j)`` if its coroutine has not (a blocked loop)."""
+        self._hand_on(i, j, rows[i][j], on_sample, blocked=True)
+
     def _finish(self, ended: list[tuple[int, int]], rows: list[list[Episode]], requests, seeds,
                 on_sample) -> list[tuple[int, int]]:
-        """Close the environments of the episodes that ended now; an episode whose server was lost
-        gets a fresh one in its slot (once: a second loss rejects it, ``lost``); hand on the
-        others. Returns the slots to reset."""
-        closes = self._run_all([rows[i][j].env.close() for i, j in ended])
-        self._counts["env/close_errors"] += sum(isinstance(r, BaseException) for r in closes)
-        restart = []
-        for i, j in ended:
-            c = rows[i][j]
-            c.env = None
-            if c.lost is not None and not c.restarted:
-                self._counts["env/reissued_episodes"] += 1
-                logger.warning("environment %s: episode %d/%d starts over: %s", self.cfg.name, requests[i].group_id,
-                               j, c.lost)
-                rows[i][j] = self._new_episode(requests[i], seeds, i, j, restarted=True)
-                restart.append((i, j))
-                continue
-            if c.lost is not None:
-                self._reject(c, c.lost)
-            if on_sample is not None:
-                on_sample(i, j, c)
+        """End the episodes that ended at their reset (``_end``). Returns the slots to reset."""
+        restart: list[tuple[int, int]] = []
+        results = self._run_all([self._end(i, j, rows, requests, seeds, on_sample, restart) for i, j in ended],
+                                timed=False)
+        for (i, j), result in zip(ended, results):
+            if isinstance(result, _Timeout) and (i, j) not in restart:
+                self._give_up(i, j, rows, on_sample)
         return restart
 
     # ------------------------------------------------------------------ counters
@@ -430,10 +522,11 @@ def env_gives_reward(env_cfg: EnvConfig) -> bool:
     return env_cfg.enabled and getattr(ENVIRONMENTS.get(env_cfg.name), "reward_from_run", False) is not True
 
 
-def rollout_env_config(cfg) -> EnvConfig | None:
+def rollout_env_config(cfg) -> EnvConfig:
     """The environment a run's rollouts are episodes of: ``env`` when ``env.name`` is set, the
-    ``tools`` environment when ``agent.tools`` is (``agent.*`` is its spelling), else ``None``
-    (single-turn samples).
+    ``tools`` environment when ``agent.tools`` is (``agent.*`` is its spelling), else
+    ``single_turn`` (one prompt, one response of up to ``generator.max_response_tokens``, scored
+    by the run's reward): every rollout takes the episode road.
 
     ``agent.max_tool_response_tokens`` becomes ``env.max_observation_tokens``, and one step may
     take as long as its calls run in waves of the executor's workers, each under its tool's own
@@ -444,7 +537,9 @@ def rollout_env_config(cfg) -> EnvConfig | None:
     """
     if cfg.env.enabled:
         return cfg.env
-    return tools_env_config(cfg.agent) if cfg.agent.enabled else None
+    if cfg.agent.enabled:
+        return tools_env_config(cfg.agent)
+    return EnvConfig(name="single_turn", max_turns=1, max_response_tokens=cfg.generator.max_response_tokens)
 
 
 def tools_env_config(agent, registry=None) -> EnvConfig:
@@ -467,19 +562,18 @@ def tools_env_config(agent, registry=None) -> EnvConfig:
                      step_timeout_s=step_timeout_s, max_observation_tokens=agent.max_tool_response_tokens)
 
 
-def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]) -> EpisodeLoop | None:
+def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]) -> EpisodeLoop:
     """The ``EpisodeLoop`` that turns a run's samples into episodes of its environment
-    (``rollout_env_config``: ``env.name``, or the tools of ``agent.tools``), else ``None``
-    (single-turn samples).
+    (``rollout_env_config``: ``env.name``, the tools of ``agent.tools``, else ``single_turn``).
 
     Args:
-        cfg: the run's ``Config`` (its ``env``, ``agent`` and ``data.max_prompt_tokens``).
+        cfg: the run's ``Config`` (its ``env``, ``agent``, ``generator.max_response_tokens`` and
+            ``data.max_prompt_tokens``).
 
     Raises:
         ValueError: as ``EpisodeLoop``.
     """
-    env_cfg = rollout_env_config(cfg)
-    return EpisodeLoop(env_cfg, tokenizer, stop_token_ids, cfg.data.max_prompt_tokens) if env_cfg else None
+    return EpisodeLoop(rollout_env_config(cfg), tokenizer, stop_token_ids, cfg.data.max_prompt_tokens)
 
 
 ENV_ROWS_PREFIX = "env:"

@@ -211,9 +211,9 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
     when it is scored).
     A conversation keeps its loss mask (0 on tool tokens), its per-token versions, its turn and
     tool counts (in ``reward_extras``: ``agent/turns``, ``agent/tool_calls``,
-    ``agent/tool_errors``, ``agent/max_turns``) and its final answer as ``response_text`` (what
-    the reward scores); a single-turn sample is masked 1 everywhere and its decoded text is the
-    answer.
+    ``agent/tool_errors``, ``agent/max_turns``; an episode of a one-turn environment has none)
+    and its final answer as ``response_text`` (what the reward scores); a single-turn sample is
+    masked 1 everywhere and its decoded text is the answer.
 
     Raises:
         ValueError: a finish reason other than ``stop``, ``length`` or ``max_turns``.
@@ -251,6 +251,8 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
                 traj.reward_extras[f"agent/{key}"] = float(sample.info[key])
             else:
                 del traj.reward_extras[f"agent/{key}"]
+        if not sample.multi_turn:  # one turn by construction: no turn counts, as a plain sample has none
+            del traj.reward_extras["agent/turns"], traj.reward_extras["agent/max_turns"]
     return traj
 
 
@@ -317,7 +319,8 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
 
     - reward workers (``scorer.workers``, ``reward.num_workers`` >= 1): on the worker pool's
       thread, in the order scores come back;
-    - in-process (``reward.num_workers=0``): on the engine's callback thread, as samples finish;
+    - in-process (``reward.num_workers=0``): on the episode loop's thread as episodes end (on the
+      engine's callback thread as samples finish, without an ``EpisodeLoop``);
     - with a reward model (``scorer.model``, a ``ModelRewardStage``): the function's result is
       queued for the model, and both run on the stage's thread once the model has scored it.
 
@@ -328,8 +331,10 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
         tokenizer: decodes single-turn responses for the reward.
         scorer: the ``RewardScorer``.
         agent: an ``EpisodeLoop`` (each sample is an episode of an environment, whose return is
-            its reward unless the run's reward scores it, tool use included; a rejected episode
-            leaves its group) or ``None`` (single-turn samples).
+            its reward unless the run's reward scores it, tool use and ``single_turn`` included;
+            a rejected episode leaves its group: every run's road, ``make_rollout_agent``) or
+            ``None`` (plain samples from one engine call, each handed on as it finishes: the
+            reference ``bench/bench_env_throughput.py`` measures the episode road against).
         on_trajectory: receives each kept trajectory, in finishing order.
         on_group_closed: called as ``(request, num_kept)`` once all ``n`` samples of a group are
             scored, rejected ones included.
