@@ -33,6 +33,7 @@ episode whose server went away (``EnvironmentLost``) starts over, once, in its g
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -175,8 +176,10 @@ class EpisodeLoop:
         timeout = self.cfg.step_timeout_s
         t0 = time.monotonic()
         try:
-            result = await asyncio.wait_for(coro, timeout)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: no task of its own per call (wait_for makes one on 3.11).
+            async with asyncio.timeout(timeout):
+                result = await coro
+        except TimeoutError:
             return _Timeout(f"past env.step_timeout_s={timeout} s")
         except Exception as e:  # noqa: BLE001 - the environment's fault, reported per episode
             return e
@@ -397,6 +400,20 @@ class EpisodeLoop:
         loop = self._event_loop()
         futures: dict[int, concurrent.futures.Future] = {}
         restart: list[tuple[int, int]] = []
+        taken: collections.deque[tuple[int, bool]] = collections.deque()
+
+        def settle(task: asyncio.Task, future: concurrent.futures.Future) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                future.set_exception(task.exception())
+            else:
+                future.set_result(None)
+
+        def start_taken() -> None:
+            while taken:
+                k, acted = taken.popleft()
+                i, j = active[k]
+                task = loop.create_task(self._after_turn(i, j, acted, rows, requests, seeds, on_sample, restart))
+                task.add_done_callback(lambda t, f=futures[k]: settle(t, f))
 
         def sampled(k: int, _index: int, sample) -> None:
             if k in futures:
@@ -404,8 +421,11 @@ class EpisodeLoop:
             i, j = active[k]
             with self._tokenizer_lock:
                 acted = self._generated(rows[i][j], sample, budgets[k])
-            futures[k] = asyncio.run_coroutine_threadsafe(
-                self._after_turn(i, j, acted, rows, requests, seeds, on_sample, restart), loop)
+            futures[k] = concurrent.futures.Future()
+            taken.append((k, acted))
+            # One wake-up of the loop per burst of finished samples, not one per sample.
+            if len(taken) == 1:
+                loop.call_soon_threadsafe(start_taken)
 
         samples = generator.generate([rows[i][j].prompt_ids + rows[i][j].response_ids for i, j in active], 1,
                                      params, seeds=turn_seeds, on_sample=sampled)
@@ -416,7 +436,6 @@ class EpisodeLoop:
             self._loop_blocked()
             for k, future in futures.items():
                 if future in stuck and active[k] not in restart:
-                    future.cancel()
                     self._give_up(*active[k], rows, on_sample)
         for future in done:
             if future.exception() is not None:  # a fault of ours (on_sample), not the environment's
