@@ -799,7 +799,7 @@ def test_openenv_episodes_play_the_served_game_and_start_over_when_it_dies(tok):
         for c in row:
             assert c.finish_reason == "stop" and c.env_return == 1.0 and c.rejected is None
             assert c.messages[0]["content"].startswith("I am thinking of a number between 1 and 8")
-            assert c.messages[2]["content"] == "1 is wrong: higher." or c.num_turns == 1
+            assert c.messages[2]["content"] == "1 is wrong: it is between 2 and 8." or c.num_turns == 1
         assert loop.pop_metrics() == {"env/episodes": 2.0}
         # The server dies before the second turn: each episode starts over on its replacement.
         killer = KillsTheServer(tok, guesses, servers)
@@ -888,7 +888,7 @@ def test_mixed_environments_run_end_to_end_with_per_environment_metrics(tmp_path
                          for e in evals)
 
 
-def test_the_openenv_example_rows_demonstrate_one_guess_or_binary_search():
+def test_the_openenv_example_rows_demonstrate_one_guess_random_games_or_binary_search():
     pytest.importorskip("openenv")
     from async_rl.utils.registry import load_file_module
 
@@ -897,14 +897,39 @@ def test_the_openenv_example_rows_demonstrate_one_guess_or_binary_search():
         demo = client.binary_search(secret)
         guesses = [int(m["content"]) for m in demo if m["role"] == "assistant"]
         assert guesses[-1] == secret and len(guesses) <= 4 and len(set(guesses)) == len(guesses)
-        assert all(m["content"].endswith(("higher.", "lower.")) for m in demo if m["role"] == "user")
+        assert all(" is wrong: it is between " in m["content"] for m in demo if m["role"] == "user")
     rows = client.GuessClient.task_rows("train", size=16)
     assert [r["extra_info"]["demonstration"] for r in rows[:2]] == [[{"role": "assistant", "content": "1"}],
                                                                     [{"role": "assistant", "content": "2"}]]
     assert rows[0]["prompt"][0]["content"] == client.INSTRUCTION
     assert client.GuessClient.task_rows("val", size=16, val_size=3, demonstration="binary_search")[2][
         "extra_info"]["demonstration"] == client.binary_search(3)
-    with pytest.raises(ValueError, match="guess or binary_search"):
+    # Random games: a number every turn, the server's true answers between them, the game over at
+    # the right guess or after `turns` guesses; in range: every guess inside the range the answers
+    # leave. The same rows on every call, other rows per split.
+    for demonstration, turns in (("feedback_blind", 4), ("in_range", 3)):
+        rows = client.GuessClient.task_rows("train", size=64, demonstration=demonstration, turns=turns)
+        assert rows == client.GuessClient.task_rows("train", size=64, demonstration=demonstration, turns=turns)
+        val = client.GuessClient.task_rows("val", size=64, val_size=64, demonstration=demonstration, turns=turns)
+        assert [r["extra_info"]["demonstration"] for r in val] != [r["extra_info"]["demonstration"] for r in rows]
+        lengths, outside = set(), 0
+        for k, row in enumerate(rows):
+            secret, demo = 1 + k % 8, row["extra_info"]["demonstration"]
+            guesses = [int(m["content"]) for m in demo if m["role"] == "assistant"]
+            assert [m["role"] for m in demo] == ["assistant", "user"] * (len(guesses) - 1) + ["assistant"]
+            assert all(1 <= g <= 8 for g in guesses) and 1 <= len(guesses) <= turns
+            assert secret not in guesses[:-1] and (len(guesses) == turns or guesses[-1] == secret)
+            low, high = 1, 8
+            for guess, said in zip(guesses, [m["content"] for m in demo if m["role"] == "user"] + [None]):
+                outside += not low <= guess <= high
+                if said is not None:
+                    low, high = (max(low, guess + 1), high) if guess < secret else (low, min(high, guess - 1))
+                    assert said == f"{guess} is wrong: it is between {low} and {high}."
+                    assert low <= secret <= high
+            lengths.add(len(guesses))
+        assert len(lengths) > 1
+        assert (outside == 0) == (demonstration == "in_range")
+    with pytest.raises(ValueError, match="guess, feedback_blind, in_range, binary_search"):
         client.GuessClient.task_rows("train", demonstration="bogus")
 
 

@@ -2,7 +2,10 @@
 
 The server holds a secret integer in ``[LOW, HIGH]`` per session (drawn from the seed the client
 passes to ``reset``); each action is a guess (the first integer of its ``message``); the
-observation says "higher" or "lower", and a right guess ends the episode with reward 1.
+observation says where the secret is ("4 is wrong: it is between 5 and 8.": the range that every
+answer so far leaves), and a right guess ends the episode with reward 1. The answers carry the
+game's whole state, so a policy reads its next move from the last answer rather than from the
+whole conversation.
 
 Serve it yourself::
 
@@ -26,6 +29,23 @@ from pydantic import Field
 LOW, HIGH = 1, int(os.environ.get("GUESS_HIGH", "8"))
 
 
+def instruction(low: int = LOW, high: int = HIGH) -> str:
+    """The game's first message."""
+    return (f"I am thinking of a number between {low} and {high}. Guess it: answer with one number. "
+            "I will tell you where it is.")
+
+
+def narrow(low: int, high: int, guess: int, secret: int) -> tuple[int, int]:
+    """The range ``[low, high]`` still holding ``secret`` once ``guess`` (a wrong one) is answered:
+    a guess outside the range leaves it as it is."""
+    return (max(low, guess + 1), high) if guess < secret else (low, min(high, guess - 1))
+
+
+def answer(guess: int, low: int, high: int) -> str:
+    """The answer to a wrong ``guess``, with the range ``[low, high]`` that holds the secret."""
+    return f"{guess} is wrong: it is between {low} and {high}."
+
+
 class GuessAction(Action):
     """One guess, as the assistant turn's text."""
 
@@ -45,13 +65,13 @@ class GuessEnvironment(Environment):
 
     def __init__(self) -> None:
         self._state = State(episode_id=str(uuid4()), step_count=0)
-        self.secret = LOW
+        self.secret, self.low, self.high = LOW, LOW, HIGH
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs) -> GuessObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
         self.secret = random.Random(seed).randint(LOW, HIGH)
-        return GuessObservation(message=f"I am thinking of a number between {LOW} and {HIGH}. Guess it: answer "
-                                        "with one number. I will say higher or lower.", done=False, reward=0.0)
+        self.low, self.high = LOW, HIGH
+        return GuessObservation(message=instruction(), done=False, reward=0.0)
 
     def step(self, action: GuessAction, timeout_s: float | None = None, **kwargs) -> GuessObservation:
         self._state.step_count += 1
@@ -62,8 +82,8 @@ class GuessEnvironment(Environment):
         guess = int(match.group())
         if guess == self.secret:
             return GuessObservation(message="Right.", done=True, reward=1.0)
-        return GuessObservation(message=f"{guess} is wrong: {'higher' if guess < self.secret else 'lower'}.",
-                                done=False, reward=0.0)
+        self.low, self.high = narrow(self.low, self.high, guess, self.secret)
+        return GuessObservation(message=answer(guess, self.low, self.high), done=False, reward=0.0)
 
     @property
     def state(self) -> State:
