@@ -929,8 +929,15 @@ def test_the_openenv_example_rows_demonstrate_one_guess_random_games_or_binary_s
             lengths.add(len(guesses))
         assert len(lengths) > 1
         assert (outside == 0) == (demonstration == "in_range")
+    # A share of the rows demonstrates the binary search instead, spread over the secrets.
+    mixed = client.GuessClient.task_rows("train", size=512, demonstration="feedback_blind", binary_search_share=0.25)
+    searched = [k for k, r in enumerate(mixed) if r["extra_info"]["demonstration"] == client.binary_search(1 + k % 8)
+                and 1 + k % 8 != 4]  # the search's first guess is 4: that game is one guess either way
+    assert 0.18 * 448 < len(searched) < 0.32 * 448 and {1 + k % 8 for k in searched} == {1, 2, 3, 5, 6, 7, 8}
     with pytest.raises(ValueError, match="guess, feedback_blind, in_range, binary_search"):
         client.GuessClient.task_rows("train", demonstration="bogus")
+    with pytest.raises(ValueError, match=r"binary_search_share must be in \[0, 1\], got 1.5"):
+        client.GuessClient.task_rows("train", binary_search_share=1.5)
 
 
 def test_the_throughput_bench_samples_both_roads_and_prints_their_ratio():

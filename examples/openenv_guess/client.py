@@ -66,34 +66,41 @@ class GuessClient(OpenEnvEnv):
         demonstration: ``guess``, ``feedback_blind``, ``in_range`` or ``binary_search``
             (``task_rows``).
         turns: the demonstrations' number of guesses at most (``env.max_turns``).
+        binary_search_share: the share of rows demonstrating the binary search instead.
         kwargs: ``OpenEnvEnv``'s.
     """
 
-    def __init__(self, demonstration: str = "guess", turns: int = 4, **kwargs: Any) -> None:
+    def __init__(self, demonstration: str = "guess", turns: int = 4, binary_search_share: float = 0.0,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
 
     @staticmethod
     def task_rows(split: str, size: int = 1000, val_size: int = 64, demonstration: str = "guess",
-                  turns: int = 4, **_: Any) -> list[dict[str, Any]]:
+                  turns: int = 4, binary_search_share: float = 0.0, **_: Any) -> list[dict[str, Any]]:
         """The rows, with a demonstration of at most ``turns`` guesses: ``guess`` (one guess: the
         answer's format), ``feedback_blind`` (random guesses that ignore the answers: the game's
         form over several turns), ``in_range`` (random guesses inside the range the answers leave:
         reading the answers, with no strategy) or ``binary_search`` (the whole strategy). With the
-        first three, a better way to play is RL's to learn. A row's demonstration is fixed by its
-        split and index.
+        first three, a better way to play is RL's to learn. ``binary_search_share`` of the rows
+        (drawn row by row) demonstrate the binary search instead: a warm-started policy
+        that plays it some of the time, for RL to make it the rule. A row's demonstration is fixed
+        by its split and index.
 
         Raises:
-            ValueError: another ``demonstration``.
+            ValueError: another ``demonstration``, or a share outside ``[0, 1]``.
         """
         if demonstration not in DEMONSTRATIONS:
             raise ValueError(f"demonstration must be one of {', '.join(DEMONSTRATIONS)}, got {demonstration!r}")
+        if not 0.0 <= binary_search_share <= 1.0:
+            raise ValueError(f"binary_search_share must be in [0, 1], got {binary_search_share}")
         rows = OpenEnvEnv.task_rows(split, size=size, val_size=val_size, instruction=INSTRUCTION)
         for k, row in enumerate(rows):
             number = LOW + k % (HIGH - LOW + 1)
-            if demonstration == "binary_search":
+            rng = random.Random(f"{split}:{k}")
+            if demonstration == "binary_search" or rng.random() < binary_search_share:
                 demo = binary_search(number)
             elif demonstration in ("feedback_blind", "in_range"):
-                demo = random_play(number, random.Random(f"{split}:{k}"), turns, demonstration == "in_range")
+                demo = random_play(number, rng, turns, demonstration == "in_range")
             else:
                 demo = [{"role": "assistant", "content": str(number)}]
             row["extra_info"]["demonstration"] = demo
