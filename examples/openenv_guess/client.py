@@ -1,6 +1,6 @@
 """The guessing game's client side: OpenEnv sessions (``async_rl.envs.OpenEnvEnv``) plus rows whose
-reference is a demonstration for the warm start (one guess, guesses that ignore the feedback, or
-the whole binary search).
+reference is a demonstration for the warm start (one guess, random guesses that ignore the
+answers or stay inside the range they leave, the whole binary search, or a share of it).
 
 ``env.name: examples/openenv_guess/client.py:GuessClient`` in config.yaml. The rows' prompt is the
 server's own instruction, so the warm start trains on the conversation a rollout will see; the
