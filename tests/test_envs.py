@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import random
 import threading
 import time
 from pathlib import Path
@@ -934,6 +935,28 @@ def test_the_openenv_example_rows_demonstrate_one_guess_random_games_or_binary_s
     searched = [k for k, r in enumerate(mixed) if r["extra_info"]["demonstration"] == client.binary_search(1 + k % 8)
                 and 1 + k % 8 != 4]  # the search's first guess is 4: that game is one guess either way
     assert 0.18 * 448 < len(searched) < 0.32 * 448 and {1 + k % 8 for k in searched} == {1, 2, 3, 5, 6, 7, 8}
+    # Slips: every guess reads the answers, at the middle of the range left or (a slip) its low
+    # end; a game of `turns` guesses at most, lost games included.
+    assert [m["content"] for m in client.binary_search(8, turns=3)] == ["4", "4 is wrong: it is between 5 and 8.",
+                                                                       "6", "6 is wrong: it is between 7 and 8.", "7"]
+    assert [m["content"] for m in client.binary_search(5, turns=3, slip=1.0, rng=random.Random(0))
+            if m["role"] == "assistant"] == ["1", "2", "3"]
+    slipped = client.GuessClient.task_rows("train", size=256, demonstration="binary_search", turns=3, slip=0.5)
+    kinds = collections.Counter()
+    for k, row in enumerate(slipped):
+        secret, low, high = 1 + k % 8, 1, 8
+        for m in row["extra_info"]["demonstration"]:
+            if m["role"] == "assistant":
+                guess = int(m["content"])
+                kinds["middle" if guess == (low + high) // 2 else "low" if guess == low else "other"] += 1
+                if guess != secret:
+                    low, high = (max(low, guess + 1), high) if guess < secret else (low, min(high, guess - 1))
+        assert len(row["extra_info"]["demonstration"]) <= 5
+    assert kinds["other"] == 0 and 0.35 < kinds["low"] / (kinds["low"] + kinds["middle"]) < 0.65, kinds
+    won = sum(r["extra_info"]["demonstration"][-1]["content"] == str(1 + k % 8) for k, r in enumerate(slipped))
+    assert 0.5 < won / 256 < 0.7  # 59% expected (the docstring's figure)
+    with pytest.raises(ValueError, match=r"slip must be in \[0, 1\], got -0.1"):
+        client.GuessClient.task_rows("train", slip=-0.1)
     with pytest.raises(ValueError, match="guess, feedback_blind, in_range, binary_search"):
         client.GuessClient.task_rows("train", demonstration="bogus")
     with pytest.raises(ValueError, match=r"binary_search_share must be in \[0, 1\], got 1.5"):

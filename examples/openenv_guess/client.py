@@ -22,17 +22,25 @@ LOW, HIGH, answer, instruction, narrow = _server.LOW, _server.HIGH, _server.answ
 INSTRUCTION = instruction()
 
 
-def binary_search(secret: int, low: int = LOW, high: int = HIGH) -> list[dict[str, str]]:
+def binary_search(secret: int, turns: int | None = None, low: int = LOW, high: int = HIGH, slip: float = 0.0,
+                  rng: random.Random | None = None) -> list[dict[str, str]]:
     """The messages after the instruction of a game played by halving the range: each guess, the
-    server's answer to it, up to the right guess."""
+    server's answer to it, up to the right guess (or ``turns`` guesses, if given: a game of 8
+    numbers takes up to 4).
+
+    With ``slip`` > 0 each guess is, with that probability (drawn from ``rng``), the low end of the
+    range the answers leave instead of its middle: a player who reads every answer but does not
+    always halve. At ``slip=1`` (counting up from the bottom) 3 turns find 3 secrets of 8, at 0
+    they find 7; at 0.5, 59% of them (exact expectation over the secrets)."""
     messages = []
-    while True:
-        guess = (low + high) // 2
+    while turns is None or len(messages) < 2 * turns - 1:
+        guess = low if slip and rng.random() < slip else (low + high) // 2
         messages.append({"role": "assistant", "content": str(guess)})
         if guess == secret:
             return messages
         low, high = narrow(low, high, guess, secret)
         messages.append({"role": "user", "content": answer(guess, low, high)})
+    return messages[:-1]  # the last answer of a lost game is the server's; nothing follows it to train on
 
 
 def random_play(secret: int, rng: random.Random, turns: int = 4, in_range: bool = True, low: int = LOW,
@@ -67,38 +75,43 @@ class GuessClient(OpenEnvEnv):
             (``task_rows``).
         turns: the demonstrations' number of guesses at most (``env.max_turns``).
         binary_search_share: the share of rows demonstrating the binary search instead.
+        slip: the share of the binary search's guesses at the low end of the range instead.
         kwargs: ``OpenEnvEnv``'s.
     """
 
     def __init__(self, demonstration: str = "guess", turns: int = 4, binary_search_share: float = 0.0,
-                 **kwargs: Any) -> None:
+                 slip: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
 
     @staticmethod
     def task_rows(split: str, size: int = 1000, val_size: int = 64, demonstration: str = "guess",
-                  turns: int = 4, binary_search_share: float = 0.0, **_: Any) -> list[dict[str, Any]]:
+                  turns: int = 4, binary_search_share: float = 0.0, slip: float = 0.0,
+                  **_: Any) -> list[dict[str, Any]]:
         """The rows, with a demonstration of at most ``turns`` guesses: ``guess`` (one guess: the
         answer's format), ``feedback_blind`` (random guesses that ignore the answers: the game's
         form over several turns), ``in_range`` (random guesses inside the range the answers leave:
-        reading the answers, with no strategy) or ``binary_search`` (the whole strategy). With the
-        first three, a better way to play is RL's to learn. ``binary_search_share`` of the rows
+        reading the answers, with no strategy) or ``binary_search`` (the whole strategy, or with
+        ``slip`` a share of its guesses at the low end of the range instead). With the first
+        three, or a slip, a better way to play is RL's to learn. ``binary_search_share`` of the rows
         (drawn row by row) demonstrate the binary search instead: a warm-started policy
         that plays it some of the time, for RL to make it the rule. A row's demonstration is fixed
         by its split and index.
 
         Raises:
-            ValueError: another ``demonstration``, or a share outside ``[0, 1]``.
+            ValueError: another ``demonstration``, or a share or slip outside ``[0, 1]``.
         """
         if demonstration not in DEMONSTRATIONS:
             raise ValueError(f"demonstration must be one of {', '.join(DEMONSTRATIONS)}, got {demonstration!r}")
         if not 0.0 <= binary_search_share <= 1.0:
             raise ValueError(f"binary_search_share must be in [0, 1], got {binary_search_share}")
+        if not 0.0 <= slip <= 1.0:
+            raise ValueError(f"slip must be in [0, 1], got {slip}")
         rows = OpenEnvEnv.task_rows(split, size=size, val_size=val_size, instruction=INSTRUCTION)
         for k, row in enumerate(rows):
             number = LOW + k % (HIGH - LOW + 1)
             rng = random.Random(f"{split}:{k}")
             if demonstration == "binary_search" or rng.random() < binary_search_share:
-                demo = binary_search(number)
+                demo = binary_search(number, turns, slip=slip, rng=rng)
             elif demonstration in ("feedback_blind", "in_range"):
                 demo = random_play(number, rng, turns, demonstration == "in_range")
             else:
