@@ -955,6 +955,8 @@ def test_the_openenv_example_rows_demonstrate_one_guess_random_games_or_binary_s
     assert kinds["other"] == 0 and 0.35 < kinds["low"] / (kinds["low"] + kinds["middle"]) < 0.65, kinds
     won = sum(r["extra_info"]["demonstration"][-1]["content"] == str(1 + k % 8) for k, r in enumerate(slipped))
     assert 0.5 < won / 256 < 0.7  # 59% expected (the docstring's figure)
+    with pytest.raises(ValueError, match="slip needs an rng"):
+        client.binary_search(5, slip=0.5)
     with pytest.raises(ValueError, match=r"slip must be in \[0, 1\], got -0.1"):
         client.GuessClient.task_rows("train", slip=-0.1)
     with pytest.raises(ValueError, match="guess, feedback_blind, in_range, binary_search"):

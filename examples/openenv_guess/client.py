@@ -31,7 +31,13 @@ def binary_search(secret: int, turns: int | None = None, low: int = LOW, high: i
     With ``slip`` > 0 each guess is, with that probability (drawn from ``rng``), the low end of the
     range the answers leave instead of its middle: a player who reads every answer but does not
     always halve. At ``slip=1`` (counting up from the bottom) 3 turns find 3 secrets of 8, at 0
-    they find 7; at 0.5, 59% of them (exact expectation over the secrets)."""
+    they find 7; at 0.5, 59% of them (exact expectation over the secrets).
+
+    Raises:
+        ValueError: a ``slip`` without an ``rng`` to draw it from.
+    """
+    if slip and rng is None:
+        raise ValueError("binary_search: slip needs an rng to draw each slip from")
     messages = []
     while turns is None or len(messages) < 2 * turns - 1:
         guess = low if slip and rng.random() < slip else (low + high) // 2
