@@ -26,6 +26,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 
 from async_rl.step.agent import AgentConfig
 from async_rl.step.episodes import EnvConfig, env_gives_reward
+from async_rl.endpoint.rollouts import EndpointConfig
 from async_rl.algorithms.config import ASYNC_CLIP_RATIO_C, AlgorithmConfig
 from async_rl.loops.base import TrainerConfig
 from async_rl.data.dataset import DataConfig
@@ -69,6 +70,7 @@ class Config:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -228,7 +230,20 @@ def _cross_validate(cfg: Config) -> None:
 
 def _check_env(cfg: Config) -> None:
     """An environment is the rollout's one road: it answers every turn and gives the reward, or
-    leaves the reward to the run's (``Environment.reward_from_run``: then ``reward.fn`` may be set)."""
+    leaves the reward to the run's (``Environment.reward_from_run``: then ``reward.fn`` may be set).
+    A rollout function (``endpoint.rollout``) is a road of its own: it runs the episode and returns
+    the reward, so it excludes ``env.name``, ``agent.tools`` and ``reward.fn``."""
+    if cfg.endpoint.enabled:
+        for key, value in (("env.name", cfg.env.name), ("agent.tools", cfg.agent.tools), ("reward.fn", cfg.reward.fn)):
+            if value:
+                raise ConfigError(f"endpoint.rollout={cfg.endpoint.rollout} and {key}={value} are both set: the rollout "
+                                  "function runs the whole episode and returns its reward, so unset one of them")
+        from async_rl.endpoint.rollouts import ROLLOUT_FUNCTIONS
+
+        try:
+            ROLLOUT_FUNCTIONS.get(cfg.endpoint.rollout)
+        except ValueError as e:
+            raise ConfigError(f"endpoint.rollout: {e}") from None
     env_files = [f for f in [*cfg.data.train_files, *cfg.data.val_files] if f.startswith("env:")]
     if env_files and not cfg.env.enabled:
         raise ConfigError(f"data files {env_files} are an environment's task rows, but env.name is unset")

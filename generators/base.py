@@ -219,6 +219,10 @@ class SamplingParams:
         greedy: argmax decoding (evaluation); behavior log-probs are then at temperature 1.
         stop_token_ids: ids that end a response (the tokenizer's EOS plus any extra stop ids); the
             stop token is kept in the response and in the loss mask.
+        top_logprobs: also report, per sampled token, this many most likely tokens with their
+            log-probs under the sampling distribution (0: none; the OpenAI endpoint's
+            ``top_logprobs``). The HF engine reports them; vLLM and SGLang report them where
+            their own APIs do.
     """
 
     temperature: float = 1.0
@@ -227,6 +231,7 @@ class SamplingParams:
     max_tokens: int = 256
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    top_logprobs: int = 0
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig, stop_token_ids: Iterable[int], greedy: bool = False) -> "SamplingParams":
@@ -245,12 +250,15 @@ class Sample:
         logprobs: behavior log-prob of each sampled id (float, nats), same length.
         finish_reason: ``"stop"`` or ``"length"``.
         policy_version: version of the weights that produced each token, same length.
+        top_logprobs: per sampled token, ``[(id, log-prob), ...]``, most likely first, when
+            ``SamplingParams.top_logprobs`` asked for them; else empty.
     """
 
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     policy_version: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class Generator(Protocol):

@@ -151,6 +151,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     done: bool = False
     finish_reason: str = ""
 
@@ -205,9 +206,16 @@ class _StepHook:
         chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).cpu()
         chosen_cpu = chosen.cpu()
         version = self.gen.policy_version
-        for r, tok, lp in zip(self.rows, chosen_cpu.tolist(), chosen_lp.tolist()):
+        tops = None
+        if self.params.top_logprobs > 0:
+            k = min(self.params.top_logprobs, logprobs.shape[-1])
+            values, ids = logprobs.topk(k, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(ids.cpu().tolist(), values.cpu().tolist())]
+        for b, (r, tok, lp) in enumerate(zip(self.rows, chosen_cpu.tolist(), chosen_lp.tolist())):
             if r.done:
                 continue
+            if tops is not None:
+                r.top.append(tops[b])
             r.tokens.append(tok)
             r.logprobs.append(lp)
             r.versions.append(version)
@@ -521,7 +529,8 @@ class HFGenerator:
 
         def finish(row: _Row) -> None:
             sample = Sample(response_ids=list(row.tokens), logprobs=list(row.logprobs),
-                            finish_reason=row.finish_reason, policy_version=list(row.versions))
+                            finish_reason=row.finish_reason, policy_version=list(row.versions),
+                            top_logprobs=list(row.top))
             results[row.index] = sample
             if on_sample is not None:
                 on_sample(row.index // n, row.index % n, sample)

@@ -138,7 +138,7 @@ LAYERS = {
     "trainer": ["async_rl.trainer"],
     "config": ["async_rl.config"],
     "loops": ["async_rl.loops"],
-    "step": ["async_rl.step"],
+    "step": ["async_rl.step", "async_rl.endpoint"],
     "components": ["async_rl.runtime", "async_rl.learners", "async_rl.generators", "async_rl.buffers",
                    "async_rl.weight_sync", "async_rl.data"],
     "library": ["async_rl.utils", "async_rl.algorithms", "async_rl.rewards", "async_rl.tools", "async_rl.envs"],

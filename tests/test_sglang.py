@@ -262,6 +262,29 @@ def test_sync_mode_trains_on_sglang(tmp_path):
     assert "eval_final" in summary
 
 
+def test_a_rollout_function_through_the_endpoint_on_sglang(tmp_path):
+    """The OpenAI-compatible endpoint served on SGLang: the example agent's calls (chat with a
+    calculator tool) are captured as its trajectories, their log-probs the learner's."""
+    from pathlib import Path
+
+    from async_rl.config import load_config
+    from async_rl.trainer import train
+
+    root = Path(__file__).resolve().parents[1]
+    train(load_config(root / "examples/openai_agent/config.yaml", [
+        f"endpoint.rollout={root}/examples/openai_agent/calculator_agent.py:rollout",
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=agent", "trainer.total_steps=2",
+        "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.eval_every_steps=0",
+        "trainer.warm_start.steps=100", "data.val_max_prompts=8", "trainer.export_model=false",
+        "logging.progress=false", "generator.max_batch_size=16", "generator.backend=sglang"]))
+    steps = _steps(tmp_path, "agent")
+    assert len(steps) == 2
+    for s in steps:
+        # After the warm start the model calls the calculator through the OpenAI tools API.
+        assert s["rollout/num_trajectories"] == 16 and s["rollout/turns_mean"] > 1.5
+        assert s["mismatch/logprob_abs_diff"] < 1e-4
+
+
 def test_sync_mode_trains_lora_adapters_on_sglang(tmp_path):
     from async_rl.trainer import train
 

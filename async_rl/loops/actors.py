@@ -48,7 +48,7 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from async_rl.step.episodes import EpisodeLoop
+from async_rl.step.episodes import make_episode_loop
 from async_rl.buffers.transport import TrajectoryGroup
 from async_rl.runtime.cluster import group_ip, pin_process, use_node_interface, where
 from async_rl.generators import make_generator
@@ -214,7 +214,7 @@ class GeneratorWorker:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.engine = make_generator(gen_cfg, model_path, pad, num_threads=max(1, num_threads), lora=lora)
         self.params = params
-        self.agent = (EpisodeLoop(env_cfg, self.tokenizer, params.stop_token_ids, max_prompt_tokens)
+        self.agent = (make_episode_loop(env_cfg, self.tokenizer, params.stop_token_ids, max_prompt_tokens, params)
                       if env_cfg is not None and env_cfg.enabled else None)
         # This actor's own reward workers (reward.num_workers processes, started on the first
         # sample): a reward function that hangs or crashes costs a sample, never this engine.

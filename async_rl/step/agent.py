@@ -17,7 +17,7 @@ the model wrote what the template would have, and no BOS is repeated.
 Per response token a ``Conversation`` keeps: the id, the behavior log-prob (0 on observation
 tokens), the loss mask (1 on generated tokens, 0 on observations and template glue) and the
 policy version (observation tokens carry the version of the turn before them); the lists have the
-same length after every turn (checked). A demonstration (``demonstration_ids``) is tokenised the
+same length after every turn (checked); an ``Episode`` adds what the episode returned. A demonstration (``demonstration_ids``) is tokenised the
 same way for the warm start; ``cap_tokens`` cuts an observation to a token budget.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -235,3 +235,38 @@ class Conversation:
             raise AssertionError("per-token lists out of step: ids/logprobs/mask/versions "
                                  f"{len(self.response_ids)}/{len(self.logprobs)}/{len(self.loss_mask)}/"
                                  f"{len(self.policy_version)}")
+
+
+@dataclass
+class Episode(Conversation):
+    """One sample's episode: a ``Conversation`` (per-token ids, log-probs, loss mask, versions)
+    plus what the environment returned (``async_rl.step.episodes``), or what a rollout
+    function returned (``async_rl.endpoint``: its session's trained chain, its reward).
+
+    Attributes:
+        env_return: the sum of ``turn_rewards``; the sample's reward.
+        turn_rewards: one reward per ``step`` answered.
+        info: the steps' ``info`` numbers, summed.
+        rejected: why the episode was rejected (one of ``REJECT_REASONS``), or ``None``.
+        env: the episode's ``Environment`` until it ends (``None`` after).
+        lost: the ``EnvironmentLost`` that ended it, if its server went away.
+        restarted: this is the episode's second start (its first one's server was lost).
+        reward_from_run: the run's reward scores the episode's answer (``final_text``), its
+            environment having no reward of its own (``Environment.reward_from_run``).
+    """
+
+    env_return: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)
+    info: dict[str, float] = field(default_factory=dict)
+    rejected: str | None = None
+    env: Any = None
+    lost: BaseException | None = None
+    restarted: bool = False
+    reward_from_run: bool = False
+    action: str = ""
+    """The last assistant turn as its ``step`` receives it."""
+    handed_on: bool = False
+    """The episode went to ``on_sample`` (exactly once)."""
+    multi_turn: bool = True
+    """Its environment allows more than one turn (``env.max_turns > 1``); a single-turn episode
+    (a plain prompt dataset's ``single_turn``) reports no turn counts."""

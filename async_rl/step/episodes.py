@@ -47,7 +47,7 @@ from typing import Any, Callable, Coroutine, Sequence
 
 from async_rl.envs.base import EnvironmentLost, MalformedEnvStepError, Task, check_messages, check_step, make_env
 from async_rl.generators.base import mix_seed
-from async_rl.step.agent import Conversation, cap_tokens, render_ids, tool_turn_ids
+from async_rl.step.agent import Conversation, Episode, cap_tokens, render_ids, tool_turn_ids
 
 logger = logging.getLogger(__name__)
 
@@ -89,40 +89,6 @@ class EnvConfig:
     def enabled(self) -> bool:
         """Whether rollouts are episodes of an environment."""
         return bool(self.name)
-
-
-@dataclass
-class Episode(Conversation):
-    """One sample's episode: a ``Conversation`` (per-token ids, log-probs, loss mask, versions)
-    plus what the environment returned.
-
-    Attributes:
-        env_return: the sum of ``turn_rewards``; the sample's reward.
-        turn_rewards: one reward per ``step`` answered.
-        info: the steps' ``info`` numbers, summed.
-        rejected: why the episode was rejected (one of ``REJECT_REASONS``), or ``None``.
-        env: the episode's ``Environment`` until it ends (``None`` after).
-        lost: the ``EnvironmentLost`` that ended it, if its server went away.
-        restarted: this is the episode's second start (its first one's server was lost).
-        reward_from_run: the run's reward scores the episode's answer (``final_text``), its
-            environment having no reward of its own (``Environment.reward_from_run``).
-    """
-
-    env_return: float = 0.0
-    turn_rewards: list[float] = field(default_factory=list)
-    info: dict[str, float] = field(default_factory=dict)
-    rejected: str | None = None
-    env: Any = None
-    lost: BaseException | None = None
-    restarted: bool = False
-    reward_from_run: bool = False
-    action: str = ""
-    """The last assistant turn as its ``step`` receives it."""
-    handed_on: bool = False
-    """The episode went to ``on_sample`` (exactly once)."""
-    multi_turn: bool = True
-    """Its environment allows more than one turn (``env.max_turns > 1``); a single-turn episode
-    (a plain prompt dataset's ``single_turn``) reports no turn counts."""
 
 
 class _Timeout(Exception):
@@ -535,9 +501,13 @@ def env_gives_reward(env_cfg: EnvConfig) -> bool:
     """Whether the run's environment scores its episodes itself (its return is the reward), so
     the rows' ``data_source`` need no reward function; ``False`` without an environment or with
     one that leaves the reward to the run (``Environment.reward_from_run``: ``single_turn``,
-    ``tools``)."""
+    ``tools``). A rollout function (``rollout_env_config`` of ``endpoint.rollout``) returns its
+    reward: ``True``."""
+    from async_rl.endpoint.rollouts import ENDPOINT_ENV
     from async_rl.envs import ENVIRONMENTS
 
+    if env_cfg.name == ENDPOINT_ENV:
+        return True
     return env_cfg.enabled and getattr(ENVIRONMENTS.get(env_cfg.name), "reward_from_run", False) is not True
 
 
@@ -551,9 +521,19 @@ def rollout_env_config(cfg) -> EnvConfig:
     take as long as its calls run in waves of the executor's workers, each under its tool's own
     ``timeout_s`` (a call past it is answered with an error, not a rejected episode), plus 30 s.
 
+    A rollout function (``endpoint.rollout``) travels as the environment ``openai_endpoint`` whose
+    ``args`` are the ``endpoint`` settings (``make_episode_loop`` turns it into an
+    ``async_rl.endpoint.EndpointLoop``).
+
     Raises:
         ValueError: an unknown tool spec or parser.
     """
+    endpoint = getattr(cfg, "endpoint", None)
+    if endpoint is not None and endpoint.enabled:
+        from async_rl.endpoint.rollouts import ENDPOINT_ENV
+
+        return EnvConfig(name=ENDPOINT_ENV, args=dataclasses.asdict(endpoint), max_turns=endpoint.max_turns,
+                         max_response_tokens=endpoint.max_response_tokens, step_timeout_s=endpoint.timeout_s)
     if cfg.env.enabled:
         return cfg.env
     if cfg.agent.enabled:
@@ -581,18 +561,38 @@ def tools_env_config(agent, registry=None) -> EnvConfig:
                      step_timeout_s=step_timeout_s, max_observation_tokens=agent.max_tool_response_tokens)
 
 
-def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]) -> EpisodeLoop:
-    """The ``EpisodeLoop`` that turns a run's samples into episodes of its environment
-    (``rollout_env_config``: ``env.name``, the tools of ``agent.tools``, else ``single_turn``).
+def make_episode_loop(env_cfg: EnvConfig, tokenizer, stop_token_ids: Sequence[int], max_prompt_tokens: int,
+                      params=None):
+    """The loop that runs episodes of ``env_cfg``: an ``EpisodeLoop``, or for a rollout function
+    (``openai_endpoint``) an ``async_rl.endpoint.EndpointLoop`` with its endpoint (``params``:
+    the run's ``SamplingParams``, the endpoint's default ``max_tokens`` and stop ids).
+
+    Raises:
+        ValueError: as ``EpisodeLoop`` or ``EndpointLoop``.
+    """
+    from async_rl.endpoint.rollouts import ENDPOINT_ENV, EndpointConfig, EndpointLoop
+
+    if env_cfg.name == ENDPOINT_ENV:
+        return EndpointLoop(EndpointConfig(**env_cfg.args), tokenizer, stop_token_ids, max_prompt_tokens, params)
+    return EpisodeLoop(env_cfg, tokenizer, stop_token_ids, max_prompt_tokens)
+
+
+def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]):
+    """The loop that turns a run's samples into episodes (``make_episode_loop`` of
+    ``rollout_env_config``: ``endpoint.rollout``, ``env.name``, the tools of ``agent.tools``, else
+    ``single_turn``).
 
     Args:
-        cfg: the run's ``Config`` (its ``env``, ``agent``, ``generator.max_response_tokens`` and
+        cfg: the run's ``Config`` (its ``endpoint``, ``env``, ``agent``, ``generator`` and
             ``data.max_prompt_tokens``).
 
     Raises:
-        ValueError: as ``EpisodeLoop``.
+        ValueError: as ``EpisodeLoop`` or ``EndpointLoop``.
     """
-    return EpisodeLoop(rollout_env_config(cfg), tokenizer, stop_token_ids, cfg.data.max_prompt_tokens)
+    from async_rl.generators.base import SamplingParams
+
+    params = SamplingParams.from_config(cfg.generator, stop_token_ids)
+    return make_episode_loop(rollout_env_config(cfg), tokenizer, stop_token_ids, cfg.data.max_prompt_tokens, params)
 
 
 ENV_ROWS_PREFIX = "env:"

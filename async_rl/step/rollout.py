@@ -44,13 +44,17 @@ def longest_sequence(cfg: Any) -> tuple[int, str]:
     response at most ``generator.max_response_tokens``, or with tools (``agent.tools``) a whole
     conversation at most ``agent.max_response_tokens`` (generated and tool tokens together), or
     with an environment (``env.name``) a whole episode at most ``env.max_response_tokens`` (an
-    environment's first observation longer than the prompt limit is rejected).
+    environment's first observation longer than the prompt limit is rejected), or with a rollout
+    function (``endpoint.rollout``) a session's chain at most ``endpoint.max_response_tokens``.
 
     Returns:
         ``(tokens, "data.max_prompt_tokens=P + <key>=R")``.
     """
     prompt = cfg.data.max_prompt_tokens
-    if cfg.env.enabled:
+    endpoint = getattr(cfg, "endpoint", None)
+    if endpoint is not None and endpoint.enabled:
+        response, key = endpoint.max_response_tokens, "endpoint.max_response_tokens"
+    elif cfg.env.enabled:
         response, key = cfg.env.max_response_tokens, "env.max_response_tokens"
     elif cfg.agent.enabled:
         response, key = cfg.agent.max_response_tokens, "agent.max_response_tokens"

@@ -275,6 +275,7 @@ class VLLMGenerator:
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        tops: list[list[tuple[int, float]]] = []
         cached = 0
         while True:
             await self._resumed.wait()
@@ -286,7 +287,8 @@ class VLLMGenerator:
             sp = VSP(n=1, temperature=0.0 if params.greedy else params.temperature,
                      top_p=1.0 if params.greedy else params.top_p, top_k=0 if params.greedy else params.top_k,
                      max_tokens=params.max_tokens - len(tokens), seed=mix_seed(seed, len(tokens)) if tokens else seed,
-                     stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
+                     stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
+                     detokenize=False,
                      skip_special_tokens=False, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
             # Rendered here as vLLM asks (a raw prompt dict is deprecated and logs a warning per engine).
             (request,) = self.engine.renderer.render_cmpl(
@@ -310,6 +312,8 @@ class VLLMGenerator:
                 new = list(c.token_ids)
                 tokens += new
                 logprobs += _sampled_logprobs(c.logprobs, new)
+                if params.top_logprobs:
+                    tops += _top_logprobs(c.logprobs, len(new))
                 versions += _versions(c.weight_versions, len(new))
                 if final.num_cached_tokens and not cached:
                     cached = final.num_cached_tokens
@@ -321,7 +325,8 @@ class VLLMGenerator:
             if finish not in ("stop", "length"):
                 raise RuntimeError(f"vLLM request ended with finish reason {finish!r}")
             self.num_cached_prompt_tokens += cached
-            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions)
+            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions,
+                          top_logprobs=tops)
 
     # ------------------------------------------------------------------ weights
     def connect_weight_sync(self, init_info: dict[str, Any], rank: int) -> None:
@@ -525,6 +530,23 @@ def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
     if len(flat) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(flat)} log-probs for {len(token_ids)} sampled tokens")
     return list(flat)
+
+
+def _top_logprobs(logprobs, num_tokens: int) -> list[list[tuple[int, float]]]:
+    """Per sampled token, the ``SamplingParams.top_logprobs`` most likely tokens ``[(id, log-prob)]``,
+    most likely first, from a final output's ``FlatLogprobs`` (each position: the sampled token's
+    entry first, then the top k by rank).
+
+    Raises:
+        RuntimeError: not one position per sampled token.
+    """
+    if len(logprobs.start_indices) != num_tokens:
+        raise RuntimeError(f"vLLM returned log-probs for {len(logprobs.start_indices)} positions, {num_tokens} sampled")
+    out = []
+    for start, end in zip(logprobs.start_indices, logprobs.end_indices):
+        alts = [(int(logprobs.token_ids[j]), float(logprobs.logprobs[j])) for j in range(start + 1, end)]
+        out.append(sorted(alts, key=lambda a: -a[1]))
+    return out
 
 
 def _versions(spans, num_tokens: int) -> list[int]:
