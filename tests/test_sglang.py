@@ -220,6 +220,17 @@ def test_generate_contract(engine, weights):
     assert sum(topk[0][0].logprobs) / 8 > sum(full[0][0].logprobs) / 8
 
 
+def test_top_logprobs(engine):
+    """``SamplingParams.top_logprobs``: per sampled token the k most likely, most likely first,
+    the sampled token's own log-prob no higher than the first (the OpenAI endpoint's top_logprobs)."""
+    params = SamplingParams(temperature=1.0, max_tokens=6, stop_token_ids=(10**6,), top_logprobs=3)
+    (sample,), = engine.generate([[5, 6]], 1, params, seeds=[4])
+    assert len(sample.top_logprobs) == len(sample.response_ids) == 6
+    for lp, alts in zip(sample.logprobs, sample.top_logprobs):
+        values = [v for _, v in alts]
+        assert len(alts) == 3 and values == sorted(values, reverse=True) and lp <= values[0] + 1e-5
+
+
 def engine_eos(path: str) -> set[int]:
     import json
     from pathlib import Path

@@ -286,6 +286,7 @@ class SGLangGenerator(SGLangAdapters):
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        tops: list[list[tuple[int, float]]] = []
         while True:
             await self._resumed.wait()
             self._check_usable()
@@ -301,6 +302,7 @@ class SGLangGenerator(SGLangAdapters):
             obj = GenerateReqInput(input_ids=prompt + tokens, sampling_params=sp, return_logprob=True,
                                    return_sampling_mask=processed or None,
                                    sampling_logprobs_mode="selected" if processed else None,
+                                   top_logprobs_num=params.top_logprobs,
                                    cache_salt=self._cache_salt(), rid=uuid.uuid4().hex, lora_path=adapter)
             version_at_start, pauses_at_start = self.policy_version, self._update_pauses
             self._active += 1
@@ -323,6 +325,12 @@ class SGLangGenerator(SGLangAdapters):
                 raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} log-probs")
             tokens += ids
             logprobs += lps
+            if params.top_logprobs:
+                # Per position [(log-prob, token id, text)], most likely first.
+                got = meta.get("output_top_logprobs") or []
+                if len(got) != len(ids):
+                    raise RuntimeError(f"SGLang returned top log-probs for {len(got)} of {len(ids)} tokens")
+                tops += [[(int(t[1]), float(t[0])) for t in position or []] for position in got]
             if self.lora is None:
                 versions += _token_versions(meta, len(ids), version_at_start)
             else:
@@ -336,7 +344,8 @@ class SGLangGenerator(SGLangAdapters):
                     continue
             if finish not in ("stop", "length"):
                 raise RuntimeError(f"SGLang request ended with finish reason {meta.get('finish_reason')!r}")
-            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions)
+            return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions,
+                          top_logprobs=tops)
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of each token of each sequence given the tokens before it (temperature 1),
