@@ -228,6 +228,13 @@ def _cross_validate(cfg: Config) -> None:
     _check_partial_rollout(cfg)
 
 
+def _rollout_function(cfg: Config, registry) -> Any:
+    try:
+        return registry.get(cfg.endpoint.rollout)
+    except ValueError as e:
+        raise ConfigError(f"endpoint.rollout: {e}") from None
+
+
 def _check_env(cfg: Config) -> None:
     """An environment is the rollout's one road: it answers every turn and gives the reward, or
     leaves the reward to the run's (``Environment.reward_from_run``: then ``reward.fn`` may be set).
@@ -245,7 +252,13 @@ def _check_env(cfg: Config) -> None:
         except ValueError as e:
             raise ConfigError(f"endpoint.rollout: {e}") from None
     env_files = [f for f in [*cfg.data.train_files, *cfg.data.val_files] if f.startswith("env:")]
-    if env_files and not cfg.env.enabled:
+    if env_files and cfg.endpoint.enabled:
+        from async_rl.endpoint.rollouts import ROLLOUT_FUNCTIONS
+
+        if cfg.env.enabled or not hasattr(_rollout_function(cfg, ROLLOUT_FUNCTIONS), "task_rows"):
+            raise ConfigError(f"data files {env_files} are a rollout function's task rows, but endpoint.rollout="
+                              f"{cfg.endpoint.rollout} offers none (no task_rows); name data files of your own")
+    elif env_files and not cfg.env.enabled:
         raise ConfigError(f"data files {env_files} are an environment's task rows, but env.name is unset")
     if not cfg.env.enabled:
         return

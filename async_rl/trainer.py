@@ -26,7 +26,8 @@ from transformers import AutoTokenizer
 
 from async_rl.runtime.checkpoint import (RunDirectory, StopRequest, latest_checkpoint, load_trainer_state,
                                          resolve_resume, rng_state, save_checkpoint, set_rng_state)
-from async_rl.step.episodes import data_file, env_gives_reward, environment_services, make_rollout_agent
+from async_rl.step.episodes import (data_file, env_gives_reward, environment_services, make_rollout_agent,
+                                    rollout_env_config)
 from async_rl.config import to_dict, to_yaml
 from async_rl.utils.cpu_threads import available_cores, user_num_threads
 from async_rl.data.builtin import resolve
@@ -231,12 +232,13 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     # With tools, prompts are rendered with their schemas (the model sees what it may call).
     tools = agent.schemas if agent is not None else None
     # The warm start's reference responses are read (and a row without one refused) as the rows load.
-    train_ds = PromptDataset([data_file(f, cfg.env) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle,
+    rows_env = rollout_env_config(cfg)  # whose rows ``env:<split>`` data files are
+    train_ds = PromptDataset([data_file(f, rows_env) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle,
                              tools=tools, reference_fields=t_cfg.warm_start.reference_fields(),
                              reference_hint=WARM_START_HINT, on_bad_row=d.on_bad_row)
-    val_ds = (PromptDataset([data_file(f, cfg.env) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
+    val_ds = (PromptDataset([data_file(f, rows_env) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
                             limit=d.val_max_prompts, tools=tools, on_bad_row=d.on_bad_row) if d.val_files else None)
-    if not cfg.reward.fn and not cfg.reward.model and not env_gives_reward(cfg.env):
+    if not cfg.reward.fn and not cfg.reward.model and not env_gives_reward(rows_env):
         # Fail before training, not as a reward error on every sample: each data_source needs a reward.
         for source in {p.data_source for ds in (train_ds, val_ds) if ds is not None for p in ds.prompts}:
             default_reward_for(source)

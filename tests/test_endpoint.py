@@ -460,6 +460,66 @@ def test_turn_and_token_budgets(tok):
     assert len(episode.response_ids) == 60 and episode.finish_reason == "max_turns" and episode.num_turns == 2
 
 
+def test_verifiers_without_its_venv_is_one_clear_line(tmp_path, monkeypatch):
+    from async_rl.endpoint.verifiers import task_rows, verifiers_python
+
+    monkeypatch.setenv("ASYNC_RL_VERIFIERS_PYTHON", str(tmp_path / "none" / "python"))
+    with pytest.raises(ValueError, match="envs/verifiers/build.sh"):
+        verifiers_python()
+    with pytest.raises(ValueError, match="no verifiers venv"):
+        task_rows("train", taskset="vf_guess")
+
+
+def _verifiers_python():
+    from async_rl.endpoint.verifiers import verifiers_python
+
+    try:
+        return verifiers_python()
+    except ValueError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_verifiers_python() is None, reason="no verifiers venv: build it with envs/verifiers/build.sh "
+                                                        "(CI's .ci/run does)")
+def test_a_multi_turn_verifiers_environment_through_the_endpoint(tok):
+    """A taskset written with verifiers' own classes (tests/verifiers_tasksets/vf_guess: guess a
+    number with higher/lower hints) runs in the verifiers venv against the endpoint: its rows
+    become the run's rows, its multi-turn episodes one captured chain each (its interception
+    server re-sends the history as returned), its own reward the reward."""
+    from async_rl.endpoint.verifiers import task_rows
+
+    args = {"taskset": "vf_guess", "pythonpath": [str(ROOT / "tests/verifiers_tasksets")]}
+    rows = task_rows("val", **args)
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["3", "4", "1", "2"]
+    assert rows[0]["extra_info"] == {"secret": 3, "verifiers_split": "val", "verifiers_index": 0}
+
+    def reply(text: str, seed: int) -> str:  # guess 2 first, then follow the hint
+        last = text.rsplit("<|im_start|>user\n", 1)[1]
+        return {"higher": "3", "lower": "1"}.get(last.split("<|im_end|>")[0], "2")
+
+    engine = ScriptedEngine(tok, reply)
+    requests = [GroupRequest(group_id=i, prompt_ids=[], prompt_uid=f"v{i}", data_source=r["data_source"],
+                             ground_truth=r["reward_model"]["ground_truth"], extra_info=r["extra_info"], n=2, seed=i,
+                             messages=r["prompt"]) for i, r in enumerate(rows)]
+    loop = EndpointLoop(EndpointConfig(rollout="verifiers", args=args, max_turns=4, timeout_s=120), tok, (_eos(tok),), 64,
+                        _params(tok))
+    try:
+        out = loop.run_groups(engine, requests, 2, _params(tok), [1, 2, 3, 4])
+        counts = loop.pop_metrics()
+    finally:
+        loop.close()
+    # Secrets 3, 4, 1, 2: "2" then the hint's "3" or "1" solves 3, 1 and 2 (2 at once); 4 is missed.
+    for row, secret, solved, turns in zip(out, [3, 4, 1, 2], [1.0, 0.0, 1.0, 1.0], [2, 3, 2, 1]):
+        for episode in row:
+            assert episode.rejected is None and episode.env_return == solved and episode.num_turns == turns
+            assert episode.info["reward_solved"] == solved and episode.info["guesses"] == turns
+            text = tok.decode(episode.prompt_ids + episode.response_ids)
+            assert text.count("<|im_start|>assistant") == turns and text.startswith("<|im_start|>user\nGuess my number")
+            assert sum(episode.loss_mask) == 2 * turns  # one digit and the end of turn, per reply
+    assert "endpoint/rewritten_calls" not in counts and counts["endpoint/calls"] == 2 * (2 + 3 + 2 + 1)
+
+
 def test_endpoint_config_errors(tmp_path):
     from async_rl.config import ConfigError, load_config
 

@@ -184,16 +184,17 @@ def held_out_prompts(cfg: Config, parts: EvalParts, limit: int | None = None):
             reward function.
     """
     from async_rl.data.dataset import PromptDataset
-    from async_rl.step.episodes import data_file, env_gives_reward
+    from async_rl.step.episodes import data_file, env_gives_reward, rollout_env_config
     from async_rl.rewards import default_reward_for
 
     if not cfg.data.val_files:
         raise ValueError("data.val_files is empty: nothing held out to evaluate on (set data.val_files=[FILE])")
     tools = parts.agent.schemas if parts.agent is not None else None
-    ds = PromptDataset([data_file(f, cfg.env) for f in cfg.data.val_files], parts.tokenizer, cfg.data.max_prompt_tokens,
+    rows_env = rollout_env_config(cfg)  # an environment's or a rollout function's
+    ds = PromptDataset([data_file(f, rows_env) for f in cfg.data.val_files], parts.tokenizer, cfg.data.max_prompt_tokens,
                        cfg.trainer.seed, False, limit=cfg.data.val_max_prompts if limit is None else limit, tools=tools,
                        on_bad_row=cfg.data.on_bad_row)
-    if not cfg.reward.fn and not env_gives_reward(cfg.env):  # an environment's return is the reward
+    if not cfg.reward.fn and not env_gives_reward(rows_env):  # an environment's return is the reward
         for source in {p.data_source for p in ds.prompts}:
             default_reward_for(source)
     return ds

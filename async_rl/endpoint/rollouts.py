@@ -227,6 +227,7 @@ class EndpointLoop:
         self._lock = threading.Lock()
         self._tls = None
         self._http: list = []  # the current event loop's HTTP clients (``_client``)
+        self._batches_seen = 0
 
     # ------------------------------------------------------------------ set-up
     def _endpoint(self) -> Endpoint:
@@ -321,6 +322,8 @@ class EndpointLoop:
                 with self._lock:
                     self._loop = None
                 break
+        self._counts["endpoint/engine_batches"] += endpoint.driver.batches - self._batches_seen
+        self._batches_seen = endpoint.driver.batches
         for k, (i, j, _, session) in enumerate(sessions):
             if k not in done:
                 finished(k, self._episode(session, None, "timeout"))
@@ -397,8 +400,8 @@ class EndpointLoop:
     # ------------------------------------------------------------------ counters (EpisodeLoop's surface)
     def pop_metrics(self) -> dict[str, float]:
         """Counters since the last call (``env/episodes``, ``env/rejected_<reason>``,
-        ``endpoint/calls``, ``endpoint/rewritten_calls``, ``endpoint/untrained_choices``,
-        ``endpoint/sampling_overridden``), those that moved."""
+        ``endpoint/calls``, ``endpoint/engine_batches``, ``endpoint/rewritten_calls``,
+        ``endpoint/untrained_choices``, ``endpoint/sampling_overridden``), those that moved."""
         out = {k: float(v - self._popped[k]) for k, v in self._counts.items() if v > self._popped[k]}
         self._popped = Counter(self._counts)
         return out

@@ -601,15 +601,25 @@ ENV_ROWS_PREFIX = "env:"
 
 def env_task_rows(env_cfg: EnvConfig, split: str) -> list[dict[str, Any]]:
     """The task rows the environment of ``env_cfg`` offers for ``split``: its class's
-    ``task_rows(split, **env.args)`` (``async_rl.envs.reasoning_gym.task_rows``).
+    ``task_rows(split, **env.args)`` (``async_rl.envs.reasoning_gym.task_rows``), or for a
+    rollout function (``rollout_env_config`` of ``endpoint.rollout``) the function's
+    ``task_rows(split, **endpoint.args)`` (``async_rl.endpoint.verifiers.task_rows``).
 
     Raises:
         ValueError: ``env.name`` unset, an environment without ``task_rows``, or its own error.
     """
+    from async_rl.endpoint.rollouts import ENDPOINT_ENV, ROLLOUT_FUNCTIONS
     from async_rl.envs import ENVIRONMENTS
 
     if not env_cfg.enabled:
         raise ValueError(f"data file {ENV_ROWS_PREFIX}{split} takes the rows of an environment, but env.name is unset")
+    if env_cfg.name == ENDPOINT_ENV:  # a rollout function's rows (the built-in ``verifiers``: its taskset's)
+        spec = env_cfg.args["rollout"]
+        rows_fn = getattr(ROLLOUT_FUNCTIONS.get(spec), "task_rows", None)
+        if rows_fn is None:
+            raise ValueError(f"data file {ENV_ROWS_PREFIX}{split}: rollout function {spec!r} offers no task rows "
+                             "(no task_rows); name data files of your own instead")
+        return rows_fn(split, **env_cfg.args.get("args", {}))
     rows_fn = getattr(ENVIRONMENTS.get(env_cfg.name), "task_rows", None)
     if rows_fn is None:
         raise ValueError(f"data file {ENV_ROWS_PREFIX}{split}: environment {env_cfg.name!r} offers no task rows "
