@@ -25,10 +25,8 @@ Run (HF about 2 minutes on 2 cores; vLLM adds its start-up)::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +46,7 @@ async def one_call(client, task, max_tokens: int = 64) -> float:
 
 
 def main() -> None:
-    from bench_engine import _cpu_s  # CPU seconds of this process and its descendants
+    from side_by_side import interleaved, ratio_table
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
@@ -95,46 +93,29 @@ def main() -> None:
         return len(kept), counts.generated_tokens, statistics.fmean(t.reward for t in kept)
 
     rows = {"in-process (env single_turn)": local, "endpoint (openai client)": endpoint}
-    rates: dict[str, list[float]] = {name: [] for name in rows}
-    cpu_rates: dict[str, list[float]] = {name: [] for name in rows}
-    lengths: dict[str, list[float]] = {name: [] for name in rows}
-    seen_batches = [0]
+    took: dict[str, int] = {}
+
+    def one(name: str) -> tuple[float, float]:
+        driver = getattr(rows[name].agent, "endpoint", None)
+        before = driver.driver.batches if driver is not None else 0
+        n, tokens, _ = run(rows[name])
+        if driver is not None:  # the engine batches the run took (1: every call shared one)
+            took[name] = driver.driver.batches - before
+        return tokens, tokens / n
+
+    def batches(name: str) -> str:
+        return f", {took[name]} engine batches" if name in took else ""
+
     try:
-        for parts in rows.values():
-            run(parts)  # warm-up: the engine's first batch, the endpoint's start
-        seen_batches[0] = endpoint.agent.endpoint.driver.batches
-        names = list(rows)
-        for rep in range(args.reps):
-            for name in (names if rep % 2 == 0 else names[::-1]):
-                c0, t0 = _cpu_s(), time.perf_counter()
-                n, tokens, _ = run(rows[name])
-                dt, dc = time.perf_counter() - t0, _cpu_s() - c0
-                rates[name].append(tokens / dt)
-                cpu_rates[name].append(tokens / dc)
-                lengths[name].append(tokens / n)
-                batches = ""
-                if getattr(rows[name].agent, "endpoint", None) is not None:
-                    driver = rows[name].agent.endpoint.driver
-                    batches = f", {driver.batches - seen_batches[0]} engine batches"
-                    seen_batches[0] = driver.batches
-                print(f"  {name:30s} {tokens / dt:9.1f} tokens/s {tokens / dc:9.1f} tokens/CPU-s "
-                      f"({n} samples, {tokens / n:.1f} tokens each, {dt:.2f} s{batches})", flush=True)
+        runs = interleaved(list(rows), one, args.reps, batches)
     finally:
         endpoint.agent.close()
         engine.close()
         local.scorer.close()
         endpoint.scorer.close()
-    print(f"{args.backend}: {args.prompts} prompts x {args.n} samples x up to {args.tokens} tokens, temperature 1; "
-          f"median of {args.reps} interleaved runs after a warm-up; load average {os.getloadavg()[0]:.2f}")
-    base, base_cpu = statistics.median(rates[names[0]]), statistics.median(cpu_rates[names[0]])
-    print(f"{'road':30s} {'tokens/s':>10s} {'ratio':>6s} {'tokens/CPU-s':>13s} {'ratio':>6s} {'tokens/sample':>14s}")
-    for name in names:
-        w, c = statistics.median(rates[name]), statistics.median(cpu_rates[name])
-        verdict = "" if name == names[0] else (f"  >= {TARGET}: wall {'PASS' if w / base >= TARGET else 'MISS'}, "
-                                               f"CPU {'PASS' if c / base_cpu >= TARGET else 'MISS'}")
-        print(f"{name:30s} {w:10.1f} {w / base:6.3f} {c:13.1f} {c / base_cpu:6.3f} "
-              f"{statistics.fmean(lengths[name]):14.1f}{verdict}")
-
+    ratio_table(runs, "tokens", "tokens/sample", TARGET,
+                f"{args.backend}: {args.prompts} prompts x {args.n} samples x up to {args.tokens} tokens, temperature 1; "
+                f"median of {args.reps} interleaved runs after a warm-up")
 
 if __name__ == "__main__":
     main()

@@ -28,10 +28,8 @@ Run (about 2 minutes on 2 cores with the HF engine)::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 TARGET = 0.95
 """protocol / plain samples per second we aim for (issue 33, acceptance 5)."""
 
-from bench_engine import _cpu_s  # noqa: E402 (CPU seconds of this process and its descendants)
+from side_by_side import interleaved, ratio_table  # noqa: E402
 
 
 def main() -> None:
@@ -87,38 +85,15 @@ def main() -> None:
         return len(kept), statistics.fmean(t.reward for t in kept)
 
     rows = {"plain (agent=None)": plain, "protocol (env single_turn)": protocol}
-    rates: dict[str, list[float]] = {name: [] for name in rows}
-    cpu_rates: dict[str, list[float]] = {name: [] for name in rows}
-    rewards: dict[str, list[float]] = {name: [] for name in rows}
     try:
-        for parts in rows.values():
-            run(parts)  # warm-up: the engine's first batch, the reward workers' start
-        names = list(rows)
-        for rep in range(args.reps):
-            for name in (names if rep % 2 == 0 else names[::-1]):
-                c0, t0 = _cpu_s(), time.perf_counter()
-                n, reward = run(rows[name])
-                dt, dc = time.perf_counter() - t0, _cpu_s() - c0
-                rates[name].append(n / dt)
-                cpu_rates[name].append(n / dc)
-                rewards[name].append(reward)
-                print(f"  {name:28s} {n / dt:8.1f} samples/s {n / dc:8.1f} samples/CPU-s ({n} samples, {dt:.2f} s)",
-                      flush=True)
+        runs = interleaved(list(rows), lambda name: run(rows[name]), args.reps)
     finally:
         engine.close()
         plain.scorer.close()
         protocol.scorer.close()
-    print(f"{args.backend}: {args.prompts} prompts x {args.n} samples x up to {args.tokens} tokens, temperature 1; "
-          f"median of {args.reps} interleaved runs after a warm-up; load average {os.getloadavg()[0]:.2f}")
-    base, base_cpu = statistics.median(rates[names[0]]), statistics.median(cpu_rates[names[0]])
-    print(f"{'road':28s} {'samples/s':>10s} {'ratio':>6s} {'samples/CPU-s':>14s} {'ratio':>6s} {'mean reward':>12s}")
-    for name in names:
-        w, c = statistics.median(rates[name]), statistics.median(cpu_rates[name])
-        verdict = "" if name == names[0] else (f"  >= {TARGET}: wall {'PASS' if w / base >= TARGET else 'MISS'}, "
-                                               f"CPU {'PASS' if c / base_cpu >= TARGET else 'MISS'}")
-        print(f"{name:28s} {w:10.1f} {w / base:6.3f} {c:14.1f} {c / base_cpu:6.3f} "
-              f"{statistics.fmean(rewards[name]):12.3f}{verdict}")
-
+    ratio_table(runs, "samples", "mean reward", TARGET,
+                f"{args.backend}: {args.prompts} prompts x {args.n} samples x up to {args.tokens} tokens, temperature 1; "
+                f"median of {args.reps} interleaved runs after a warm-up")
 
 if __name__ == "__main__":
     main()

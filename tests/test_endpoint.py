@@ -559,3 +559,19 @@ def test_openai_agent_recipe_runs(tmp_path, mode, backend):
         assert s["rollout/num_trajectories"] == 16 and s["rollout/turns_mean"] > 1.5
         assert s["mismatch/logprob_abs_diff"] < 1e-3
     assert "eval_final" in summary
+
+
+def test_the_endpoint_bench_samples_both_roads_and_prints_their_ratio():
+    """``bench/bench_endpoint.py`` in a short form: both roads keep every sample (the bench exits
+    non-zero otherwise), the endpoint's calls share one engine batch, and the ratio row is
+    printed; no time is asserted."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_endpoint.py"), "--prompts", "2", "--n", "2",
+                          "--tokens", "8", "--reps", "1"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "endpoint (openai client)" in out.stdout and ">= 0.8: wall" in out.stdout
+    assert ", 1 engine batches)" in out.stdout

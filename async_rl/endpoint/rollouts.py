@@ -42,13 +42,12 @@ import math
 import threading
 import time
 import zlib
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from async_rl.envs.base import Task
 from async_rl.generators.base import mix_seed
-from async_rl.step.agent import Episode
+from async_rl.step.agent import Episode, EpisodeCounters
 from async_rl.utils.registry import Registry
 
 from .capture import Session
@@ -181,7 +180,7 @@ def check_result(result: Any) -> RolloutResult:
     return RolloutResult(float(reward), {str(k): float(v) for k, v in info.items()})
 
 
-class EndpointLoop:
+class EndpointLoop(EpisodeCounters):
     """Runs a rollout function's episodes on any engine: the ``agent`` of a run whose
     ``endpoint.rollout`` is set (the same surface as ``async_rl.step.episodes.EpisodeLoop``).
 
@@ -191,6 +190,10 @@ class EndpointLoop:
     coroutine) stalls every session of the process: past ``endpoint.timeout_s`` plus 5 s of a
     stalled loop, every session still running is rejected (``timeout``) and a new loop serves
     the next ones.
+
+    Counters (``pop_metrics``): ``env/episodes``, ``env/rejected_<reason>``, ``endpoint/calls``,
+    ``endpoint/engine_batches``, ``endpoint/rewritten_calls``, ``endpoint/untrained_choices``,
+    ``endpoint/sampling_overridden``.
 
     Args:
         cfg: ``endpoint`` settings.
@@ -207,6 +210,7 @@ class EndpointLoop:
                  params=None) -> None:
         from async_rl.generators.base import SamplingParams
 
+        super().__init__()
         self.cfg = cfg
         self.fn = ROLLOUT_FUNCTIONS.get(cfg.rollout)
         self.tokenizer = tokenizer
@@ -220,8 +224,6 @@ class EndpointLoop:
 
             self.schemas = ToolRegistry.from_specs(list(cfg.tools)).schemas()
         self.endpoint: Endpoint | None = None
-        self._counts: Counter[str] = Counter()
-        self._popped: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._beat = time.monotonic()
         self._lock = threading.Lock()
@@ -396,31 +398,6 @@ class EndpointLoop:
             response_ids=list(node.ids[node.prompt_len:]), logprobs=list(node.logprobs), loss_mask=list(node.mask),
             policy_version=list(node.versions), num_turns=node.calls, finish_reason=finish, final_text=node.text,
             env_return=result.reward, turn_rewards=[result.reward], info=dict(result.info), multi_turn=True)
-
-    # ------------------------------------------------------------------ counters (EpisodeLoop's surface)
-    def pop_metrics(self) -> dict[str, float]:
-        """Counters since the last call (``env/episodes``, ``env/rejected_<reason>``,
-        ``endpoint/calls``, ``endpoint/engine_batches``, ``endpoint/rewritten_calls``,
-        ``endpoint/untrained_choices``, ``endpoint/sampling_overridden``), those that moved."""
-        out = {k: float(v - self._popped[k]) for k, v in self._counts.items() if v > self._popped[k]}
-        self._popped = Counter(self._counts)
-        return out
-
-    @contextlib.contextmanager
-    def counted_apart(self):
-        """A block whose episodes stay out of ``pop_metrics`` (evaluation); yields a dict that holds
-        the block's own counters on exit."""
-        before = Counter(self._counts)
-        own: dict[str, float] = {}
-        try:
-            yield own
-        finally:
-            own.update({k: float(v - before[k]) for k, v in self._counts.items() if v > before[k]})
-            self._popped.update({k: v - before[k] for k, v in self._counts.items() if v > before[k]})
-
-    def counts(self) -> dict[str, float]:
-        """Counters since the start (cumulative)."""
-        return {k: float(v) for k, v in self._counts.items() if v}
 
     def close(self) -> None:
         """Stop the endpoint (idempotent)."""

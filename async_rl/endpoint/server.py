@@ -433,21 +433,19 @@ class Endpoint:
                 return fail(e)
             return JSONResponse(protocol.model_list(self.model_name))
 
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            return await handle(request, None, "chat")
+        def handlers(kind: str):
+            async def plain(request: Request):
+                return await handle(request, None, kind)
 
-        @app.post("/s/{sid}/v1/chat/completions")
-        async def session_chat(request: Request, sid: str):
-            return await handle(request, sid, "chat")
+            async def in_session(request: Request, sid: str):
+                return await handle(request, sid, kind)
 
-        @app.post("/v1/completions")
-        async def completions(request: Request):
-            return await handle(request, None, "completion")
+            return plain, in_session
 
-        @app.post("/s/{sid}/v1/completions")
-        async def session_completions(request: Request, sid: str):
-            return await handle(request, sid, "completion")
+        for route, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completion")):
+            plain, in_session = handlers(kind)
+            app.add_api_route(route, plain, methods=["POST"])
+            app.add_api_route("/s/{sid}" + route, in_session, methods=["POST"])
 
         return app
 

@@ -72,7 +72,9 @@ def _harness_module():
                 # since hundreds of episodes open their connections at once on a busy loop.
                 http.append(httpx.AsyncClient(timeout=httpx.Timeout(None, connect=120.0),
                                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)))
-            client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=http[0])
+            # Two retries: a kept-alive connection the interception server closed as it was reused
+            # fails the call before it reaches the endpoint (seen under load as "Connection error").
+            client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=2, http_client=http[0])
             await client.chat.completions.create(model=ctx.model, messages=messages)
             return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 

@@ -23,7 +23,9 @@ same way for the warm start; ``cap_tokens`` cuts an observation to a token budge
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -270,3 +272,35 @@ class Episode(Conversation):
     multi_turn: bool = True
     """Its environment allows more than one turn (``env.max_turns > 1``); a single-turn episode
     (a plain prompt dataset's ``single_turn``) reports no turn counts."""
+
+
+class EpisodeCounters:
+    """The counters of a loop that runs episodes (``EpisodeLoop``, ``async_rl.endpoint.EndpointLoop``):
+    ``_counts`` holds them since the start; ``pop_metrics`` gives what moved since its last call,
+    and a ``counted_apart`` block (evaluation between two training steps) stays out of it."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._popped: Counter[str] = Counter()
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Counters since the last call, those that moved."""
+        out = {k: float(v - self._popped[k]) for k, v in self._counts.items() if v > self._popped[k]}
+        self._popped = Counter(self._counts)
+        return out
+
+    @contextlib.contextmanager
+    def counted_apart(self):
+        """A block whose episodes stay out of ``pop_metrics``; yields a dict that holds the block's
+        own counters on exit."""
+        before = Counter(self._counts)
+        own: dict[str, float] = {}
+        try:
+            yield own
+        finally:
+            own.update({k: float(v - before[k]) for k, v in self._counts.items() if v > before[k]})
+            self._popped.update({k: v - before[k] for k, v in self._counts.items() if v > before[k]})
+
+    def counts(self) -> dict[str, float]:
+        """Counters since the start (cumulative; a generator pool reports deltas of these)."""
+        return {k: float(v) for k, v in self._counts.items() if v}

@@ -41,13 +41,12 @@ import logging
 import threading
 import time
 import zlib
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Sequence
 
 from async_rl.envs.base import EnvironmentLost, MalformedEnvStepError, Task, check_messages, check_step, make_env
 from async_rl.generators.base import mix_seed
-from async_rl.step.agent import Conversation, Episode, cap_tokens, render_ids, tool_turn_ids
+from async_rl.step.agent import Conversation, Episode, EpisodeCounters, cap_tokens, render_ids, tool_turn_ids
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +94,11 @@ class _Timeout(Exception):
     """A coroutine of an environment ran past ``env.step_timeout_s``."""
 
 
-class EpisodeLoop:
+class EpisodeLoop(EpisodeCounters):
     """Runs episodes of one environment on any generator backend (the ``agent`` of a rollout).
+
+    Counters (``pop_metrics``): ``env/episodes``, ``env/rejected_<reason>``, ``env/reissued_episodes``,
+    ``env/close_errors``; with tools ``tools/calls``, ``tools/ok``, ``tools/error_<kind>``.
 
     Args:
         cfg: ``env`` settings.
@@ -111,14 +113,13 @@ class EpisodeLoop:
 
     def __init__(self, cfg: EnvConfig, tokenizer, stop_token_ids: Sequence[int], max_prompt_tokens: int,
                  factory: Callable[[], Any] | None = None) -> None:
+        super().__init__()
         self.cfg, self.tokenizer = cfg, tokenizer
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_prompt_tokens = max_prompt_tokens
         self.factory = factory if factory is not None else make_env(cfg.name, cfg.args)
         self.schemas = getattr(self.factory(), "tools", None)
         self._special: list[str] | None = None
-        self._counts: Counter[str] = Counter()
-        self._popped: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         # Fast tokenizers refuse concurrent use ("Already borrowed"): a turn is decoded on the
@@ -470,31 +471,6 @@ class EpisodeLoop:
             if isinstance(result, _Timeout) and (i, j) not in restart:
                 self._give_up(i, j, rows, on_sample)
         return restart
-
-    # ------------------------------------------------------------------ counters
-    def pop_metrics(self) -> dict[str, float]:
-        """Episode counters since the last call (``env/episodes``, ``env/rejected_<reason>``,
-        ``env/close_errors``; with tools, ``tools/calls``, ``tools/ok``, ``tools/error_<kind>``),
-        those that moved."""
-        out = {k: float(v - self._popped[k]) for k, v in self._counts.items() if v > self._popped[k]}
-        self._popped = Counter(self._counts)
-        return out
-
-    @contextlib.contextmanager
-    def counted_apart(self):
-        """A block whose episodes stay out of ``pop_metrics`` (evaluation between two training
-        steps); yields a dict that holds the block's own counters on exit."""
-        before = Counter(self._counts)
-        own: dict[str, float] = {}
-        try:
-            yield own
-        finally:
-            own.update({k: float(v - before[k]) for k, v in self._counts.items() if v > before[k]})
-            self._popped.update({k: v - before[k] for k, v in self._counts.items() if v > before[k]})
-
-    def counts(self) -> dict[str, float]:
-        """Episode counters since the start (cumulative; a pool reports deltas of these)."""
-        return {k: float(v) for k, v in self._counts.items() if v}
 
 
 def env_gives_reward(env_cfg: EnvConfig) -> bool:
