@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 from async_rl.envs.base import Task
 from async_rl.generators.base import mix_seed
+from async_rl.runtime.cluster import LOOPBACK
 from async_rl.step.agent import Episode, EpisodeCounters
 from async_rl.utils.registry import Registry
 
@@ -78,8 +79,9 @@ class EndpointConfig:
     """Tools the function offers the model (specs as ``agent.tools`` takes them): their schemas
     render the dataset's prompts and warm-start demonstrations, as the function's calls render
     them (``tools=``), so the warm start teaches the prompts RL samples from. Empty: none."""
-    host: str = "127.0.0.1"
-    """Address the endpoint binds (loopback by default; anything else is said at start)."""
+    host: str = LOOPBACK
+    """Address the endpoint binds (loopback by default: the rollout functions run in the process
+    that serves it; anything else is said at start)."""
     port: int = 0
     """Port of the endpoint (0: a free one per process)."""
     api_key: str | None = None
@@ -160,6 +162,15 @@ def register_rollout(obj: Any = None, name: str | None = None) -> Any:
     return add if obj is None else add(obj)
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_result(result: Any) -> RolloutResult:
     """A rollout function's return as a ``RolloutResult``.
 
@@ -237,7 +248,7 @@ class EndpointLoop(EpisodeCounters):
             self.endpoint = Endpoint(self.tokenizer, self.stop_token_ids, self.params, parser=self.cfg.parser,
                                      host=self.cfg.host, port=self.cfg.port, api_key=self.cfg.api_key,
                                      batch_wait_s=self.cfg.batch_wait_s).start()
-            where = "loopback" if self.cfg.host in ("127.0.0.1", "::1", "localhost") else "NOT loopback"
+            where = "loopback" if _is_loopback(self.cfg.host) else "NOT loopback"
             logger.info("OpenAI-compatible endpoint at %s (%s)", self.endpoint.base_url, where)
             if where != "loopback":
                 logger.warning("endpoint.host=%s: the policy endpoint is reachable from other hosts (API key %s)",

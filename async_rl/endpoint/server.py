@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from async_rl.generators.base import SamplingParams, mix_seed
+from async_rl.runtime.cluster import LOOPBACK
 from async_rl.tools.parsers import get_parser
 
 from . import protocol
@@ -235,7 +236,7 @@ class Endpoint:
     """
 
     def __init__(self, tokenizer, stop_token_ids: Sequence[int], params: SamplingParams, parser: str | None = "hermes",
-                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, model_name: str = "policy",
+                 host: str = LOOPBACK, port: int = 0, api_key: str | None = None, model_name: str = "policy",
                  batch_wait_s: float = 0.5) -> None:
         self.tokenizer = copy.deepcopy(tokenizer)
         self.stop_token_ids = tuple(stop_token_ids)
