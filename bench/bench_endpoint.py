@@ -24,7 +24,6 @@ Run (HF about 2 minutes on 2 cores; vLLM adds its start-up)::
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -46,16 +45,9 @@ async def one_call(client, task, max_tokens: int = 64) -> float:
 
 
 def main() -> None:
-    from side_by_side import interleaved, ratio_table
+    from side_by_side import default_job_parser, interleaved, ratio_table
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--tokens", type=int, default=64, help="max tokens per response")
-    parser.add_argument("--reps", type=int, default=5, help="timed runs per row (median reported)")
-    parser.add_argument("--model", default=None,
-                        help="policy: a directory or a built-in (builtin:small-qwen2); default the job's model.path, untrained")
+    parser = default_job_parser(__doc__.split("\n\n")[0], tokens=64, reps=5)
     args = parser.parse_args()
 
     from async_rl.commands import eval_parts

@@ -27,7 +27,6 @@ Run (about 2 minutes on 2 cores with the HF engine)::
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -39,17 +38,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 TARGET = 0.95
 """protocol / plain samples per second we aim for (issue 33, acceptance 5)."""
 
-from side_by_side import interleaved, ratio_table  # noqa: E402
+from side_by_side import default_job_parser, interleaved, ratio_table  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--tokens", type=int, default=8, help="max tokens per response")
-    parser.add_argument("--reps", type=int, default=7, help="timed runs per row (median reported)")
-    parser.add_argument("--model", default=None, help="policy directory (default: the job's model.path, untrained)")
+    parser = default_job_parser(__doc__.split("\n\n")[0], tokens=8, reps=7)
     args = parser.parse_args()
 
     from async_rl.commands import eval_parts
@@ -64,7 +57,7 @@ def main() -> None:
                  f"env.max_response_tokens={args.tokens}"]
     plain_cfg = load_config(ROOT / "configs" / "default.yaml", overrides)
     env_cfg = load_config(ROOT / "configs" / "default.yaml", [*overrides, "env.name=single_turn"])
-    model = args.model or resolve(plain_cfg.model.path)
+    model = resolve(args.model or plain_cfg.model.path)
     plain, protocol = eval_parts(plain_cfg, model, model), eval_parts(env_cfg, model, model)
     params = protocol.params.__class__.from_config(plain_cfg.generator, plain.stops, greedy=False)
     ds = PromptDataset([resolve(f) for f in plain_cfg.data.train_files], plain.tokenizer,

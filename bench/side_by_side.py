@@ -21,6 +21,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import _cpu_s  # noqa: E402 (CPU seconds of this process and its descendants)
 
 
+def default_job_parser(description: str, tokens: int, reps: int):
+    """The arguments both benches of the default job's batch take: ``--backend``, ``--prompts``,
+    ``--n``, ``--tokens`` (default ``tokens``), ``--reps`` (default ``reps``), ``--model``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--tokens", type=int, default=tokens, help="max tokens per response")
+    parser.add_argument("--reps", type=int, default=reps, help="timed runs per row (median reported)")
+    parser.add_argument("--model", default=None,
+                        help="policy: a directory or a built-in (builtin:small-qwen2); default the job's model.path, untrained")
+    return parser
+
+
 def interleaved(names: list[str], run: Callable[[str], tuple[float, float]], reps: int,
                 note: Callable[[str], str] = lambda name: "") -> dict[str, list[tuple[float, float, float]]]:
     """``{road: [(count, extra, (wall_s, cpu_s))...]}`` of ``reps`` interleaved runs after one
