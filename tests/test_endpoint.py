@@ -408,6 +408,32 @@ def test_faulty_rollout_functions_are_counted_rejections(tok, fn, reason):
     assert [e.rejected for e in rows[1]] == [None, None] and all(e.env_return == 1.0 for e in rows[1])
 
 
+def test_more_sessions_than_an_http_pools_default_limit_share_one_engine_batch(tok):
+    """160 sessions' calls reach the engine as one batch: the rollout functions' HTTP client has no
+    connection limit (aiohttp's default of 100 would hold 60 calls back until the batch's timeout
+    split it), and their connections are kept for the next step's calls."""
+    engine = ScriptedEngine(tok, lambda text, seed: "ok")
+
+    async def one_call(client, task):
+        await client.chat.completions.create(model="p", messages=task.messages)
+        return 1.0
+
+    name = f"test_rollout_{next(_names)}"
+    ROLLOUT_FUNCTIONS.register(name, one_call)
+    loop = EndpointLoop(EndpointConfig(rollout=name, batch_wait_s=5.0), tok, (_eos(tok),), 64, _params(tok))
+    try:
+        for _ in range(2):
+            t0 = time.monotonic()
+            rows = loop.run_groups(engine, _requests([("1+1=", "2")] * 20, 8), 8, _params(tok), list(range(20)))
+            assert all(e.rejected is None for row in rows for e in row)
+            assert time.monotonic() - t0 < 10  # not held to the batch's 4 x batch_wait_s = 20 s
+        counts = loop.pop_metrics()
+        assert counts["endpoint/engine_batches"] == 2 and counts["endpoint/calls"] == 320
+    finally:
+        loop.close()
+        ROLLOUT_FUNCTIONS.pop(name)
+
+
 def test_a_function_that_blocks_its_event_loop_is_rejected_and_the_loop_replaced(tok):
     engine = ScriptedEngine(tok, lambda text, seed: "ok")
 

@@ -24,6 +24,7 @@ content as text, as the model wrote it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import time
@@ -41,6 +42,18 @@ MAX_N = 64
 """Most choices one request may ask for."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token (the OpenAI API's own limit)."""
+
+_ID_PREFIX = secrets.token_hex(6)
+_ID_COUNTER = itertools.count()
+
+
+def new_id(kind: str) -> str:
+    """A response's or tool call's id (``chatcmpl-…``, ``cmpl-…``, ``call_…``): unique in the
+    process and across processes (a random prefix drawn at import, then a counter). Not secret, so
+    not drawn from the OS per response: that draw showed in the endpoint thread's profile, paid
+    hundreds of times a step."""
+    return f"{kind}{_ID_PREFIX}{next(_ID_COUNTER):010x}"
+
 
 class ProtocolError(ValueError):
     """A request the endpoint refuses (HTTP ``status``; the message is the OpenAI error's message).
@@ -350,7 +363,7 @@ def parse_tool_calls(text: str, parser: ToolCallParser | None) -> tuple[str | No
     if len(good) != len(calls):
         content = text  # a faulty call among good ones: the whole turn is shown as text
         return content, []
-    out = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+    out = [{"id": new_id("call_"), "type": "function",
             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in good]
     return (content or None), out
 
@@ -400,7 +413,7 @@ def chat_completion(req: ChatRequest, choices: list[ChoiceOut], prompt_ids: list
         if req.return_token_ids:
             choice.token_ids = list(c.token_ids)  # type: ignore[attr-defined] - an extra field, as vLLM's
         out_choices.append(choice)
-    body = ChatCompletion(id=f"chatcmpl-{secrets.token_hex(12)}", object="chat.completion", created=int(time.time()),
+    body = ChatCompletion(id=new_id("chatcmpl-"), object="chat.completion", created=int(time.time()),
                           model=model, choices=out_choices, usage=_usage(len(prompt_ids), choices))
     data = body.model_dump(exclude_unset=False, mode="json")
     if req.return_token_ids:
@@ -433,11 +446,11 @@ def stream_opening(kind: str, model: str) -> tuple[dict[str, Any], tuple[str, in
 
     created = int(time.time())
     if kind == "chat":
-        cid = f"chatcmpl-{secrets.token_hex(12)}"
+        cid = new_id("chatcmpl-")
         first = ChatCompletionChunk(id=cid, object="chat.completion.chunk", created=created, model=model,
                                     choices=[Choice(index=0, delta=ChoiceDelta(role="assistant", content=""))])
         return first.model_dump(mode="json", exclude_none=True), (cid, created)
-    cid = f"cmpl-{secrets.token_hex(12)}"
+    cid = new_id("cmpl-")
     first = Completion(id=cid, object="text_completion", created=created, model=model,
                        choices=[CompletionChoice(index=0, text="", finish_reason="stop")]).model_dump(mode="json")
     first["choices"][0]["finish_reason"] = None
@@ -455,7 +468,7 @@ def chat_chunks(req: ChatRequest, choices: list[ChoiceOut], prompt_ids: list[int
     from openai.types.chat.chat_completion_chunk import (Choice, ChoiceDelta, ChoiceDeltaToolCall,
                                                          ChoiceDeltaToolCallFunction)
 
-    cid, created = ident or (f"chatcmpl-{secrets.token_hex(12)}", int(time.time()))
+    cid, created = ident or (new_id("chatcmpl-"), int(time.time()))
 
     def chunk(index: int, delta, finish: str | None = None, logprobs=None) -> dict[str, Any]:
         c = ChatCompletionChunk(id=cid, object="chat.completion.chunk", created=created, model=model,
@@ -513,7 +526,7 @@ def completion(req: CompletionRequest, choices: list[ChoiceOut], prompt_ids: lis
             logprobs = Logprobs(tokens=tokens, token_logprobs=list(c.logprobs), text_offset=offsets, top_logprobs=top)
         finish = "stop" if c.finish_reason == "tool_calls" else c.finish_reason
         out_choices.append(CompletionChoice(index=index, text=c.text, finish_reason=finish, logprobs=logprobs))
-    body = Completion(id=f"cmpl-{secrets.token_hex(12)}", object="text_completion", created=int(time.time()),
+    body = Completion(id=new_id("cmpl-"), object="text_completion", created=int(time.time()),
                       model=model, choices=out_choices, usage=_usage(len(prompt_ids), choices))
     data = body.model_dump(mode="json")
     if req.return_token_ids:
@@ -529,7 +542,7 @@ def completion_chunks(req: CompletionRequest, choices: list[ChoiceOut], prompt_i
     reason; then usage when asked (``ident``: the stream's id and time, from its opening)."""
     from openai.types import Completion, CompletionChoice
 
-    cid, created = ident or (f"cmpl-{secrets.token_hex(12)}", int(time.time()))
+    cid, created = ident or (new_id("cmpl-"), int(time.time()))
     out = []
     for index, c in enumerate(choices):
         for delta in _text_deltas(tokenizer, c.token_ids):

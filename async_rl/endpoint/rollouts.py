@@ -238,8 +238,7 @@ class EndpointLoop(EpisodeCounters):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._beat = time.monotonic()
         self._lock = threading.Lock()
-        self._tls = None
-        self._http: list = []  # the current event loop's HTTP clients (``_client``)
+        self._http = None  # the current event loop's HTTP client (``_client``)
         self._batches_seen = 0
 
     # ------------------------------------------------------------------ set-up
@@ -260,31 +259,33 @@ class EndpointLoop(EpisodeCounters):
             if self._loop is None or self._loop.is_closed():
                 loop = new_event_loop()
                 threading.Thread(target=loop.run_forever, name="rollout-functions", daemon=True).start()
-                self._loop, self._http = loop, []
+                self._loop, self._http = loop, None
             return self._loop
 
-    HTTP_POOLS = 16
-    """HTTP clients the sessions of one event loop share, round robin (see ``_client``)."""
-
     def _client(self, session: Session, k: int):
-        """Session ``k``'s ``openai.AsyncOpenAI``, on one of ``HTTP_POOLS`` HTTP clients. Not one
-        pool for all: httpcore scans every connection of a pool (a readability syscall each) on
-        every request and response, which with hundreds of sessions took a third of the rollout
-        functions' CPU time in ``bench/bench_endpoint.py``; not one per session either: a pool kept
-        across sessions and steps reuses its connections. The TLS context is built once (about
-        25 ms per client otherwise), though the endpoint speaks plain HTTP."""
-        import ssl
-
-        import httpx
+        """Session ``k``'s ``openai.AsyncOpenAI`` (its base URL names the session), on the HTTP client
+        that every session of the current event loop shares: the ``openai`` package's own aiohttp
+        transport (``openai.DefaultAioHttpClient``, the ``aiohttp`` extra), kept across sessions and
+        steps so its connections are reused. Not httpx's pool: httpcore scans every connection of a
+        pool (a readability syscall each) on every request, and with hundreds of sessions a call
+        cost about 2 ms of the rollout functions' CPU against about 1 ms through aiohttp
+        (``bench/bench_endpoint.py``). No connection limit (aiohttp's default is 100): a session's
+        call holds its connection until the engine answers, and a batch waits for the calls of
+        every running session. Idle connections are kept for ten seconds less than the endpoint keeps
+        them (``Endpoint.KEEP_ALIVE_S``): long enough to outlive a step's training (a new connection
+        per call and step cost a third of the client's time), and never long enough to send a call
+        on a connection the server is closing (calls are not retried). Proxy variables are not
+        read: the endpoint is the run's own."""
+        import httpx2
         import openai
 
-        if not self._http:
-            self._tls = self._tls or ssl.create_default_context()
-            self._http = [httpx.AsyncClient(verify=self._tls, timeout=httpx.Timeout(self.cfg.timeout_s),
-                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
-                          for _ in range(self.HTTP_POOLS)]
+        if self._http is None:
+            self._http = openai.DefaultAioHttpClient(
+                timeout=httpx2.Timeout(self.cfg.timeout_s), trust_env=False,
+                limits=httpx2.Limits(max_connections=0, max_keepalive_connections=None,  # 0: aiohttp's "no limit"
+                                     keepalive_expiry=Endpoint.KEEP_ALIVE_S - 10))
         return openai.AsyncOpenAI(base_url=self.endpoint.session_url(session.sid), api_key=self.endpoint.api_key,
-                                  max_retries=0, http_client=self._http[k % self.HTTP_POOLS])
+                                  max_retries=0, http_client=self._http)
 
     # ------------------------------------------------------------------ episodes
     def run_groups(self, generator, requests: Sequence[Any], n: int, params, seeds: Sequence[int] | None,
@@ -332,8 +333,7 @@ class EndpointLoop(EpisodeCounters):
                 logger.error("a rollout function blocked its event loop past %.0f s (synchronous work in a "
                              "coroutine?); its sessions are rejected and a new loop serves the next ones", stall)
                 future.cancel()
-                with self._lock:
-                    self._loop = None
+                self._retire()  # closed once the function lets its loop run again
                 break
         self._counts["endpoint/engine_batches"] += endpoint.driver.batches - self._batches_seen
         self._batches_seen = endpoint.driver.batches
@@ -410,8 +410,28 @@ class EndpointLoop(EpisodeCounters):
             policy_version=list(node.versions), num_turns=node.calls, finish_reason=finish, final_text=node.text,
             env_return=result.reward, turn_rewards=[result.reward], info=dict(result.info), multi_turn=True)
 
+    def _retire(self, wait_s: float = 0.0) -> None:
+        """Leave the current event loop: close its HTTP client, then stop it, on the loop itself
+        (a blocked loop does both once it runs again); wait up to ``wait_s`` seconds for that."""
+        with self._lock:
+            loop, http, self._loop, self._http = self._loop, self._http, None, None
+        if loop is None or loop.is_closed():
+            return
+
+        async def close() -> None:
+            if http is not None:
+                with contextlib.suppress(Exception):  # closing is courtesy: the connections are local
+                    await http.aclose()
+            loop.call_soon(loop.stop)
+
+        done = asyncio.run_coroutine_threadsafe(close(), loop)
+        if wait_s:
+            with contextlib.suppress(Exception):
+                done.result(timeout=wait_s)
+
     def close(self) -> None:
-        """Stop the endpoint (idempotent)."""
+        """Stop the endpoint and the rollout functions' event loop (idempotent)."""
+        self._retire(wait_s=5.0)
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

@@ -235,6 +235,9 @@ class Endpoint:
         ValueError: an unknown parser.
     """
 
+    KEEP_ALIVE_S = 60
+    """How long an idle client connection is kept open (seconds)."""
+
     def __init__(self, tokenizer, stop_token_ids: Sequence[int], params: SamplingParams, parser: str | None = "hermes",
                  host: str = LOOPBACK, port: int = 0, api_key: str | None = None, model_name: str = "policy",
                  batch_wait_s: float = 0.5) -> None:
@@ -271,7 +274,7 @@ class Endpoint:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False,
-                                timeout_keep_alive=60)
+                                timeout_keep_alive=self.KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
         started = threading.Event()
 
