@@ -9,6 +9,11 @@ validates its own fields in ``__post_init__``.
 Errors are ``ConfigError`` (a ``ValueError``) naming the dotted key: an unknown key (with the
 closest valid key), a value of the wrong type, a missing required value (``???``), or a value out
 of range.
+
+The loader also keeps which keys the user set (those the YAML file or the overrides name), not only
+their values: a setting the selected policy loss or advantage estimator fixes
+(``async_rl.algorithms.fixed_settings``) replaces the default or preset value of a key the user
+did not set, and refuses a key the user set to another value.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import logging
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Sequence, get_type_hints
+from typing import Any, Mapping, Sequence, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -27,7 +32,10 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 from async_rl.step.agent import AgentConfig
 from async_rl.step.episodes import EnvConfig, env_gives_reward
 from async_rl.endpoint.rollouts import EndpointConfig
-from async_rl.algorithms.config import ASYNC_CLIP_RATIO_C, AlgorithmConfig
+from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from async_rl.algorithms.config import ASYNC_CLIP_RATIO_C, PRESETS, AlgorithmConfig
+from async_rl.algorithms.fixed_settings import FixedSetting, fixed_settings_of
+from async_rl.algorithms.losses import POLICY_LOSSES
 from async_rl.loops.base import TrainerConfig
 from async_rl.data.dataset import DataConfig
 from async_rl.runtime.metrics import LoggingConfig
@@ -139,47 +147,186 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     """Load a ``Config`` from a YAML file plus dotted overrides.
 
     Args:
-        path: YAML file (sparse: only the keys that differ from the defaults), or ``None``.
+        path: YAML file (sparse: only the keys that differ from the defaults), or ``None``. A
+            run's saved ``config.yaml`` (fully resolved) loads too: every key counts as set, and
+            the values a run resolved agree with what its loss and estimator fix.
         overrides: ``["trainer.total_steps=20", "algorithm.name=grpo"]``; values are parsed as
             YAML scalars/lists.
 
     Returns:
-        The validated dataclass tree.
+        The validated dataclass tree, with the settings the chosen policy loss and advantage
+        estimator fix applied (``_resolve_fixed_settings``).
 
     Raises:
         ConfigError: unknown key, wrong type, missing required value, malformed override or an
             out-of-range value (the message names the key); a ``path`` that is a directory, is not
-            valid YAML or does not hold a mapping (the message names the file).
+            valid YAML or does not hold a mapping (the message names the file); a key set to a
+            value other than the one the chosen loss or estimator fixes, or a loss and an
+            estimator fixing one key to different values (the message names both keys).
         FileNotFoundError: ``path`` does not exist.
     """
     schema = OmegaConf.structured(Config)
     merged = schema
+    given: dict[str, str] = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"config file not found: {path}")
         try:
-            merged = OmegaConf.merge(merged, _read_yaml(path))
+            from_file = _read_yaml(path)
+            merged = OmegaConf.merge(merged, from_file)
         except OmegaConfBaseException as e:
             raise _translate(e, str(path)) from None
+        given.update(_given_keys(from_file, schema, f"in {path}"))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
     try:
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        from_command_line = OmegaConf.from_dotlist(list(overrides))
+        merged = OmegaConf.merge(merged, from_command_line)
     except OmegaConfBaseException as e:
         raise _translate(e, "command line") from None
+    given.update(_given_keys(from_command_line, schema, "on the command line"))
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise _translate(e, str(path or "config")) from None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _cross_validate(cfg)
+    _cross_validate(cfg, given)
     return cfg
 
 
-def _cross_validate(cfg: Config) -> None:
+def _given_keys(tree: DictConfig, schema: DictConfig, origin: str) -> dict[str, str]:
+    """The dotted keys ``tree`` (a YAML file's mapping or the overrides) sets, sections and leaves,
+    each mapped to ``origin`` (``"on the command line"``, ``"in <file>"``). A key given as null
+    where the schema's default is null too asks for that default and does not count as set
+    (``algorithm.loss_agg_mode: null`` means "the preset's")."""
+    keys: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for name, value in node.items():
+            key = f"{prefix}{name}"
+            if value is None and OmegaConf.select(schema, key, default=None, throw_on_missing=False) is None:
+                continue
+            keys[key] = origin
+            if isinstance(value, dict):
+                walk(value, key + ".")
+
+    walk(OmegaConf.to_container(tree, resolve=False), "")
+    return keys
+
+
+def _config_value(value: Any) -> str:
+    """``value`` as a user would type it in an override (``false``, ``null``, ``token-mean``)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
+
+
+def _resolve_fixed_settings(cfg: Config, given: Mapping[str, str]) -> None:
+    """Apply the settings the chosen policy loss and advantage estimator fix
+    (``fixed_settings``, ``async_rl.algorithms.fixed_settings``), before any default is derived.
+
+    For each fixed key: one the user did not set takes the fixed value (over the schema's default
+    and the preset's; one info line where that differs from what the key would have held); one
+    the user set must already hold it. The loss and the estimator are those the config names, or
+    its preset's.
+
+    Args:
+        cfg: the config as loaded, nothing resolved yet.
+        given: the keys the user set (YAML file and overrides; ``_given_keys``), each with where.
+
+    Raises:
+        ConfigError: one line: the loss or estimator spec cannot be resolved (naming its key); a
+            key the user set to another value (naming the loss or estimator key, the fixed key and
+            both values, and where it was set); the loss and the estimator fix one key to
+            different values (naming both); a declaration names a key the schema does not have or
+            a value it refuses.
+    """
+    algo = cfg.algorithm
+    fixed: dict[str, tuple[str, str, FixedSetting]] = {}
+    for field_name, registry, noun in (("policy_loss", POLICY_LOSSES, "policy loss"),
+                                        ("advantage_estimator", ADVANTAGE_ESTIMATORS, "advantage estimator")):
+        spec = getattr(algo, field_name)
+        chosen = f"algorithm.{field_name}={spec}"
+        if spec is None:
+            spec = PRESETS[algo.name][field_name]
+            chosen = f"algorithm.{field_name}={spec} (preset algorithm.name={algo.name})"
+        try:
+            declared = fixed_settings_of(registry.get(spec), f"{noun} {spec!r}")
+        except ValueError as e:
+            raise ConfigError(f"algorithm.{field_name}: {e}") from None
+        for key, setting in declared.items():
+            if key in fixed and fixed[key][2].value != setting.value:
+                other, other_noun, other_setting = fixed[key]
+                raise ConfigError(
+                    f"{other} fixes {key}={_config_value(other_setting.value)} ({other_setting.source}) but {chosen} "
+                    f"fixes it to {_config_value(setting.value)} ({setting.source}): choose another {other_noun} "
+                    f"or {noun}")
+            fixed[key] = (chosen, noun, setting)
+    for key, (chosen, noun, setting) in fixed.items():
+        parent, leaf = _fixed_key_owner(cfg, key, chosen)
+        value = _typed_fixed_value(parent, leaf, key, setting.value, chosen)
+        current = getattr(parent, leaf)
+        if key in given:
+            if current != value:
+                raise ConfigError(
+                    f"{chosen} fixes {key}={_config_value(value)} ({setting.source}); {key}={_config_value(current)} "
+                    f"was set {given[key]}: unset it or choose another {noun}")
+            continue
+        if current == value:
+            continue
+        otherwise = PRESETS[algo.name].get(leaf) if current is None and parent is algo else current
+        setattr(parent, leaf, value)
+        try:  # the section's own range checks, which ran at load on the value the key held then
+            getattr(parent, "__post_init__", lambda: None)()
+        except ValueError as e:
+            raise ConfigError(f"{chosen} fixes {key}={_config_value(value)}: {e}") from None
+        if otherwise != value:
+            logging.getLogger(__name__).info("%s=%s, not %s: %s fixes it", key, _config_value(value),
+                                             _config_value(otherwise), chosen)
+
+
+def _fixed_key_owner(cfg: Config, key: str, chosen: str) -> tuple[Any, str]:
+    """``(dataclass holding the field, field name)`` of the dotted ``key`` a fixed setting names.
+
+    Raises:
+        ConfigError: ``key`` is no field of the schema, or is a whole section.
+    """
+    *sections, leaf = key.split(".")
+    node: Any = cfg
+    for name in sections:
+        node = getattr(node, name, None)
+    if not is_dataclass(node) or leaf not in {f.name for f in fields(node)} or is_dataclass(getattr(node, leaf)):
+        raise ConfigError(f"{chosen} fixes {key}, which is not a config key{_closest(key)}")
+    return node, leaf
+
+
+def _typed_fixed_value(parent: Any, leaf: str, key: str, value: Any, chosen: str) -> Any:
+    """``value`` converted to the type of field ``leaf`` of ``parent``'s schema, as a YAML value
+    would be (a user declaration's ``"false"`` becomes ``False``).
+
+    Raises:
+        ConfigError: the schema refuses ``value`` for that field.
+    """
+    node = OmegaConf.structured(type(parent))
+    try:
+        node[leaf] = value
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{chosen} fixes {key}={_config_value(value)}: {str(e).splitlines()[0]}") from None
+    return OmegaConf.to_container(node)[leaf]
+
+
+def _cross_validate(cfg: Config, given: Mapping[str, str] | None = None) -> None:
+    """Resolve what the config leaves to be derived and refuse combinations no single field's
+    check can see; ``given`` holds the keys the user set (``load_config``), for the settings the
+    chosen loss and estimator fix (``_resolve_fixed_settings``).
+
+    Raises:
+        ConfigError: one line naming the keys in conflict.
+    """
+    _resolve_fixed_settings(cfg, given or {})
     if cfg.algorithm.behavior_correction is None:
         # Async samples come from older policies: weight them by pi_prox / mu, truncated (the
         # decoupled PPO objective of AReaL, arXiv 2505.24298). In sync mode pi_prox == mu up to

@@ -31,6 +31,7 @@ from async_rl.algorithms.dapo import (
     overlong_filter_mask,
     overlong_reward_shaping,
 )
+from async_rl.algorithms.fixed_settings import FixedSetting, fixed_settings_of
 from async_rl.algorithms.kl import apply_kl_reward_penalty, entropy_bonus, kl_loss, kl_penalty
 from async_rl.algorithms.logprobs import (
     entropy_from_logits,
@@ -57,6 +58,7 @@ __all__ = [
     "CISPOOptions",
     "DynamicSamplingResult",
     "EstimatorSpec",
+    "FixedSetting",
     "GSPOOptions",
     "LOSS_AGG_MODES",
     "LossOptions",
@@ -74,6 +76,7 @@ __all__ = [
     "entropy_from_logits",
     "fill_groups_with_spread",
     "filter_groups_with_spread",
+    "fixed_settings_of",
     "group_has_spread",
     "kl_loss",
     "kl_penalty",

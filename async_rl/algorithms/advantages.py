@@ -13,6 +13,12 @@ and `make_batch` ask the estimator instead of keeping lists of names. Built-in n
     reinforce_pp_baseline  (r - group mean), then whitened over the batch    REINFORCE++ w/ baseline
     gae                    generalised advantage estimation with a critic    GAE / PPO
 
+Each built-in estimator also declares the config values its definition fixes
+(`EstimatorSpec.fixed_settings`, `{}` when none; `async_rl.algorithms.fixed_settings`): only
+`dr_grpo` fixes any (`algorithm.norm_adv_by_std=false`, `algorithm.loss_agg_mode=
+seq-mean-token-sum-norm`). The others define an advantage only; the aggregation belongs to the
+loss or preset they are paired with (the `dapo` preset pairs `grpo` with `token-mean`).
+
 Which samples are trained and which samples define the baseline are two separate things:
   * the *baseline* of a sample (its group's mean and std, the leave-one-out mean, the batch
     statistics of a whitening step) is taken over every sample that has a reward
@@ -46,12 +52,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
+from async_rl.algorithms.fixed_settings import FixedSetting, check_fixed_settings
 from async_rl.utils.registry import Registry
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageInputs", "EstimatorSpec", "ZERO_SPREAD_RTOL", "compute_advantages",
@@ -77,10 +84,16 @@ class EstimatorSpec:
             least 2 samples per prompt.
         params: `AlgorithmConfig -> dict` of keyword arguments for `fn` (read by
             `AlgorithmConfig.advantage_params`).
+        fixed_settings: the config values the estimator's definition fixes (dotted key ->
+            `FixedSetting`, `async_rl.algorithms.fixed_settings`); every built-in declares them,
+            `{}` when it fixes nothing. `None` declares nothing.
 
     A user estimator named by import path may be a plain function, which gets the defaults
-    (no critic, one reward per sequence, no groups, no keyword arguments from the config), or an
-    `EstimatorSpec` that declares its needs.
+    (no critic, one reward per sequence, no groups, no keyword arguments from the config, no
+    fixed settings), or an `EstimatorSpec` that declares its needs.
+
+    Raises:
+        ValueError: (at construction) `fixed_settings` is malformed (`check_fixed_settings`).
     """
 
     fn: Callable[..., tuple[Tensor, Tensor]]
@@ -88,6 +101,11 @@ class EstimatorSpec:
     token_rewards: bool = False
     needs_groups: bool = False
     params: Callable[[Any], dict[str, Any]] = _no_params
+    fixed_settings: Mapping[str, FixedSetting] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        owner = f"advantage estimator {getattr(self.fn, '__name__', self.fn)!r}"
+        object.__setattr__(self, "fixed_settings", check_fixed_settings(owner, self.fixed_settings))
 
     def __call__(self, inputs: "AdvantageInputs", **params: Any) -> tuple[Tensor, Tensor]:
         return self.fn(inputs, **params)
@@ -107,17 +125,19 @@ ADVANTAGE_ESTIMATORS: Registry[EstimatorSpec] = Registry(
 
 
 def register_estimator(name: str, *, needs_critic: bool = False, token_rewards: bool = False,
-                       needs_groups: bool = False,
-                       params: Callable[[Any], dict[str, Any]] = _no_params) -> Callable[[Callable], Callable]:
+                       needs_groups: bool = False, params: Callable[[Any], dict[str, Any]] = _no_params,
+                       fixed_settings: Mapping[str, FixedSetting] | None = None) -> Callable[[Callable], Callable]:
     """Decorator that registers `fn` in `ADVANTAGE_ESTIMATORS` as an `EstimatorSpec` with these
-    needs (see its attributes) and returns `fn` unchanged.
+    needs and fixed settings (see its attributes) and returns `fn` unchanged.
 
     Raises:
-        ValueError: as `Registry.register` (taken or malformed name).
+        ValueError: as `Registry.register` (taken or malformed name); `fixed_settings` is
+            malformed (`check_fixed_settings`).
     """
 
     def decorator(fn: Callable) -> Callable:
-        ADVANTAGE_ESTIMATORS.register(name, EstimatorSpec(fn, needs_critic, token_rewards, needs_groups, params))
+        ADVANTAGE_ESTIMATORS.register(name, EstimatorSpec(fn, needs_critic, token_rewards, needs_groups, params,
+                                                          fixed_settings))
         return fn
 
     return decorator
@@ -326,7 +346,8 @@ def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Te
 # estimators
 
 
-@register_estimator("grpo", needs_groups=True, params=lambda algo: {"norm_by_std": algo.norm_adv_by_std})
+@register_estimator("grpo", needs_groups=True, params=lambda algo: {"norm_by_std": algo.norm_adv_by_std},
+                    fixed_settings={})
 def grpo_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True,
                     epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
     """Group-relative advantage `A_i = (r_i - mean_g) / (std_g + eps)`, broadcast over tokens.
@@ -341,6 +362,11 @@ def grpo_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True,
             no reward).
         norm_by_std: divide by the group std; False gives Dr. GRPO (see `dr_grpo_advantages`).
         epsilon: added to the std, as in verl (1e-6).
+
+    Fixed settings: none. The std division is the `algorithm.norm_adv_by_std` knob this
+    estimator exists to read (verl's `norm_adv_by_std_in_grpo`), and the GRPO paper's per-sequence
+    length normalisation belongs to the loss's aggregation, not to the advantage: the `grpo`
+    preset pairs it with `token-mean`, and DAPO (arXiv 2503.14476) uses it with its token-level loss.
 
     Returns:
         `(advantages, returns)`, both `[B, T]` float32, 0 outside the mask; `returns` is the
@@ -361,14 +387,27 @@ def grpo_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True,
     return _broadcast(adv, mask), _broadcast(rewards, mask & scored.unsqueeze(-1))
 
 
-@register_estimator("dr_grpo", needs_groups=True)
+# Both settings Dr. GRPO fixes come from the same figure, which shows the two terms it removes.
+_DR_GRPO = "Liu et al. 2025, arXiv 2503.20783, Fig. 1"
+
+
+@register_estimator("dr_grpo", needs_groups=True, fixed_settings={
+    "algorithm.norm_adv_by_std": FixedSetting(
+        False, f"Dr. GRPO drops GRPO's division by the group's reward std; {_DR_GRPO}"),
+    "algorithm.loss_agg_mode": FixedSetting(
+        "seq-mean-token-sum-norm",
+        f"Dr. GRPO divides a response's token sum by a constant, not its length; {_DR_GRPO}")})
 def dr_grpo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """GRPO without the std division: `A_i = r_i - mean_g`.
 
     Source: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
     (Dr. GRPO, arXiv 2503.20783): dividing by the group std up-weights prompts that are almost
-    always solved or almost always failed (a question-level difficulty bias). Pair it with the
-    "seq-mean-token-sum-norm" loss aggregation.
+    always solved or almost always failed (a question-level difficulty bias).
+
+    Fixed settings: Dr. GRPO removes both of GRPO's normalisations (the paper's Fig. 1), so it
+    fixes `algorithm.norm_adv_by_std=false` (this function never divides by the std; the setting
+    keeps the config truthful) and `algorithm.loss_agg_mode=seq-mean-token-sum-norm` (each
+    response's token sum over a constant horizon, the generation budget, instead of its length).
 
     Returns / Raises: as `grpo_advantages`.
     """
@@ -376,7 +415,7 @@ def dr_grpo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return grpo_advantages(inputs, norm_by_std=False)
 
 
-@register_estimator("rloo", needs_groups=True)
+@register_estimator("rloo", needs_groups=True, fixed_settings={})
 def rloo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE leave-one-out: `A_i = r_i - (sum_{j != i} r_j) / (n_g - 1)` over scored samples.
 
@@ -384,6 +423,8 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     Learning from Human Feedback in LLMs" (arXiv 2402.14740), the RLOO estimator (after Kool et
     al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!"). The baseline excludes the
     sample itself, so the estimator stays unbiased. A group without spread gets exactly 0.
+
+    Fixed settings: none; the estimator is the baseline, which any loss and aggregation can use.
 
     Returns / Raises: as `grpo_advantages`.
     """
@@ -396,7 +437,8 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return _broadcast(adv, mask), _broadcast(rewards, mask & scored.unsqueeze(-1))
 
 
-@register_estimator("reinforce_pp", token_rewards=True, params=lambda algo: {"gamma": algo.gamma})
+@register_estimator("reinforce_pp", token_rewards=True, params=lambda algo: {"gamma": algo.gamma},
+                    fixed_settings={})
 def reinforce_pp_advantages(inputs: AdvantageInputs, *, gamma: float = 1.0,
                             epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
     """REINFORCE++: discounted return-to-go, whitened over all valid tokens of the batch.
@@ -408,6 +450,9 @@ def reinforce_pp_advantages(inputs: AdvantageInputs, *, gamma: float = 1.0,
 
     Source: Hu et al. 2025, "REINFORCE++" (arXiv 2501.03262), global advantage normalisation.
     Call it on the whole optimizer-step batch: whitening per micro-batch changes the result.
+
+    Fixed settings: none; the global normalisation that defines it happens here, whatever the
+    config says, and `gamma` is a knob of the method.
 
     Args:
         inputs: needs `rewards` (or `token_rewards`) and `response_mask`.
@@ -428,7 +473,7 @@ def reinforce_pp_advantages(inputs: AdvantageInputs, *, gamma: float = 1.0,
     return _masked_whiten(returns, mask, epsilon).float(), returns.float()
 
 
-@register_estimator("reinforce_pp_baseline", needs_groups=True)
+@register_estimator("reinforce_pp_baseline", needs_groups=True, fixed_settings={})
 def reinforce_pp_baseline_advantages(inputs: AdvantageInputs, *,
                                      epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with baseline: subtract the group mean, then whiten over the batch's tokens.
@@ -441,6 +486,8 @@ def reinforce_pp_baseline_advantages(inputs: AdvantageInputs, *,
 
     Source: Hu et al. 2025, "REINFORCE++" (arXiv 2501.03262), "REINFORCE++ w/ baseline"
     (group-mean baseline followed by global normalisation).
+
+    Fixed settings: none (as `reinforce_pp_advantages`: both steps happen here).
 
     Returns:
         `(advantages, returns)` `[B, T]` float32; returns are the sequence rewards on valid tokens.
@@ -459,7 +506,8 @@ def reinforce_pp_baseline_advantages(inputs: AdvantageInputs, *,
 
 
 @register_estimator("gae", needs_critic=True, token_rewards=True,
-                    params=lambda algo: {"gamma": algo.gamma, "lam": algo.lam, "whiten": algo.whiten_advantages})
+                    params=lambda algo: {"gamma": algo.gamma, "lam": algo.lam, "whiten": algo.whiten_advantages},
+                    fixed_settings={})
 def gae_advantages(inputs: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0,
                    whiten: bool = False, epsilon: float = 1e-6) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the valid tokens of each sequence.
@@ -471,6 +519,9 @@ def gae_advantages(inputs: AdvantageInputs, *, gamma: float = 1.0, lam: float = 
 
     Source: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
     Estimation" (arXiv 1506.02438), eq. 16; truncated form as in PPO (arXiv 1707.06347) eqs. 11-12.
+
+    Fixed settings: none; `gamma` and `lam` are the method's own knobs, and whitening is a
+    common practice, not part of its definition.
 
     Args:
         inputs: needs `values` `[B, T]`, `response_mask`, and `rewards` or `token_rewards`.

@@ -15,6 +15,12 @@ dapo           grpo            ppo_clip     token-mean                 clip-high
 ppo            gae             ppo_clip     token-mean                 critic + GAE (1707.06347, 1506.02438)
 =============  ==============  ===========  =========================  ============================
 
+A policy loss or estimator whose definition fixes a setting declares it (``fixed_settings``,
+``async_rl.algorithms.fixed_settings``): ``gspo`` fixes ``loss_agg_mode=seq-mean-token-mean``,
+``cispo`` ``token-mean``, ``dr_grpo`` ``seq-mean-token-sum-norm`` and ``norm_adv_by_std=false``.
+``load_config`` gives such a field the fixed value when the user did not set it (over the
+preset's) and refuses a different value the user set.
+
 The ``ppo`` preset (and any config whose estimator declares ``needs_critic``, as ``gae`` does)
 trains a critic next to the policy (``learner.critic``); ``kl_coef > 0`` makes the learner keep a
 frozen reference policy. What an estimator needs (critic, per-token rewards, groups) and which
@@ -67,11 +73,14 @@ class AlgorithmConfig:
     policy_loss: str | None = None
     """Registered policy loss name or ``pkg.module:fn``; ``None`` = the preset's."""
     loss_agg_mode: str | None = None
-    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm; ``None`` = preset."""
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm; ``None`` = the
+    value the policy loss or estimator fixes (``gspo``: seq-mean-token-mean, ``cispo``: token-mean,
+    ``dr_grpo``: seq-mean-token-sum-norm), else the preset's. Another value with those is refused."""
     loss_horizon_tokens: int | None = None
     """Constant horizon for ``seq-mean-token-sum-norm``, in tokens; ``None`` = the max response length."""
     norm_adv_by_std: bool = True
-    """GRPO: divide by the group's reward std (``dr_grpo`` never does)."""
+    """GRPO: divide by the group's reward std. ``dr_grpo`` fixes it to false (it never divides):
+    left unset it becomes false there, set to true it is refused."""
     clip_ratio_low: float = 0.2
     """PPO clip epsilon below 1, in (0, 1]."""
     clip_ratio_high: float | None = None

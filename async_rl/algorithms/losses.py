@@ -31,6 +31,11 @@ built by `AlgorithmConfig.loss_options()`); a loss checks what only the call can
 `register_policy_loss(name, options_type)`, or is a plain `fn(inputs, correction, **params)`
 whose keyword parameters become its options (`keyword_loss`).
 
+Each built-in loss declares the config values its definition fixes (`fn.fixed_settings`, dotted
+key -> `FixedSetting`, `{}` when none; `async_rl.algorithms.fixed_settings`): GSPO fixes
+`algorithm.loss_agg_mode=seq-mean-token-mean`, CISPO `token-mean`, PPO clip nothing.
+`load_config` applies them where the user left the key unset and refuses a conflicting value.
+
 All per-token tensors are `[B, T]` float32. Masked slots may hold anything (NaN, inf): they are
 selected out before any arithmetic, so they add 0 to the loss and 0 to every gradient, while a
 NaN in a valid slot still makes the loss NaN. Log-ratios are clamped to +-`LOG_RATIO_CLAMP`
@@ -46,12 +51,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
 from async_rl.algorithms.aggregation import aggregate_loss
+from async_rl.algorithms.fixed_settings import FixedSetting, check_fixed_settings
 from async_rl.algorithms.kl import LOG_RATIO_CLAMP
 from async_rl.algorithms.logprobs import masked_max, masked_mean, masked_sum
 from async_rl.algorithms.loss_options import (CISPOOptions, GSPOOptions, LossOptions, PolicyLoss, PPOClipOptions,
@@ -67,19 +73,31 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry(
          "with fn.options_type its LossOptions class, or fn(inputs, correction, **params).")
 
 
-def register_policy_loss(name: str, options_type: type[LossOptions]) -> Callable[[Callable], Callable]:
+def register_policy_loss(name: str, options_type: type[LossOptions], *,
+                         fixed_settings: Mapping[str, FixedSetting] | None = None) -> Callable[[Callable], Callable]:
     """Decorator that sets ``fn.options_type = options_type``, registers ``fn`` in
     ``POLICY_LOSSES`` under ``name`` and returns ``fn`` (called as ``fn(inputs, correction, options)``).
 
+    Args:
+        name: the registered name.
+        options_type: the loss's ``LossOptions`` subclass.
+        fixed_settings: the config values the loss's definition fixes (dotted key ->
+            ``FixedSetting``; ``async_rl.algorithms.fixed_settings``), set as ``fn.fixed_settings``;
+            every built-in declares them, ``{}`` when it fixes nothing. ``None`` (a user loss that
+            does not opt in) declares nothing.
+
     Raises:
         ValueError: as ``Registry.register`` (taken or malformed name); ``options_type`` is not a
-            ``LossOptions`` subclass.
+            ``LossOptions`` subclass; ``fixed_settings`` is malformed (``check_fixed_settings``).
     """
     if not (isinstance(options_type, type) and issubclass(options_type, LossOptions)):
         raise ValueError(f"policy loss {name!r}: options_type must be a LossOptions subclass, got {options_type!r}")
+    fixed = check_fixed_settings(f"policy loss {name!r}", fixed_settings)
 
     def decorator(fn: Callable) -> Callable:
         fn.options_type = options_type  # type: ignore[attr-defined]
+        if fixed is not None:
+            fn.fixed_settings = fixed  # type: ignore[attr-defined]
         return POLICY_LOSSES.register(name, fn)
 
     return decorator
@@ -277,7 +295,7 @@ _NO_CORRECTION = OffPolicyCorrection()
 # losses
 
 
-@register_policy_loss("ppo_clip", PPOClipOptions)
+@register_policy_loss("ppo_clip", PPOClipOptions, fixed_settings={})
 def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION,
                   options: PPOClipOptions = PPOClipOptions()) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate loss with decoupled ratio, clip-higher and optional dual clip.
@@ -291,6 +309,10 @@ def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _N
     `eps_high > eps_low` from DAPO (Yu et al. 2025, arXiv 2503.14476), Sec. 3.1; dual clip from Ye et
     al. 2020 (arXiv 1912.09729), which bounds the loss of very large ratios with negative advantage;
     decoupled ratio from Hilton et al. 2021 / AReaL (arXiv 2505.24298).
+
+    Fixed settings: none. PPO's objective is an expectation over timesteps and fixes no
+    aggregation; GRPO (seq-mean-token-mean), DAPO (token-mean) and Dr. GRPO
+    (seq-mean-token-sum-norm) each pair this same clipped term with their own.
 
     Args:
         inputs: the `[B, T]` tensors and the aggregation (see `PolicyLossInputs`).
@@ -323,7 +345,9 @@ def ppo_clip_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _N
     return _finish(per_token, prep, high & prep.mask, low & prep.mask, inputs)
 
 
-@register_policy_loss("gspo", GSPOOptions)
+@register_policy_loss("gspo", GSPOOptions, fixed_settings={"algorithm.loss_agg_mode": FixedSetting(
+    "seq-mean-token-mean", "GSPO averages its length-normalised sequence objective over sequences; "
+    "Zheng et al. 2025, arXiv 2507.18071")})
 def gspo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION,
               options: GSPOOptions = GSPOOptions()) -> tuple[Tensor, dict[str, Tensor]]:
     """Group Sequence Policy Optimization: PPO clipping on a sequence-level ratio.
@@ -337,6 +361,12 @@ def gspo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CO
     Source: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv 2507.18071): the
     sequence ratio, its clipped objective, and the GSPO-token variant; defaults eps_low 3e-4,
     eps_high 4e-4 are the paper's. The mean log-ratio is clamped to +-`LOG_RATIO_CLAMP`.
+
+    Fixed settings: `algorithm.loss_agg_mode=seq-mean-token-mean`. The paper's objective is
+    `1/G sum_i min(s_i A_i, clip(s_i) A_i)`, a mean over the group's sequences of a term already
+    normalised by the sequence's length (inside `s_i`); in the GSPO-token form that is the mean
+    over each sequence's tokens, then over sequences. Any other aggregation weights sequences by
+    their length and trains another objective.
 
     Args / Returns / Raises: as `ppo_clip_loss`, with `GSPOOptions` (no dual clip). The clip
     decision is per sequence, so all valid tokens of a sequence are clipped together.
@@ -358,7 +388,9 @@ def gspo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CO
     return _finish(per_token, prep, high & mask, low & mask, inputs)
 
 
-@register_policy_loss("cispo", CISPOOptions)
+@register_policy_loss("cispo", CISPOOptions, fixed_settings={"algorithm.loss_agg_mode": FixedSetting(
+    "token-mean", "CISPO divides by the group's token count, 1/sum_i |o_i|; MiniMax 2025, arXiv 2506.13585, "
+    "eq. 4")})
 def cispo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_CORRECTION,
                options: CISPOOptions = CISPOOptions()) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: REINFORCE with a clipped, detached importance weight; no token is dropped.
@@ -370,6 +402,10 @@ def cispo_loss(inputs: PolicyLossInputs, correction: OffPolicyCorrection = _NO_C
 
     Source: MiniMax 2025, "MiniMax-M1" (arXiv 2506.13585), eqs. 4-5. The paper leaves the lower
     bound off, hence the default `clip_ratio_low = 1.0` (weight floor 0); tune `clip_ratio_high`.
+
+    Fixed settings: `algorithm.loss_agg_mode=token-mean`. Eq. 4 normalises the sum over every
+    token of the group by the group's token count `1 / sum_i |o_i|` (DAPO's token-level loss),
+    which is `token-mean`.
 
     Args / Raises: as `ppo_clip_loss`, with `CISPOOptions` (no dual clip).
 
