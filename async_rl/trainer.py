@@ -32,7 +32,7 @@ from async_rl.config import to_dict, to_yaml
 from async_rl.utils.cpu_threads import available_cores, user_num_threads
 from async_rl.data.builtin import resolve
 from async_rl.data.dataset import PromptDataset
-from async_rl.step.evaluation import evaluate, warm_start
+from async_rl.step.evaluation import EvalAtK, evaluate, warm_start
 from async_rl.runtime.inputs import check_inputs
 from async_rl.utils.leftovers import sweep_at_start
 from async_rl.generators import make_generator
@@ -292,7 +292,8 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
             publisher=WeightPublisher(cfg.weight_sync, transport, learner, [LocalTarget(generator)],
                                       protocol=engine_protocol(cfg.generator.backend if cfg.trainer.mode == "sync" else "hf")),
             run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
-            agent=agent, cluster=cluster, service_cores=service)
+            agent=agent, cluster=cluster, service_cores=service,
+            eval_at_k=EvalAtK.from_config(t_cfg, SamplingParams.from_config(cfg.generator, stops)))
     except BaseException:
         # Nothing of a run that could not be built may outlive it: the engine, the learner's
         # ranks, and a Ray instance this run started (a later ray.init in this process would fail).
@@ -385,7 +386,7 @@ def start_fresh(ctx: RunContext, summary: dict[str, Any]) -> None:
     learner.begin_rl()
     if val_ds is not None:
         ctx.eval_scorer.pop_metrics()
-        ev = evaluate(ctx.generator, val_ds, ctx.eval_params, ctx.eval_scorer, ctx.tokenizer, ctx.agent)
+        ev = evaluate(ctx.generator, val_ds, ctx.eval_params, ctx.eval_scorer, ctx.tokenizer, ctx.agent, ctx.eval_at_k)
         summary["eval_step_0"] = ev["eval/accuracy"]
         ctx.log.log(ev, step=0)
         ctx.log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}")
@@ -421,9 +422,17 @@ def run_steps(ctx: RunContext, loop: Loop, progress: Progress) -> None:
     with StopRequest() as stop:
         for step in range(progress.start_step, t_cfg.total_steps + 1):
             metrics = loop.step(step)
+            if "eval/started_step" in metrics:  # an evaluation on the async pool ended during this step
+                # A record of its own: an evaluation due now (below) must not mix with it.
+                pooled = {k: metrics.pop(k) for k in list(metrics) if k.startswith("eval/")}
+                record_eval(ctx, progress, int(pooled["eval/started_step"]), pooled)
+                ctx.log.log(pooled, step=step)
             due = t_cfg.eval_every_steps and step % t_cfg.eval_every_steps == 0
             if ctx.val_ds is not None and (due or step == t_cfg.total_steps):
-                metrics.update(evaluate_now(ctx, loop, progress, step))
+                # Between steps on the async pool (trainer.eval_on_pool) while training goes on;
+                # the last one, and any without a pool, on the colocated engine now.
+                if step == t_cfg.total_steps or not loop.start_evaluation(step):
+                    metrics.update(evaluate_now(ctx, loop, progress, step))
             ctx.log.log(metrics, step=step)
             ctx.log.advance(step)
             progress.last_step = step
@@ -445,12 +454,19 @@ def evaluate_now(ctx: RunContext, loop: Loop, progress: Progress, step: int) -> 
     """Held-out evaluation after ``step`` on the colocated engine (brought up to date first)."""
     t0 = time.perf_counter()
     loop.sync_eval_engine()
-    metrics = evaluate(ctx.generator, ctx.val_ds, ctx.eval_params, ctx.eval_scorer, ctx.tokenizer, ctx.agent)
+    metrics = evaluate(ctx.generator, ctx.val_ds, ctx.eval_params, ctx.eval_scorer, ctx.tokenizer, ctx.agent,
+                       ctx.eval_at_k)
     metrics["timing/eval_s"] = time.perf_counter() - t0
+    record_eval(ctx, progress, step, metrics)
+    return metrics
+
+
+def record_eval(ctx: RunContext, progress: Progress, step: int, metrics: dict[str, float]) -> None:
+    """Keep an evaluation of the policy after ``step`` in the run's summary: the latest accuracy
+    (``eval_final``), and those of the last quarter of the steps (``eval_tail_mean``)."""
     progress.summary["eval_final"] = metrics["eval/accuracy"]
     if step > 0.75 * ctx.cfg.trainer.total_steps:
         progress.tail_evals.append(metrics["eval/accuracy"])
-    return metrics
 
 
 def checkpoint(ctx: RunContext, loop: Loop, progress: Progress, step: int) -> None:

@@ -251,7 +251,10 @@ def run_ours(mode: str, warm: Path, args, run_dir: Path, snaps: Snapshots) -> No
                  f"trainer.total_steps={args.steps}", f"trainer.eval_every_steps={args.eval_every}",
                  f"trainer.seed={args.seed}", f"trainer.output_dir={run_dir.parent}", f"trainer.run_name={run_dir.name}",
                  "trainer.export_model=false", "trainer.overwrite=true", "logging.progress=false",
-                 "logging.console_every_steps=100000"]
+                 "logging.console_every_steps=100000",
+                 # Every evaluation is this bench's snapshot (evaluate_now above), taken between
+                 # steps in both modes, never sampled by the async pool.
+                 "trainer.eval_on_pool=false"]
     if mode == "async":
         overrides += list(args.async_override)
     trainer.train(default_config(overrides, args.config))

@@ -250,14 +250,35 @@ def run_eval(cfg: Config, model: str | None = None) -> dict[str, Any]:
     """
     from async_rl.runtime.cluster import LOOPBACK
     from async_rl.step.episodes import environment_services
-    from async_rl.step.evaluation import evaluate
+    from async_rl.step.evaluation import EvalAtK, evaluate
 
     # An environment's servers (env.args.serve) run while the policy plays it, as in a run.
     with environment_services(cfg.env, LOOPBACK), \
             loaded_policy(cfg, model, lambda parts: held_out_prompts(cfg, parts)) as (engine, parts, source, ds):
-        metrics = evaluate(engine, ds, parts.params, parts.scorer, parts.tokenizer, parts.agent)
+        at_k = EvalAtK.from_config(cfg.trainer, dataclasses.replace(parts.params, greedy=False))
+        metrics = evaluate(engine, ds, parts.params, parts.scorer, parts.tokenizer, parts.agent, at_k)
     return {"model": source.label, "val_files": list(cfg.data.val_files),
-            "greedy": cfg.trainer.eval_greedy, **metrics}
+            "greedy": cfg.trainer.eval_greedy, "samples": cfg.trainer.eval_samples,
+            "temperature": at_k.params.temperature if at_k is not None else None, **metrics}
+
+
+def print_eval_table(result: dict[str, Any]) -> None:
+    """Print ``eval/*`` metrics one per line, each ``*_se`` beside its value as ``± se``; the
+    metrics of one data source (``eval/<source>/...``) under that source's name."""
+    skip = {"eval/num_prompts", "eval/num_prompts_at_k"}
+    keys = [k for k in result if k.startswith("eval/") and k not in skip and not k.endswith("_se")]
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        parts = key.split("/")
+        groups.setdefault(parts[1] if len(parts) > 2 else "", []).append(key)
+    width = max((len(k.rsplit("/", 1)[1]) for k in keys), default=0)
+    for source, members in groups.items():
+        if source:
+            print(f"  {source}:")
+        for key in members:
+            se = result.get(f"{key}_se")
+            value = f"{result[key]:.4f}" + (f" ± {se:.4f}" if se is not None else "")
+            print(f"  {'  ' if source else ''}{key.rsplit('/', 1)[1]:<{width}}  {value}")
 
 
 def eval_command(args) -> int:
@@ -267,10 +288,10 @@ def eval_command(args) -> int:
     print(f"model: {result['model']}")
     print(f"held out: {int(result['eval/num_prompts'])} prompts of {', '.join(result['val_files'])}, "
           f"{'greedy' if result['greedy'] else 'sampled'}")
-    rows = [(k.split("/", 1)[1], v) for k, v in result.items() if k.startswith("eval/") and k != "eval/num_prompts"]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"  {key:<{width}}  {value:.4f}")
+    if result["samples"]:
+        print(f"at k: {result['samples']} samples a prompt at temperature {result['temperature']:g}; "
+              f"± is the bootstrap standard error over prompts")
+    print_eval_table(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"written to {args.out}")

@@ -13,6 +13,7 @@ others have is reported (``plot_runs``' second return value). Drawn on a bare ma
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,21 @@ QUANTITIES = (
     Quantity("perf/gen_tokens_per_s", "generated tokens/s (wall time)", "tokens/s"),
     Quantity("perf/train_tokens_per_s", "learner tokens/s (train time)", "tokens/s"),
 )
-"""The panels, in order. ``loss/kl`` exists only with a KL term in the loss (``algorithm.kl_coef``)."""
+"""The panels, in order. ``loss/kl`` exists only with a KL term in the loss (``algorithm.kl_coef``).
+Runs with evaluation at k (``trainer.eval_samples``) get one more panel, ``AT_K_TITLE``."""
+
+AT_K_TITLE = "held-out at k: pass@1 (solid), pass@k (dashed), maj@k (dotted); band ± 1 s.e."
+
+
+def at_k_keys(records: list[dict]) -> list[str]:
+    """The run's overall at-k metrics to draw: ``eval/pass@1``, its largest ``eval/pass@k`` and
+    ``eval/maj@k`` (whichever it logged), in that order."""
+    logged = {k for r in records for k in r if re.fullmatch(r"eval/(pass|maj)@\d+", k)}
+    passes = sorted((k for k in logged if k.startswith("eval/pass@")), key=lambda k: int(k.split("@")[1]))
+    keys = [k for k in ("eval/pass@1",) if k in logged]
+    if passes and passes[-1] not in keys:
+        keys.append(passes[-1])
+    return keys + sorted(k for k in logged if k.startswith("eval/maj@"))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -98,8 +113,10 @@ def plot_runs(run_dirs: list[str | Path]):
     shown = [q for q in QUANTITIES if any(series(r, q.key)[0] for r in runs.values())]
     if not shown:
         raise ValueError(f"plot: none of {', '.join(q.key for q in QUANTITIES)} is in the runs' metrics.jsonl")
-    cols = 2 if len(shown) > 1 else 1
-    rows = math.ceil(len(shown) / cols)
+    with_at_k = any(at_k_keys(r) for r in runs.values())
+    panels = len(shown) + int(with_at_k)
+    cols = 2 if panels > 1 else 1
+    rows = math.ceil(panels / cols)
     # A bare Figure, not pyplot: no global figure registry to leak into, and savefig renders
     # with Agg whatever backend the process has (no display needed).
     fig = Figure(figsize=(6.4 * cols, 3.2 * rows), layout="constrained")
@@ -119,7 +136,9 @@ def plot_runs(run_dirs: list[str | Path]):
         ax.set_ylabel(q.ylabel)
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    for ax in list(axes.flat)[len(shown):]:
+    if with_at_k:
+        _draw_at_k(list(axes.flat)[len(shown)], runs, colors)
+    for ax in list(axes.flat)[panels:]:
         ax.set_visible(False)
     # One legend for the figure (every panel uses the same colour per run), above the panels.
     handles = [Line2D([], [], color=colors[i % len(colors)], linewidth=2) for i in range(len(runs))]
@@ -128,6 +147,26 @@ def plot_runs(run_dirs: list[str | Path]):
     missing = {label: [f"{q.title} ({q.key})" for q in QUANTITIES if not series(records, q.key)[0]]
                for label, records in runs.items()}
     return fig, {label: lacks for label, lacks in missing.items() if lacks}
+
+
+def _draw_at_k(ax, runs: dict[str, list[dict]], colors: list[str]) -> None:
+    styles = {"pass@1": "-", "pass": "--", "maj": ":"}
+    for i, (label, records) in enumerate(runs.items()):
+        for key in at_k_keys(records):
+            steps, values = series(records, key)
+            name = key.split("/")[1]
+            style = styles.get(name, styles[name.split("@")[0]])
+            ax.plot(steps, values, color=colors[i % len(colors)], linestyle=style, marker="o", markersize=3,
+                    linewidth=1.4)
+            _, se = series(records, f"{key}_se")
+            if len(se) == len(values):
+                ax.fill_between(steps, [v - e for v, e in zip(values, se)], [v + e for v, e in zip(values, se)],
+                                color=colors[i % len(colors)], alpha=0.12, linewidth=0)
+    ax.set_title(AT_K_TITLE, fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    ax.xaxis.get_major_locator().set_params(integer=True)
 
 
 def _labels(paths: list[Path]) -> list[str]:

@@ -37,8 +37,10 @@ from it under its own index, so when a worker dies the broker can say exactly wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -85,6 +87,11 @@ class RequestBroker:
 
     def __init__(self) -> None:
         self._queue: deque[GroupRequest] = deque()
+        self._eval_queue: deque[GroupRequest] = deque()
+        """Evaluation groups (``put_eval``): handed out only while no training request waits."""
+        self._evaluating: tuple[int, int] | None = None
+        """The worker sampling evaluation groups now: one at a time, so the others stay free for
+        the training requests that arrive meanwhile."""
         self._claims: dict[tuple[int, int], dict[int, GroupRequest]] = {}  # worker -> group id -> request
         self._dead: set[tuple[int, int]] = set()
         self._cond = threading.Condition()
@@ -104,6 +111,29 @@ class RequestBroker:
             self._queue.extend(requests)
             self._cond.notify_all()
 
+    EVAL_TAKE_SAMPLES = 32
+    """Most samples of evaluation groups one ``take`` hands out: a worker busy with an evaluation
+    batch cannot serve a training request that arrives meanwhile, so the batches are kept short
+    and the worker asks again (training first) after each."""
+
+    def put_eval(self, requests: list[GroupRequest]) -> None:
+        """Queue an evaluation's groups (each with its own ``params``). They fill the workers'
+        idle time: ``take`` hands them out only while no training request is queued, so an
+        evaluation never holds back a sample the learner waits for, and to one worker at a time
+        (with several, the others stay free for training requests). Not claimed, not in
+        ``qsize``, not re-issued: the exactly-once accounting is the training groups'; an
+        evaluation a dead worker held is abandoned as a whole (``drop_eval``)."""
+        with self._cond:
+            self._eval_queue.extend(requests)
+            self._cond.notify_all()
+
+    def drop_eval(self) -> int:
+        """Forget the queued evaluation groups; returns how many."""
+        with self._cond:
+            dropped = len(self._eval_queue)
+            self._eval_queue.clear()
+            return dropped
+
     def take(self, worker: tuple[int, int], max_samples: int, timeout_s: float) -> list[GroupRequest]:
         """Claim queued requests for ``worker`` (index, incarnation): the first (waiting up to ``timeout_s`` seconds
         for one), then more while the claimed samples (``n`` each) are fewer than ``max_samples``
@@ -116,11 +146,22 @@ class RequestBroker:
             ``worker`` was reclaimed.
         """
         with self._cond:
+            if self._evaluating == worker:  # back for more: its evaluation groups are sampled
+                self._evaluating = None
+                self._cond.notify_all()
             self._takers += 1
             try:
-                ready = self._cond.wait_for(lambda: self._queue or self._closed, timeout=timeout_s)
+                ready = self._cond.wait_for(lambda: self._queue or self._closed or (
+                    self._eval_queue and self._evaluating is None), timeout=timeout_s)
                 if not ready or self._closed or worker in self._dead:
                     return []
+                if not self._queue:  # idle: a few of an evaluation's groups (EVAL_TAKE_SAMPLES)
+                    limit = min(max_samples, self.EVAL_TAKE_SAMPLES)
+                    batch = [self._eval_queue.popleft()]
+                    while self._eval_queue and sum(r.n for r in batch) + self._eval_queue[0].n <= limit:
+                        batch.append(self._eval_queue.popleft())
+                    self._evaluating = worker
+                    return batch
                 share = -(-len(self._queue) // self._takers)
             finally:
                 self._takers -= 1
@@ -137,6 +178,9 @@ class RequestBroker:
         ``forget``-ten; from now on ``worker`` claims nothing. Call once it is dead or killed."""
         with self._cond:
             self._dead.add(worker)
+            if self._evaluating == worker:
+                self._evaluating = None
+                self._cond.notify_all()
             return list(self._claims.pop(worker, {}).values())
 
     def forget(self, group_ids: list[int]) -> None:
@@ -225,6 +269,9 @@ class GeneratorWorker:
         self.sender = sender()
         self._unsent: dict[int, list] = {}  # group id -> its kept trajectories until the group is closed
         self.stats = WorkerStats()
+        self.eval_stats = SampleCounts()
+        """Samples of evaluation groups (not the rollouts' throughput)."""
+        self._eval_executor = None
         self._stop = threading.Event()
         self._max_groups = max(1, gen_cfg.max_batch_size)
         self._last_progress = time.monotonic()
@@ -321,8 +368,6 @@ class GeneratorWorker:
     def heartbeat(self) -> dict[str, float]:
         """Seconds since this worker last made progress (took requests, finished a sample, loaded
         weights, or polled an empty queue), and its process id: the supervisor's liveness probe."""
-        import os
-
         return {"since_progress_s": time.monotonic() - self._last_progress, "pid": float(os.getpid())}
 
     def _keep(self, traj) -> None:
@@ -347,6 +392,40 @@ class GeneratorWorker:
     def _serve(self, batch: list[GroupRequest]) -> None:
         # The one rollout road of both modes (async_rl.step.rollout): here each kept trajectory is
         # held the moment its sample is scored, and the group sent as one message once all n are.
-        sample_groups(self.engine, batch, self.params, self.tokenizer, self.scorer, self.agent,
-                      on_trajectory=self._keep, on_group_closed=self._send_group,
-                      counts=self.stats, wait_scored=False)
+        train = [r for r in batch if r.params is None]
+        if train:
+            sample_groups(self.engine, train, self.params, self.tokenizer, self.scorer, self.agent,
+                          on_trajectory=self._keep, on_group_closed=self._send_group,
+                          counts=self.stats, wait_scored=False)
+        # Evaluation groups (RequestBroker.put_eval): one engine call per sampling setting and
+        # group size, kept out of the rollout counters (the run's throughput and tool figures).
+        kinds: dict[tuple, list[GroupRequest]] = {}
+        for r in batch:
+            if r.params is not None:
+                kinds.setdefault((r.params, r.n), []).append(r)
+        for (params, _), requests in kinds.items():
+            def evaluate(requests=requests, params=params) -> None:
+                with self.agent.counted_apart() if self.agent is not None else contextlib.nullcontext():
+                    sample_groups(self.engine, requests, params, self.tokenizer, self.scorer, self.agent,
+                                  on_trajectory=self._keep, on_group_closed=self._send_group,
+                                  counts=self.eval_stats, wait_scored=False)
+
+            # On a thread of the lowest CPU priority (this one waits for it, so the engine still
+            # serves one call at a time): evaluation takes what the learner and the other actors
+            # leave of the cores, which is what "idle time" means on a machine they share.
+            self._idle_priority().submit(evaluate).result()
+
+    def _idle_priority(self):
+        """The single thread evaluation groups are sampled on, at nice 19 (``os.setpriority`` on
+        its thread id; Linux). An engine whose decoding runs in processes of its own (vLLM,
+        SGLang) keeps their priority; torch's intra-op threads (``threads_per_worker`` > 1) are
+        shared with the rollouts' and keep theirs."""
+        if self._eval_executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            def lower() -> None:
+                with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed: as is
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+            self._eval_executor = ThreadPoolExecutor(1, thread_name_prefix="evaluation", initializer=lower)
+        return self._eval_executor

@@ -60,6 +60,7 @@ from async_rl.loops.actors import RequestBroker
 from async_rl.loops.base import RunContext, versions_per_step
 from async_rl.loops.common import dynamic_sampling, learn_on, merge_version_metrics, mixed_sources
 from async_rl.loops.dispatch import Dispatcher, buffer_bound, exactly_once_ledger
+from async_rl.loops.evaluation import PoolEvaluation
 from async_rl.loops.intake import Intake, warn_if_exposed
 # probe_difference: kept importable from here, where it was defined before the pool had a module.
 from async_rl.loops.pool import GeneratorPool, engine_tokens_per_s, placer, probe_difference, thread_budget  # noqa: F401
@@ -127,8 +128,12 @@ class AsyncLoop:
             next_prompt=lambda: ctx.train_ds.next_batch(1)[0], group_size=self.n, seed=t_cfg.seed,
             published_version=lambda: self.pool.published_version,
             num_discarded=lambda: sum(self.buffer.dropped_groups.values()) + self.num_dynamic_dropped)
+        # Mid-run evaluations sampled by the pool in its idle time (loops.evaluation).
+        self.evaluation = (PoolEvaluation(ctx.val_ds, ctx.eval_params, ctx.eval_at_k)
+                           if ctx.val_ds is not None and t_cfg.eval_on_pool else None)
         self.intake = Intake(self.receiver, self.buffer, self.dispatch.knows, self.n,
-                             learner_version=lambda: ctx.learner.version, on_messages=self.dispatch.wake)
+                             learner_version=lambda: ctx.learner.version, on_messages=self.dispatch.wake,
+                             eval_sink=self.evaluation)
         self.reward_actor = None
         if with_rm:
             self.reward_actor = ray.remote(num_cpus=0)(RewardModel).remote(
@@ -140,7 +145,7 @@ class AsyncLoop:
             ctx, self.cluster, self.broker,
             placer(ctx, self.cluster, (ctx.tokenizer.name_or_path, reward_fn, sender_factory, per_worker),
                    self.reward_actor),
-            lost=lambda held: self.dispatch.requeue(held, self.buffer.abandon_group), on_published=self.dispatch.wake)
+            lost=self._lost, on_published=self.dispatch.wake)
         self.pool.place_all()
         if self.reward_actor is not None:
             self.cluster.record("reward_model", [self.reward_actor])
@@ -164,6 +169,13 @@ class AsyncLoop:
                       f"learner {learner_threads} threads, max_staleness {t_cfg.max_staleness}, weights over "
                       f"{self.pool.transport}" + (f" (store {sender.host}:{sender.port})" if sender is not None else "")
                       + f", trajectories on {self.receiver.address}")
+
+    def _lost(self, held: list[GroupRequest]) -> int:
+        """A dead actor's claimed requests: re-issued (``Dispatcher.requeue``); an evaluation
+        running on the pool is abandoned, since the actor may have held some of its groups."""
+        if self.evaluation is not None and self.evaluation.abandon("a generator actor was lost"):
+            ray.get(self.broker.drop_eval.remote())
+        return self.dispatch.requeue(held, self.buffer.abandon_group)
 
     @property
     def publisher(self):
@@ -257,6 +269,8 @@ class AsyncLoop:
         # Training rollouts are scored in the actors: their counters, not the trainer's scorer.
         metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/", "env/"))})
         self._last_stats, self._last_t = stats, now
+        if self.evaluation is not None and (done := self.evaluation.poll()) is not None:
+            metrics.update(done)  # an evaluation started at an earlier step ended during this one
         return metrics
 
     def _train_one_version(self, step: int) -> tuple[dict[str, float], RolloutResult]:
@@ -330,6 +344,18 @@ class AsyncLoop:
                                    int(ray.get(self.broker.qsize.remote())), sum(self.pool.restarts))
 
     # ------------------------------------------------------------------ evaluation and exit
+    def start_evaluation(self, step: int) -> bool:
+        """Start an evaluation on the pool after ``step`` (``trainer.eval_on_pool``); its metrics
+        come with the step during which its last group arrives. Returns ``False`` when evaluation
+        is not on the pool (the caller evaluates on the colocated engine); ``True`` also when the
+        previous one still runs (this one is skipped and counted)."""
+        if self.evaluation is None:
+            return False
+        requests = self.evaluation.start(step)
+        if requests:
+            ray.get(self.broker.put_eval.remote(requests))
+        return True
+
     def sync_eval_engine(self) -> None:
         """Push the learner's weights into the colocated engine used for evaluation, once a
         pending push to the pool is settled (``GeneratorPool.settle``; its failure raises)."""
@@ -340,6 +366,8 @@ class AsyncLoop:
         """The ``pipeline/*``, ``generator_<i>/*``, ``buffer/peak_*`` and actors' ``reward/*``
         entries of the run's summary, once the pool has stopped and the receiver is drained."""
         summary = {f"pipeline/{k}": v for k, v in self.ledger().items()}
+        if self.evaluation is not None:
+            summary.update(self.evaluation.counts)
         if self.ctx.cfg.weight_sync.probe_at_exit:
             summary.update(self.pool.probe_engines(self.sync_eval_engine))
         for i in range(len(self.pool.workers)):
@@ -383,6 +411,11 @@ class AsyncLoop:
         for th in self._threads:
             th.join(timeout=5)
         self.intake.drain()  # what the workers sent before stopping, so the ledger counts it
+        if self.evaluation is not None:
+            if (done := self.evaluation.poll()) is None:
+                self.evaluation.abandon("the run ended before its last group arrived")
+            elif done:
+                logger.info("an evaluation on the pool ended after the last step: %s", done)
         summary = self._summary()
         ray.get(self.broker.close.remote())
         self.receiver.close()

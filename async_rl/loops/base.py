@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from async_rl.step.episodes import EpisodeLoop
+    from async_rl.step.evaluation import EvalAtK
     from async_rl.runtime.cluster import Cluster
     from async_rl.config import Config
     from async_rl.data.dataset import PromptDataset
@@ -145,6 +146,20 @@ class TrainerConfig:
     """Evaluate on the held-out split every K steps (>= 0); 0 = only before step 1 and at the end."""
     eval_greedy: bool = True
     """Evaluate with greedy decoding; ``False`` = one sample per prompt at the training temperature."""
+    eval_samples: int = 0
+    """Evaluation at k (>= 0): besides the pass above, sample this many responses per held-out
+    prompt at ``eval_temperature`` and report pass@k (k = 1, 2, 4, ..., eval_samples; the unbiased
+    estimator of Chen et al. 2021, eq. 1), mean@k and maj@k, each with a bootstrap standard error
+    over prompts (``eval/pass@1_se`` ...), per data source too (``async_rl.step.eval_metrics``);
+    0 = off."""
+    eval_temperature: float | None = None
+    """Temperature of evaluation at k (> 0); ``None`` = ``generator.temperature``."""
+    eval_on_pool: bool = True
+    """Async mode: the evaluations between steps are sampled by the generator pool in its idle
+    time while the learner keeps training (``async_rl.loops.evaluation``; their metrics arrive
+    with a later step, tagged ``eval/policy_version`` and ``eval/started_step``); ``False`` = on
+    the trainer's colocated engine, the learner waiting. The evaluations before the first step and
+    after the last are always on the colocated engine. Sync mode: unused."""
     export_model: bool = True
     """Write the final policy as a Hugging Face directory to ``<run_dir>/final_model``."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -167,6 +182,11 @@ class TrainerConfig:
         # instantiates this class for its schema, and a value filled in then would outlive mode=async.
         if (self.max_staleness is not None and self.max_staleness < 0) or self.eval_every_steps < 0:
             raise ValueError("trainer.max_staleness and trainer.eval_every_steps must be >= 0")
+        if self.eval_samples < 0:
+            raise ValueError(f"trainer.eval_samples must be >= 0, got {self.eval_samples}")
+        if self.eval_temperature is not None and not self.eval_temperature > 0:
+            raise ValueError(f"trainer.eval_temperature must be > 0 (or null: generator.temperature), "
+                             f"got {self.eval_temperature}")
         if not self.placement_timeout_s > 0:
             raise ValueError(f"trainer.placement_timeout_s must be > 0, got {self.placement_timeout_s}")
         if self.max_reuse < 1 or self.zmq_hwm < 1:
@@ -210,6 +230,7 @@ class RunContext:
         train_ds, val_ds: the train ``PromptDataset`` and the held-out one (or ``None``).
         scorer: the training ``RewardScorer``; eval_scorer: its own counters for evaluation.
         params, eval_params: ``SamplingParams`` of rollouts and of evaluation.
+        eval_at_k: evaluation at k (``EvalAtK``: ``trainer.eval_samples`` > 0), else ``None``.
         learner: the ``Learner`` (``FSDPLearner`` or ``MegatronLearner``; on N ranks, rank 0's).
         generator: the colocated engine (a ``Generator``: ``HFGenerator``, ``VLLMGenerator`` or
             ``SGLangGenerator``): sync-mode rollouts, and evaluation in both modes (async mode with
@@ -242,6 +263,7 @@ class RunContext:
     run_dir: Path
     log: MetricsLogger
     agent: EpisodeLoop | None = None
+    eval_at_k: EvalAtK | None = None
     cluster: Cluster | None = None
     service_cores: list[int] = field(default_factory=list)
 
@@ -262,6 +284,10 @@ class Loop(Protocol):
             ValueError: dynamic sampling could not fill the step, or the reward function failed
                 on every call of the loop's first step.
         """
+
+    def start_evaluation(self, step: int) -> bool:
+        """Start an evaluation after ``step`` that runs while training goes on (its metrics come
+        with a later step's); ``False``: this loop has none (the caller evaluates now)."""
 
     def sync_eval_engine(self) -> None:
         """Make the colocated engine hold the learner's current weights before an evaluation."""

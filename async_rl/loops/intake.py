@@ -44,11 +44,14 @@ class Intake:
         learner_version: the learner's current policy version; tokens of a later one are foreign.
         on_messages: called after each non-empty batch is routed (a group rejected or evicted
             there frees an admission slot: ``Dispatcher.wake``).
+        eval_sink: the pool's evaluations (``loops.evaluation.PoolEvaluation``: ``accepts(group_id)``,
+            ``add(msg)``): messages of evaluation groups go there, never to the buffer; ``None``: none.
     """
 
     def __init__(self, receiver: Any, buffer: Any, knows_group: Callable[[int], bool], group_size: int,
-                 learner_version: Callable[[], int], on_messages: Callable[[], None]) -> None:
+                 learner_version: Callable[[], int], on_messages: Callable[[], None], eval_sink: Any = None) -> None:
         self.receiver, self.buffer = receiver, buffer
+        self._eval_sink = eval_sink
         self._knows_group, self.n = knows_group, group_size
         self._learner_version, self._on_messages = learner_version, on_messages
         self.refused: dict[str, int] = {}
@@ -77,6 +80,9 @@ class Intake:
         (``refusal``, or ``contradicting_group_closed`` for a ``GroupClosed`` the buffer's
         contents contradict), logged for the first five and each power of ten. Returns the
         reason, or ``None`` when the buffer took it."""
+        if self._eval_sink is not None and self._eval_sink.accepts(msg.group_id):
+            self._eval_sink.add(msg)  # an evaluation group's: it checks and counts its own
+            return None
         reason = self.refusal(msg)
         if reason is None and isinstance(msg, GroupClosed):
             try:

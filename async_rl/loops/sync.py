@@ -174,6 +174,10 @@ class SyncLoop:
         self._last_t = now
         return metrics
 
+    def start_evaluation(self, step: int) -> bool:
+        """Sync mode evaluates on its engine between steps (nothing trains meanwhile)."""
+        return False
+
     def sync_eval_engine(self) -> None:
         """The colocated engine already holds the latest weights."""
 

@@ -3,16 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from async_rl.step.agent import demonstration_ids
 from async_rl.buffers.trajectory import Trajectory, collate
+from async_rl.step.eval_metrics import answer_key, at_k_metrics
 from async_rl.step.rollout import rollout
 
 EVAL_FIRST_GROUP_ID = -(10**9)
 """Evaluation groups are numbered from here, far from any training group id."""
+
+
+@dataclass(frozen=True)
+class EvalAtK:
+    """Evaluation at k: ``samples`` responses per held-out prompt, sampled with ``params``
+    (``trainer.eval_samples``, ``trainer.eval_temperature``; metrics in ``async_rl.step.eval_metrics``)."""
+
+    samples: int
+    params: Any  # SamplingParams
+
+    @classmethod
+    def from_config(cls, trainer_cfg, params) -> "EvalAtK | None":
+        """The plan of a run's ``trainer`` config from its rollouts' ``SamplingParams``; ``None``
+        when ``trainer.eval_samples`` is 0."""
+        if not trainer_cfg.eval_samples:
+            return None
+        temperature = trainer_cfg.eval_temperature if trainer_cfg.eval_temperature is not None else params.temperature
+        return cls(trainer_cfg.eval_samples, dataclasses.replace(params, greedy=False, temperature=temperature))
+
+
+def correctness(t: Trajectory) -> float:
+    """A trajectory's correctness in [0, 1]: the reward's ``acc`` field where present, else
+    ``reward >= 1``."""
+    return float(min(1.0, max(0.0, t.reward_extras.get("acc", float(t.reward >= 1.0)))))
 
 
 def accuracy_of(trajectories: list[Trajectory]) -> float:
@@ -23,8 +50,29 @@ def accuracy_of(trajectories: list[Trajectory]) -> float:
     return sum(hits) / len(hits)
 
 
-def evaluate(generator, dataset, params, scorer, tokenizer, agent=None) -> dict[str, float]:
-    """Held-out accuracy and mean reward of one response per prompt (greedy or sampled).
+def at_k_of(trajectories: list[Trajectory], dataset, n: int, seed: int = 0) -> dict[str, float]:
+    """``at_k_metrics`` of the ``n``-sample trajectories of ``dataset``'s prompts, overall
+    (``eval/pass@k`` ...) and, with several data sources, per source (``eval/<source>/pass@k`` ...).
+    A prompt whose samples were all rejected counts as all wrong."""
+    by_prompt: dict[str, list[Trajectory]] = {p.uid: [] for p in dataset}
+    for t in trajectories:
+        by_prompt[t.prompt_uid].append(t)
+    sources = {p.uid: p.data_source for p in dataset}
+
+    def rows(uids) -> list:
+        return [([answer_key(t.response_text) for t in by_prompt[u]], [correctness(t) for t in by_prompt[u]])
+                for u in uids]
+
+    out = at_k_metrics(rows(list(by_prompt)), n, "eval/", seed=seed)
+    if len(set(sources.values())) > 1:
+        for source in sorted(set(sources.values())):
+            out.update(at_k_metrics(rows([u for u in by_prompt if sources[u] == source]), n, f"eval/{source}/", seed=seed))
+    return out
+
+
+def evaluate(generator, dataset, params, scorer, tokenizer, agent=None, at_k: EvalAtK | None = None) -> dict[str, float]:
+    """Held-out accuracy and mean reward of one response per prompt (greedy or sampled), and with
+    ``at_k`` pass@k, mean@k and maj@k of ``at_k.samples`` sampled responses per prompt.
 
     With an agent, one multi-turn conversation per prompt, whose tool use is reported as
     ``eval/tool_calls_mean``, ``eval/turns_mean``, ``eval/tool_errors_mean`` (per conversation)
@@ -33,22 +81,45 @@ def evaluate(generator, dataset, params, scorer, tokenizer, agent=None) -> dict[
     Returns:
         ``eval/accuracy``, ``eval/reward_mean``, ``eval/response_length_mean`` (tokens),
         ``eval/num_prompts``; with prompts of several data sources also ``eval/<source>/accuracy``,
-        ``eval/<source>/reward_mean`` and ``eval/<source>/num_prompts`` per source.
+        ``eval/<source>/reward_mean`` and ``eval/<source>/num_prompts`` per source;
+        ``eval/policy_version``: the version of the weights the engine held (the policy measured);
+        with ``at_k`` the keys of ``at_k_of`` (``eval/pass@1``, ``eval/pass@1_se``, ...,
+        ``eval/mean@k``, ``eval/maj@k``).
     """
+    version = int(getattr(generator, "policy_version", 0))
     with (agent.counted_apart() if agent is not None else contextlib.nullcontext()):
         result = rollout(generator, list(dataset), 1, params, scorer, tokenizer, EVAL_FIRST_GROUP_ID, agent=agent)
-    trajs = result.trajectories
+        sampled = (rollout(generator, list(dataset), at_k.samples, at_k.params, scorer, tokenizer,
+                           EVAL_FIRST_GROUP_ID + len(dataset), agent=agent) if at_k is not None else None)
+    return eval_metrics(result.trajectories, dataset, version,
+                        (sampled.trajectories, at_k.samples) if sampled is not None else None)
+
+
+def eval_metrics(trajs: list[Trajectory], dataset, version: float,
+                 sampled: tuple[list[Trajectory], int] | None = None) -> dict[str, float]:
+    """``evaluate``'s metrics of an evaluation's trajectories, wherever they were sampled (the
+    colocated engine, or the async pool: ``async_rl.loops.evaluation``).
+
+    Args:
+        trajs: one trajectory per prompt (the greedy or single-sample pass); prompts whose sample
+            the reward rejected are absent.
+        dataset: the held-out prompts (``uid``, ``data_source``).
+        version: the policy version measured (``eval/policy_version``).
+        sampled: ``(trajectories, n)`` of evaluation at k, or ``None``.
+    """
     n = max(1, len(trajs))
     out = {
         "eval/accuracy": accuracy_of(trajs),
         "eval/reward_mean": sum(t.reward for t in trajs) / n,
         "eval/response_length_mean": sum(len(t.response_ids) for t in trajs) / n,
         "eval/num_prompts": float(len(trajs)),
+        "eval/policy_version": float(version),
     }
-    if agent is not None:
-        for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors"):
-            if any(key in t.reward_extras for t in trajs):  # an environment's episodes count no tool calls
-                out[f"eval/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / n
+    if sampled is not None:
+        out.update(at_k_of(sampled[0], dataset, sampled[1]))
+    for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors"):
+        if any(key in t.reward_extras for t in trajs):  # an environment's episodes count no tool calls
+            out[f"eval/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / n
     sources = {p.uid: p.data_source for p in dataset}
     if len(set(sources.values())) > 1:  # tasks or environments mixed: each one's held-out figures too
         by_source: dict[str, list[Trajectory]] = {}

@@ -163,6 +163,8 @@ class GroupRequest:
         seed: sampling seed of the group (``group_seed``); ``None`` = the engine's own
             call-counter seeds (evaluation).
         messages: the prompt's chat messages (multi-turn tool use continues the conversation).
+        params: the group's own ``SamplingParams`` (an evaluation group sampled by the pool:
+            greedy, or at k at its temperature); ``None`` = the sampler's rollout params.
     """
 
     group_id: int
@@ -174,6 +176,7 @@ class GroupRequest:
     n: int
     seed: int | None
     messages: list[dict[str, Any]] = field(default_factory=list)
+    params: Any = None
 
     @classmethod
     def of(cls, prompt, group_id: int, n: int, seed: int | None) -> "GroupRequest":
