@@ -44,7 +44,8 @@ from async_rl.loops.base import Loop, RunContext, TrainerConfig
 from async_rl.loops.sync import SyncLoop
 from async_rl.runtime.metrics import MetricsLogger
 from async_rl.rewards import check_rewards_work, default_reward_for, failure_summary
-from async_rl.step.rollout import load_reward_model, make_scorer, stop_token_ids
+from async_rl.rewards.teacher import TeacherStage
+from async_rl.step.rollout import check_teachers, load_reward_model, load_teacher, make_scorer, stop_token_ids
 from async_rl.weight_sync import LocalTarget, WeightPublisher, engine_protocol, resolve_transport
 
 if TYPE_CHECKING:
@@ -224,7 +225,8 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     if cfg.learner.num_threads:
         torch.set_num_threads(cfg.learner.num_threads)
     model_path = resolve(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.model.tokenizer_path or cfg.model.path))
+    tokenizer_path = resolve(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     stops = stop_token_ids(tokenizer, model_path, cfg.generator.extra_stop_token_ids)
@@ -242,6 +244,8 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
         # Fail before training, not as a reward error on every sample: each data_source needs a reward.
         for source in {p.data_source for ds in (train_ds, val_ds) if ds is not None for p in ds.prompts}:
             default_reward_for(source)
+    if cfg.algorithm.needs_teacher:  # every train source has a teacher, with the student's tokenizer
+        check_teachers(cfg, tokenizer, [p.data_source for p in train_ds.prompts])
     # The run directory is made only once the inputs have loaded, so a bad dataset leaves none behind.
     run_dir = run.create(to_yaml(cfg))
     if len(train_ds) < t_cfg.prompts_per_step:
@@ -256,6 +260,9 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     service = split_learner_threads(cfg.learner.cpu_affinity, "learner.cpu_affinity") if split else []
     # Sync mode scores with it; async mode only evaluates with it (the workers use the reward actor).
     reward_model = load_reward_model(cfg.reward) if cfg.reward.model else None
+    # Sync mode's teacher scores in this process; async mode's in the teacher actor (AsyncLoop).
+    teacher = (TeacherStage(load_teacher(cfg, tokenizer_path).logprobs, cfg.algorithm.distill.batch_size)
+               if cfg.algorithm.needs_teacher and cfg.trainer.mode == "sync" else None)
     with started_on(service):  # Ray's processes and this process's Ray threads
         cluster = Cluster.start(cfg) if uses_ray(cfg) else None
     try:
@@ -283,7 +290,7 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
         generator, transport = colocated_engine(cfg, model_path, tokenizer.pad_token_id)
         ctx = RunContext(
             cfg=cfg, tokenizer=tokenizer, model_path=model_path, train_ds=train_ds, val_ds=val_ds,
-            scorer=make_scorer(cfg.reward, cfg.reward.on_error, reward_model and reward_model.score),
+            scorer=make_scorer(cfg.reward, cfg.reward.on_error, reward_model and reward_model.score, teacher=teacher),
             # Separate counters: eval must not leak into train metrics.
             eval_scorer=make_scorer(cfg.reward, "zero", reward_model and reward_model.score),
             params=SamplingParams.from_config(cfg.generator, stops),

@@ -6,12 +6,13 @@ rows, each pair moving the same bytes in the same number of messages:
 
 * per trajectory (one trajectory a message):
 
-  * ``ours``: ``ZmqTrajectorySender.send(traj)`` (encode to one schema-4 frame + send) →
+  * ``ours``: ``ZmqTrajectorySender.send(traj)`` (encode to one schema-5 frame + send) →
     ``ZmqTrajectoryReceiver.recv`` (recv + decode and validate back to a ``Trajectory``). The
     trajectory is realistic for math RL: 100 prompt tokens, 1000 response tokens, float64
-    behavior log-probs, a ~4,000-character response text (25.5 KB on the wire). It is built
-    once from Python lists, as ``async_rl.step.rollout`` builds it; that conversion to arrays is paid
-    once per trajectory in the generator and reported on its own line.
+    behavior log-probs, no teacher log-probs (a run without on-policy distillation; a teacher
+    adds 8 bytes a response token), a ~4,000-character response text (25.5 KB on the wire). It
+    is built once from Python lists, as ``async_rl.step.rollout`` builds it; that conversion to
+    arrays is paid once per trajectory in the generator and reported on its own line.
   * ``raw``: pre-built bytes of the same size per message, no codec: the ceiling.
 
 * per group (``--group-size`` trajectories a message, 8 by default as in
@@ -149,7 +150,8 @@ def main() -> None:
     traj, group = realistic_trajectory(), realistic_group(g)
     traj_bytes = len(encode_message(traj)[0])
     group_bytes = len(encode_message(group)[0])
-    # The 6-frame reference row: the five per-token arrays as frames, the rest in a head frame.
+    # The 6-frame reference row: the five per-token arrays as frames (no teacher log-probs), the
+    # rest in a head frame.
     array_bytes = [100 * 4, 1000 * 4, 1000 * 8, 1000 * 1, 1000 * 8]
     sizes = {"raw_traj": [traj_bytes], "raw6_traj": [traj_bytes - sum(array_bytes), *array_bytes],
              "raw_group": [group_bytes], "raw_group_read": [group_bytes]}

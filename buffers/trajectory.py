@@ -9,10 +9,10 @@ batch padded to ``L = 8`` tokens with pad id ``_``::
     labels             p1 p2 r0 r1 eos _  _        [B, L-1] = input_ids[:, 1:]
     loss_mask          0  0  1  1  1   0  0        [B, L-1] (1 where the label is a response token)
 
-Every per-token tensor of the learner (``behavior_logprobs``, ``advantages``, learner log-probs)
-is aligned with ``labels``: slot ``t`` scores token ``input_ids[:, t + 1]`` given the tokens up
-to ``t``. Position ids come from the attention mask, so the same sequence gets the same
-log-probs whether it is left- or right-padded.
+Every per-token tensor of the learner (``behavior_logprobs``, ``advantages``, learner log-probs,
+the teacher's log-probs of on-policy distillation) is aligned with ``labels``: slot ``t`` scores
+token ``input_ids[:, t + 1]`` given the tokens up to ``t``. Position ids come from the attention
+mask, so the same sequence gets the same log-probs whether it is left- or right-padded.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ import torch
 
 PER_TOKEN_DTYPES: dict[str, np.dtype] = {
     "prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "behavior_logprobs": np.dtype("<f8"),
-    "loss_mask": np.dtype("u1"), "policy_version": np.dtype("<i8"),
+    "loss_mask": np.dtype("u1"), "policy_version": np.dtype("<i8"), "teacher_logprobs": np.dtype("<f8"),
 }
 """The dtype of each per-token field of a ``Trajectory``; the wire (``async_rl.buffers.codec``)
 carries these same bytes, so a received trajectory's arrays are views of the message. int32 ids
-hold any vocabulary; float64 log-probs keep a Python float bit-exact; versions are int64."""
+hold any vocabulary; float64 log-probs keep a Python float bit-exact; versions are int64. Every
+field but ``teacher_logprobs`` has one value per response token (R), or per prompt token for
+``prompt_ids``; ``teacher_logprobs`` has R or none (a run without a teacher)."""
 
 # Struct codes are spelled out: numpy's ``dtype.char`` for int64 is the platform's 'l'.
 _STRUCT_CODES = {"<i4": "i", "<f8": "d", "|u1": "B", "<i8": "q"}
@@ -76,6 +78,11 @@ def _array_problem(values: np.ndarray, dtype: np.dtype) -> str | None:
     return None
 
 
+def _no_teacher_logprobs() -> np.ndarray:
+    """An empty ``[0]`` float64 array: ``Trajectory.teacher_logprobs`` of a run without a teacher."""
+    return np.empty(0, dtype=PER_TOKEN_DTYPES["teacher_logprobs"])
+
+
 @dataclass(eq=False)
 class Trajectory:
     """One sampled response to one prompt, with everything the learner needs.
@@ -100,8 +107,12 @@ class Trajectory:
             final answer (its turn and tool counts are in ``reward_extras`` under ``agent/``).
         generator_id: the generator actor that sampled it (its index in the async pool; which
             node that is: ``placement.json``), or -1 for the trainer's own engine (sync mode).
+        teacher_logprobs: log-probs of ``response_ids`` under the teacher of on-policy
+            distillation (``algorithm.distill``), ``[R]`` float64 (natural log, same temperature
+            as ``behavior_logprobs``); an empty ``[0]`` array (the default) when the run has no
+            teacher.
 
-    The five per-token fields are given as any sequence of numbers (engines give lists) and held
+    The six per-token fields are given as any sequence of numbers (engines give lists) and held
     as 1-D numpy arrays of ``PER_TOKEN_DTYPES`` (``per_token_array``): the replay buffer and the
     batch builder then never touch one Python object per token, and the transport sends their
     bytes as they are. Treat them as read-only: a received trajectory's arrays are views of its
@@ -109,7 +120,9 @@ class Trajectory:
 
     Raises:
         ValueError: a per-token value its dtype cannot hold exactly (``per_token_array``), or
-            per-token fields of different lengths.
+            per-token fields of different lengths: ``behavior_logprobs``, ``loss_mask`` and
+            ``policy_version`` must have R values (``len(response_ids)``), ``teacher_logprobs``
+            0 or R.
     """
 
     trajectory_id: str
@@ -125,35 +138,41 @@ class Trajectory:
     reward_extras: dict[str, float] = field(default_factory=dict)
     response_text: str = ""
     generator_id: int = -1
+    teacher_logprobs: np.ndarray = field(default_factory=_no_teacher_logprobs)
 
     def __post_init__(self) -> None:
         for name in PER_TOKEN_DTYPES:
             setattr(self, name, per_token_array(getattr(self, name), name, self.trajectory_id))
         n = len(self.response_ids)
-        if not (len(self.behavior_logprobs) == len(self.loss_mask) == len(self.policy_version) == n):
+        if not (len(self.behavior_logprobs) == len(self.loss_mask) == len(self.policy_version) == n
+                and len(self.teacher_logprobs) in (0, n)):
             raise ValueError(
                 f"trajectory {self.trajectory_id}: per-token fields disagree in length "
                 f"(response_ids {n}, behavior_logprobs {len(self.behavior_logprobs)}, "
-                f"loss_mask {len(self.loss_mask)}, policy_version {len(self.policy_version)})")
+                f"loss_mask {len(self.loss_mask)}, policy_version {len(self.policy_version)}, "
+                f"teacher_logprobs {len(self.teacher_logprobs)}, which must be 0 or {n})")
 
     @classmethod
     def from_checked(cls, trajectory_id: str, group_id: int, prompt_uid: str, prompt_ids: np.ndarray,
                      response_ids: np.ndarray, behavior_logprobs: np.ndarray, loss_mask: np.ndarray,
                      finish_reason: str, policy_version: np.ndarray, reward: float,
-                     reward_extras: dict[str, float], response_text: str, generator_id: int) -> "Trajectory":
+                     reward_extras: dict[str, float], response_text: str, generator_id: int,
+                     teacher_logprobs: np.ndarray) -> "Trajectory":
         """A trajectory from fields already in their held form, without ``__post_init__``'s checks.
 
         For the wire decoder (``async_rl.buffers.codec``), which has checked every field's
-        type and the per-token lengths and made each array itself (1-D, of ``PER_TOKEN_DTYPES``);
-        skipping the re-check saves a few microseconds per received trajectory. Anything else
-        builds with ``Trajectory(...)``, which checks. Arguments: the attributes, in field order.
+        type and the per-token lengths (``teacher_logprobs`` 0 or R) and made each array itself
+        (1-D, of ``PER_TOKEN_DTYPES``); skipping the re-check saves a few microseconds per
+        received trajectory. Anything else builds with ``Trajectory(...)``, which checks.
+        Arguments: the attributes, in field order.
         """
         self = object.__new__(cls)
         self.__dict__.update(
             trajectory_id=trajectory_id, group_id=group_id, prompt_uid=prompt_uid, prompt_ids=prompt_ids,
             response_ids=response_ids, behavior_logprobs=behavior_logprobs, loss_mask=loss_mask,
             finish_reason=finish_reason, policy_version=policy_version, reward=reward,
-            reward_extras=reward_extras, response_text=response_text, generator_id=generator_id)
+            reward_extras=reward_extras, response_text=response_text, generator_id=generator_id,
+            teacher_logprobs=teacher_logprobs)
         return self
 
     @property
@@ -194,7 +213,8 @@ class TrainBatch:
         advantages: ``[B, L-1]`` float32, 0 outside the loss mask.
         rewards: ``[B]`` float32 sequence rewards.
         group_ids: ``[B]`` int64.
-        extras: other per-sample tensors keyed by name (for example ``ref_logprobs``).
+        extras: other per-sample tensors keyed by name (for example ``ref_logprobs``;
+            ``teacher_logprobs``, ``[B, L-1]`` float32, from ``collate`` in a distillation run).
     """
 
     input_ids: torch.Tensor
@@ -267,10 +287,18 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
             trajectory; zeros when ``None``.
 
     Returns:
-        The batch with L = max over trajectories of (P_i + R_i).
+        The batch with L = max over trajectories of (P_i + R_i). When the trajectories carry the
+        teacher's log-probs (on-policy distillation), ``extras["teacher_logprobs"]`` is a
+        ``[B, L-1]`` float32 tensor aligned like ``behavior_logprobs`` (trajectory i's R_i values
+        in slots ``P_i - 1 .. P_i + R_i - 2``), 0 elsewhere. It is there when at least one
+        trajectory has a non-empty ``teacher_logprobs``; a trajectory with an empty response
+        has nothing to carry and fits either way, so a batch of empty responses only has none.
 
     Raises:
-        ValueError: for an empty list, or an advantage row whose length is not R_i.
+        ValueError: for an empty list, an advantage row whose length is not R_i, or a batch that
+            mixes trajectories with teacher log-probs and trajectories (R_i > 0) without (the
+            message names the first without: a run either has a teacher or not, so the mix is a
+            routing bug, and zeros in its place would train towards log-prob 0).
     """
     if not trajectories:
         raise ValueError("collate() needs at least one trajectory")
@@ -282,6 +310,14 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
     loss_mask = np.zeros((B, L - 1), dtype=np.float32)
     behavior = np.zeros((B, L - 1), dtype=np.float32)
     adv = np.zeros((B, L - 1), dtype=np.float32)
+    with_teacher = [len(t.teacher_logprobs) > 0 for t in trajectories]
+    teacher = None
+    if any(with_teacher):
+        missing = next((t for t, has in zip(trajectories, with_teacher) if not has and len(t.response_ids)), None)
+        if missing is not None:
+            raise ValueError(f"collate: trajectory {missing.trajectory_id} has no teacher_logprobs, but "
+                             f"{sum(with_teacher)} of the batch's {B} trajectories have them")
+        teacher = np.zeros((B, L - 1), dtype=np.float32)
     for i, t in enumerate(trajectories):
         P, R = len(t.prompt_ids), len(t.response_ids)
         input_ids[i, :P] = t.prompt_ids
@@ -291,6 +327,8 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         sl = slice(P - 1, P - 1 + R)
         loss_mask[i, sl] = t.loss_mask
         behavior[i, sl] = t.behavior_logprobs
+        if teacher is not None:
+            teacher[i, sl] = t.teacher_logprobs
         if advantages is not None:
             if len(advantages[i]) != R:
                 raise ValueError(f"advantages for {t.trajectory_id}: {len(advantages[i])} values for {R} tokens")
@@ -303,5 +341,6 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         behavior_logprobs=torch.from_numpy(behavior), advantages=torch.from_numpy(adv) * mask,
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        extras={} if teacher is None else {"teacher_logprobs": torch.from_numpy(teacher)},
     )
 

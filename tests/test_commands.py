@@ -194,15 +194,16 @@ def test_plot_overlays_runs_with_a_legend_and_reports_missing_quantities(tmp_pat
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["a", "b"]
     titles = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
     by_key = {q.key: q.title for q in QUANTITIES}
-    # No run logged a KL to the reference: no panel; the others have one each.
-    assert by_key["loss/kl"] not in titles and len(titles) == len(QUANTITIES) - 1
+    # No run logged a KL to the reference or to a teacher: no panel; the others have one each.
+    assert by_key["loss/kl"] not in titles and by_key["distill/reverse_kl"] not in titles
+    assert len(titles) == len(QUANTITIES) - 2
     reward = titles[by_key["rollout/reward_mean"]]
     lines = {line.get_label(): line for line in reward.get_lines()}
     assert list(lines["a"].get_xdata()) == list(range(1, 11)) and list(lines["a"].get_ydata()) == a["reward"]
     assert list(lines["b"].get_ydata()) == b["reward"]
     assert [line.get_label() for line in titles[by_key["eval/accuracy"]].get_lines()] == ["a"]
-    assert missing == {"a": [f"{by_key['loss/kl']} (loss/kl)"],
-                       "b": [f"{by_key['eval/accuracy']} (eval/accuracy)", f"{by_key['loss/kl']} (loss/kl)"]}
+    kl = [f"{by_key['loss/kl']} (loss/kl)", f"{by_key['distill/reverse_kl']} (distill/reverse_kl)"]
+    assert missing == {"a": kl, "b": [f"{by_key['eval/accuracy']} (eval/accuracy)", *kl]}
 
 
 def test_plot_command_writes_a_png_and_says_what_is_missing(tmp_path, capsys):

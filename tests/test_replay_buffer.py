@@ -6,11 +6,13 @@ Run with ``python -m pytest -q tests/test_replay_buffer.py`` (about a second).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from async_rl.buffers.replay import AdmissionController, ReplayBuffer, staleness
@@ -306,6 +308,34 @@ def test_state_dict_round_trip_mid_stream_continues_identically():
     assert served == expected and sum(map(len, expected)) > 10
     assert restored.state_dict() == straight.state_dict()
     assert restored.metrics() == straight.metrics()
+
+
+def test_state_dict_round_trip_keeps_teacher_logprobs_bit_exact():
+    """A distillation run's held trajectories (partial and ready, served or not) come back from a
+    JSON checkpoint with the teacher's log-probs bit for bit; one without them stays without."""
+    teacher = {(0, 0): [-0.0, -5e-324, -1.0000000000000002], (0, 1): [-1e308, -0.1, -2.5],
+               (1, 0): [-0.3333333333333333, -7.0, -1e-310]}
+    buf = ReplayBuffer(group_size=2, max_staleness=1, max_reuse=2)
+    for (g, i), values in teacher.items():
+        buf.add(dataclasses.replace(tr(g, i), teacher_logprobs=values))
+    buf.add(tr(2, 0))  # no teacher: stays empty
+    state = buf.state_dict()
+    assert state["ready"][0]["trajectories"][0]["teacher_logprobs"] == teacher[0, 0]
+    restored = ReplayBuffer(group_size=2, max_staleness=1, max_reuse=2)
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.state_dict() == state
+    restored.close_group(1, 1)  # the partial groups, completed short so they are served
+    restored.close_group(2, 1)
+    groups = restored.get_groups(3, 0)
+    assert [[t.trajectory_id for t in g] for g in groups] == [["0/0", "0/1"], ["1/0"], ["2/0"]]
+    got = [t for g in groups for t in g]
+    assert [_bits(t.teacher_logprobs) for t in got] == [_bits(teacher[k]) for k in teacher] + [[]]
+    assert all(t.teacher_logprobs.dtype == np.float64 for t in got)
+    assert got[:2] == [dataclasses.replace(tr(0, i), teacher_logprobs=teacher[0, i]) for i in (0, 1)]
+
+
+def _bits(xs) -> list[int]:
+    return np.asarray(xs, dtype=np.float64).view(np.int64).tolist()
 
 
 def test_load_state_dict_checks_format_and_group_size():

@@ -64,12 +64,16 @@ def roundtrip(traj: Trajectory, as_memoryview: bool = False) -> Trajectory:
                                         -5e-324][:7], num_response=7),
     make_traj("big/0", num_prompt=100, num_response=1000, seed=3),
     make_traj("lim/0", prompt_ids=[0, 2**31 - 1, 0], loss_mask=[0, 1, 1, 1, 0, 1, 1], policy_version=[2**40] * 7),
+    make_traj("t/0", teacher_logprobs=[-0.0, 0.0, -1e-310, -5e-324, -1.0000000000000002, -1e308, -123.456]),
+    make_traj("t/1", num_prompt=100, num_response=1000, seed=4,
+              teacher_logprobs=(-np.random.default_rng(4).exponential(1.0, 1000)).tolist()),
 ])
 @pytest.mark.parametrize("as_memoryview", [False, True])
 def test_codec_round_trip_is_exact(traj, as_memoryview):
     out = roundtrip(traj, as_memoryview)
     assert out == traj
     assert bits(out.behavior_logprobs) == bits(traj.behavior_logprobs)  # bit-exact, -0.0 and subnormals too
+    assert bits(out.teacher_logprobs) == bits(traj.teacher_logprobs)
     for name, dtype in PER_TOKEN_DTYPES.items():
         got, sent = getattr(out, name), getattr(traj, name)
         assert got.dtype == dtype and got.ndim == 1 and got.tobytes() == sent.tobytes(), name
@@ -80,6 +84,7 @@ def test_codec_round_trip_is_exact(traj, as_memoryview):
 
 def test_codec_layout_is_the_documented_schema():
     traj = make_traj("a/0", num_prompt=3, num_response=4)
+    assert traj.teacher_logprobs.tolist() == []  # a run without a teacher: T = 0, no teacher bytes
     frames = encode_trajectory(traj)
     assert len(frames) == 1
     frame = frames[0]
@@ -88,8 +93,8 @@ def test_codec_layout_is_the_documented_schema():
     start = -(-(4 + head_len) // 8) * 8  # the body starts 8-byte aligned
     assert start % 8 == 0 and frame[4 + head_len:start] == bytes(start - 4 - head_len)
     assert header == {"schema": SCHEMA_VERSION, "kind": "trajectories", "group_id": None, "trajectories": [
-        ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0, "format": 0.5}, "x = 4", 3, 4]]}
-    assert SCHEMA_VERSION == 4
+        ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0, "format": 0.5}, "x = 4", 3, 4, 0]]}
+    assert SCHEMA_VERSION == 5
     body = frame[start:]
     assert len(body) == 4 * 8 + 4 * 8 + 3 * 4 + 4 * 4 + 4 * 1
     assert np.frombuffer(body, "<f8", 4, 0).tolist() == traj.behavior_logprobs.tolist()
@@ -100,16 +105,36 @@ def test_codec_layout_is_the_documented_schema():
     assert b"\x80\x04" not in frame and b"\x80\x05" not in frame  # no pickle protocol 4/5 stream
 
 
+def test_codec_layout_with_teacher_logprobs_puts_them_after_behavior_logprobs():
+    """Schema 5: T_i = R_i in the header, the teacher's float64 log-probs at byte 8R (aligned),
+    everything after them shifted by 8T; body 21R + 8T + 4P bytes."""
+    teacher = [-0.5, -0.0, -1e-310, -7.25]
+    traj = make_traj("a/0", num_prompt=3, num_response=4, teacher_logprobs=teacher)
+    header, body = split_frame(encode_trajectory(traj)[0])
+    assert header["schema"] == 5 and header["trajectories"][0][8:] == [3, 4, 4]
+    assert len(header["trajectories"][0]) == 11
+    assert len(body) == 21 * 4 + 8 * 4 + 4 * 3 == 128
+    assert bits(np.frombuffer(body, "<f8", 4, 0)) == bits(traj.behavior_logprobs)
+    assert bits(np.frombuffer(body, "<f8", 4, 32)) == bits(teacher)
+    assert np.frombuffer(body, "<i8", 4, 64).tolist() == traj.policy_version.tolist()
+    assert np.frombuffer(body, "<i4", 3, 96).tolist() == traj.prompt_ids.tolist()
+    assert np.frombuffer(body, "<i4", 4, 108).tolist() == traj.response_ids.tolist()
+    assert bytes(body[124:]) == bytes(traj.loss_mask.tolist())
+
+
 def test_group_layout_puts_each_field_of_all_trajectories_together():
     """A group's body: every trajectory's log-probs, then versions, prompt ids, response ids, masks."""
     group = TrajectoryGroup(3, [make_traj("3/0", 3, num_prompt=2, num_response=3, seed=1),
-                                make_traj("3/1", 3, num_prompt=1, num_response=2, seed=2)])
+                                make_traj("3/1", 3, num_prompt=1, num_response=2, seed=2,
+                                          teacher_logprobs=[-0.75, -1.5])])
     header, body = split_frame(encode_message(group)[0])
     assert header["group_id"] == 3 and [e[0] for e in header["trajectories"]] == ["3/0", "3/1"]
+    assert [e[8:] for e in header["trajectories"]] == [[2, 3, 0], [1, 2, 2]]
     a, b = group.trajectories
     expected = b"".join(np.concatenate([getattr(a, n), getattr(b, n)]).tobytes() for n in
-                        ("behavior_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask"))
-    assert bytes(body) == expected
+                        ("behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids",
+                         "loss_mask"))
+    assert bytes(body) == expected and len(body) == 21 * 5 + 8 * 2 + 4 * 3
 
 
 def test_codec_int_reward_extras_become_float():
@@ -131,15 +156,15 @@ def test_encode_rejects_values_the_wire_cannot_carry(kw, match):
 
 
 _ENTRY_FIELDS = ["trajectory_id", "group_id", "prompt_uid", "generator_id", "finish_reason", "reward",
-                 "reward_extras", "response_text", "num_prompt_tokens", "num_response_tokens"]
-_BODY = ["behavior_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask"]
+                 "reward_extras", "response_text", "num_prompt_tokens", "num_response_tokens", "num_teacher_tokens"]
+_BODY = ["behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask"]
 
 
 def _parts(frame: bytes) -> tuple[dict, dict[str, bytes]]:
-    """A one-trajectory frame as its header and its five arrays' bytes."""
+    """A one-trajectory frame as its header and its six arrays' bytes."""
     header, body = split_frame(frame)
-    p, r = header["trajectories"][0][8:10]
-    ends = np.cumsum([0, 8 * r, 8 * r, 4 * p, 4 * r, r]).tolist()
+    p, r, t = header["trajectories"][0][8:11]
+    ends = np.cumsum([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, r]).tolist()
     return header, {name: bytes(body[ends[i]:ends[i + 1]]) for i, name in enumerate(_BODY)}
 
 
@@ -167,37 +192,48 @@ def _encoded(**kw) -> bytes:
 
 _GOOD = encode_trajectory(make_traj("a/0"))[0]
 _LOGPROBS = _parts(_GOOD)[1]["behavior_logprobs"]
+_TEACHER = np.full(7, -0.5).tobytes()
 
 
 @pytest.mark.parametrize("frames, match", [
-    ([], "0 frames, schema 4 has 1"),
+    ([], "0 frames, schema 5 has 1"),
     ([_GOOD, b""], "2 frames"),
-    ([_GOOD[:-3]], r"message body is 164 bytes, expected 167 for 1 trajectories \(5 prompt and 7 response tokens\)"),
+    ([_GOOD[:-3]], r"message body is 164 bytes, expected 167 for 1 trajectories "
+                   r"\(5 prompt, 7 response and 0 teacher tokens\)"),
     ([b"\xc1\xc1garbage"], "too short for its header"),
     ([b"\x01\x00"], r"message is 2 bytes, too short for its header \(no length\)"),
     ([b"\x03\x00\x00\x00\xc1\xc1\xc1\x00"], "message header is not valid msgpack"),
     ([_GOOD + b"\x00"], "message body is 168 bytes, expected 167"),
     ([pack_frame([1, 2])], "message header is a msgpack list, expected a map"),
-    ([_message(schema=2)], "schema version 2, this decoder reads version 4"),
+    ([_message(schema=2)], "schema version 2, this decoder reads version 5"),
     ([_message(schema=...)], "schema version None"),
     ([_message(kind="trajectory")], "message kind 'trajectory'"),
     ([_message(extra_field=1)], r"message kind 'trajectories' with fields \['extra_field'"),
     ([_message(group_id="7")], "field 'group_id' of trajectory header 0 is str, expected int"),
-    ([pack_frame({"schema": 4, "kind": "trajectories", "group_id": "7", "trajectories": []})],
+    ([pack_frame({"schema": 5, "kind": "trajectories", "group_id": "7", "trajectories": []})],
      "trajectories message has group_id '7'"),
     ([_message(trajectories=[])], "non-empty unless a group id closes it"),
     ([_message(trajectories={"a/0": 1})], "trajectories message has group_id None and trajectories dict"),
-    ([_message(reward=...)], "trajectory header 0 is a msgpack list of 9 items, expected an array of 10"),
+    ([_message(reward=...)], "trajectory header 0 is a msgpack list of 10 items, expected an array of 11"),
+    ([_message(num_teacher_tokens=...)], r"list of 10 items, expected an array of 11 \(.*, num_teacher_tokens\)"),
     ([_message(trajectories=[{"trajectory_id": "a/0"}])], "trajectory header 0 is a msgpack dict"),
-    ([pack_frame({"schema": 4, "kind": "trajectories", "group_id": None, "trajectories": [1]})],
+    ([pack_frame({"schema": 5, "kind": "trajectories", "group_id": None, "trajectories": [1]})],
      "trajectory header 0 is a msgpack int of \\? items"),
     ([_message(prompt_uid=7)], "field 'prompt_uid' of trajectory header 0 is int, expected str"),
     ([_message(num_response_tokens=True)], "'num_response_tokens' of trajectory header 0 is bool"),
     ([_message(num_response_tokens=-1)], "negative"),
+    ([_message(num_teacher_tokens=True)], "'num_teacher_tokens' of trajectory header 0 is bool"),
+    # T_i neither 0 nor R_i: malformed even when the body holds T_i values (no offset is trusted).
+    ([_message(num_teacher_tokens=3, teacher_logprobs=_TEACHER[:24])],
+     r"^field 'num_teacher_tokens' of trajectory header 0 is 3, expected 0 or num_response_tokens \(7\)$"),
+    ([_message(num_teacher_tokens=8, teacher_logprobs=_TEACHER + _TEACHER[:8])], "'num_teacher_tokens' .* is 8"),
+    ([_message(num_teacher_tokens=-7)], r"'num_teacher_tokens' of trajectory header 0 is -7, expected 0 or"),
+    ([_message(num_teacher_tokens=7)], r"message body is 167 bytes, expected 223 .*\(5 prompt, 7 response and 7 teacher"),
+    ([_message(teacher_logprobs=_TEACHER)], r"message body is 223 bytes, expected 167"),
     ([_message(reward_extras={"acc": "1"})], "reward_extras must map"),
     ([_message(behavior_logprobs=_LOGPROBS[:-1])], r"message body is 166 bytes, expected 167"),
     ([_message(num_prompt_tokens=6)], r"message body is 167 bytes, expected 171 for 1 trajectories \(6 prompt"),
-    ([pack_frame({"schema": 4, "kind": "group_closed", "group_id": 1, "num_kept": 1}, [b"x"])],
+    ([pack_frame({"schema": 5, "kind": "group_closed", "group_id": 1, "num_kept": 1}, [b"x"])],
      "group_closed message has fields .* and a 1-byte body"),
     # Well-formed layouts holding values the learner cannot train on (found by tests/test_fuzz.py).
     ([_encoded(trajectory_id="a")], "trajectory_id 'a' is not '<group>/<index in group>'"),
@@ -207,6 +243,10 @@ _LOGPROBS = _parts(_GOOD)[1]["behavior_logprobs"]
     ([_encoded(response_ids=[-(2**31)] + [1] * 6)], "response_ids holds a negative token id"),
     ([_encoded(behavior_logprobs=[-1.0, math.nan] + [-1.0] * 5)], r"behavior_logprobs holds NaN or \+inf \(1 tokens\)"),
     ([_encoded(behavior_logprobs=[math.inf] * 7)], r"behavior_logprobs holds NaN or \+inf \(7 tokens\)"),
+    ([_encoded(teacher_logprobs=[-1.0, math.nan] + [-1.0] * 5)], r"^trajectory 'a/0': teacher_logprobs holds NaN "
+                                                                  r"or \+-inf \(1 tokens\)$"),
+    ([_encoded(teacher_logprobs=[-math.inf] * 2 + [-1.0] * 5)], r"teacher_logprobs holds NaN or \+-inf \(2 tokens\)"),
+    ([_encoded(teacher_logprobs=[math.inf] * 7)], r"teacher_logprobs holds NaN or \+-inf \(7 tokens\)"),
     ([_encoded(loss_mask=[0, 1, 2, 1, 1, 1, 1])], r"loss_mask holds 2 \(0 or 1 only\)"),
     ([_encoded(loss_mask=[255] * 7)], "loss_mask holds 255"),
     ([_encoded(policy_version=[-1] * 7)], r"policy_version holds -1 \(versions are >= 0\)"),
@@ -471,8 +511,11 @@ def test_every_field_round_trips_bit_for_bit_with_its_dtype(num_prompt, num_resp
     special = [-0.0, -5e-324, -1e-310, -math.inf, -1.0000000000000002, -1e308]
     logprobs = (-rng.exponential(3.0, num_response)).tolist()
     logprobs[: len(special)] = special[:num_response]
+    teacher = (-rng.exponential(1.0, num_response)).tolist()
+    teacher[: len(special) - 1] = [x for x in special if x != -math.inf][:num_response]  # finite only
     traj = make_traj("9/3", group_id=9, num_prompt=num_prompt, num_response=num_response, seed=num_response,
-                     behavior_logprobs=logprobs, prompt_ids=rng.integers(0, 2**31 - 1, num_prompt).tolist(),
+                     behavior_logprobs=logprobs, teacher_logprobs=teacher,
+                     prompt_ids=rng.integers(0, 2**31 - 1, num_prompt).tolist(),
                      policy_version=[2**62] * num_response, generator_id=5, reward=-0.0,
                      reward_extras={"acc": 5e-324, "len": -1.5}, response_text="é" * num_response)
     out = roundtrip(traj)
@@ -480,12 +523,63 @@ def test_every_field_round_trips_bit_for_bit_with_its_dtype(num_prompt, num_resp
         sent, got = getattr(traj, name), getattr(out, name)
         assert got.dtype == dtype and got.shape == sent.shape == (len(sent),)
         assert got.tobytes() == sent.tobytes(), name  # bit for bit, incl. -0.0 and NaN-free subnormals
-    assert bits(out.behavior_logprobs) == bits(logprobs)
+    assert bits(out.behavior_logprobs) == bits(logprobs) and bits(out.teacher_logprobs) == bits(teacher)
     assert out.as_dict() == traj.as_dict() and out == traj
     assert bits([out.reward, *out.reward_extras.values()]) == bits([-0.0, 5e-324, -1.5])
     assert (out.num_tokens, out.min_version) == (num_prompt + num_response, 2**62 if num_response else 0)
     # The decoded arrays are views of the received message: no per-token Python objects, read-only.
     assert not out.response_ids.flags.writeable and isinstance(out.response_ids, np.ndarray)
+    assert not out.teacher_logprobs.flags.writeable
+
+
+def test_a_message_mixing_trajectories_with_and_without_teacher_logprobs_round_trips_bit_exact():
+    """T_i = R_i for some trajectories, 0 for others: each gets back exactly its own teacher
+    log-probs (an empty array for none), read-only views of the one received frame."""
+    sent = [make_traj("4/0", 4, num_response=3, seed=0, teacher_logprobs=[-0.0, -5e-324, -2.5]),
+            make_traj("4/1", 4, num_response=5, seed=1),
+            make_traj("4/2", 4, num_response=0, response_text=""),
+            make_traj("4/3", 4, num_response=2, seed=3, teacher_logprobs=[-1.0000000000000002, -1e308])]
+    frame = encode_message(TrajectoryGroup(4, sent))[0]
+    header, body = split_frame(frame)
+    assert [e[9:] for e in header["trajectories"]] == [[3, 3], [5, 0], [0, 0], [2, 2]]
+    assert len(body) == 21 * 10 + 8 * 5 + 4 * 20
+    messages, rejected = decode_messages([frame])
+    assert rejected == [] and messages == [*sent, GroupClosed(4, 4)]
+    got = messages[:4]
+    assert [bits(t.teacher_logprobs) for t in got] == [
+        bits([-0.0, -5e-324, -2.5]), [], [], bits([-1.0000000000000002, -1e308])]
+    for t in got:
+        assert t.teacher_logprobs.dtype == np.float64 and t.teacher_logprobs.ndim == 1
+        assert not t.teacher_logprobs.flags.writeable
+    assert np.shares_memory(got[0].teacher_logprobs, np.frombuffer(frame, np.uint8))
+    assert np.shares_memory(got[3].teacher_logprobs, np.frombuffer(frame, np.uint8))
+
+
+def test_a_non_finite_teacher_logprob_rejects_only_its_trajectory():
+    """NaN, +inf and -inf teacher log-probs (the message-wide sum is then not finite) send the
+    message to the per-trajectory check: only those trajectories are refused."""
+    good = [make_traj(f"5/{i}", 5, seed=i, teacher_logprobs=[-float(i + 1)] * 7) for i in range(4)]
+    bad = {1: [-1.0, math.nan] + [-1.0] * 5, 2: [-math.inf] + [-0.5] * 6}
+    sent = [make_traj(t.trajectory_id, 5, seed=i, teacher_logprobs=bad.get(i, t.teacher_logprobs.tolist()))
+            for i, t in enumerate(good)]
+    messages, rejected = decode_messages(encode_trajectories(sent))
+    assert messages == [good[0], good[3]]
+    assert [str(e) for e in rejected] == ["trajectory '5/1': teacher_logprobs holds NaN or +-inf (1 tokens)",
+                                          "trajectory '5/2': teacher_logprobs holds NaN or +-inf (1 tokens)"]
+
+
+def test_extreme_finite_teacher_logprobs_are_kept():
+    """Only NaN and +-inf are refused: the largest finite magnitudes pass the message-wide check."""
+    traj = make_traj("a/0", teacher_logprobs=[-1.7976931348623157e308] * 6 + [-5e-324])
+    messages, rejected = decode_messages(encode_trajectory(traj))
+    assert rejected == [] and messages == [traj]
+
+
+def test_encode_refuses_teacher_logprobs_reassigned_to_another_length():
+    traj = make_traj("a/0")
+    traj.teacher_logprobs = np.full(3, -1.0)  # after construction: nothing checked it
+    with pytest.raises(ValueError, match=r"^trajectory a/0: teacher_logprobs has 3 values for 7 response tokens"):
+        encode_trajectory(traj)
 
 
 def test_trajectory_holds_wire_dtypes_and_converts_exactly_or_refuses():
@@ -503,10 +597,35 @@ def test_trajectory_holds_wire_dtypes_and_converts_exactly_or_refuses():
         make_traj("a/4", loss_mask=np.ones((7, 1), dtype=np.uint8))
     with pytest.raises(ValueError, match=r"per-token fields disagree in length \(response_ids 7, behavior_logprobs 6"):
         make_traj("a/5", behavior_logprobs=[-1.0] * 6)
+    assert traj.teacher_logprobs.dtype == np.float64 and traj.teacher_logprobs.shape == (0,)  # the default
     # A checkpointed buffer keeps plain lists; they rebuild an equal trajectory.
     plain = traj.as_dict()
     assert type(plain["response_ids"]) is list and Trajectory(**plain) == traj
     assert traj != make_traj("a/0", prompt_ids=[1, 2, 4])
+
+
+@pytest.mark.parametrize("num_teacher", [1, 6, 8])
+def test_teacher_logprobs_must_have_none_or_one_per_response_token(num_teacher):
+    with pytest.raises(ValueError, match=rf"^trajectory t/0: per-token fields disagree in length \(response_ids 7, "
+                                         rf".*teacher_logprobs {num_teacher}, which must be 0 or 7\)$"):
+        make_traj("t/0", teacher_logprobs=[-1.0] * num_teacher)
+    with pytest.raises(ValueError, match=r"teacher_logprobs 1, which must be 0 or 0"):
+        make_traj("t/1", num_response=0, teacher_logprobs=[-1.0])
+    assert make_traj("t/2", teacher_logprobs=[-1.0] * 7).teacher_logprobs.tolist() == [-1.0] * 7
+    assert make_traj("t/3", teacher_logprobs=[]).teacher_logprobs.tolist() == []
+
+
+def test_teacher_logprobs_survive_equality_and_as_dict():
+    teacher = [-0.0, -5e-324, -0.25, -1.0000000000000002, -1e308, -3.0, -7.5]
+    traj = make_traj("t/0", teacher_logprobs=np.full(7, -0.5, dtype=np.float32))  # converted like the others
+    assert traj.teacher_logprobs.dtype == np.dtype("<f8") and traj.teacher_logprobs.tolist() == [-0.5] * 7
+    exact = make_traj("t/0", teacher_logprobs=teacher)
+    plain = exact.as_dict()
+    assert type(plain["teacher_logprobs"]) is list and bits(plain["teacher_logprobs"]) == bits(teacher)
+    back = Trajectory(**plain)
+    assert back == exact and bits(back.teacher_logprobs) == bits(teacher)
+    assert exact != make_traj("t/0") and exact != dataclasses.replace(exact, teacher_logprobs=[-0.0] + teacher[1:6] + [-7.0])
+    assert make_traj("t/0").as_dict()["teacher_logprobs"] == []
 
 
 def test_collate_from_arrays_matches_hand_layout():
@@ -517,13 +636,41 @@ def test_collate_from_arrays_matches_hand_layout():
     assert batch.loss_mask.tolist() == [[0, 0, 1, 0, 1], [1, 0, 0, 0, 0]]
     assert batch.behavior_logprobs.tolist() == [[0, 0, -0.5, -0.25, -1.0], [-2.0, 0, 0, 0, 0]]  # label-aligned
     assert batch.input_ids.dtype == torch.long and batch.behavior_logprobs.dtype == torch.float32
+    assert batch.extras == {}  # no teacher: no extra
+
+
+def test_collate_aligns_teacher_logprobs_like_behavior_logprobs():
+    """Prompt [7, 8, 9], response [4, 5, 2]: label slot 2 predicts the first response token, so
+    the teacher's log-probs sit in slots 2..4, zeros in the prompt slots and the padding."""
+    a = Trajectory("0/0", 0, "u", [7, 8, 9], [4, 5, 2], [-0.5, -0.25, -1.0], [1, 0, 1], "stop", [3, 3, 3],
+                   teacher_logprobs=[-0.125, -2.0, -0.75])
+    b = Trajectory("0/1", 0, "u", [7], [6], [-2.0], [1], "stop", [3], teacher_logprobs=[-3.5])
+    c = Trajectory("0/2", 0, "u", [7, 8], [], [], [], "abort", [])  # empty response: nothing to carry
+    batch = collate([a, b, c], pad_token_id=0)
+    assert set(batch.extras) == {"teacher_logprobs"}
+    teacher = batch.extras["teacher_logprobs"]
+    assert teacher.dtype == torch.float32 and teacher.shape == (3, 5)
+    assert teacher.tolist() == [[0, 0, -0.125, -2.0, -0.75], [-3.5, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert batch.behavior_logprobs.tolist()[:2] == [[0, 0, -0.5, -0.25, -1.0], [-2.0, 0, 0, 0, 0]]  # same slots
+    assert batch.trimmed().extras["teacher_logprobs"].tolist()[:2] == [[0, 0, -0.125, -2.0, -0.75], [-3.5, 0, 0, 0, 0]]
+    assert batch.select([1]).extras["teacher_logprobs"].tolist() == [[-3.5, 0, 0, 0, 0]]
+
+
+def test_collate_refuses_a_batch_mixing_trajectories_with_and_without_teacher_logprobs():
+    with_t = Trajectory("0/0", 0, "u", [7], [4, 5], [-0.5, -0.25], [1, 1], "stop", [3, 3], teacher_logprobs=[-1.0, -2.0])
+    without = [Trajectory(f"0/{i}", 0, "u", [7], [4], [-0.5], [1], "stop", [3]) for i in (1, 2)]
+    with pytest.raises(ValueError) as e:
+        collate([without[0], with_t, without[1]], pad_token_id=0)
+    assert str(e.value) == "collate: trajectory 0/1 has no teacher_logprobs, but 1 of the batch's 3 trajectories have them"
+    assert "teacher_logprobs" not in collate(without, pad_token_id=0).extras
 
 
 def _garbled(rng: np.random.Generator) -> list[bytes]:
     """A schema-4 message whose array bytes are truncated, padded or garbled, or whose trajectory
     header is schema 3's map; each is malformed."""
-    header, arrays = _parts(encode_trajectory(make_traj("g/0", num_prompt=4, num_response=6))[0])
-    name = _BODY[rng.integers(5)]
+    header, arrays = _parts(encode_trajectory(make_traj("g/0", num_prompt=4, num_response=6,
+                                                         teacher_logprobs=[-1.0] * 6))[0])
+    name = _BODY[rng.integers(len(_BODY))]
     data = arrays[name]
     kind = rng.integers(4)
     if kind == 0:
@@ -533,6 +680,7 @@ def _garbled(rng: np.random.Generator) -> list[bytes]:
     elif kind == 2:  # garbled bytes of the right size, made invalid for the field
         arrays[name] = {"prompt_ids": b"\xff" * 16, "response_ids": b"\xff" * 24,
                         "behavior_logprobs": np.full(6, np.nan).tobytes(), "loss_mask": b"\x07" * 6,
+                        "teacher_logprobs": np.full(6, -np.inf).tobytes(),
                         "policy_version": b"\xff" * 48}[name]
     else:  # the trajectory's fields as a map, as schema 3 sent them
         header["trajectories"] = [dict(zip(_ENTRY_FIELDS, header["trajectories"][0]))]
@@ -566,7 +714,26 @@ def test_a_schema_3_message_is_refused_with_one_line_naming_both_versions(kind):
             **{name: getattr(traj, name).tobytes() for name in PER_TOKEN_DTYPES}})
     with pytest.raises(MalformedMessageError) as e:
         decode_message([msgpack.packb(old, use_bin_type=True)])
-    assert str(e.value) == ("schema version 3, this decoder reads version 4 "
+    assert str(e.value) == ("schema version 3, this decoder reads version 5 "
+                            "(sender and receiver run different async-rl versions?)")
+
+
+@pytest.mark.parametrize("kind", ["trajectories", "group_closed"])
+def test_a_schema_4_message_is_refused_with_one_line_naming_both_versions(kind):
+    """What a generator of the previous release sends: the same framing, a 10-field trajectory
+    header (no num_teacher_tokens) and a 21R + 4P body."""
+    traj = make_traj("a/0")
+    if kind == "group_closed":
+        frame = pack_frame({"schema": 4, "kind": "group_closed", "group_id": 1, "num_kept": 2})
+    else:
+        entry = ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0}, "x = 4", 5, 7]
+        frame = pack_frame({"schema": 4, "kind": "trajectories", "group_id": None, "trajectories": [entry]},
+                           [getattr(traj, n) for n in ("behavior_logprobs", "policy_version", "prompt_ids",
+                                                       "response_ids", "loss_mask")])
+        assert len(split_frame(frame)[1]) == 21 * 7 + 4 * 5
+    with pytest.raises(MalformedMessageError) as e:
+        decode_messages([frame])
+    assert str(e.value) == ("schema version 4, this decoder reads version 5 "
                             "(sender and receiver run different async-rl versions?)")
 
 
@@ -594,6 +761,7 @@ def test_a_group_message_arrives_as_its_trajectories_then_its_closure(k):
 
 @pytest.mark.parametrize("bad, match", [
     (dict(behavior_logprobs=[-1.0, math.nan] + [-1.0] * 5), r"trajectory '9/1': behavior_logprobs holds NaN"),
+    (dict(teacher_logprobs=[-1.0] * 6 + [-math.inf]), r"trajectory '9/1': teacher_logprobs holds NaN or \+-inf \(1 "),
     (dict(loss_mask=[3] * 7), r"trajectory '9/1': loss_mask holds 3"),
     (dict(policy_version=[-1] * 7), r"trajectory '9/1': policy_version holds -1"),
     (dict(response_ids=[5, -2] + [1] * 5), r"trajectory '9/1': response_ids holds a negative token id \(-2\)"),

@@ -40,6 +40,7 @@ from typing import Any
 
 from async_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorSpec
 from async_rl.algorithms.aggregation import LOSS_AGG_MODES
+from async_rl.algorithms.distill import DistillConfig
 from async_rl.algorithms.kl import K3_CLAMP, KL_KINDS
 from async_rl.algorithms.loss_options import LossOptions, PolicyLoss
 from async_rl.algorithms.losses import BEHAVIOR_CORRECTIONS, POLICY_LOSSES, OffPolicyCorrection
@@ -143,6 +144,8 @@ class AlgorithmConfig:
     """Options of the policy loss by name, over its defaults and the ``algorithm.*`` fields it reads
     (for example GSPO's ``clip_ratio_low``/``clip_ratio_high``, which ``algorithm.clip_ratio_*``
     does not set); a key the loss does not take stops the run at load, naming it."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from one teacher or one per data source (``async_rl.algorithms.distill``)."""
 
     def __post_init__(self) -> None:
         # Presets are applied by apply_preset(), not here: omegaconf instantiates this class to
@@ -252,6 +255,11 @@ class AlgorithmConfig:
     def needs_reference(self) -> bool:
         """Whether a frozen reference policy is needed (a KL term with ``kl_coef > 0``)."""
         return self.kl_coef > 0
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether a teacher scores the samples (``distill.teacher`` or ``distill.teachers`` set)."""
+        return self.distill.enabled
 
     def loss_options(self) -> LossOptions:
         """The options of the chosen policy loss, an instance of its ``options_type``

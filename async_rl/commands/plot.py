@@ -37,13 +37,15 @@ QUANTITIES = (
     Quantity("rollout/reward_mean", "training reward (mean of the step's samples)", "reward"),
     Quantity("eval/accuracy", "held-out accuracy", "accuracy"),
     Quantity("loss/kl", "KL to the reference policy", "KL (nats/token)"),
+    Quantity("distill/reverse_kl", "reverse KL to the teacher (on-policy distillation)", "KL (nats/token)"),
     Quantity("loss/approx_kl", "update size: KL(proximal || current), k3", "KL (nats/token)"),
     Quantity("actor/entropy", "policy entropy", "nats/token"),
     Quantity("staleness/mean", "staleness of trained samples (mean)", "policy versions"),
     Quantity("perf/gen_tokens_per_s", "generated tokens/s (wall time)", "tokens/s"),
     Quantity("perf/train_tokens_per_s", "learner tokens/s (train time)", "tokens/s"),
 )
-"""The panels, in order. ``loss/kl`` exists only with a KL term in the loss (``algorithm.kl_coef``).
+"""The panels, in order. ``loss/kl`` exists only with a KL term in the loss (``algorithm.kl_coef``),
+``distill/reverse_kl`` only with a teacher (``algorithm.distill``).
 Runs with evaluation at k (``trainer.eval_samples``) get one more panel, ``AT_K_TITLE``."""
 
 AT_K_TITLE = "held-out at k: pass@1 (solid), pass@k (dashed), maj@k (dotted); band ± 1 s.e."

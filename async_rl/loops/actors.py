@@ -55,6 +55,7 @@ from async_rl.buffers.transport import TrajectoryGroup
 from async_rl.runtime.cluster import group_ip, pin_process, use_node_interface, where
 from async_rl.generators import make_generator
 from async_rl.rewards.config import RewardConfig
+from async_rl.rewards.teacher import TeacherStage
 from async_rl.step.rollout import GroupRequest, SampleCounts, make_scorer, sample_groups
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,9 @@ class GeneratorWorker:
             model's settings; its ``fn`` and ``on_error`` are the two above); ``None``: defaults.
         reward_model: the reward actor (``RewardModel`` under ``ray.remote``) scoring this
             worker's samples in batches; the worker keeps sampling while it scores.
+        teacher: the teacher actor of on-policy distillation (``TeacherModel`` under
+            ``ray.remote``) giving this worker's training samples their teacher log-probs, in
+            batches of up to ``teacher_batch_size``, before their group is sent; ``None``: none.
         incarnation: how many times the pool replaced the actor at ``worker_id`` before this one
             (its claims at the ``RequestBroker`` are kept apart from its predecessors').
         bind_host: the run's ``Cluster.bind_host`` (loopback: this actor's groups use loopback too).
@@ -242,7 +246,7 @@ class GeneratorWorker:
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
                  reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None,
                  reward_cfg=None, reward_model=None, incarnation: int = 0, bind_host: str | None = None,
-                 env_cfg=None, max_prompt_tokens: int = 0) -> None:
+                 env_cfg=None, max_prompt_tokens: int = 0, teacher=None, teacher_batch_size: int = 16) -> None:
         # First: the engine's threads and processes inherit the mask (generator.cpu_affinity).
         pin_process(gen_cfg.cpu_affinity, "generator.cpu_affinity")
         torch.set_num_threads(max(1, num_threads))
@@ -264,8 +268,10 @@ class GeneratorWorker:
         # sample): a reward function that hangs or crashes costs a sample, never this engine.
         reward_cfg = dataclasses.replace(reward_cfg or RewardConfig(), fn=reward_fn, on_error=on_error,
                                          model=(reward_cfg.model if reward_model is not None else None))
+        stage = (TeacherStage(lambda items: ray.get(teacher.logprobs.remote(items)), teacher_batch_size)
+                 if teacher is not None else None)
         self.scorer = make_scorer(reward_cfg, on_error, reward_model and (
-            lambda items: ray.get(reward_model.score.remote(items))))
+            lambda items: ray.get(reward_model.score.remote(items))), teacher=stage)
         self.sender = sender()
         self._unsent: dict[int, list] = {}  # group id -> its kept trajectories until the group is closed
         self.stats = WorkerStats()
@@ -408,7 +414,7 @@ class GeneratorWorker:
                 with self.agent.counted_apart() if self.agent is not None else contextlib.nullcontext():
                     sample_groups(self.engine, requests, params, self.tokenizer, self.scorer, self.agent,
                                   on_trajectory=self._keep, on_group_closed=self._send_group,
-                                  counts=self.eval_stats, wait_scored=False)
+                                  counts=self.eval_stats, wait_scored=False, with_teacher=False)
 
             # On a thread of the lowest CPU priority (this one waits for it, so the engine still
             # serves one call at a time): evaluation takes what the learner and the other actors

@@ -65,7 +65,8 @@ from async_rl.loops.intake import Intake, warn_if_exposed
 # probe_difference: kept importable from here, where it was defined before the pool had a module.
 from async_rl.loops.pool import GeneratorPool, engine_tokens_per_s, placer, probe_difference, thread_budget  # noqa: F401
 from async_rl.rewards.model import RewardModel, model_kwargs
-from async_rl.step.rollout import GroupRequest, RolloutResult, reward_model_path
+from async_rl.rewards.teacher import TeacherModel
+from async_rl.step.rollout import GroupRequest, RolloutResult, reward_model_path, teacher_routes
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +97,12 @@ class AsyncLoop:
         # trainer.policy_version_per=mini_batch: a step publishes one version per mini-batch.
         self.versions_per_step = versions_per_step(t_cfg, cfg.learner)
         self.groups_per_version = self.groups_per_step // self.versions_per_step
-        # A reward model's actor takes one worker's share of the cores (or reward.model_num_threads).
+        # A reward model's actor takes one worker's share of the cores (or reward.model_num_threads),
+        # as does a distillation teacher's (or algorithm.distill.num_threads).
         with_rm = cfg.reward.model is not None
+        with_teacher = cfg.algorithm.needs_teacher
         # Pinned roles (cpu_affinity) get as many threads as their cores, unless set explicitly.
-        per_worker, learner_threads = thread_budget(g_cfg.num_workers + with_rm,
+        per_worker, learner_threads = thread_budget(g_cfg.num_workers + with_rm + with_teacher,
                                                     g_cfg.threads_per_worker or len(g_cfg.cpu_affinity),
                                                     user_threads=user_num_threads())
         learner_threads = cfg.learner.num_threads or len(cfg.learner.cpu_affinity) or learner_threads
@@ -138,17 +141,25 @@ class AsyncLoop:
         if with_rm:
             self.reward_actor = ray.remote(num_cpus=0)(RewardModel).remote(
                 reward_model_path(cfg.reward), **model_kwargs(cfg.reward), num_threads=cfg.reward.model_num_threads or per_worker)
+        self.teacher_actor = None
+        if with_teacher:
+            d = cfg.algorithm.distill
+            self.teacher_actor = ray.remote(num_cpus=0, num_gpus=d.num_gpus)(TeacherModel).remote(
+                teacher_routes(d), ctx.tokenizer.name_or_path, temperature=g_cfg.temperature,
+                batch_size=d.batch_size, num_threads=d.num_threads or per_worker)
         reward_fn = cfg.reward.fn
         if reward_fn and ".py:" in reward_fn and not os.path.isabs(reward_fn):
             reward_fn = os.path.abspath(reward_fn)  # actors need not share the driver's working directory
         self.pool = GeneratorPool(
             ctx, self.cluster, self.broker,
             placer(ctx, self.cluster, (ctx.tokenizer.name_or_path, reward_fn, sender_factory, per_worker),
-                   self.reward_actor),
+                   self.reward_actor, self.teacher_actor),
             lost=self._lost, on_published=self.dispatch.wake)
         self.pool.place_all()
         if self.reward_actor is not None:
             self.cluster.record("reward_model", [self.reward_actor])
+        if self.teacher_actor is not None:
+            self.cluster.record("teacher", [self.teacher_actor])
         self.pool.start()
         if resume_state is not None:
             self._load_state_dict(resume_state)
@@ -267,7 +278,7 @@ class AsyncLoop:
         if speed is not None:
             metrics["perf/engine_tokens_per_s"] = speed
         # Training rollouts are scored in the actors: their counters, not the trainer's scorer.
-        metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/", "env/"))})
+        metrics.update({k: v for k, v in delta.items() if k.startswith(("tools/", "reward/", "env/", "distill/"))})
         self._last_stats, self._last_t = stats, now
         if self.evaluation is not None and (done := self.evaluation.poll()) is not None:
             metrics.update(done)  # an evaluation started at an earlier step ended during this one
@@ -380,7 +391,7 @@ class AsyncLoop:
         summary.update(self.intake.summary())
         try:
             stats = self.pool.stats()
-            summary.update({k: v for k, v in stats.items() if k.startswith("reward/")})
+            summary.update({k: v for k, v in stats.items() if k.startswith(("reward/", "distill/"))})
             # The pool's speed when it samples (not while admission holds it back): samples per
             # second of an actor's busy time is samples / (busy_s / actors).
             summary["perf/generated_samples"] = stats.get("samples", 0.0)
@@ -421,8 +432,9 @@ class AsyncLoop:
         self.receiver.close()
         self.pool.close()
         ray.kill(self.broker)
-        if self.reward_actor is not None:
-            ray.kill(self.reward_actor)
+        for actor in (self.reward_actor, self.teacher_actor):
+            if actor is not None:
+                ray.kill(actor)
         if self._own_cluster:
             self.cluster.close()
         if push_error is not None:

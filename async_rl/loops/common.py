@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from async_rl.algorithms.dapo import fill_groups_with_spread
+from async_rl.algorithms.distill import reverse_kl_metrics
 from async_rl.step.batch import make_batch
 from async_rl.buffers.replay import staleness as staleness_of
 from async_rl.buffers.trajectory import Trajectory
@@ -60,7 +61,8 @@ def dynamic_sampling(take_round: Callable[[int], Sequence[list[Trajectory]]], al
 def learn_on(ctx: RunContext, step: int, ro: RolloutResult, num_mini_batches: int | None = None) -> dict[str, float]:
     """Train on one step's trajectories (both modes): check staleness, build the batch with
     advantages, take the learner's step (``num_mini_batches`` optimizer steps; ``None``: the
-    learner's own number); returns rollout, loss and staleness metrics.
+    learner's own number); returns rollout, loss and staleness metrics (and, with a teacher,
+    ``distill/reverse_kl`` and per source ``distill/<source>/reverse_kl``).
 
     Raises:
         RuntimeError: no trajectory to train on, or a sample older than ``trainer.max_staleness``
@@ -85,6 +87,8 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult, num_mini_batches: in
         # The loss returns its mismatch metrics under loss/; they belong to their own namespace.
         metrics[k.replace("loss/mismatch_", "mismatch/")] = v
     metrics.update(rollout_metrics(trajs, ro, mixed_sources(ctx)))
+    if cfg.algorithm.needs_teacher:  # the per-token reverse KL to the teacher, per source when mixed
+        metrics.update(reverse_kl_metrics(trajs, mixed_sources(ctx)))
     metrics.update({
         "staleness/mean": sum(staleness) / len(staleness),
         "staleness/max": float(max(staleness)),

@@ -90,12 +90,13 @@ def probe_difference(reference: dict, probe: dict) -> dict[str, Any]:
             "same_version": reference["policy_version"] == probe["policy_version"]}
 
 
-def placer(ctx, cluster, worker_args: tuple, reward_actor) -> Callable[[list[int] | None, int], list]:
+def placer(ctx, cluster, worker_args: tuple, reward_actor, teacher_actor=None) -> Callable[[list[int] | None, int], list]:
     """The function that starts generator actors (all, with ``indices=None``, or those at
     ``indices``) under ``incarnation`` in their bundles of the run's placement group
     (``generator.num_cpus_per_worker``, ``num_gpus_per_worker``, ``node_labels``,
     ``placement_strategy``). ``worker_args``: ``(tokenizer path, reward fn, sender factory,
-    threads per worker)``. A replacement loads the warm start's model; the pool then pushes it the
+    threads per worker)``; ``reward_actor`` and ``teacher_actor`` (``None``: none) score every
+    worker's samples. A replacement loads the warm start's model; the pool then pushes it the
     current weights."""
     cfg, g_cfg = ctx.cfg, ctx.cfg.generator
     tok_path, reward_fn, sender_factory, per_worker = worker_args
@@ -110,6 +111,7 @@ def placer(ctx, cluster, worker_args: tuple, reward_actor) -> Callable[[list[int
                                    scheduling_strategy=strategies[i]).remote(
                     i, ctx.model_path, tok_path, g_cfg, ctx.params, reward_fn, cfg.reward.on_error, sender_factory,
                     per_worker, cfg.learner.lora, reward_cfg=cfg.reward, reward_model=reward_actor,
+                    teacher=teacher_actor, teacher_batch_size=cfg.algorithm.distill.batch_size,
                     env_cfg=rollout_env_config(cfg), max_prompt_tokens=cfg.data.max_prompt_tokens,
                     incarnation=incarnation, bind_host=cluster.bind_host)
                 for i in (range(g_cfg.num_workers) if indices is None else indices)]

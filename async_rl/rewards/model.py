@@ -40,13 +40,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from async_rl.rewards.stage import BatchingStage
 
 __all__ = ["MODEL_KINDS", "ModelInput", "ModelRewardStage", "RewardModel", "validate_model_dir"]
 
@@ -189,8 +189,9 @@ class RewardModel:
 _MODEL_METRIC_KEYS = ("reward/model_scored", "reward/model_errors", "reward/model_rejected", "reward/model_truncated")
 
 
-class ModelRewardStage:
-    """Adds the reward model's score to finished samples, in batches on a thread of its own.
+class ModelRewardStage(BatchingStage):
+    """Adds the reward model's score to finished samples, in batches on a thread of its own
+    (``BatchingStage``: ``submit`` with a ``ModelInput``, ``drain``).
 
     Args:
         score_batch: ``score_batch(list[ModelInput]) -> (scores, num_truncated)``:
@@ -207,41 +208,12 @@ class ModelRewardStage:
 
     def __init__(self, score_batch: Callable[[list[ModelInput]], tuple[list[float], int]], batch_size: int,
                  weight: float, with_fn: bool, on_error: str) -> None:
-        self.score_batch, self.batch_size, self.weight = score_batch, batch_size, weight
+        super().__init__(batch_size, "reward model")
+        self.score_batch, self.weight = score_batch, weight
         self.with_fn, self.on_error = with_fn, on_error
         self.first_error: str | None = None
         self._counts = dict.fromkeys(_MODEL_METRIC_KEYS, 0)
         self._popped = dict(self._counts)
-        self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._idle = threading.Condition(self._lock)
-        self._crash: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def submit(self, item: ModelInput, traj, done: Callable[[Any], None]) -> None:
-        """Queue ``traj`` (a ``Trajectory`` scored by the function, or ``None`` when the function
-        rejected it) for scoring; ``done(traj or None)`` is called on the stage's thread, in
-        submission order, once its reward is final (``None``: rejected)."""
-        with self._lock:
-            if self._crash is not None:
-                raise RuntimeError(f"the reward model stage stopped: {self._crash}") from self._crash
-            self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="reward-model", daemon=True)
-                self._thread.start()
-        self._queue.put((item, traj, done))
-
-    def drain(self) -> None:
-        """Wait until every submitted sample has been handed on.
-
-        Raises:
-            RuntimeError: a ``done`` callback raised on the stage's thread (the stage stops).
-        """
-        with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0 or self._crash is not None)
-            if self._crash is not None:
-                raise RuntimeError(f"the reward model stage stopped: {self._crash}") from self._crash
 
     def counts(self) -> dict[str, float]:
         """Totals since construction (reduction: sum): ``reward/model_scored`` (samples sent to
@@ -254,26 +226,6 @@ class ModelRewardStage:
         with self._lock:
             now, before, self._popped = dict(self._counts), self._popped, dict(self._counts)
         return {k: float(now[k] - before[k]) for k in _MODEL_METRIC_KEYS}
-
-    def _run(self) -> None:
-        while True:
-            batch = [self._queue.get()]
-            # Whatever else has finished meanwhile joins the batch; nothing waits to fill it.
-            while len(batch) < self.batch_size:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                self._finish(batch)
-            except BaseException as e:  # a callback's bug: surface it in the caller's thread
-                with self._idle:
-                    self._crash = e
-                    self._idle.notify_all()
-                return
-            with self._idle:
-                self._pending -= len(batch)
-                self._idle.notify_all()
 
     def _finish(self, batch: list[tuple[ModelInput, Any, Callable]]) -> None:
         live = [(item, traj, done) for item, traj, done in batch if traj is not None]

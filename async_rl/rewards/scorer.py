@@ -183,6 +183,10 @@ class RewardScorer:
             ``sample_groups`` sends each sample through it after ``fn``, and its counters
             (``reward/model_*``) join ``counts`` and ``pop_metrics``.
         workers: ``async_rl.rewards.workers.RewardWorkers`` or ``None`` (score in-process).
+        teacher: the teacher's ``TeacherStage`` of on-policy distillation
+            (``async_rl.rewards.teacher``) or ``None``; ``sample_groups`` sends each rewarded
+            training sample through it last, and its counters (``distill/teacher_*``) join
+            ``counts`` and ``pop_metrics``.
 
     Raises:
         ValueError: ``on_error`` is not one of ``ON_ERROR_MODES``; no function and no model.
@@ -201,13 +205,15 @@ class RewardScorer:
             'x'"``; else the reward model's first failure), or ``None`` before any failure.
     """
 
-    def __init__(self, fn: Callable[..., Any] | None, on_error: str = "zero", model=None, workers=None) -> None:
+    def __init__(self, fn: Callable[..., Any] | None, on_error: str = "zero", model=None, workers=None,
+                 teacher=None) -> None:
         if on_error not in ON_ERROR_MODES:
             raise ValueError(f"on_error must be one of {ON_ERROR_MODES}, got {on_error!r}")
         if not callable(fn) and not (fn is None and model is not None):
             raise ValueError(f"reward function must be callable, got {fn!r}")
         self.fn = fn
         self.model = model
+        self.teacher = teacher
         self.workers = workers if fn is not None else None
         self.on_error = on_error
         self.num_scored = 0
@@ -268,15 +274,17 @@ class RewardScorer:
 
     def drain(self) -> None:
         """Wait until every ``submit`` of this scorer has called its ``done``, then until the
-        reward model (if any) has scored what they passed on.
+        reward model (if any) has scored what they passed on, then the teacher (if any).
 
         Raises:
-            RuntimeError: the worker pool or the model stage stopped.
+            RuntimeError: the worker pool, the model stage or the teacher stage stopped.
         """
         if self.workers is not None:
             self.workers.drain()
         if self.model is not None:
             self.model.drain()
+        if self.teacher is not None:
+            self.teacher.drain()
 
     def close(self) -> None:
         """Stop the worker processes (nothing to do in-process). Idempotent."""
@@ -289,18 +297,25 @@ class RewardScorer:
         Returns:
             ``{"reward/scored", "reward/errors", "reward/no_reward", "reward/rejected",
             "reward/timeouts", "reward/crashed", "reward/too_large"}`` (plus the model's
-            ``reward/model_*`` with a reward model).
+            ``reward/model_*`` with a reward model, the teacher's ``distill/teacher_*`` with a
+            teacher).
         """
         with self._lock:
             now = self._now()
         out = dict(zip(_METRIC_KEYS, map(float, now)))
-        return out if self.model is None else {**out, **self.model.counts()}
+        for stage in (self.model, self.teacher):
+            if stage is not None:
+                out.update(stage.counts())
+        return out
 
     @property
     def first_error(self) -> str | None:
-        """The reward function's first failure, else the reward model's, else ``None``."""
-        if self._first_error is None and self.model is not None:
-            return self.model.first_error
+        """The reward function's first failure, else the reward model's, else the teacher's,
+        else ``None``."""
+        if self._first_error is None:
+            for stage in (self.model, self.teacher):
+                if stage is not None and stage.first_error is not None:
+                    return stage.first_error
         return self._first_error
 
     def pop_metrics(self) -> dict[str, float]:
@@ -315,7 +330,10 @@ class RewardScorer:
             now = self._now()
             before, self._popped = self._popped, now
         out = {k: float(a - b) for k, a, b in zip(_METRIC_KEYS, now, before)}
-        return out if self.model is None else {**out, **self.model.pop_metrics()}
+        for stage in (self.model, self.teacher):
+            if stage is not None:
+                out.update(stage.pop_metrics())
+        return out
 
     def _now(self) -> tuple[int, ...]:
         return (self.num_scored, self.num_errors, self.num_no_reward, self.num_rejected, self.num_timeouts,

@@ -48,6 +48,7 @@ def check_inputs(cfg: Any) -> None:
             neither local, nor cached, nor (when the hub answers) on the hub.
         UnservableModelError: (a ``ValueError``) a model the generator engine cannot serve on this
             platform (``async_rl.generators.check_model``), in one line.
+        FileNotFoundError, ValueError: a distillation teacher that does not load (``check_teacher``).
     """
     check_data_files({"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files})
     check_model("model.path", cfg.model.path)
@@ -55,6 +56,27 @@ def check_inputs(cfg: Any) -> None:
         check_model("model.tokenizer_path", cfg.model.tokenizer_path, needs_config=False)
     # The engine's own verdict on the model (head sizes it runs here...), before any engine starts.
     engine_check_model(cfg.generator, cfg.model.path)
+    for source, spec in cfg.algorithm.distill.routes.items():
+        check_teacher("algorithm.distill." + ("teacher" if source == "*" else f"teachers[{source}]"), spec)
+
+
+def check_teacher(key: str, spec: str) -> None:
+    """Check that a distillation teacher names a model that loads here: a ``builtin:`` model, a
+    Hugging Face model directory, or a run directory with ``final_model/`` (the teacher is local:
+    it must share the student's tokenizer, checked when it loads).
+
+    Raises:
+        FileNotFoundError: no such directory.
+        ValueError: a file, or a directory that is neither of the two.
+    """
+    if spec.startswith(BUILTIN_PREFIX):
+        return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{key}={spec}: no such directory ({path.absolute()})")
+    if not ((path / "config.json").is_file() or (path / "final_model" / "config.json").is_file()):
+        raise ValueError(f"{key}={spec}: neither a Hugging Face model directory (config.json) nor a run "
+                         "directory with final_model/")
 
 
 def check_data_files(files_by_key: dict[str, list[str]]) -> None:

@@ -2,7 +2,8 @@
 
 The order of the shaping steps is part of the algorithm (DAPO shaping, the learner's extra
 passes, a KL penalty in the reward, the estimator over every scored sample, and only then the
-overlong filter on the loss mask); ``make_batch`` is the one place that fixes it.
+overlong filter on the loss mask, then the teacher's per-token term of on-policy distillation);
+``make_batch`` is the one place that fixes it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from async_rl.algorithms.advantages import AdvantageInputs, has_spread
 from async_rl.algorithms.dapo import overlong_filter_mask, overlong_reward_shaping
+from async_rl.algorithms.distill import distill_advantages
 from async_rl.algorithms.kl import apply_kl_reward_penalty, kl_penalty
 from async_rl.algorithms.logprobs import masked_mean
 from async_rl.buffers.trajectory import collate
@@ -36,7 +38,9 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
     ``token_rewards``) or from the
     sequence reward as its sum over valid tokens (sequence estimators, as verl does); the estimator
     runs on the explicit group ids over every trajectory's generated tokens; only then does DAPO
-    overlong filtering zero the loss mask (and advantages) of truncated samples. Leaving the loss
+    overlong filtering zero the loss mask (and advantages) of truncated samples; last, with a
+    teacher (``algorithm.distill``), ``distill_advantages`` adds ``-coef * (log mu - log q)`` per
+    trained token (or replaces the task advantage with it: ``task_reward=false``). Leaving the loss
     is not leaving the baseline: a truncated sample's reward still counts in its group's mean and
     std (and in whitening statistics), so filtering never changes another sample's advantage.
     Every trajectory here has a reward (samples without one were rejected and counted upstream).
@@ -54,9 +58,13 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
         ``extras`` when there is a critic) and metrics of the shaping steps.
 
     Raises:
-        ValueError: a KL penalty or a critic estimator without a learner, or the estimator's errors.
+        ValueError: a KL penalty or a critic estimator without a learner; a teacher configured
+            but trajectories without teacher log-probs (``collate``: some with, some without);
+            or the estimator's errors.
     """
     batch = collate(trajectories, pad_token_id)
+    # Only the advantage needs the teacher: its log-probs do not travel on to the learner.
+    teacher = batch.extras.pop("teacher_logprobs", None)
     metrics: dict[str, float] = {}
     rewards = batch.rewards
     if algo.overlong_buffer_frac > 0:
@@ -92,6 +100,15 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
         batch.loss_mask = batch.loss_mask * keep.unsqueeze(-1).float()
         metrics["rollout/overlong_filtered"] = float((~keep).sum())
     batch.advantages = advantages * batch.loss_mask
+    if algo.needs_teacher:
+        if teacher is None and not any(len(t.response_ids) for t in trajectories):
+            teacher = torch.zeros_like(batch.behavior_logprobs)  # no response token: nothing to score
+        if teacher is None:
+            raise ValueError("make_batch: algorithm.distill names a teacher, but the trajectories carry no "
+                             "teacher log-probs (the rollout did not go through the teacher stage)")
+        batch.advantages = distill_advantages(batch.advantages, batch.behavior_logprobs, teacher, batch.loss_mask,
+                                              algo.distill.coef, algo.distill.task_reward)
+        metrics["distill/advantage_mean"] = float(masked_mean(batch.advantages, batch.loss_mask))
     if "values" in batch.extras:
         batch.extras["returns"] = returns
         mask = batch.loss_mask.bool()

@@ -31,6 +31,7 @@ from async_rl.buffers.trajectory import Trajectory
 from async_rl.generators.base import mix_seed
 from async_rl.rewards import RewardScorer
 from async_rl.rewards.registry import dispatch_by_source, resolve_reward_spec  # noqa: F401 (re-exported)
+from async_rl.rewards.teacher import TeacherInput
 from async_rl.rewards.workers import RewardWorkers
 
 logger = logging.getLogger(__name__)
@@ -123,12 +124,94 @@ def load_reward_model(reward_cfg, num_threads: int = 0):
     return RewardModel(reward_model_path(reward_cfg), **model_kwargs(reward_cfg), num_threads=num_threads)
 
 
-def make_scorer(reward_cfg, on_error: str, score_batch=None) -> RewardScorer:
+def teacher_dir(spec: str, key: str = "algorithm.distill.teacher") -> str:
+    """The local Hugging Face directory of a teacher spec, absolute (actors need not share the
+    driver's working directory): a model directory, a run directory's ``final_model/``, or a
+    ``builtin:`` model (built on first use).
+
+    Raises:
+        ValueError: one line naming ``key``: an unknown built-in, or a path that is neither a
+            model directory (``config.json``) nor a run directory with ``final_model/``.
+    """
+    from async_rl.data.builtin import resolve
+
+    if spec.startswith("builtin:"):
+        return os.path.abspath(resolve(spec))
+    if os.path.isfile(os.path.join(spec, "config.json")):
+        return os.path.abspath(spec)
+    if os.path.isfile(os.path.join(spec, "final_model", "config.json")):
+        return os.path.abspath(os.path.join(spec, "final_model"))
+    raise ValueError(f"{key}={spec!r}: neither a Hugging Face model directory (config.json) nor a run "
+                     "directory with final_model/ (what async-rl train writes at the end of a run)")
+
+
+def teacher_routes(distill_cfg) -> dict[str, str]:
+    """``DistillConfig.routes`` with each teacher resolved to its directory (``teacher_dir``):
+    ``{data_source or "*": directory}``.
+
+    Raises:
+        ValueError: as ``teacher_dir``, naming the key (``algorithm.distill.teachers[<source>]``).
+    """
+    from async_rl.algorithms.distill import DEFAULT_TEACHER
+
+    return {source: teacher_dir(spec, "algorithm.distill." + (
+                "teacher" if source == DEFAULT_TEACHER else f"teachers[{source}]"))
+            for source, spec in distill_cfg.routes.items()}
+
+
+def check_teachers(cfg, tokenizer, sources) -> dict[str, str]:
+    """Check a run's distillation teachers before anything loads: every data source in
+    ``sources`` (the train set's) has one, each resolves to a directory, and each has the
+    student's ``tokenizer`` (tokenizers only; the models load in ``TeacherModel``).
+
+    Returns:
+        ``teacher_routes(cfg.algorithm.distill)``.
+
+    Raises:
+        ValueError: one line: the sources without a teacher; a teacher that does not resolve;
+            a teacher tokenizer other than the student's.
+    """
+    from transformers import AutoTokenizer
+
+    from async_rl.algorithms.distill import DEFAULT_TEACHER
+    from async_rl.rewards.teacher import same_vocabulary
+
+    d = cfg.algorithm.distill
+    uncovered = d.uncovered(sources)
+    if uncovered:
+        raise ValueError(f"algorithm.distill: no teacher for data source(s) {uncovered} of the train set; set "
+                         "algorithm.distill.teacher (every source) or algorithm.distill.teachers.<source>")
+    routes = teacher_routes(d)
+    for source, path in routes.items():
+        problem = same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(path))
+        if problem:
+            key = "algorithm.distill." + ("teacher" if source == DEFAULT_TEACHER else f"teachers[{source}]")
+            raise ValueError(f"{key}={path!r}: {problem}; on-policy distillation scores the student's token "
+                             "ids, so the teacher needs the student's tokenizer")
+    return routes
+
+
+def load_teacher(cfg, tokenizer_path: str, num_threads: int = 0):
+    """The ``TeacherModel`` of a run's ``algorithm.distill`` in this process (sync mode), at the
+    generator's sampling temperature.
+
+    Raises:
+        ValueError: as ``teacher_routes`` and ``TeacherModel`` (a tokenizer other than the student's).
+    """
+    from async_rl.rewards.teacher import TeacherModel
+
+    d = cfg.algorithm.distill
+    return TeacherModel(teacher_routes(d), tokenizer_path, temperature=cfg.generator.temperature,
+                        batch_size=d.batch_size, num_threads=num_threads)
+
+
+def make_scorer(reward_cfg, on_error: str, score_batch=None, teacher=None) -> RewardScorer:
     """The ``RewardScorer`` of a ``RewardConfig``: its function (none when only ``reward.model``
     is set), run in ``reward.num_workers`` worker processes under ``reward.timeout_s``
     (``RewardWorkers``, started on the first call; in-process with 0) and, with a reward model, a
     ``ModelRewardStage`` calling ``score_batch`` (``RewardModel.score`` here, or a call into the
-    reward actor). Call ``close()`` on it when done.
+    reward actor); with ``teacher`` (a ``TeacherStage``), the training samples' teacher
+    log-probs last. Call ``close()`` on it when done.
 
     Raises:
         ValueError: the spec names no reward function; a model without ``score_batch``.
@@ -147,7 +230,7 @@ def make_scorer(reward_cfg, on_error: str, score_batch=None) -> RewardScorer:
                                  with_fn=fn is not None, on_error=on_error)
     workers = (RewardWorkers(reward_cfg.fn, reward_cfg.num_workers, reward_cfg.timeout_s)
                if with_fn and reward_cfg.num_workers else None)
-    return RewardScorer(fn, on_error=on_error, model=stage, workers=workers)
+    return RewardScorer(fn, on_error=on_error, model=stage, workers=workers, teacher=teacher)
 
 
 @dataclass
@@ -317,7 +400,8 @@ def model_input(request: GroupRequest, traj: Trajectory, tokenizer):
 def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, scorer, agent,
                   on_trajectory: Callable[[Trajectory], None],
                   on_group_closed: Callable[[GroupRequest, int], None] | None = None,
-                  counts: SampleCounts | None = None, wait_scored: bool = True) -> SampleCounts:
+                  counts: SampleCounts | None = None, wait_scored: bool = True,
+                  with_teacher: bool = True) -> SampleCounts:
     """Sample every request's group and score each sample the moment it finishes (both modes).
 
     The engine's callback only submits each finished sample to ``scorer``; decoding never waits
@@ -329,7 +413,10 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
     - in-process (``reward.num_workers=0``): on the episode loop's thread as episodes end (on the
       engine's callback thread as samples finish, without an ``EpisodeLoop``);
     - with a reward model (``scorer.model``, a ``ModelRewardStage``): the function's result is
-      queued for the model, and both run on the stage's thread once the model has scored it.
+      queued for the model, and both run on the stage's thread once the model has scored it;
+    - with a teacher (``scorer.teacher``, a ``TeacherStage``, and ``with_teacher``): last, each
+      rewarded sample is queued for the teacher, and both run on its stage's thread once the
+      teacher's log-probs are set (``Trajectory.teacher_logprobs``).
 
     Args:
         engine: a ``Generator``.
@@ -351,6 +438,8 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
             (``scorer.drain()``); ``False`` (a generator actor) returns when sampling ends, so
             the next batch samples while the reward workers and model score the last one (the
             actor drains before it stops).
+        with_teacher: send the samples through ``scorer.teacher`` when it has one (training
+            rollouts); ``False`` for evaluation groups, which nothing trains on.
 
     Returns:
         ``counts``, with this call's samples added.
@@ -369,6 +458,7 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
     kept, finished = [0] * len(requests), [0] * len(requests)
 
     stage = getattr(scorer, "model", None)
+    teacher = getattr(scorer, "teacher", None) if with_teacher else None
 
     def on_sample(i: int, j: int, sample) -> None:
         # On the engine's thread: only build the trajectory and submit it; the reward arrives on
@@ -388,10 +478,20 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
 
     def scored(i: int, traj: Trajectory | None) -> None:
         if stage is None:
-            hand_on(i, traj)
+            to_teacher(i, traj)
         else:
             item = model_input(requests[i], traj, tokenizer) if traj is not None else None
-            stage.submit(item, traj, lambda t: hand_on(i, t))
+            stage.submit(item, traj, lambda t: to_teacher(i, t))
+
+    def to_teacher(i: int, traj: Trajectory | None) -> None:
+        # A rejected sample goes through the stage too: every hand_on of this call then runs on
+        # one thread, the teacher's.
+        if teacher is None:
+            hand_on(i, traj)
+        else:
+            item = (TeacherInput(requests[i].data_source, traj.prompt_ids, traj.response_ids)
+                    if traj is not None else None)
+            teacher.submit(item, traj, lambda t: hand_on(i, t))
 
     def hand_on(i: int, traj: Trajectory | None) -> None:
         if traj is None:
