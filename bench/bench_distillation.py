@@ -21,6 +21,8 @@ and the target drawn across).
     python bench/bench_distillation.py --teacher runs/teacher --steps 150 --contenders distill_sync,rl_sync
     python bench/bench_distillation.py --out /tmp/distill --report        # the table again, from the runs
     python bench/bench_distillation.py --short --out /tmp/d               # CI's form: checks the machinery
+    python bench/bench_distillation.py --config configs/longtail.yaml --teacher runs/lt_teacher \
+        --overrides model.path=runs/lt_student/final_model trainer.warm_start.steps=0
 
 Steps, not seconds, are compared: the figures do not depend on what else the machine runs.
 """
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--points", type=float, default=2.0, help="the target: the teacher's mean@k minus this many points")
     p.add_argument("--distill-overrides", nargs="*", default=["algorithm.distill.task_reward=false"])
     p.add_argument("--rl-overrides", nargs="*", default=[])
+    p.add_argument("--overrides", nargs="*", default=[],
+                   help="overrides of every contender (e.g. model.path=<a student> trainer.warm_start.steps=0)")
     p.add_argument("--report", action="store_true", help="print the table of an earlier --out and exit")
     p.add_argument("--short", action="store_true", help="CI's form: a few steps of everything")
     a = p.parse_args(argv)
@@ -177,14 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     teacher = Path(a.teacher).resolve() if a.teacher else train(
         out, "teacher", a.config, [f"trainer.total_steps={a.teacher_steps}", "trainer.eval_every_steps=0", *short],
         out / "teacher.log")
-    t_eval = evaluate_teacher(teacher, a.config, a.teacher_samples, out, short[-1:] if a.short else [])
+    # The teacher is evaluated on the contenders' held-out prompts (their data.* overrides).
+    t_eval = evaluate_teacher(teacher, a.config, a.teacher_samples, out,
+                              [o for o in [*short, *a.overrides] if o.startswith("data.")])
     k = a.teacher_samples
     result = {"teacher": {"path": str(teacher), "samples": k, "sampled": t_eval[f"eval/mean@{k}"],
                           "sampled_se": t_eval[f"eval/mean@{k}_se"], "greedy": t_eval["eval/accuracy"]},
               "points": a.points, "samples": a.eval_samples, "curves": {}, "summary": {}}
     result["target"] = result["teacher"]["sampled"] - a.points / 100
     common = [f"trainer.total_steps={a.steps}", f"trainer.eval_every_steps={a.eval_every}",
-              f"trainer.eval_samples={a.eval_samples}", *short]
+              f"trainer.eval_samples={a.eval_samples}", *short, *a.overrides]
     for name in names:
         mode = "trainer.mode=" + name.split("_")[1]
         extra = ([f"algorithm.distill.teacher={teacher}", *a.distill_overrides] if name.startswith("distill")

@@ -350,3 +350,18 @@ def test_a_run_refuses_bad_teachers_in_one_line_before_it_makes_its_directory(tm
     with pytest.raises(ValueError, match=r"algorithm.distill.teacher='.*other_tok': its tokenizer differs"):
         train(_run_cfg(tmp_path, "tokenizer", f"algorithm.distill.teacher={other}"))
     assert not any((tmp_path / name).exists() for name in ("uncovered", "missing", "tokenizer"))
+
+
+@pytest.mark.slow
+def test_vllm_engine_behavior_logprobs_meet_the_teacher_in_sync_mode(tmp_path):
+    """vLLM samples (its own log-probs are the behavior log-probs), the HF teacher scores: with
+    the teacher the student's own starting weights, the first step's reverse KL is 0 to float
+    precision, so the two score the same tokens the same way."""
+    pytest.importorskip("vllm")
+    from async_rl.trainer import train
+
+    summary = train(_run_cfg(tmp_path, "vllm", "generator.backend=vllm", "trainer.total_steps=1",
+                             "algorithm.distill.teacher=builtin:tiny-qwen2"))
+    step = _steps(tmp_path / "vllm")[1]
+    assert abs(step["distill/reverse_kl"]) < 1e-5 and step["distill/teacher_scored"] == 16
+    assert summary["distill/teacher_rejected"] == 0

@@ -48,13 +48,20 @@ from torch import Tensor
 
 from async_rl.algorithms.kl import LOG_RATIO_CLAMP
 
-__all__ = ["DISTILL_SIGNALS", "DEFAULT_TEACHER", "DistillConfig", "distill_advantages", "reverse_kl_metrics"]
+__all__ = ["DISTILL_SIGNALS", "DEFAULT_TEACHER", "DistillConfig", "distill_advantages", "reverse_kl_metrics",
+           "teacher_key"]
 
 DISTILL_SIGNALS = ("reverse_kl",)
 """Valid ``algorithm.distill.signal`` values (the module docstring says why only this one)."""
 
 DEFAULT_TEACHER = "*"
 """The key of ``DistillConfig.routes`` for sources without a teacher of their own."""
+
+
+def teacher_key(source: str) -> str:
+    """The config key a route's teacher was given under, for messages:
+    ``algorithm.distill.teacher`` for ``DEFAULT_TEACHER``, else ``algorithm.distill.teachers[<source>]``."""
+    return "algorithm.distill." + ("teacher" if source == DEFAULT_TEACHER else f"teachers[{source}]")
 
 
 @dataclass

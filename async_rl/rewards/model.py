@@ -202,30 +202,17 @@ class ModelRewardStage(BatchingStage):
             is ``weight * model`` and accuracy is NaN.
         on_error: ``zero`` or ``reject`` (``reward.on_error``).
 
-    Attributes:
-        first_error: the first failure of the model, or ``None``.
+    Its ``counts`` (reduction: sum): ``reward/model_scored`` (samples sent to the model),
+    ``reward/model_errors``, ``reward/model_rejected``, ``reward/model_truncated``.
     """
 
     def __init__(self, score_batch: Callable[[list[ModelInput]], tuple[list[float], int]], batch_size: int,
                  weight: float, with_fn: bool, on_error: str) -> None:
-        super().__init__(batch_size, "reward model")
+        # counts(): reward/model_scored (samples sent to the model), reward/model_errors,
+        # reward/model_rejected, reward/model_truncated.
+        super().__init__(batch_size, "reward model", _MODEL_METRIC_KEYS)
         self.score_batch, self.weight = score_batch, weight
         self.with_fn, self.on_error = with_fn, on_error
-        self.first_error: str | None = None
-        self._counts = dict.fromkeys(_MODEL_METRIC_KEYS, 0)
-        self._popped = dict(self._counts)
-
-    def counts(self) -> dict[str, float]:
-        """Totals since construction (reduction: sum): ``reward/model_scored`` (samples sent to
-        the model), ``reward/model_errors``, ``reward/model_rejected``, ``reward/model_truncated``."""
-        with self._lock:
-            return {k: float(v) for k, v in self._counts.items()}
-
-    def pop_metrics(self) -> dict[str, float]:
-        """The ``counts`` since the previous call (reduction: sum over the window)."""
-        with self._lock:
-            now, before, self._popped = dict(self._counts), self._popped, dict(self._counts)
-        return {k: float(now[k] - before[k]) for k in _MODEL_METRIC_KEYS}
 
     def _finish(self, batch: list[tuple[ModelInput, Any, Callable]]) -> None:
         live = [(item, traj, done) for item, traj, done in batch if traj is not None]

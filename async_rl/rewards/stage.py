@@ -23,6 +23,11 @@ class BatchingStage:
     Args:
         batch_size: most samples per ``_finish`` call (>= 1).
         name: the stage's name, for its thread and its errors (``"reward model"``, ``"teacher"``).
+        metric_keys: the counters of ``counts`` and ``pop_metrics`` (subclasses add to
+            ``self._counts[key]`` under ``self._lock``).
+
+    Attributes:
+        first_error: the stage's first failure (what the subclass recorded), or ``None``.
 
     Subclasses implement ``_finish(batch)``, ``batch`` a list of ``(item, traj, done)`` in
     submission order: score the items, and call every ``done(traj or None)`` (``None``: the
@@ -30,8 +35,12 @@ class BatchingStage:
     of the stage or of a ``done`` callback and stops the stage (``drain`` and ``submit`` raise it).
     """
 
-    def __init__(self, batch_size: int, name: str) -> None:
+    def __init__(self, batch_size: int, name: str, metric_keys: tuple[str, ...] = ()) -> None:
         self.batch_size, self.name = batch_size, name
+        self.first_error: str | None = None
+        self._metric_keys = metric_keys
+        self._counts: dict[str, float] = dict.fromkeys(metric_keys, 0)
+        self._popped = dict(self._counts)
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
@@ -66,6 +75,17 @@ class BatchingStage:
             self._idle.wait_for(lambda: self._pending == 0 or self._crash is not None)
             if self._crash is not None:
                 raise RuntimeError(f"the {self.name} stage stopped: {self._crash}") from self._crash
+
+    def counts(self) -> dict[str, float]:
+        """Totals of the stage's counters since construction (reduction: sum)."""
+        with self._lock:
+            return {k: float(v) for k, v in self._counts.items()}
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The ``counts`` since the previous call (reduction: sum over the window)."""
+        with self._lock:
+            now, before, self._popped = dict(self._counts), self._popped, dict(self._counts)
+        return {k: float(now[k] - before[k]) for k in self._metric_keys}
 
     def _run(self) -> None:
         while True:

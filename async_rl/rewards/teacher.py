@@ -39,14 +39,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from async_rl.algorithms.distill import DEFAULT_TEACHER as DEFAULT_ROUTE
+from async_rl.algorithms.distill import DEFAULT_TEACHER, teacher_key
 from async_rl.rewards.stage import BatchingStage
 
-__all__ = ["TeacherInput", "TeacherModel", "TeacherStage", "same_vocabulary"]
+__all__ = ["SAME_TOKENIZER", "TeacherInput", "TeacherModel", "TeacherStage", "same_vocabulary"]
 
 logger = logging.getLogger(__name__)
 
 _NUM_FULL_LOGS = 5
+
+SAME_TOKENIZER = "on-policy distillation scores the student's token ids, so the teacher needs the student's tokenizer"
+"""The end of the one-line refusal of a teacher whose tokenizer is not the student's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +118,10 @@ class TeacherModel:
         for source, path in self.routes.items():
             if path in self.models:
                 continue
-            key = "algorithm.distill." + ("teacher" if source == DEFAULT_ROUTE else f"teachers[{source}]")
+            key = teacher_key(source)
             problem = same_vocabulary(student, AutoTokenizer.from_pretrained(path))
             if problem:
-                raise ValueError(f"{key}={path!r}: {problem}; on-policy distillation scores the student's "
-                                 "token ids, so the teacher needs the student's tokenizer")
+                raise ValueError(f"{key}={path!r}: {problem}; {SAME_TOKENIZER}")
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
             rows = model.get_input_embeddings().weight.shape[0]
             if rows < len(student):
@@ -135,7 +137,7 @@ class TeacherModel:
             ValueError: no teacher for that source (the run's check of its train set's sources
                 makes this a bug, not bad input).
         """
-        path = self.routes.get(data_source) or self.routes.get(DEFAULT_ROUTE)
+        path = self.routes.get(data_source) or self.routes.get(DEFAULT_TEACHER)
         if path is None:
             raise ValueError(f"no teacher for data source {data_source!r} (algorithm.distill.teachers has "
                              f"{sorted(self.routes)})")
@@ -204,30 +206,15 @@ class TeacherStage(BatchingStage):
             ``TeacherModel.logprobs``, or a call into the teacher actor.
         batch_size: most samples per call (``algorithm.distill.batch_size``).
 
-    Attributes:
-        first_error: the first failure of the teacher, or ``None``.
+    Its ``counts`` (reduction: sum): ``distill/teacher_scored`` (samples sent),
+    ``distill/teacher_errors`` and ``distill/teacher_rejected`` (samples whose call failed, all
+    rejected), ``distill/teacher_tokens`` (response tokens scored) and ``distill/teacher_s``
+    (seconds in teacher calls, off the decoding and learner threads).
     """
 
     def __init__(self, score_batch: Callable[[list[TeacherInput]], list[np.ndarray]], batch_size: int) -> None:
-        super().__init__(batch_size, "teacher")
+        super().__init__(batch_size, "teacher", _TEACHER_METRIC_KEYS)
         self.score_batch = score_batch
-        self.first_error: str | None = None
-        self._counts: dict[str, float] = dict.fromkeys(_TEACHER_METRIC_KEYS, 0)
-        self._popped = dict(self._counts)
-
-    def counts(self) -> dict[str, float]:
-        """Totals since construction (reduction: sum): ``distill/teacher_scored`` (samples sent),
-        ``distill/teacher_errors`` and ``distill/teacher_rejected`` (samples whose call failed,
-        all rejected), ``distill/teacher_tokens`` (response tokens scored) and
-        ``distill/teacher_s`` (seconds in teacher calls, off the decoding and learner threads)."""
-        with self._lock:
-            return {k: float(v) for k, v in self._counts.items()}
-
-    def pop_metrics(self) -> dict[str, float]:
-        """The ``counts`` since the previous call (reduction: sum over the window)."""
-        with self._lock:
-            now, before, self._popped = dict(self._counts), self._popped, dict(self._counts)
-        return {k: float(now[k] - before[k]) for k in _TEACHER_METRIC_KEYS}
 
     def _finish(self, batch: list[tuple[TeacherInput, Any, Callable]]) -> None:
         live = [(item, traj, done) for item, traj, done in batch if traj is not None]

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from async_rl.algorithms.distill import teacher_key
 from async_rl.data.builtin import BUILTIN_PREFIX
 from async_rl.generators import check_model as engine_check_model
 
@@ -57,7 +58,7 @@ def check_inputs(cfg: Any) -> None:
     # The engine's own verdict on the model (head sizes it runs here...), before any engine starts.
     engine_check_model(cfg.generator, cfg.model.path)
     for source, spec in cfg.algorithm.distill.routes.items():
-        check_teacher("algorithm.distill." + ("teacher" if source == "*" else f"teachers[{source}]"), spec)
+        check_teacher(teacher_key(source), spec)
 
 
 def check_teacher(key: str, spec: str) -> None:

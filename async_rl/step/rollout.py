@@ -152,11 +152,9 @@ def teacher_routes(distill_cfg) -> dict[str, str]:
     Raises:
         ValueError: as ``teacher_dir``, naming the key (``algorithm.distill.teachers[<source>]``).
     """
-    from async_rl.algorithms.distill import DEFAULT_TEACHER
+    from async_rl.algorithms.distill import teacher_key
 
-    return {source: teacher_dir(spec, "algorithm.distill." + (
-                "teacher" if source == DEFAULT_TEACHER else f"teachers[{source}]"))
-            for source, spec in distill_cfg.routes.items()}
+    return {source: teacher_dir(spec, teacher_key(source)) for source, spec in distill_cfg.routes.items()}
 
 
 def check_teachers(cfg, tokenizer, sources) -> dict[str, str]:
@@ -173,8 +171,8 @@ def check_teachers(cfg, tokenizer, sources) -> dict[str, str]:
     """
     from transformers import AutoTokenizer
 
-    from async_rl.algorithms.distill import DEFAULT_TEACHER
-    from async_rl.rewards.teacher import same_vocabulary
+    from async_rl.algorithms.distill import teacher_key
+    from async_rl.rewards.teacher import SAME_TOKENIZER, same_vocabulary
 
     d = cfg.algorithm.distill
     uncovered = d.uncovered(sources)
@@ -185,9 +183,7 @@ def check_teachers(cfg, tokenizer, sources) -> dict[str, str]:
     for source, path in routes.items():
         problem = same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(path))
         if problem:
-            key = "algorithm.distill." + ("teacher" if source == DEFAULT_TEACHER else f"teachers[{source}]")
-            raise ValueError(f"{key}={path!r}: {problem}; on-policy distillation scores the student's token "
-                             "ids, so the teacher needs the student's tokenizer")
+            raise ValueError(f"{teacher_key(source)}={path!r}: {problem}; {SAME_TOKENIZER}")
     return routes
 
 
