@@ -75,8 +75,9 @@ def evaluate_teacher(teacher: Path, config: str, samples: int, out: Path, extra:
 
 
 def curve_of(run_dir: Path, samples: int) -> list[dict]:
-    """The run's evaluations in step order: ``step``, ``sampled`` (mean@k), ``greedy``,
-    ``policy_version`` and the step's ``reverse_kl`` to the teacher where logged."""
+    """The run's evaluations in step order: ``step`` (the step whose policy it measured: an
+    evaluation on the async pool's ``eval/started_step``), ``sampled`` (mean@k), ``greedy``,
+    ``policy_version`` and that step's ``reverse_kl`` to the teacher where logged."""
     kl: dict[int, float] = {}
     points = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -84,7 +85,10 @@ def curve_of(run_dir: Path, samples: int) -> list[dict]:
         if "distill/reverse_kl" in rec:
             kl[rec["step"]] = rec["distill/reverse_kl"]
         if f"eval/mean@{samples}" in rec:
-            points.append({"step": rec["step"], "rl_s": rec.get("time_s", 0.0), "sampled": rec[f"eval/mean@{samples}"],
+            # An evaluation on the async pool is logged when it ends; it measured the policy of
+            # the step it started after (eval/started_step).
+            step = int(rec.get("eval/started_step", rec["step"]))
+            points.append({"step": step, "rl_s": rec.get("time_s", 0.0), "sampled": rec[f"eval/mean@{samples}"],
                            "greedy": rec["eval/accuracy"], "policy_version": rec.get("eval/policy_version")})
     for p in points:
         p["reverse_kl"] = kl.get(p["step"])

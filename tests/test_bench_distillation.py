@@ -44,11 +44,15 @@ def test_curve_of_reads_evaluations_and_the_reverse_kl_of_their_step(tmp_path):
     lines = [{"step": 0, "eval/accuracy": 0.3, "eval/mean@4": 0.25, "time_s": 1.0},
              {"step": 1, "distill/reverse_kl": 1.5, "time_s": 2.0},
              {"step": 2, "distill/reverse_kl": 1.2, "eval/accuracy": 0.5, "eval/mean@4": 0.4,
-              "eval/policy_version": 2.0, "time_s": 3.0}]
+              "eval/policy_version": 2.0, "time_s": 3.0},
+             {"step": 3, "distill/reverse_kl": 1.1, "policy/version": 3.0},
+             # an evaluation on the async pool, started after step 3, logged when it ended at step 4
+             {"step": 4, "eval/accuracy": 0.6, "eval/mean@4": 0.45, "eval/started_step": 3.0},
+             {"step": 4, "distill/reverse_kl": 1.0, "policy/version": 4.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     curve = b.curve_of(tmp_path, 4)
-    assert [(p["step"], p["sampled"], p["greedy"], p["reverse_kl"]) for p in curve] == [(0, 0.25, 0.3, None),
-                                                                                         (2, 0.4, 0.5, 1.2)]
+    assert [(p["step"], p["sampled"], p["greedy"], p["reverse_kl"]) for p in curve] == [
+        (0, 0.25, 0.3, None), (2, 0.4, 0.5, 1.2), (3, 0.45, 0.6, 1.1)]
 
 
 def test_report_names_the_target_and_every_contender():

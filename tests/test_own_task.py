@@ -67,7 +67,7 @@ def _line_of(source: str, start: str) -> int:
 def _steps(tmp_path) -> list[dict]:
     path = tmp_path / "run" / "metrics.jsonl"
     lines = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
-    return [l for l in lines if l["step"] >= 1]
+    return [l for l in lines if l["step"] >= 1 and "policy/version" in l]
 
 
 # ------------------------------------------------------------------------ warm-start reference field

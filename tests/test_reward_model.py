@@ -201,7 +201,7 @@ def _run_cfg(tmp_path, classifier_dir, *extra):
 
 def _steps(tmp_path):
     lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    return [l for l in lines if l["step"] >= 1]
+    return [l for l in lines if l["step"] >= 1 and "policy/version" in l]
 
 
 @pytest.mark.slow
