@@ -7,6 +7,8 @@ learner trains."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -55,7 +57,7 @@ def _request(gid: int, n: int = 2, params=None) -> GroupRequest:
 
 
 def test_the_broker_hands_out_evaluation_groups_only_when_no_training_request_waits():
-    broker = RequestBroker()
+    broker = RequestBroker()  # one worker: idle in take is the whole pool idle
     broker.put_eval([_request(-10 + i, 1, GREEDY) for i in range(5)])
     broker.put_many([_request(0), _request(1)])
     assert broker.qsize() == 2  # evaluation groups are not the ledger's queue
@@ -64,17 +66,57 @@ def test_the_broker_hands_out_evaluation_groups_only_when_no_training_request_wa
     evals = broker.take((0, 0), max_samples=3, timeout_s=0.1)  # idle: evaluation, up to the engine batch
     assert [r.group_id for r in evals] == [-10, -9, -8]
     assert broker.claimed() == {(0, 0): [0, 1]}  # evaluation groups are never claimed
-    # One worker evaluates at a time: another gets none while (0, 0) samples its share ...
-    assert broker.take((1, 0), 64, 0.05) == []
     broker.put_many([_request(2)])
-    assert [r.group_id for r in broker.take((1, 0), 64, 0.1)] == [2]  # ... but training, first
-    # ... and once (0, 0) asks again, its evaluation groups are done: the next share is anyone's.
+    # Back for more: training first, then the evaluation's next share.
+    assert [r.group_id for r in broker.take((0, 0), 64, 0.1)] == [2]
     assert [r.group_id for r in broker.take((0, 0), 1, 0.1)] == [-7]
-    assert broker.take((1, 0), 64, 0.05) == []  # (0, 0) is evaluating again
-    broker.reclaim((0, 0))  # a dead worker frees the evaluation
-    assert [r.group_id for r in broker.take((1, 0), 1, 0.1)] == [-6]
-    assert broker.drop_eval() == 0 and broker.take((1, 0), 64, 0.05) == []
-    assert broker.EVAL_TAKE_SAMPLES >= 8  # at least one at-8 group per take
+    assert broker.drop_eval() == 1 and broker.take((0, 0), 64, 0.05) == []
+    # At most EVAL_TAKE_SAMPLES samples a take, but always one whole group.
+    broker.put_eval([_request(-20, 16, AT_K.params), _request(-21, 4, AT_K.params), _request(-22, 8, AT_K.params)])
+    assert [r.group_id for r in broker.take((0, 0), 64, 0.1)] == [-20]
+    assert [r.group_id for r in broker.take((0, 0), 64, 0.1)] == [-21]  # 4 + 8 > EVAL_TAKE_SAMPLES
+    assert broker.EVAL_TAKE_SAMPLES == 8
+
+
+def _take_in_thread(broker: RequestBroker, worker: tuple[int, int], timeout_s: float):
+    out: list = []
+    thread = threading.Thread(target=lambda: out.extend(broker.take(worker, 64, timeout_s)))
+    thread.start()
+    return thread, out
+
+
+def test_an_evaluation_waits_until_every_live_worker_is_idle():
+    """With two workers, evaluation groups go out only while both wait in take: a worker busy
+    with training is not left alone with the training requests that arrive meanwhile."""
+    broker = RequestBroker(num_workers=2)
+    broker.put_eval([_request(-10 + i, 8, AT_K.params) for i in range(4)])  # one group a take
+    assert broker.take((0, 0), 64, 0.05) == []  # (1, 0) is busy (not in take): no evaluation
+    waiting, got = _take_in_thread(broker, (1, 0), 0.5)  # (1, 0) becomes idle ...
+    time.sleep(0.05)
+    mine = broker.take((0, 0), 64, 0.2)  # ... so one of the two takes the evaluation's share
+    waiting.join()
+    assert sorted(r.group_id for r in mine + got) == [-10]
+    evaluating = (0, 0) if mine else (1, 0)
+    other = (1, 0) if mine else (0, 0)
+    # One worker evaluates at a time; a training request goes to the other at once.
+    assert broker.take(other, 64, 0.05) == []
+    broker.put_many([_request(0)])
+    assert [r.group_id for r in broker.take(other, 64, 0.1)] == [0]
+    # A reclaimed worker leaves the pool one worker smaller: the survivor alone is all of it idle.
+    broker.reclaim(other)
+    assert [r.group_id for r in broker.take(evaluating, 64, 0.1)] == [-9]
+    assert broker.take(other, 64, 0.05) == []  # the dead incarnation gets nothing, and is not idle
+    # Its replacement (next incarnation) counts again from its first take: busy, no evaluation ...
+    broker.put_many([_request(1)])
+    assert [r.group_id for r in broker.take((other[0], 1), 64, 0.1)] == [1]
+    assert broker.take(evaluating, 64, 0.05) == []
+    waiting, got = _take_in_thread(broker, (other[0], 1), 0.5)  # ... until it waits in take too
+    time.sleep(0.05)
+    mine = broker.take(evaluating, 64, 0.2)
+    waiting.join()
+    assert sorted(r.group_id for r in mine + got) == [-8]
+    with pytest.raises(ValueError, match="num_workers"):
+        RequestBroker(num_workers=0)
 
 
 def test_an_evaluation_collects_its_groups_and_tags_the_versions_it_measured():

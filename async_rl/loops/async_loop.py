@@ -118,7 +118,7 @@ class AsyncLoop:
         # On the trainer's node: a generator node that goes down does not take the queue with it.
         self.broker = ray.remote(num_cpus=0, max_concurrency=2 * g_cfg.num_workers + 8)(RequestBroker).options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        ).remote()
+        ).remote(g_cfg.num_workers)
         self.num_dynamic_dropped = 0
         self.num_trained_groups = 0
         self.trained_by_generator: dict[int, int] = {}  # trained samples per actor index

@@ -4,7 +4,7 @@ time, while the learner keeps training.
 An evaluation in async mode on the trainer's colocated engine stops the learner for as long as
 it samples. ``PoolEvaluation`` instead hands the held-out prompts to the pool as evaluation groups
 (``RequestBroker.put_eval``: each group with its own sampling settings, handed out only while no
-training request waits), routes their trajectories away from the replay buffer as they arrive
+training request waits and every live generator actor is idle), routes their trajectories away from the replay buffer as they arrive
 (``Intake``'s ``eval_sink``), and once every group is closed computes the same metrics as the
 colocated evaluation (``async_rl.step.evaluation.eval_metrics``). They are logged with the step at
 which they complete, tagged with what they measured: ``eval/policy_version`` (the oldest version
