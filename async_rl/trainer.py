@@ -261,7 +261,7 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     # Sync mode scores with it; async mode only evaluates with it (the workers use the reward actor).
     reward_model = load_reward_model(cfg.reward) if cfg.reward.model else None
     # Sync mode's teacher scores in this process; async mode's in the teacher actor (AsyncLoop).
-    teacher = (TeacherStage(load_teacher(cfg, tokenizer_path).logprobs, cfg.algorithm.distill.batch_size)
+    teacher = (TeacherStage(load_teacher(cfg, tokenizer_path).scores, cfg.algorithm.distill.batch_size)
                if cfg.algorithm.needs_teacher and cfg.trainer.mode == "sync" else None)
     with started_on(service):  # Ray's processes and this process's Ray threads
         cluster = Cluster.start(cfg) if uses_ray(cfg) else None

@@ -3,36 +3,40 @@
 Used by both ends of ``async_rl.buffers.transport``: a sender encodes, the receiver decodes and
 checks. It knows no socket, so the in-process channel of the tests runs the same bytes.
 
-Wire format (schema version 5; msgpack, never pickle). A message is one ZeroMQ frame::
+Wire format (schema version 6; msgpack, never pickle). A message is one ZeroMQ frame::
 
     | header length H: uint32 LE | msgpack header (H bytes) | zero pad to a multiple of 8 | body |
 
-The header is a msgpack map. A data message is ``{"schema": 5, "kind": "trajectories",
+The header is a msgpack map. A data message is ``{"schema": 6, "kind": "trajectories",
 "group_id": None or g, "trajectories": [t_0, ..., t_{k-1}]}``: ``k >= 1`` trajectories, or, with
 an integer ``group_id`` (a ``TrajectoryGroup``: every kept trajectory of group ``g``), ``k >= 0``
 of them that also close group ``g`` with ``k`` kept. Each ``t_i`` is a msgpack array of the
 trajectory's other fields, in this order: ``trajectory_id``, ``group_id``, ``prompt_uid``,
 ``generator_id``, ``finish_reason``, ``reward`` (float64), ``reward_extras`` (str -> float64),
-``response_text``, ``num_prompt_tokens`` (P_i), ``num_response_tokens`` (R_i) and
+``response_text``, ``num_prompt_tokens`` (P_i), ``num_response_tokens`` (R_i),
 ``num_teacher_tokens`` (T_i: R_i when the trajectory carries the teacher's log-probs of on-policy
-distillation, else 0). With ``P = sum P_i``, ``R = sum R_i`` and ``T = sum T_i`` the body holds
-the per-token fields of all ``k`` trajectories, each field's arrays back to back in trajectory
-order, as raw little-endian arrays in the dtypes the ``Trajectory`` holds
-(``PER_TOKEN_DTYPES``), 8-byte dtypes first so every array is aligned:
+distillation, else 0) and ``teacher_top_k`` (K_i: the width of the teacher's top-k a position,
+0 without). With ``P = sum P_i``, ``R = sum R_i``, ``T = sum T_i`` and ``Q = sum R_i K_i`` the
+body holds the per-token fields of all ``k`` trajectories, each field's arrays back to back in
+trajectory order, as raw little-endian arrays in the dtypes the ``Trajectory`` holds
+(``PER_TOKEN_DTYPES``; the ``[R_i, K_i]`` top-k pair row-major), 8-byte dtypes first so every
+array is aligned:
 
-=======================  =======================  ======  ====================
-body field, in order     dtype                    length  byte offset
-=======================  =======================  ======  ====================
-``behavior_logprobs``    float64 (``<f8``)        R       0
-``teacher_logprobs``     float64 (``<f8``)        T       8R
-``policy_version``       int64   (``<i8``)        R       8R + 8T
-``prompt_ids``           int32   (``<i4``)        P       16R + 8T
-``response_ids``         int32   (``<i4``)        R       16R + 8T + 4P
-``loss_mask``            uint8   (``u1``)         R       20R + 8T + 4P
-=======================  =======================  ======  ====================
+=========================  =======================  ======  ====================
+body field, in order       dtype                    length  byte offset
+=========================  =======================  ======  ====================
+``behavior_logprobs``      float64 (``<f8``)        R       0
+``teacher_logprobs``       float64 (``<f8``)        T       8R
+``policy_version``         int64   (``<i8``)        R       8R + 8T
+``prompt_ids``             int32   (``<i4``)        P       16R + 8T
+``response_ids``           int32   (``<i4``)        R       16R + 8T + 4P
+``teacher_topk_ids``       int32   (``<i4``)        Q       20R + 8T + 4P
+``teacher_topk_logprobs``  float32 (``<f4``)        Q       20R + 8T + 4P + 4Q
+``loss_mask``              uint8   (``u1``)         R       20R + 8T + 4P + 8Q
+=========================  =======================  ======  ====================
 
-The body is 21R + 8T + 4P bytes, exactly. A second message kind closes a group whose samples
-were all rejected, or travels on its own: ``{"schema": 5, "kind": "group_closed", "group_id": g,
+The body is 21R + 8T + 4P + 8Q bytes, exactly. A second message kind closes a group whose samples
+were all rejected, or travels on its own: ``{"schema": 6, "kind": "group_closed", "group_id": g,
 "num_kept": k}`` with an empty body. The buffer's ``close_group`` accepts a closure in any order
 relative to the group's trajectories.
 
@@ -42,14 +46,17 @@ body with ``np.frombuffer``: a received trajectory's arrays are read-only views 
 Layout checks void the whole message (one counted, logged rejection): the frame count, the
 header length, msgpack, the schema version, the kind and fields, each trajectory header's
 length, field types and non-negative counts, each ``num_teacher_tokens`` 0 or that trajectory's
-``num_response_tokens``, and the body size against the counts; when any of these fails no offset
+``num_response_tokens``, each ``teacher_top_k`` >= 0 (0 without a response token), and the body
+size against the counts; when any of these fails no offset
 in the message can be trusted. Value checks are per trajectory, so a trajectory that would crash
 or poison a step is one counted, logged rejection and the rest of its message is kept:
 ``trajectory_id`` ends in ``/<index in group>`` (the learner orders a group by it), at least one
 prompt token, token ids >= 0, ``behavior_logprobs`` neither NaN nor +inf (-inf is kept: the
 losses clamp log-ratios), ``teacher_logprobs`` finite (neither NaN nor +inf nor -inf: the
 distillation term is the teacher's minus the student's log-prob, and an infinite teacher
-log-prob is a teacher's fault, not a signal: the term would sit at its +-20-nat clamp), ``loss_mask`` values 0 or 1, policy
+log-prob is a teacher's fault, not a signal: the term would sit at its +-20-nat clamp), the
+teacher's top-k ids >= 0 and its top-k log-probs finite and <= 0 (1e-6 of float32 round-off
+allowed), ``loss_mask`` values 0 or 1, policy
 versions >= 0, a finite ``reward`` and finite ``reward_extras`` values, and in a group message
 the group's id. (Token ids past the vocabulary cannot be checked here: the transport does not
 know the model.) The array checks run once per message, vectorised over all its trajectories
@@ -57,7 +64,8 @@ know the model.) The array checks run once per message, vectorised over all its 
 trajectory of a group leaves the group one sample short, so the buffer never completes it,
 exactly as when it travelled alone and was refused. A message of another schema version (schema
 4: the same framing, 10 fields per trajectory header; schema 3 and older: one msgpack map, no
-length prefix) is refused with one line naming both versions.
+length prefix; schema 5: 11 fields per trajectory header, no top-k) is refused with one line
+naming both versions.
 
 History: schema 2 carried the arrays as msgpack ext types and the receiver turned them back
 into Python lists (0.15-0.19x raw ZeroMQ's messages/s in ``bench/bench_transport.py``); schema 3
@@ -66,7 +74,9 @@ with fixed per-message Python work in the decoder); schema 4 keeps them out of m
 frame in place, checks a message's arrays in three reductions and lets a generator send a whole
 group as one message. Schema 5 adds the teacher's log-probs for on-policy distillation
 (``num_teacher_tokens`` and the ``teacher_logprobs`` body field; a run without a teacher sends
-every T_i = 0, one more header byte per trajectory than schema 4). Schema 2 added
+every T_i = 0, one more header byte per trajectory than schema 4). Schema 6 adds the teacher's
+top-k next-token distribution (``teacher_top_k`` and the two ``teacher_topk_*`` body fields, 8
+bytes an entry; K_i = 0 otherwise, one more header byte per trajectory). Schema 2 added
 ``generator_id`` (the actor that sampled it).
 
 Why this layout: raw arrays avoid encoding 1000s of numbers one msgpack item at a time, and one
@@ -92,7 +102,7 @@ import numpy as np
 
 from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, Trajectory, per_token_array
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Version of the wire format above; bump it on any change to the fields, their encoding or the framing."""
 
 _NUM_FRAMES = 1
@@ -104,27 +114,38 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "trajectory_id": (str,), "group_id": (int,), "prompt_uid": (str,), "generator_id": (int,),
     "finish_reason": (str,), "reward": (float, int), "reward_extras": (dict,), "response_text": (str,),
     "num_prompt_tokens": (int,), "num_response_tokens": (int,), "num_teacher_tokens": (int,),
+    "teacher_top_k": (int,),
 }
 _FIELD_NAMES = tuple(_FIELD_TYPES)
 # The common case in one comparison (a float reward); anything else takes the per-field loop.
 _USUAL_TYPES = tuple(kinds[0] for kinds in _FIELD_TYPES.values())
-_TID, _GID, _UID, _GEN, _FINISH, _REWARD, _EXTRAS, _TEXT, _P, _R, _T = range(len(_FIELD_TYPES))
+_TID, _GID, _UID, _GEN, _FINISH, _REWARD, _EXTRAS, _TEXT, _P, _R, _T, _K = range(len(_FIELD_TYPES))
 _HEADER_FIELDS = frozenset({"schema", "kind", "group_id", "trajectories"})
 # Body order: 8-byte dtypes first, so every array starts aligned when the body does.
 _F8, _I8, _I4, _U1 = (PER_TOKEN_DTYPES[n] for n in ("behavior_logprobs", "policy_version", "prompt_ids", "loss_mask"))
 _BYTES_PER_RESPONSE_TOKEN = _F8.itemsize + _I8.itemsize + _I4.itemsize + _U1.itemsize  # 21
 _BYTES_PER_TEACHER_TOKEN = _F8.itemsize  # 8
 _BYTES_PER_PROMPT_TOKEN = _I4.itemsize  # 4
+_F4 = np.dtype("<f4")
+_BYTES_PER_TOPK_ENTRY = _I4.itemsize + _F4.itemsize  # 8: an id and its log-prob
 _PAD = bytes(7)
-_BODY_ORDER = ("behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask")
+_BODY_ORDER = ("behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids",
+               "teacher_topk_ids", "teacher_topk_logprobs", "loss_mask")
 """Body fields in order; each is the concatenation over the message's trajectories."""
-_BODY_DTYPES = tuple(PER_TOKEN_DTYPES[name] for name in _BODY_ORDER)
+_PER_TOKEN_ORDER = tuple(name for name in _BODY_ORDER if name in PER_TOKEN_DTYPES)
+"""The 1-D per-token fields among them (the top-k pair is ``[R, K]``, sent flat)."""
+_PER_TOKEN_BODY_DTYPES = tuple(PER_TOKEN_DTYPES[name] for name in _PER_TOKEN_ORDER)
 _ndarray = np.ndarray
 _STR, _FLOAT = frozenset({str}), frozenset({float})
 # Reductions called directly: ``ndarray.min()`` adds a Python-level wrapper per call.
 _min, _max = np.minimum.reduce, np.maximum.reduce
 _frombuffer, _isfinite, _from_checked = np.frombuffer, math.isfinite, Trajectory.from_checked
+_NO_I4, _NO_F4 = np.zeros(0, dtype=_I4), np.zeros(0, dtype=np.dtype("<f4"))
+_NO_TOPK_IDS, _NO_TOPK_LPS = np.zeros((0, 0), dtype=_I4), np.zeros((0, 0), dtype=np.dtype("<f4"))
 
+
+_MAX_LOGPROB = 1e-6
+"""Largest teacher top-k log-prob accepted: 0 up to float32 round-off."""
 
 _TRAJECTORY_ID = re.compile(r".*/[0-9]+", re.DOTALL)
 """``"<group>/<index in group>"``: the learner sorts a group's samples by the index."""
@@ -223,7 +244,23 @@ def _refuse_old_schema(view: memoryview) -> None:
             "(sender and receiver run different async-rl versions?)")
 
 
-def _trajectory_header(traj: Trajectory) -> list[Any]:
+def _topk_arrays(traj: Trajectory) -> tuple[np.ndarray, np.ndarray, int]:
+    """The trajectory's teacher top-k as flat ``<i4`` ids and ``<f4`` log-probs, and K (0: none).
+
+    Raises:
+        ValueError: shapes other than ``[R, K]`` for both (reassigned after construction).
+    """
+    ids, lps = np.asarray(traj.teacher_topk_ids), np.asarray(traj.teacher_topk_logprobs)
+    if not ids.size and not lps.size:
+        return _NO_I4, _NO_F4, 0
+    if ids.shape != lps.shape or ids.ndim != 2 or ids.shape[0] != len(traj.response_ids):
+        raise ValueError(f"trajectory {traj.trajectory_id}: teacher_topk_ids {ids.shape} and teacher_topk_logprobs "
+                         f"{lps.shape} must both be [{len(traj.response_ids)}, K]")
+    return (np.ascontiguousarray(ids, dtype=_I4).reshape(-1), np.ascontiguousarray(lps, dtype=_F4).reshape(-1),
+            int(ids.shape[1]))
+
+
+def _trajectory_header(traj: Trajectory, top_k: int) -> list[Any]:
     num_response, num_teacher = len(traj.response_ids), len(traj.teacher_logprobs)
     if num_teacher and num_teacher != num_response:  # reassigned after construction: would void a whole group
         raise ValueError(f"trajectory {traj.trajectory_id}: teacher_logprobs has {num_teacher} values for "
@@ -233,11 +270,11 @@ def _trajectory_header(traj: Trajectory) -> list[Any]:
     except (TypeError, ValueError) as e:
         raise ValueError(f"trajectory {traj.trajectory_id}: reward_extras must map str -> float ({e})") from e
     return [traj.trajectory_id, int(traj.group_id), traj.prompt_uid, int(traj.generator_id), traj.finish_reason,
-            float(traj.reward), extras, traj.response_text, len(traj.prompt_ids), num_response, num_teacher]
+            float(traj.reward), extras, traj.response_text, len(traj.prompt_ids), num_response, num_teacher, top_k]
 
 
 def encode_trajectories(trajectories: Sequence[Trajectory], group_id: int | None = None) -> list[bytes]:
-    """Encode trajectories as one schema-5 message (module docstring).
+    """Encode trajectories as one schema-6 message (module docstring).
 
     Args:
         trajectories: the trajectories; at least one unless ``group_id`` is given. Their
@@ -253,7 +290,8 @@ def encode_trajectories(trajectories: Sequence[Trajectory], group_id: int | None
         ValueError: a per-token field its wire dtype cannot hold (``per_token_array``: a token
             id outside int32, a ``loss_mask`` value outside 0..255, a non-integer in an integer
             field, not a flat sequence of numbers), a non-numeric ``reward_extras`` value, a
-            ``teacher_logprobs`` of neither 0 nor R values (reassigned after construction), no
+            ``teacher_logprobs`` of neither 0 nor R values or a teacher top-k not ``[R, K]``
+            (reassigned after construction), no
             trajectory without a ``group_id``, or a trajectory of another group than ``group_id``.
     """
     if group_id is None and not trajectories:
@@ -262,15 +300,17 @@ def encode_trajectories(trajectories: Sequence[Trajectory], group_id: int | None
     for traj in trajectories:
         if group_id is not None and traj.group_id != group_id:
             raise ValueError(f"trajectory {traj.trajectory_id} of group {traj.group_id} sent in group {group_id}")
-        headers.append(_trajectory_header(traj))
-        held = [getattr(traj, name) for name in _BODY_ORDER]
+        topk_ids, topk_lps, top_k = _topk_arrays(traj)
+        headers.append(_trajectory_header(traj, top_k))
+        held = [getattr(traj, name) for name in _PER_TOKEN_ORDER]
         if not all(type(a) is _ndarray and a.dtype == dt and a.ndim == 1 and a.flags.c_contiguous
-                   for a, dt in zip(held, _BODY_DTYPES)):  # a field reassigned after construction
-            held = [per_token_array(a, name, traj.trajectory_id) for a, name in zip(held, _BODY_ORDER)]
-        arrays.append(held)
+                   for a, dt in zip(held, _PER_TOKEN_BODY_DTYPES)):  # a field reassigned after construction
+            held = [per_token_array(a, name, traj.trajectory_id) for a, name in zip(held, _PER_TOKEN_ORDER)]
+        fields_ = dict(zip(_PER_TOKEN_ORDER, held), teacher_topk_ids=topk_ids, teacher_topk_logprobs=topk_lps)
+        arrays.append([fields_[name] for name in _BODY_ORDER])
     # All trajectories' arrays of one field back to back, fields in _BODY_ORDER: the decoder
-    # checks each field of the whole message with one reduction (the prompt and response ids,
-    # adjacent int32 runs, with one together).
+    # checks each field of the whole message with one reduction (the prompt and response ids and
+    # the top-k ids, adjacent int32 runs, with one together).
     body = [a[i] for i in range(len(_BODY_ORDER)) for a in arrays]
     return [pack_frame({"schema": SCHEMA_VERSION, "kind": "trajectories",
                         "group_id": None if group_id is None else int(group_id), "trajectories": headers}, body)]
@@ -328,6 +368,9 @@ def _check_fields(entry: Any, index: int) -> None:
     if entry[_T] != 0 and entry[_T] != entry[_R]:  # a negative count included
         raise MalformedMessageError(f"field 'num_teacher_tokens' of trajectory header {index} is {entry[_T]}, "
                                     f"expected 0 or num_response_tokens ({entry[_R]})")
+    if entry[_K] < 0 or (entry[_K] and not entry[_R]):
+        raise MalformedMessageError(f"field 'teacher_top_k' of trajectory header {index} is {entry[_K]}, "
+                                    f"expected >= 0 (0 without a response: {entry[_R]} response tokens)")
     extras = entry[_EXTRAS]
     if not (_STR.issuperset(map(type, extras)) and _FLOAT.issuperset(map(type, extras.values()))):
         raise MalformedMessageError(f"reward_extras must map str -> float, got {extras!r:.200}")
@@ -354,6 +397,11 @@ def _value_problems(entry: list, arrays: dict[str, np.ndarray], group_id: int | 
     num_bad = int(teacher.size - np.count_nonzero(np.isfinite(teacher))) if teacher.size else 0
     if num_bad:
         problems.append(f"teacher_logprobs holds NaN or +-inf ({num_bad} tokens)")
+    topk_ids, topk_lps = arrays["teacher_topk_ids"].reshape(-1), arrays["teacher_topk_logprobs"].reshape(-1)
+    if topk_ids.size and _min(topk_ids) < 0:
+        problems.append(f"teacher_topk_ids holds a negative token id ({_min(topk_ids)})")
+    if topk_lps.size and not (_min(topk_lps) > -math.inf and _max(topk_lps) <= _MAX_LOGPROB):
+        problems.append("teacher_topk_logprobs holds NaN, +-inf or a positive log-prob")
     if arrays["loss_mask"].size and _max(arrays["loss_mask"]) > 1:
         problems.append(f"loss_mask holds {_max(arrays['loss_mask'])} (0 or 1 only)")
     if arrays["policy_version"].size and _min(arrays["policy_version"]) < 0:
@@ -367,7 +415,7 @@ def _value_problems(entry: list, arrays: dict[str, np.ndarray], group_id: int | 
 
 
 def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajectory], list[MalformedMessageError]]:
-    """Decode one schema-5 message into what it carries, refusing bad trajectories one by one.
+    """Decode one schema-6 message into what it carries, refusing bad trajectories one by one.
 
     Args:
         frames: the message's frames (one), each a buffer-protocol object (``bytes``,
@@ -381,17 +429,20 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
         ``TrajectoryGroup`` of ``k``. ``rejected``: one error per trajectory refused for its
         values (the trajectory id, an empty prompt, a negative token id or version, a NaN or
         +inf behavior log-prob, a non-finite teacher log-prob, a loss mask other than 0/1, a
-        non-finite reward, another group's id in a group message): the message's layout is
+        non-finite reward, another group's id in a group message, a negative top-k id, a
+        non-finite or positive top-k log-prob): the message's layout is
         sound, so the other trajectories are kept. A trajectory sent without teacher log-probs
-        (T_i = 0) has an empty ``teacher_logprobs``.
+        (T_i = 0) has an empty ``teacher_logprobs``, one without a top-k (K_i = 0) ``[0, 0]``
+        ``teacher_topk_ids`` and ``teacher_topk_logprobs``.
 
     Raises:
         MalformedMessageError (a ``ValueError``), for the whole message: a wrong frame count, a
             frame that is not a length-prefixed msgpack header (a schema <= 3 message names its
-            version), a schema version other than ``SCHEMA_VERSION`` (schema 4 included),
+            version), a schema version other than ``SCHEMA_VERSION`` (schemas 4 and 5 included),
             missing, unexpected or mistyped fields in the header or any trajectory's header, a
             negative token count, a ``num_teacher_tokens`` other than 0 or
-            ``num_response_tokens``, or a body whose size does not match the token counts: none
+            ``num_response_tokens``, a negative ``teacher_top_k`` or one without a response token,
+            or a body whose size does not match the token counts: none
             of the message's offsets can then be trusted.
     """
     if len(frames) != _NUM_FRAMES:
@@ -414,24 +465,29 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
     if type(entries) is not list or not (type(group_id) is int or (group_id is None and entries)):
         raise MalformedMessageError(f"trajectories message has group_id {group_id!r:.40} and trajectories "
                                     f"{type(entries).__name__} (a list, non-empty unless a group id closes it)")
-    num_prompt = num_response = num_teacher = 0
+    num_prompt = num_response = num_teacher = num_topk = 0
     for index, entry in enumerate(entries):
         _check_fields(entry, index)
         num_prompt += entry[_P]
         num_response += entry[_R]
         num_teacher += entry[_T]
-    p, r, t = num_prompt, num_response, num_teacher
-    expected = r * _BYTES_PER_RESPONSE_TOKEN + t * _BYTES_PER_TEACHER_TOKEN + p * _BYTES_PER_PROMPT_TOKEN
+        num_topk += entry[_R] * entry[_K]
+    p, r, t, q = num_prompt, num_response, num_teacher, num_topk
+    expected = (r * _BYTES_PER_RESPONSE_TOKEN + t * _BYTES_PER_TEACHER_TOKEN + p * _BYTES_PER_PROMPT_TOKEN
+                + q * _BYTES_PER_TOPK_ENTRY)
     if len(body) != expected:
         raise MalformedMessageError(
             f"message body is {len(body)} bytes, expected {expected} for {len(entries)} trajectories "
-            f"({p} prompt, {r} response and {t} teacher tokens)")
+            f"({p} prompt, {r} response and {t} teacher tokens, {q} top-k entries)")
     logprobs = _frombuffer(body, _F8, r, 0)
     teacher = _frombuffer(body, _F8, t, 8 * r)
     at_versions = 8 * (r + t)
     versions = _frombuffer(body, _I8, r, at_versions)
     token_ids = _frombuffer(body, _I4, p + r, at_versions + 8 * r)  # all prompts, then all responses
-    mask = _frombuffer(body, _U1, r, at_versions + 12 * r + 4 * p)
+    at_topk = at_versions + 12 * r + 4 * p
+    topk_ids = _frombuffer(body, _I4, q, at_topk)
+    topk_lps = _frombuffer(body, _F4, q, at_topk + 4 * q)
+    mask = _frombuffer(body, _U1, r, at_topk + 8 * q)
     # The whole message's arrays in a few reductions, conservatively: versions and token ids
     # together as int32 words, >= 0 when every id and every version's high word is (a version
     # >= 2^31 has a "negative" low word too, and takes the exact per-trajectory check); the
@@ -439,29 +495,35 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
     # Only a message that fails one is checked trajectory by trajectory.
     arrays_ok = ((not r or (_max(logprobs) < math.inf and _max(mask) <= 1))
                  and (not t or (_min(teacher) > -math.inf and _max(teacher) < math.inf))
-                 and (not p + r or _min(_frombuffer(body, _I4, 2 * r + p + r, at_versions)) >= 0))
+                 and (not q or (_min(topk_lps) > -math.inf and _max(topk_lps) <= _MAX_LOGPROB))
+                 and (not p + r or _min(_frombuffer(body, _I4, 2 * r + p + r + q, at_versions)) >= 0))
     out: list[GroupClosed | Trajectory] = []
     rejected: list[MalformedMessageError] = []
-    at_p, at_r, at_t = 0, 0, 0
-    for tid, gid, uid, gen, finish, reward, extras, text, np_, nr, nt in entries:
+    at_p, at_r, at_t, at_q = 0, 0, 0, 0
+    for tid, gid, uid, gen, finish, reward, extras, text, np_, nr, nt, nk in entries:
         prompt, response = token_ids[at_p:at_p + np_], token_ids[p + at_r:p + at_r + nr]
         rs = slice(at_r, at_r + nr)
         teacher_i = teacher[at_t:at_t + nt]  # an empty view for nt == 0, read-only like the others
+        qs = slice(at_q, at_q + nr * nk)
+        topk_ids_i = topk_ids[qs].reshape(nr, nk) if nk else _NO_TOPK_IDS
+        topk_lps_i = topk_lps[qs].reshape(nr, nk) if nk else _NO_TOPK_LPS
         at_p += np_
         at_r += nr
         at_t += nt
+        at_q += nr * nk
         if not (arrays_ok and np_ and _TRAJECTORY_ID.fullmatch(tid) and _isfinite(reward)
                 and (group_id is None or gid == group_id) and all(map(_isfinite, extras.values()))):
             problem = _value_problems(
-                [tid, gid, uid, gen, finish, reward, extras, text, np_, nr, nt],
+                [tid, gid, uid, gen, finish, reward, extras, text, np_, nr, nt, nk],
                 {"prompt_ids": prompt, "response_ids": response, "behavior_logprobs": logprobs[rs],
-                 "teacher_logprobs": teacher_i, "loss_mask": mask[rs], "policy_version": versions[rs]}, group_id)
+                 "teacher_logprobs": teacher_i, "loss_mask": mask[rs], "policy_version": versions[rs],
+                 "teacher_topk_ids": topk_ids_i, "teacher_topk_logprobs": topk_lps_i}, group_id)
             if problem is not None:
                 rejected.append(MalformedMessageError(problem))
                 continue
             # Else this one is fine: another trajectory failed a message-wide reduction.
         out.append(_from_checked(tid, gid, uid, prompt, response, logprobs[rs], mask[rs], finish, versions[rs],
-                                 float(reward), extras, text, gen, teacher_i))
+                                 float(reward), extras, text, gen, teacher_i, topk_ids_i, topk_lps_i))
     if group_id is not None:
         out.append(GroupClosed(group_id, len(entries)))
     return out, rejected

@@ -34,6 +34,9 @@ hold any vocabulary; float64 log-probs keep a Python float bit-exact; versions a
 field but ``teacher_logprobs`` has one value per response token (R), or per prompt token for
 ``prompt_ids``; ``teacher_logprobs`` has R or none (a run without a teacher)."""
 
+_ARRAY_FIELDS = frozenset(PER_TOKEN_DTYPES) | {"teacher_topk_ids", "teacher_topk_logprobs"}
+"""Every ``Trajectory`` field held as a numpy array (the 1-D per-token ones and the [R, K] top-k)."""
+
 # Struct codes are spelled out: numpy's ``dtype.char`` for int64 is the platform's 'l'.
 _STRUCT_CODES = {"<i4": "i", "<f8": "d", "|u1": "B", "<i8": "q"}
 
@@ -78,6 +81,16 @@ def _array_problem(values: np.ndarray, dtype: np.dtype) -> str | None:
     return None
 
 
+def _no_topk_ids() -> np.ndarray:
+    """An empty ``[0, 0]`` int32 array: ``Trajectory.teacher_topk_ids`` without a top-k signal."""
+    return np.zeros((0, 0), dtype=np.int32)
+
+
+def _no_topk_logprobs() -> np.ndarray:
+    """An empty ``[0, 0]`` float32 array: ``Trajectory.teacher_topk_logprobs`` without a top-k signal."""
+    return np.zeros((0, 0), dtype=np.float32)
+
+
 def _no_teacher_logprobs() -> np.ndarray:
     """An empty ``[0]`` float64 array: ``Trajectory.teacher_logprobs`` of a run without a teacher."""
     return np.empty(0, dtype=PER_TOKEN_DTYPES["teacher_logprobs"])
@@ -111,6 +124,11 @@ class Trajectory:
             distillation (``algorithm.distill``), ``[R]`` float64 (natural log, same temperature
             as ``behavior_logprobs``); an empty ``[0]`` array (the default) when the run has no
             teacher.
+        teacher_topk_ids: the teacher's ``K`` most likely next tokens at the position predicting
+            each response token (``algorithm.distill.signal=topk_*``), ``[R, K]`` int32; ``[0, 0]``
+            (the default) without.
+        teacher_topk_logprobs: their log-probs under the teacher (same temperature), ``[R, K]``
+            float32; ``[0, 0]`` without.
 
     The six per-token fields are given as any sequence of numbers (engines give lists) and held
     as 1-D numpy arrays of ``PER_TOKEN_DTYPES`` (``per_token_array``): the replay buffer and the
@@ -139,11 +157,21 @@ class Trajectory:
     response_text: str = ""
     generator_id: int = -1
     teacher_logprobs: np.ndarray = field(default_factory=_no_teacher_logprobs)
+    teacher_topk_ids: np.ndarray = field(default_factory=_no_topk_ids)
+    teacher_topk_logprobs: np.ndarray = field(default_factory=_no_topk_logprobs)
 
     def __post_init__(self) -> None:
         for name in PER_TOKEN_DTYPES:
             setattr(self, name, per_token_array(getattr(self, name), name, self.trajectory_id))
         n = len(self.response_ids)
+        self.teacher_topk_ids = np.ascontiguousarray(self.teacher_topk_ids, dtype=np.int32)
+        self.teacher_topk_logprobs = np.ascontiguousarray(self.teacher_topk_logprobs, dtype=np.float32)
+        if not self.teacher_topk_ids.size and not self.teacher_topk_logprobs.size:  # as_dict's [] included
+            self.teacher_topk_ids, self.teacher_topk_logprobs = _no_topk_ids(), _no_topk_logprobs()
+        ids, lps = self.teacher_topk_ids, self.teacher_topk_logprobs
+        if ids.shape != lps.shape or ids.ndim != 2 or (ids.size and ids.shape[0] != n):
+            raise ValueError(f"trajectory {self.trajectory_id}: teacher_topk_ids {ids.shape} and "
+                             f"teacher_topk_logprobs {lps.shape} must both be [{n}, K] or both empty")
         if not (len(self.behavior_logprobs) == len(self.loss_mask) == len(self.policy_version) == n
                 and len(self.teacher_logprobs) in (0, n)):
             raise ValueError(
@@ -157,7 +185,8 @@ class Trajectory:
                      response_ids: np.ndarray, behavior_logprobs: np.ndarray, loss_mask: np.ndarray,
                      finish_reason: str, policy_version: np.ndarray, reward: float,
                      reward_extras: dict[str, float], response_text: str, generator_id: int,
-                     teacher_logprobs: np.ndarray) -> "Trajectory":
+                     teacher_logprobs: np.ndarray, teacher_topk_ids: np.ndarray | None = None,
+                     teacher_topk_logprobs: np.ndarray | None = None) -> "Trajectory":
         """A trajectory from fields already in their held form, without ``__post_init__``'s checks.
 
         For the wire decoder (``async_rl.buffers.codec``), which has checked every field's
@@ -172,7 +201,9 @@ class Trajectory:
             response_ids=response_ids, behavior_logprobs=behavior_logprobs, loss_mask=loss_mask,
             finish_reason=finish_reason, policy_version=policy_version, reward=reward,
             reward_extras=reward_extras, response_text=response_text, generator_id=generator_id,
-            teacher_logprobs=teacher_logprobs)
+            teacher_logprobs=teacher_logprobs,
+            teacher_topk_ids=_no_topk_ids() if teacher_topk_ids is None else teacher_topk_ids,
+            teacher_topk_logprobs=_no_topk_logprobs() if teacher_topk_logprobs is None else teacher_topk_logprobs)
         return self
 
     @property
@@ -188,7 +219,7 @@ class Trajectory:
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return all(np.array_equal(getattr(self, f.name), getattr(other, f.name)) if f.name in PER_TOKEN_DTYPES
+        return all(np.array_equal(getattr(self, f.name), getattr(other, f.name)) if f.name in _ARRAY_FIELDS
                    else getattr(self, f.name) == getattr(other, f.name) for f in fields(self))
 
     __hash__ = None  # type: ignore[assignment]  # mutable, so unhashable (as a dataclass with eq)
@@ -196,7 +227,7 @@ class Trajectory:
     def as_dict(self) -> dict[str, Any]:
         """Every field as plain Python (per-token arrays as lists of int / float), for JSON or a
         checkpoint; ``Trajectory(**d)`` rebuilds an equal trajectory."""
-        return {f.name: getattr(self, f.name).tolist() if f.name in PER_TOKEN_DTYPES else getattr(self, f.name)
+        return {f.name: getattr(self, f.name).tolist() if f.name in _ARRAY_FIELDS else getattr(self, f.name)
                 for f in fields(self)} | {"reward_extras": dict(self.reward_extras)}
 
 
@@ -293,6 +324,9 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         in slots ``P_i - 1 .. P_i + R_i - 2``), 0 elsewhere. It is there when at least one
         trajectory has a non-empty ``teacher_logprobs``; a trajectory with an empty response
         has nothing to carry and fits either way, so a batch of empty responses only has none.
+        With the teacher's top-k (``teacher_topk_ids``), ``extras["teacher_topk_ids"]`` (int64)
+        and ``extras["teacher_topk_logprobs"]`` (float32), ``[B, L-1, K]``, are aligned the same
+        way, 0 elsewhere; every trajectory with a response carries them, with one K.
 
     Raises:
         ValueError: for an empty list, an advantage row whose length is not R_i, or a batch that
@@ -318,6 +352,20 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
             raise ValueError(f"collate: trajectory {missing.trajectory_id} has no teacher_logprobs, but "
                              f"{sum(with_teacher)} of the batch's {B} trajectories have them")
         teacher = np.zeros((B, L - 1), dtype=np.float32)
+    with_topk = [t.teacher_topk_ids.size > 0 for t in trajectories]
+    topk_ids = topk_lps = None
+    if any(with_topk):
+        missing = next((t for t, has in zip(trajectories, with_topk) if not has and len(t.response_ids)), None)
+        if missing is not None:
+            raise ValueError(f"collate: trajectory {missing.trajectory_id} has no teacher_topk_ids, but "
+                             f"{sum(with_topk)} of the batch's {B} trajectories have them")
+        k = next(t.teacher_topk_ids.shape[1] for t, has in zip(trajectories, with_topk) if has)
+        other = next((t for t, has in zip(trajectories, with_topk) if has and t.teacher_topk_ids.shape[1] != k), None)
+        if other is not None:
+            raise ValueError(f"collate: trajectory {other.trajectory_id} has a teacher top-{other.teacher_topk_ids.shape[1]}, "
+                             f"the batch's first a top-{k}")
+        topk_ids = np.zeros((B, L - 1, k), dtype=np.int64)
+        topk_lps = np.zeros((B, L - 1, k), dtype=np.float32)
     for i, t in enumerate(trajectories):
         P, R = len(t.prompt_ids), len(t.response_ids)
         input_ids[i, :P] = t.prompt_ids
@@ -329,6 +377,9 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         behavior[i, sl] = t.behavior_logprobs
         if teacher is not None:
             teacher[i, sl] = t.teacher_logprobs
+        if topk_ids is not None and R:
+            topk_ids[i, sl] = t.teacher_topk_ids
+            topk_lps[i, sl] = t.teacher_topk_logprobs
         if advantages is not None:
             if len(advantages[i]) != R:
                 raise ValueError(f"advantages for {t.trajectory_id}: {len(advantages[i])} values for {R} tokens")
@@ -341,6 +392,8 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         behavior_logprobs=torch.from_numpy(behavior), advantages=torch.from_numpy(adv) * mask,
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
-        extras={} if teacher is None else {"teacher_logprobs": torch.from_numpy(teacher)},
+        extras={**({} if teacher is None else {"teacher_logprobs": torch.from_numpy(teacher)}),
+                **({} if topk_ids is None else {"teacher_topk_ids": torch.from_numpy(topk_ids),
+                                                "teacher_topk_logprobs": torch.from_numpy(topk_lps)})},
     )
 

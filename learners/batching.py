@@ -155,21 +155,48 @@ def unpack_labels(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.T
 
     Args:
         values: ``[1, N-1]`` or ``[N-1]`` float, one per packed position but the last (as
-            computed from logits ``[:, :-1]`` against labels ``ids[:, 1:]``).
+            computed from logits ``[:, :-1]`` against labels ``ids[:, 1:]``), or ``[1, N-1, ...]``
+            with trailing dimensions (``K`` values a position), kept.
         attention_mask: ``[B, L]`` the padded rows' mask (``N = attention_mask.sum()``).
 
     Returns:
-        ``[B, L-1]`` float, 0 at every slot that does not predict a real token of its own row.
+        ``[B, L-1]`` (``[B, L-1, ...]``) float, 0 at every slot that does not predict a real token
+        of its own row.
 
     Raises:
         ValueError: ``values`` does not hold ``attention_mask.sum() - 1`` entries.
     """
     keep = attention_mask.bool()
-    flat = values.reshape(-1)
-    if flat.numel() != int(keep.sum()) - 1:
-        raise ValueError(f"unpack_labels: {flat.numel()} values for {int(keep.sum())} packed tokens (need N - 1)")
+    n = int(keep.sum())
+    trailing = tuple(values.shape[2:]) if values.dim() >= 3 else ()  # [1, N-1, K]: K values a position
+    flat = values.reshape(-1, *trailing)
+    if flat.shape[0] != n - 1:
+        raise ValueError(f"unpack_labels: {flat.shape[0]} values for {n} packed tokens (need N - 1)")
     # One entry per packed token (the last one predicts nothing), scattered to its padded slot.
-    per_token = torch.cat([flat, flat.new_zeros(1)])
-    full = torch.zeros(keep.shape, dtype=flat.dtype, device=flat.device).masked_scatter(keep, per_token)
+    per_token = torch.cat([flat, flat.new_zeros((1, *trailing))])
+    full = torch.zeros((*keep.shape, *trailing), dtype=flat.dtype, device=flat.device)
+    full = full.masked_scatter(keep.view(*keep.shape, *([1] * len(trailing))).expand_as(full), per_token)
     # Slot t is valid when token t + 1 is real: this drops each sequence's boundary position.
-    return torch.where(keep[:, 1:], full[:, :-1], torch.zeros((), dtype=flat.dtype, device=flat.device))
+    valid = keep[:, 1:].view(*keep[:, 1:].shape, *([1] * len(trailing)))
+    return torch.where(valid, full[:, :-1], torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
+def pack_labels(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-label values of padded rows in the packed layout: the inverse of ``unpack_labels``.
+
+    Args:
+        values: ``[B, L-1, ...]`` in the label layout (slot ``t`` of row ``b`` predicts token
+            ``t + 1``), any dtype; slots that predict no real token of their own row are dropped.
+        attention_mask: ``[B, L]`` the rows' mask (``N = attention_mask.sum()``).
+
+    Returns:
+        ``[1, N-1, ...]``: packed position ``offset_b + t`` holds slot ``t`` of row ``b``; each
+        sequence's last position (which would predict the next sequence's first token) holds 0.
+    """
+    keep = attention_mask.bool()
+    trailing = values.shape[2:]
+    per_token = torch.cat([values, values.new_zeros((values.shape[0], 1, *trailing))], dim=1)  # [B, L, ...]
+    last = keep & ~torch.cat([keep[:, 1:], keep.new_zeros((keep.shape[0], 1))], dim=1)  # a row's last real token
+    per_token = torch.where(last.view(*last.shape, *([1] * len(trailing))), torch.zeros((), dtype=values.dtype,
+                            device=values.device), per_token)
+    return per_token[keep][:-1].unsqueeze(0)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from async_rl.algorithms.aggregation import aggregate_loss, count_normalizers
+from async_rl.algorithms.distill import topk_kl
 from async_rl.algorithms.kl import kl_penalty
 from async_rl.algorithms.logprobs import masked_mean
 from async_rl.algorithms.losses import PolicyLossInputs
@@ -175,10 +176,12 @@ class LearnerCore:
     # ------------------------------------------------------------------ backend hooks
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
                  temperature: float | None = None, packed: bool | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 topk_ids: torch.Tensor | None = None) -> tuple:
         """Log-probs (and entropies) ``[b, L-1]`` float32 of a micro-batch's labels under ``model``
         (default the policy) at ``temperature`` (default the generator's). Only meaningful on a
-        rank where ``_reports_outputs()``; the others return what their stage computes."""
+        rank where ``_reports_outputs()``; the others return what their stage computes. With
+        ``topk_ids`` (``[b, L-1, K]`` int64, the teacher's top-k in the label layout) a third
+        tensor, the log-probs ``[b, L-1, K]`` float32 of those ids from the same forward pass."""
         raise NotImplementedError
 
     def _data_parallel(self) -> tuple[int, int, object]:
@@ -386,10 +389,16 @@ class LearnerCore:
 
     def _micro_batch_backward(self, mb: TrainBatch, mb_prox: torch.Tensor, num_tokens: torch.Tensor,
                               num_seqs: torch.Tensor, acc: "_StepAccumulator", real: bool) -> None:
-        """Forward and backward of one micro-batch: policy loss, entropy bonus, KL term, critic."""
+        """Forward and backward of one micro-batch: policy loss, entropy bonus, KL term, the
+        teacher's top-k divergence (``algorithm.distill.signal=topk_*``), critic."""
         a, scale = self.algo, self._grad_scale()
         agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs, "horizon": a.loss_horizon_tokens}
-        logprobs, entropy = self._forward(mb, with_entropy=True)
+        student_topk = None
+        if a.needs_teacher and a.distill.uses_topk and "teacher_topk_ids" in mb.extras:
+            # The student's log-probs at the teacher's top-k ids, from the same forward pass.
+            logprobs, entropy, student_topk = self._forward(mb, with_entropy=True, topk_ids=mb.extras["teacher_topk_ids"])
+        else:
+            logprobs, entropy = self._forward(mb, with_entropy=True)
         inputs = PolicyLossInputs(logprobs, mb_prox, mb.behavior_logprobs, mb.advantages, mb.loss_mask,
                                   agg_mode=a.loss_agg_mode, **agg)
         loss, metrics = self.policy_loss(inputs, self.correction, self.loss_options)
@@ -403,6 +412,11 @@ class LearnerCore:
                             k3_clamp=a.kl_k3_clamp)
             total = total + a.kl_coef * aggregate_loss(kl, mb.loss_mask, a.loss_agg_mode, **agg)
             metrics["loss/kl"] = masked_mean(kl.detach(), mb.loss_mask)
+        if student_topk is not None:
+            kind = "reverse" if a.distill.signal == "topk_reverse_kl" else "forward"
+            divergence = topk_kl(student_topk, mb.extras["teacher_topk_logprobs"], kind)
+            total = total + a.distill.coef * aggregate_loss(divergence, mb.loss_mask, a.loss_agg_mode, **agg)
+            metrics["loss/distill_kl"] = masked_mean(divergence.detach(), mb.loss_mask)
         # The global normaliser already divides: the backend's scale makes the reduced gradient
         # the 1-rank one (see _grad_scale).
         (total * scale).backward()

@@ -25,7 +25,7 @@ from async_rl.buffers.trajectory import TrainBatch
 from async_rl.utils.checkpoint_format import LEARNER_STATE, dcp_reader_and_planner, load_learner_state, save_state
 from async_rl.learners.base import (LearnerConfig, clip_and_step, copy_matching_parameters, save_hf_model)
 from async_rl.learners.capabilities import LearnerCapabilities
-from async_rl.learners.batching import pack_rows, unpack_labels
+from async_rl.learners.batching import pack_labels, pack_rows, unpack_labels
 from async_rl.learners.core import LearnerCore
 from async_rl.learners import lora
 from async_rl.utils.lora import wrap as wrap_with_lora
@@ -218,10 +218,15 @@ class FSDPLearner(LearnerCore):
     # ------------------------------------------------------------------ forward passes
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
                  temperature: float | None = None, packed: bool | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 topk_ids: torch.Tensor | None = None) -> tuple:
         """Log-probs (and entropies) ``[b, L-1]`` float32 of a micro-batch's labels; with
         ``learner.packing`` from one padding-free packed row (``async_rl.learners.batching.pack_rows``),
-        unpacked to the same layout (0 where a slot predicts no real token)."""
+        unpacked to the same layout (0 where a slot predicts no real token).
+
+        With ``topk_ids`` (``[b, L-1, K]`` int64 token ids in the label layout: the teacher's
+        top-k of on-policy distillation) a third tensor: the log-probs ``[b, L-1, K]`` float32
+        of those ids at each slot, from the same logits (differentiable; 0 where a packed slot
+        predicts no real token)."""
         mb = mb.to(self.device)
         model = model or self.model
         temp = self.temperature if temperature is None else temperature
@@ -231,13 +236,18 @@ class FSDPLearner(LearnerCore):
             logprobs = unpack_labels(logprobs_from_logits(logits, ids[:, 1:], temp), mb.attention_mask)
             entropy = (unpack_labels(entropy_from_logits(logits, temp), mb.attention_mask)
                        if with_entropy else None)
-            return logprobs, entropy
+            if topk_ids is None:
+                return logprobs, entropy
+            picked = _logprobs_at(logits, pack_labels(topk_ids.to(self.device), mb.attention_mask), temp)
+            return logprobs, entropy, unpack_labels(picked, mb.attention_mask)
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                        position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
         labels = mb.input_ids[:, 1:]
         logprobs = logprobs_from_logits(logits, labels, temp)
         entropy = entropy_from_logits(logits, temp) if with_entropy else None
-        return logprobs, entropy
+        if topk_ids is None:
+            return logprobs, entropy
+        return logprobs, entropy, _logprobs_at(logits, topk_ids.to(self.device), temp)
 
     @torch.no_grad()
     def _check_packing(self) -> None:
@@ -388,3 +398,10 @@ class FSDPLearner(LearnerCore):
             self.ref_model.eval().requires_grad_(False)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.version = int(meta["version"])
+
+
+def _logprobs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` at ``ids``: ``[..., K]`` float32 from ``[..., V]``
+    logits and ``[..., K]`` int64 ids, without a second ``[..., V]`` tensor of log-probs."""
+    z = logits.float() / temperature
+    return z.gather(-1, ids) - torch.logsumexp(z, dim=-1, keepdim=True)

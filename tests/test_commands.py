@@ -196,13 +196,15 @@ def test_plot_overlays_runs_with_a_legend_and_reports_missing_quantities(tmp_pat
     by_key = {q.key: q.title for q in QUANTITIES}
     # No run logged a KL to the reference or to a teacher: no panel; the others have one each.
     assert by_key["loss/kl"] not in titles and by_key["distill/reverse_kl"] not in titles
-    assert len(titles) == len(QUANTITIES) - 2
+    assert by_key["loss/distill_kl"] not in titles
+    assert len(titles) == len(QUANTITIES) - 3
     reward = titles[by_key["rollout/reward_mean"]]
     lines = {line.get_label(): line for line in reward.get_lines()}
     assert list(lines["a"].get_xdata()) == list(range(1, 11)) and list(lines["a"].get_ydata()) == a["reward"]
     assert list(lines["b"].get_ydata()) == b["reward"]
     assert [line.get_label() for line in titles[by_key["eval/accuracy"]].get_lines()] == ["a"]
-    kl = [f"{by_key['loss/kl']} (loss/kl)", f"{by_key['distill/reverse_kl']} (distill/reverse_kl)"]
+    kl = [f"{by_key['loss/kl']} (loss/kl)", f"{by_key['distill/reverse_kl']} (distill/reverse_kl)",
+          f"{by_key['loss/distill_kl']} (loss/distill_kl)"]
     assert missing == {"a": kl, "b": [f"{by_key['eval/accuracy']} (eval/accuracy)", *kl]}
 
 

@@ -334,6 +334,25 @@ def test_state_dict_round_trip_keeps_teacher_logprobs_bit_exact():
     assert got[:2] == [dataclasses.replace(tr(0, i), teacher_logprobs=teacher[0, i]) for i in (0, 1)]
 
 
+def test_state_dict_round_trip_keeps_the_teacher_top_k():
+    """A top-k distillation run's held trajectories come back from a JSON checkpoint with their
+    [R, K] teacher ids and float32 log-probs exactly; one without a top-k stays [0, 0]."""
+    ids = np.array([[3, 1], [0, 7], [2, 2]], np.int32)
+    lps = np.array([[-0.1, -2.5], [-1e-7, -30.0], [-0.7, -0.7]], np.float32)
+    buf = ReplayBuffer(group_size=2, max_staleness=1, max_reuse=2)
+    buf.add(dataclasses.replace(tr(0, 0), teacher_topk_ids=ids, teacher_topk_logprobs=lps))
+    buf.add(tr(0, 1))
+    state = buf.state_dict()
+    restored = ReplayBuffer(group_size=2, max_staleness=1, max_reuse=2)
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.state_dict() == state
+    first, second = restored.get_groups(1, 0)[0]
+    assert first.teacher_topk_ids.dtype == np.int32 and first.teacher_topk_logprobs.dtype == np.float32
+    np.testing.assert_array_equal(first.teacher_topk_ids, ids)
+    assert first.teacher_topk_logprobs.tobytes() == lps.tobytes()
+    assert second.teacher_topk_ids.shape == (0, 0)
+
+
 def _bits(xs) -> list[int]:
     return np.asarray(xs, dtype=np.float64).view(np.int64).tolist()
 

@@ -93,8 +93,8 @@ def test_codec_layout_is_the_documented_schema():
     start = -(-(4 + head_len) // 8) * 8  # the body starts 8-byte aligned
     assert start % 8 == 0 and frame[4 + head_len:start] == bytes(start - 4 - head_len)
     assert header == {"schema": SCHEMA_VERSION, "kind": "trajectories", "group_id": None, "trajectories": [
-        ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0, "format": 0.5}, "x = 4", 3, 4, 0]]}
-    assert SCHEMA_VERSION == 5
+        ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0, "format": 0.5}, "x = 4", 3, 4, 0, 0]]}
+    assert SCHEMA_VERSION == 6
     body = frame[start:]
     assert len(body) == 4 * 8 + 4 * 8 + 3 * 4 + 4 * 4 + 4 * 1
     assert np.frombuffer(body, "<f8", 4, 0).tolist() == traj.behavior_logprobs.tolist()
@@ -111,8 +111,8 @@ def test_codec_layout_with_teacher_logprobs_puts_them_after_behavior_logprobs():
     teacher = [-0.5, -0.0, -1e-310, -7.25]
     traj = make_traj("a/0", num_prompt=3, num_response=4, teacher_logprobs=teacher)
     header, body = split_frame(encode_trajectory(traj)[0])
-    assert header["schema"] == 5 and header["trajectories"][0][8:] == [3, 4, 4]
-    assert len(header["trajectories"][0]) == 11
+    assert header["schema"] == 6 and header["trajectories"][0][8:] == [3, 4, 4, 0]
+    assert len(header["trajectories"][0]) == 12
     assert len(body) == 21 * 4 + 8 * 4 + 4 * 3 == 128
     assert bits(np.frombuffer(body, "<f8", 4, 0)) == bits(traj.behavior_logprobs)
     assert bits(np.frombuffer(body, "<f8", 4, 32)) == bits(teacher)
@@ -129,7 +129,7 @@ def test_group_layout_puts_each_field_of_all_trajectories_together():
                                           teacher_logprobs=[-0.75, -1.5])])
     header, body = split_frame(encode_message(group)[0])
     assert header["group_id"] == 3 and [e[0] for e in header["trajectories"]] == ["3/0", "3/1"]
-    assert [e[8:] for e in header["trajectories"]] == [[2, 3, 0], [1, 2, 2]]
+    assert [e[8:] for e in header["trajectories"]] == [[2, 3, 0, 0], [1, 2, 2, 0]]
     a, b = group.trajectories
     expected = b"".join(np.concatenate([getattr(a, n), getattr(b, n)]).tobytes() for n in
                         ("behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids",
@@ -156,15 +156,17 @@ def test_encode_rejects_values_the_wire_cannot_carry(kw, match):
 
 
 _ENTRY_FIELDS = ["trajectory_id", "group_id", "prompt_uid", "generator_id", "finish_reason", "reward",
-                 "reward_extras", "response_text", "num_prompt_tokens", "num_response_tokens", "num_teacher_tokens"]
-_BODY = ["behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask"]
+                 "reward_extras", "response_text", "num_prompt_tokens", "num_response_tokens", "num_teacher_tokens",
+                 "teacher_top_k"]
+_BODY = ["behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "teacher_topk_ids",
+         "teacher_topk_logprobs", "loss_mask"]
 
 
 def _parts(frame: bytes) -> tuple[dict, dict[str, bytes]]:
-    """A one-trajectory frame as its header and its six arrays' bytes."""
+    """A one-trajectory frame as its header and its eight arrays' bytes."""
     header, body = split_frame(frame)
-    p, r, t = header["trajectories"][0][8:11]
-    ends = np.cumsum([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, r]).tolist()
+    p, r, t, k = header["trajectories"][0][8:12]
+    ends = np.cumsum([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, 4 * r * k, 4 * r * k, r]).tolist()
     return header, {name: bytes(body[ends[i]:ends[i + 1]]) for i, name in enumerate(_BODY)}
 
 
@@ -196,28 +198,32 @@ _TEACHER = np.full(7, -0.5).tobytes()
 
 
 @pytest.mark.parametrize("frames, match", [
-    ([], "0 frames, schema 5 has 1"),
+    ([], "0 frames, schema 6 has 1"),
     ([_GOOD, b""], "2 frames"),
     ([_GOOD[:-3]], r"message body is 164 bytes, expected 167 for 1 trajectories "
-                   r"\(5 prompt, 7 response and 0 teacher tokens\)"),
+                   r"\(5 prompt, 7 response and 0 teacher tokens, 0 top-k entries\)"),
     ([b"\xc1\xc1garbage"], "too short for its header"),
     ([b"\x01\x00"], r"message is 2 bytes, too short for its header \(no length\)"),
     ([b"\x03\x00\x00\x00\xc1\xc1\xc1\x00"], "message header is not valid msgpack"),
     ([_GOOD + b"\x00"], "message body is 168 bytes, expected 167"),
     ([pack_frame([1, 2])], "message header is a msgpack list, expected a map"),
-    ([_message(schema=2)], "schema version 2, this decoder reads version 5"),
+    ([_message(schema=2)], "schema version 2, this decoder reads version 6"),
+    ([_message(schema=5)], "schema version 5, this decoder reads version 6"),
     ([_message(schema=...)], "schema version None"),
     ([_message(kind="trajectory")], "message kind 'trajectory'"),
     ([_message(extra_field=1)], r"message kind 'trajectories' with fields \['extra_field'"),
     ([_message(group_id="7")], "field 'group_id' of trajectory header 0 is str, expected int"),
-    ([pack_frame({"schema": 5, "kind": "trajectories", "group_id": "7", "trajectories": []})],
+    ([pack_frame({"schema": SCHEMA_VERSION, "kind": "trajectories", "group_id": "7", "trajectories": []})],
      "trajectories message has group_id '7'"),
     ([_message(trajectories=[])], "non-empty unless a group id closes it"),
     ([_message(trajectories={"a/0": 1})], "trajectories message has group_id None and trajectories dict"),
-    ([_message(reward=...)], "trajectory header 0 is a msgpack list of 10 items, expected an array of 11"),
-    ([_message(num_teacher_tokens=...)], r"list of 10 items, expected an array of 11 \(.*, num_teacher_tokens\)"),
+    ([_message(reward=...)], "trajectory header 0 is a msgpack list of 11 items, expected an array of 12"),
+    ([_message(teacher_top_k=...)], r"list of 11 items, expected an array of 12 \(.*, num_teacher_tokens, teacher_top_k\)"),
+    ([_message(teacher_top_k=-1)], r"'teacher_top_k' of trajectory header 0 is -1, expected >= 0"),
+    ([_message(teacher_top_k=2)], r"message body is 167 bytes, expected 279 .*, 14 top-k entries\)"),
+    ([_message(teacher_top_k=True)], "'teacher_top_k' of trajectory header 0 is bool"),
     ([_message(trajectories=[{"trajectory_id": "a/0"}])], "trajectory header 0 is a msgpack dict"),
-    ([pack_frame({"schema": 5, "kind": "trajectories", "group_id": None, "trajectories": [1]})],
+    ([pack_frame({"schema": SCHEMA_VERSION, "kind": "trajectories", "group_id": None, "trajectories": [1]})],
      "trajectory header 0 is a msgpack int of \\? items"),
     ([_message(prompt_uid=7)], "field 'prompt_uid' of trajectory header 0 is int, expected str"),
     ([_message(num_response_tokens=True)], "'num_response_tokens' of trajectory header 0 is bool"),
@@ -233,7 +239,7 @@ _TEACHER = np.full(7, -0.5).tobytes()
     ([_message(reward_extras={"acc": "1"})], "reward_extras must map"),
     ([_message(behavior_logprobs=_LOGPROBS[:-1])], r"message body is 166 bytes, expected 167"),
     ([_message(num_prompt_tokens=6)], r"message body is 167 bytes, expected 171 for 1 trajectories \(6 prompt"),
-    ([pack_frame({"schema": 5, "kind": "group_closed", "group_id": 1, "num_kept": 1}, [b"x"])],
+    ([pack_frame({"schema": SCHEMA_VERSION, "kind": "group_closed", "group_id": 1, "num_kept": 1}, [b"x"])],
      "group_closed message has fields .* and a 1-byte body"),
     # Well-formed layouts holding values the learner cannot train on (found by tests/test_fuzz.py).
     ([_encoded(trajectory_id="a")], "trajectory_id 'a' is not '<group>/<index in group>'"),
@@ -541,7 +547,7 @@ def test_a_message_mixing_trajectories_with_and_without_teacher_logprobs_round_t
             make_traj("4/3", 4, num_response=2, seed=3, teacher_logprobs=[-1.0000000000000002, -1e308])]
     frame = encode_message(TrajectoryGroup(4, sent))[0]
     header, body = split_frame(frame)
-    assert [e[9:] for e in header["trajectories"]] == [[3, 3], [5, 0], [0, 0], [2, 2]]
+    assert [e[9:11] for e in header["trajectories"]] == [[3, 3], [5, 0], [0, 0], [2, 2]]
     assert len(body) == 21 * 10 + 8 * 5 + 4 * 20
     messages, rejected = decode_messages([frame])
     assert rejected == [] and messages == [*sent, GroupClosed(4, 4)]
@@ -666,10 +672,12 @@ def test_collate_refuses_a_batch_mixing_trajectories_with_and_without_teacher_lo
 
 
 def _garbled(rng: np.random.Generator) -> list[bytes]:
-    """A schema-4 message whose array bytes are truncated, padded or garbled, or whose trajectory
+    """A message whose array bytes are truncated, padded or garbled, or whose trajectory
     header is schema 3's map; each is malformed."""
     header, arrays = _parts(encode_trajectory(make_traj("g/0", num_prompt=4, num_response=6,
-                                                         teacher_logprobs=[-1.0] * 6))[0])
+                                                         teacher_logprobs=[-1.0] * 6,
+                                                         teacher_topk_ids=np.ones((6, 2), np.int32),
+                                                         teacher_topk_logprobs=np.full((6, 2), -1.0, np.float32)))[0])
     name = _BODY[rng.integers(len(_BODY))]
     data = arrays[name]
     kind = rng.integers(4)
@@ -681,6 +689,7 @@ def _garbled(rng: np.random.Generator) -> list[bytes]:
         arrays[name] = {"prompt_ids": b"\xff" * 16, "response_ids": b"\xff" * 24,
                         "behavior_logprobs": np.full(6, np.nan).tobytes(), "loss_mask": b"\x07" * 6,
                         "teacher_logprobs": np.full(6, -np.inf).tobytes(),
+                        "teacher_topk_ids": b"\xff" * 48, "teacher_topk_logprobs": np.full(12, 0.5, np.float32).tobytes(),
                         "policy_version": b"\xff" * 48}[name]
     else:  # the trajectory's fields as a map, as schema 3 sent them
         header["trajectories"] = [dict(zip(_ENTRY_FIELDS, header["trajectories"][0]))]
@@ -714,7 +723,7 @@ def test_a_schema_3_message_is_refused_with_one_line_naming_both_versions(kind):
             **{name: getattr(traj, name).tobytes() for name in PER_TOKEN_DTYPES}})
     with pytest.raises(MalformedMessageError) as e:
         decode_message([msgpack.packb(old, use_bin_type=True)])
-    assert str(e.value) == ("schema version 3, this decoder reads version 5 "
+    assert str(e.value) == ("schema version 3, this decoder reads version 6 "
                             "(sender and receiver run different async-rl versions?)")
 
 
@@ -733,7 +742,7 @@ def test_a_schema_4_message_is_refused_with_one_line_naming_both_versions(kind):
         assert len(split_frame(frame)[1]) == 21 * 7 + 4 * 5
     with pytest.raises(MalformedMessageError) as e:
         decode_messages([frame])
-    assert str(e.value) == ("schema version 4, this decoder reads version 5 "
+    assert str(e.value) == ("schema version 4, this decoder reads version 6 "
                             "(sender and receiver run different async-rl versions?)")
 
 
@@ -829,3 +838,48 @@ def test_zmq_groups_and_single_trajectories_interleave_in_order():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_the_teacher_top_k_travels_flat_between_the_response_ids_and_the_loss_mask():
+    """Schema 6: K_i in the header; the [R_i, K_i] int32 ids, then the float32 log-probs, after
+    the response ids (4-byte aligned), read back as [R_i, K_i] read-only views; a trajectory
+    without a top-k (K_i = 0) in the same group gets [0, 0]; body 21R + 8T + 4P + 8 sum(R_i K_i)."""
+    ids = np.arange(12, dtype=np.int32).reshape(4, 3)
+    lps = -np.linspace(0.1, 5.0, 12, dtype=np.float32).reshape(4, 3)
+    with_topk = make_traj("5/0", 5, num_prompt=3, num_response=4, teacher_logprobs=[-0.5] * 4,
+                          teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+    without = make_traj("5/1", 5, num_prompt=2, num_response=2, teacher_logprobs=[-1.0, -2.0])
+    frame = encode_message(TrajectoryGroup(5, [with_topk, without]))[0]
+    header, body = split_frame(frame)
+    assert [e[8:] for e in header["trajectories"]] == [[3, 4, 4, 3], [2, 2, 2, 0]]
+    assert len(body) == 21 * 6 + 8 * 6 + 4 * 5 + 8 * 12
+    at = 8 * 6 + 8 * 6 + 8 * 6 + 4 * 5 + 4 * 6
+    assert np.frombuffer(body, "<i4", 12, at).tolist() == ids.reshape(-1).tolist()
+    assert np.frombuffer(body, "<f4", 12, at + 48).tobytes() == lps.tobytes()
+    messages, rejected = decode_messages([frame])
+    assert rejected == [] and messages == [with_topk, without, GroupClosed(5, 2)]
+    got = messages[0]
+    assert got.teacher_topk_ids.shape == (4, 3) and got.teacher_topk_logprobs.dtype == np.float32
+    assert not got.teacher_topk_ids.flags.writeable and messages[1].teacher_topk_ids.shape == (0, 0)
+
+
+@pytest.mark.parametrize("ids, lps, match", [
+    ([[1, -2]], [[-0.5, -1.0]], "teacher_topk_ids holds a negative token id"),
+    ([[1, 2]], [[0.5, -1.0]], "teacher_topk_logprobs holds NaN, \\+-inf or a positive log-prob"),
+    ([[1, 2]], [[float("nan"), -1.0]], "teacher_topk_logprobs holds NaN"),
+    ([[1, 2]], [[-float("inf"), -1.0]], "teacher_topk_logprobs holds NaN"),
+])
+def test_a_bad_teacher_top_k_rejects_only_its_trajectory(ids, lps, match):
+    good = make_traj("6/0", 6, num_response=1, teacher_logprobs=[-1.0], teacher_topk_ids=[[3, 4]],
+                     teacher_topk_logprobs=[[-0.1, -2.0]])
+    bad = make_traj("6/1", 6, num_response=1, teacher_logprobs=[-1.0], teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+    messages, rejected = decode_messages(encode_message(TrajectoryGroup(6, [good, bad])))
+    assert messages == [good, GroupClosed(6, 2)]
+    assert len(rejected) == 1 and re.search(match, str(rejected[0])) and "'6/1'" in str(rejected[0])
+
+
+def test_encode_refuses_a_top_k_reassigned_to_the_wrong_shape():
+    traj = make_traj("7/0", 7, num_response=2, teacher_topk_ids=[[1], [2]], teacher_topk_logprobs=[[-1.0], [-1.0]])
+    traj.teacher_topk_logprobs = np.zeros((3, 1), np.float32)
+    with pytest.raises(ValueError, match=r"teacher_topk_ids \(2, 1\) and teacher_topk_logprobs \(3, 1\)"):
+        encode_trajectory(traj)

@@ -29,12 +29,32 @@ Teachers: ``algorithm.distill.teacher`` for every data source and ``algorithm.di
 each sample is scored by its source's teacher). A teacher is a Hugging Face model directory, a
 run directory (its ``final_model/``) or a ``builtin:`` model, with the student's tokenizer.
 
-Why only the sampled-token reverse KL: it needs one log-prob per sampled token from the teacher
-(``[R]`` floats a sample, carried in the trajectory), it is mode-seeking (the student is not
-pushed to cover teacher modes it cannot represent), and it is exact in expectation. The
-full-distribution divergences of GKD (forward KL, generalized JSD) need the teacher's whole
-next-token distribution at every position (``[R, V]`` floats a sample, 150k-wide for Qwen
-tokenizers), and a top-k truncation of it is biased; they are not offered.
+**The teacher's top-k distribution** (``signal: topk_reverse_kl`` or ``topk_forward_kl``): the
+sampled-token signal above is one draw per position; its gradient is exact only in expectation.
+With these signals the teacher also returns, at every response position, its ``top_k`` most
+likely next tokens and their log-probs (``[R, K]`` ids and floats a sample, carried in the
+trajectory), and the learner adds a loss term: the divergence between the student's and the
+teacher's next-token distributions at each trained position, both **coarse-grained to the
+teacher's top-k tokens plus one bucket for every other token** (``topk_kl``)::
+
+    p_v, q_v   for v in S_t (the teacher's top-k at position t); p_rest = 1 - sum_S p, q_rest = 1 - sum_S q
+    reverse:   D_t = sum_{v in S_t} p_v log(p_v / q_v) + p_rest log(p_rest / q_rest)
+    forward:   D_t = sum_{v in S_t} q_v log(q_v / p_v) + q_rest log(q_rest / p_rest)
+    loss      += coef * agg_t(D_t)            (the run's loss aggregation over the trained tokens)
+
+This is GKD's full-distribution objective on the student's own samples (Agarwal et al. 2024,
+arXiv 2306.13649, eq. 2-3 and Algorithm 1 with on-policy data, beta = 1 for the reverse KL and
+beta = 0 for the forward KL), and the same as MiniLLM's single-step term without sampling
+(Gu et al. 2024, eq. 3-4). Coarse-graining is exact when ``top_k`` covers the vocabulary (the
+rest bucket is then empty) and otherwise a lower bound of the full divergence (the data-processing
+inequality: merging outcomes never increases a KL), with no bias towards tokens inside or outside
+the top-k: a student that puts mass outside the teacher's top-k is charged for it through the
+rest bucket, where a renormalised top-k divergence would not see it. Its gradient has no sampling
+noise at a position, so a batch can be trained on for several epochs (``learner.num_epochs``)
+without the clipped policy gradient's limits: the term is a divergence at states the student
+visited, valid for any state distribution (GKD section 3), so it needs no importance weight in
+async mode either. The task advantage, when kept (``task_reward``), goes through the policy loss
+as usual; the sampled-token term is not added then.
 """
 
 from __future__ import annotations
@@ -48,11 +68,15 @@ from torch import Tensor
 
 from async_rl.algorithms.kl import LOG_RATIO_CLAMP
 
-__all__ = ["DISTILL_SIGNALS", "DEFAULT_TEACHER", "DistillConfig", "distill_advantages", "reverse_kl_metrics",
-           "teacher_key"]
+__all__ = ["DISTILL_SIGNALS", "DEFAULT_TEACHER", "TOPK_SIGNALS", "DistillConfig", "distill_advantages",
+           "reverse_kl_metrics", "teacher_key", "topk_kl"]
 
-DISTILL_SIGNALS = ("reverse_kl",)
-"""Valid ``algorithm.distill.signal`` values (the module docstring says why only this one)."""
+TOPK_SIGNALS = ("topk_reverse_kl", "topk_forward_kl")
+"""Signals computed by the learner from the teacher's top-k next-token distribution (``topk_kl``)."""
+
+DISTILL_SIGNALS = ("reverse_kl", *TOPK_SIGNALS)
+"""Valid ``algorithm.distill.signal`` values: the sampled-token reverse KL in the advantage, or a
+top-k divergence in the loss (the module docstring)."""
 
 DEFAULT_TEACHER = "*"
 """The key of ``DistillConfig.routes`` for sources without a teacher of their own."""
@@ -78,7 +102,13 @@ class DistillConfig:
     coef: float = 1.0
     """Weight of the teacher's per-token signal in the advantage (> 0)."""
     signal: str = "reverse_kl"
-    """The per-token signal: ``reverse_kl`` (``-coef * (log pi - log q)`` per sampled token)."""
+    """The per-token signal: ``reverse_kl`` (``-coef * (log pi - log q)`` per sampled token, in
+    the advantage); ``topk_reverse_kl`` or ``topk_forward_kl`` (the divergence between the
+    student's and the teacher's next-token distributions over the teacher's ``top_k`` tokens and
+    one bucket for the rest, a loss term; ``topk_kl``)."""
+    top_k: int = 64
+    """Teacher tokens a position of the ``topk_*`` signals (>= 1; at least the vocabulary: the
+    whole distribution, exact). Each costs 8 bytes a response token on the wire."""
     task_reward: bool = True
     """Keep the task's advantage and add the teacher's signal to it; false: pure distillation
     (the teacher's signal alone trains, rewards are scored for metrics only)."""
@@ -95,6 +125,8 @@ class DistillConfig:
             raise ValueError(f"algorithm.distill.signal must be one of {DISTILL_SIGNALS}, got {self.signal!r}")
         if not self.coef > 0:
             raise ValueError(f"algorithm.distill.coef must be > 0, got {self.coef}")
+        if self.top_k < 1:
+            raise ValueError(f"algorithm.distill.top_k must be >= 1, got {self.top_k}")
         if self.batch_size < 1:
             raise ValueError(f"algorithm.distill.batch_size must be >= 1, got {self.batch_size}")
         if self.num_threads < 0 or self.num_gpus < 0:
@@ -108,6 +140,11 @@ class DistillConfig:
     def enabled(self) -> bool:
         """Whether a teacher is named (distillation on)."""
         return bool(self.teacher or self.teachers)
+
+    @property
+    def uses_topk(self) -> bool:
+        """Whether the signal is a top-k divergence (the teacher sends ``[R, top_k]`` a sample)."""
+        return self.signal in TOPK_SIGNALS
 
     @property
     def routes(self) -> dict[str, str]:
@@ -190,3 +227,51 @@ def reverse_kl_metrics(trajectories: Sequence, source_of: Callable[[str], str] |
            "distill/behavior_logprob_mean": totals[2] / n}
     out.update({f"distill/{source}/reverse_kl": kl / max(count, 1) for source, (kl, count) in sorted(per_source.items())})
     return out
+
+
+_REST_FLOOR = 1e-12
+"""Smallest probability of the rest bucket inside a log: with ``top_k`` covering the vocabulary
+the bucket is float round-off (about 1e-7 either side of 0), whose share of the divergence must
+stay that small rather than become ``0 * log 0``."""
+
+
+def topk_kl(student_logprobs: Tensor, teacher_logprobs: Tensor, kind: str = "reverse") -> Tensor:
+    """Per-position divergence between student and teacher next-token distributions, coarse-grained
+    to the teacher's top-k tokens plus one bucket for the rest (the module docstring).
+
+    Source: GKD (Agarwal et al. 2024, arXiv 2306.13649) eq. 2-3 with on-policy data; the rest
+    bucket makes it exact when the k tokens cover the vocabulary and a lower bound otherwise
+    (data-processing inequality, Cover and Thomas, Elements of Information Theory, 2.8).
+
+    Args:
+        student_logprobs: ``[..., K]`` float log-probs (nats) of the student at the teacher's
+            top-k ids (differentiable; ``log_softmax`` over the whole vocabulary, gathered).
+        teacher_logprobs: ``[..., K]`` float log-probs of the teacher at the same ids.
+        kind: ``"reverse"`` (``KL(student || teacher)``, mode-seeking) or ``"forward"``
+            (``KL(teacher || student)``, mass-covering).
+
+    Returns:
+        ``[...]`` float32 divergence a position, nats, >= 0 up to round-off; differentiable in
+        ``student_logprobs``.
+
+    Raises:
+        ValueError: shapes differ, or ``kind`` is neither.
+
+    Example: the whole vocabulary ``{a, b}`` (K = 2), student ``(0.5, 0.5)``, teacher ``(0.9,
+    0.1)``: reverse ``0.5 log(0.5/0.9) + 0.5 log(0.5/0.1) = 0.511``; with only ``a`` in the top-1
+    the rest bucket holds ``b`` and the value is the same (the bucket is ``b`` alone).
+    """
+    if student_logprobs.shape != teacher_logprobs.shape:
+        raise ValueError(f"topk_kl: student {tuple(student_logprobs.shape)} and teacher "
+                         f"{tuple(teacher_logprobs.shape)} log-probs differ in shape")
+    if kind not in ("reverse", "forward"):
+        raise ValueError(f"topk_kl: kind must be 'reverse' or 'forward', got {kind!r}")
+    log_p, log_q = student_logprobs.float(), teacher_logprobs.float()
+    p, q = log_p.exp(), log_q.exp()
+    # The rest bucket: 1 minus the top-k's mass, at least 0 (round-off can push it below).
+    p_rest = (1.0 - p.sum(-1)).clamp(min=0.0)
+    q_rest = (1.0 - q.sum(-1)).clamp(min=0.0)
+    log_p_rest, log_q_rest = p_rest.clamp(min=_REST_FLOOR).log(), q_rest.clamp(min=_REST_FLOOR).log()
+    if kind == "reverse":
+        return (p * (log_p - log_q)).sum(-1) + p_rest * (log_p_rest - log_q_rest)
+    return (q * (log_q - log_p)).sum(-1) + q_rest * (log_q_rest - log_p_rest)

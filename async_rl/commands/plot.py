@@ -38,6 +38,7 @@ QUANTITIES = (
     Quantity("eval/accuracy", "held-out accuracy", "accuracy"),
     Quantity("loss/kl", "KL to the reference policy", "KL (nats/token)"),
     Quantity("distill/reverse_kl", "reverse KL to the teacher (on-policy distillation)", "KL (nats/token)"),
+    Quantity("loss/distill_kl", "top-k divergence to the teacher (learner)", "KL (nats/token)"),
     Quantity("loss/approx_kl", "update size: KL(proximal || current), k3", "KL (nats/token)"),
     Quantity("actor/entropy", "policy entropy", "nats/token"),
     Quantity("staleness/mean", "staleness of trained samples (mean)", "policy versions"),
@@ -45,7 +46,8 @@ QUANTITIES = (
     Quantity("perf/train_tokens_per_s", "learner tokens/s (train time)", "tokens/s"),
 )
 """The panels, in order. ``loss/kl`` exists only with a KL term in the loss (``algorithm.kl_coef``),
-``distill/reverse_kl`` only with a teacher (``algorithm.distill``).
+``distill/reverse_kl`` only with a teacher (``algorithm.distill``), ``loss/distill_kl`` only with a
+top-k signal (``algorithm.distill.signal=topk_*``).
 Runs with evaluation at k (``trainer.eval_samples``) get one more panel, ``AT_K_TITLE``."""
 
 AT_K_TITLE = "held-out at k: pass@1 (solid), pass@k (dashed), maj@k (dotted); band ± 1 s.e."

@@ -295,7 +295,7 @@ class GeneratorWorker:
         # sample): a reward function that hangs or crashes costs a sample, never this engine.
         reward_cfg = dataclasses.replace(reward_cfg or RewardConfig(), fn=reward_fn, on_error=on_error,
                                          model=(reward_cfg.model if reward_model is not None else None))
-        stage = (TeacherStage(lambda items: ray.get(teacher.logprobs.remote(items)), teacher_batch_size)
+        stage = (TeacherStage(lambda items: ray.get(teacher.scores.remote(items)), teacher_batch_size)
                  if teacher is not None else None)
         self.scorer = make_scorer(reward_cfg, on_error, reward_model and (
             lambda items: ray.get(reward_model.score.remote(items))), teacher=stage)

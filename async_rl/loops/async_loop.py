@@ -146,7 +146,8 @@ class AsyncLoop:
             d = cfg.algorithm.distill
             self.teacher_actor = ray.remote(num_cpus=0, num_gpus=d.num_gpus)(TeacherModel).remote(
                 teacher_routes(d), ctx.tokenizer.name_or_path, temperature=g_cfg.temperature,
-                batch_size=d.batch_size, num_threads=d.num_threads or per_worker)
+                batch_size=d.batch_size, num_threads=d.num_threads or per_worker,
+                top_k=d.top_k if d.uses_topk else 0)
         reward_fn = cfg.reward.fn
         if reward_fn and ".py:" in reward_fn and not os.path.isabs(reward_fn):
             reward_fn = os.path.abspath(reward_fn)  # actors need not share the driver's working directory

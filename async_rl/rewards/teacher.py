@@ -8,7 +8,7 @@ off the rollout road, scores what has finished meanwhile in one call, and sets t
 learner never waits for it::
 
     engine ──on_sample──> reward (fn, reward model) ──queue──> teacher stage thread: batch
-        ──> TeacherModel.logprobs (here, or in the teacher actor) ──> traj.teacher_logprobs
+        ──> TeacherModel.scores (here, or in the teacher actor) ──> traj.teacher_logprobs (+ top-k)
         ──> on_trajectory / on_group_closed (the group goes to the replay buffer)
 
 Where the model runs, as the reward model's: in sync mode in the trainer's process (the stage's
@@ -22,6 +22,11 @@ A teacher must share the student's tokenizer (the same vocabulary, token for tok
 student's token ids. A different one is refused when the teacher loads. The teacher's log-probs
 are taken at the sampling temperature (logits divided by it), the distribution the behavior
 log-probs come from, so ``log mu - log q`` compares like with like.
+
+With a top-k signal (``algorithm.distill.signal=topk_*``) the teacher also gives, at every
+response position, its ``top_k`` most likely next tokens and their log-probs (``TeacherScores``),
+from the same forward pass; the stage sets them as ``teacher_topk_ids`` and
+``teacher_topk_logprobs`` beside ``teacher_logprobs``.
 
 A failed teacher call (the model raised, or gave a non-finite log-prob) rejects each sample of
 the batch, counted (``distill/teacher_errors``, ``distill/teacher_rejected``) and logged: a sample
@@ -42,7 +47,7 @@ import torch
 from async_rl.algorithms.distill import DEFAULT_TEACHER, teacher_key
 from async_rl.rewards.stage import BatchingStage
 
-__all__ = ["SAME_TOKENIZER", "TeacherInput", "TeacherModel", "TeacherStage", "same_vocabulary"]
+__all__ = ["SAME_TOKENIZER", "TeacherInput", "TeacherModel", "TeacherScores", "TeacherStage", "same_vocabulary"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,27 @@ class TeacherInput:
     response_ids: Sequence[int]
 
 
+@dataclass(frozen=True, slots=True)
+class TeacherScores:
+    """What the teacher gives back for one sample.
+
+    Attributes:
+        logprobs: ``[R]`` float64 log q of each sampled response token, nats, at the sampling
+            temperature.
+        topk_ids: ``[R, K]`` int32 the teacher's K most likely next tokens at the position
+            predicting each response token (most likely first), or ``[0, 0]`` without a top-k.
+        topk_logprobs: ``[R, K]`` float32 their log-probs, or ``[0, 0]``.
+    """
+
+    logprobs: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+
+
+_NO_TOPK_IDS = np.zeros((0, 0), dtype=np.int32)
+_NO_TOPK_LOGPROBS = np.zeros((0, 0), dtype=np.float32)
+
+
 def same_vocabulary(student, teacher) -> str | None:
     """Why tokenizer ``teacher`` cannot score ``student``'s token ids, or ``None`` if it can:
     the same token for every id (``get_vocab``) and the same end-of-sequence token."""
@@ -91,6 +117,8 @@ class TeacherModel:
         student_tokenizer: the student's tokenizer directory (each teacher's must match it).
         temperature: the sampling temperature (> 0); logits are divided by it.
         batch_size: samples per forward pass (>= 1).
+        top_k: the next tokens ``scores`` gives a position (``algorithm.distill.top_k`` of a
+            ``topk_*`` signal, capped at the vocabulary); 0: none (the sampled tokens' log-probs only).
         num_threads: torch intra-op threads for this process (0: leave them as they are); a Ray
             actor passes its share of the cores.
         device: ``"cpu"``, ``"cuda"``, ...; ``None``: the GPU when torch sees one, else the CPU.
@@ -101,7 +129,7 @@ class TeacherModel:
     """
 
     def __init__(self, routes: Mapping[str, str], student_tokenizer: str, temperature: float = 1.0,
-                 batch_size: int = 16, num_threads: int = 0, device: str | None = None) -> None:
+                 batch_size: int = 16, num_threads: int = 0, device: str | None = None, top_k: int = 0) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if num_threads:
@@ -110,7 +138,9 @@ class TeacherModel:
             raise ValueError("TeacherModel: no teacher given (algorithm.distill.teacher or teachers)")
         if not temperature > 0:
             raise ValueError(f"TeacherModel: temperature must be > 0, got {temperature}")
-        self.temperature, self.batch_size = float(temperature), max(1, int(batch_size))
+        if top_k < 0:
+            raise ValueError(f"TeacherModel: top_k must be >= 0, got {top_k}")
+        self.temperature, self.batch_size, self.top_k = float(temperature), max(1, int(batch_size)), int(top_k)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         student = AutoTokenizer.from_pretrained(student_tokenizer)
         self.routes = dict(routes)
@@ -143,19 +173,26 @@ class TeacherModel:
                              f"{sorted(self.routes)})")
         return path
 
-    @torch.no_grad()
     def logprobs(self, items: Sequence[TeacherInput]) -> list[np.ndarray]:
-        """The teacher's log-prob of every response token of each item.
+        """The teacher's log-prob of every response token of each item: one ``[R_i]`` float64
+        array per item (``TeacherScores.logprobs`` of ``scores``). Raises as ``scores``."""
+        return [s.logprobs for s in self.scores(items)]
+
+    @torch.no_grad()
+    def scores(self, items: Sequence[TeacherInput]) -> list[TeacherScores]:
+        """The teacher's log-prob of every response token of each item and, with ``top_k``, its
+        top-k next tokens at each response position.
 
         Returns:
-            One ``[R_i]`` float64 array per item, in order: ``log q(response_ids[t] | prompt,
-            response_ids[:t])`` at the sampling temperature, in nats.
+            One ``TeacherScores`` per item, in order: ``log q(response_ids[t] | prompt,
+            response_ids[:t])`` at the sampling temperature, in nats (``[R_i]`` float64), and the
+            ``[R_i, min(top_k, V)]`` ids and log-probs (empty without ``top_k``).
 
         Raises:
             ValueError: an item's source has no teacher; an empty prompt.
             Exception: whatever the model raises (the stage counts it).
         """
-        out: list[np.ndarray | None] = [None] * len(items)
+        out: list[TeacherScores | None] = [None] * len(items)
         by_path: dict[str, list[int]] = {}
         for i, item in enumerate(items):
             if not len(item.prompt_ids):
@@ -168,7 +205,7 @@ class TeacherModel:
                     out[i] = lp
         return out  # type: ignore[return-value]
 
-    def _forward(self, model, batch: list[TeacherInput]) -> list[np.ndarray]:
+    def _forward(self, model, batch: list[TeacherInput]) -> list[TeacherScores]:
         # Right padding with explicit position ids: causal attention keeps every real position's
         # output what it is alone, so a batch scores as its rows one by one.
         lengths = [len(b.prompt_ids) + len(b.response_ids) for b in batch]
@@ -188,8 +225,14 @@ class TeacherModel:
             # Slot p-1 predicts the first response token.
             rows = logits[i, p - 1:p - 1 + r].float() / self.temperature
             targets = ids[i, p:p + r].to(self.device)
-            lp = torch.log_softmax(rows, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            out.append(lp.double().cpu().numpy())
+            log_q = torch.log_softmax(rows, dim=-1)
+            lp = log_q.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            topk_ids, topk_lp = _NO_TOPK_IDS, _NO_TOPK_LOGPROBS
+            if self.top_k and r:
+                values, indices = log_q.topk(min(self.top_k, log_q.shape[-1]), dim=-1)
+                topk_ids = indices.to(torch.int32).cpu().numpy()
+                topk_lp = values.cpu().numpy().astype(np.float32)
+            out.append(TeacherScores(lp.double().cpu().numpy(), topk_ids, topk_lp))
         return out
 
 
@@ -202,8 +245,9 @@ class TeacherStage(BatchingStage):
     (``BatchingStage``: ``submit(TeacherInput, traj, done)``, ``drain``).
 
     Args:
-        score_batch: ``score_batch(list[TeacherInput]) -> list of [R_i] float64 arrays``:
-            ``TeacherModel.logprobs``, or a call into the teacher actor.
+        score_batch: ``score_batch(list[TeacherInput]) -> list of TeacherScores`` (or of
+            ``[R_i]`` float64 arrays: log-probs only): ``TeacherModel.scores``, or a call into the
+            teacher actor.
         batch_size: most samples per call (``algorithm.distill.batch_size``).
 
     Its ``counts`` (reduction: sum): ``distill/teacher_scored`` (samples sent),
@@ -212,7 +256,7 @@ class TeacherStage(BatchingStage):
     (seconds in teacher calls, off the decoding and learner threads).
     """
 
-    def __init__(self, score_batch: Callable[[list[TeacherInput]], list[np.ndarray]], batch_size: int) -> None:
+    def __init__(self, score_batch: Callable[[list[TeacherInput]], list], batch_size: int) -> None:
         super().__init__(batch_size, "teacher", _TEACHER_METRIC_KEYS)
         self.score_batch = score_batch
 
@@ -236,13 +280,19 @@ class TeacherStage(BatchingStage):
             if traj is None:
                 done(None)
                 continue
-            row = np.asarray(next(rows), dtype=np.float64) if results is not None else None
-            reason = error or _row_problem(row, len(traj.response_ids))
+            scored = next(rows) if results is not None else None
+            if scored is not None and not isinstance(scored, TeacherScores):
+                scored = TeacherScores(scored, _NO_TOPK_IDS, _NO_TOPK_LOGPROBS)
+            row = np.asarray(scored.logprobs, dtype=np.float64) if scored is not None else None
+            reason = error or _row_problem(row, len(traj.response_ids)) or _topk_problem(scored, len(traj.response_ids))
             if reason is not None:
                 self._fail(f"trajectory {traj.trajectory_id}: {reason}")
                 done(None)
                 continue
             traj.teacher_logprobs = row
+            if scored.topk_ids.size:
+                traj.teacher_topk_ids = np.ascontiguousarray(scored.topk_ids, dtype=np.int32)
+                traj.teacher_topk_logprobs = np.ascontiguousarray(scored.topk_logprobs, dtype=np.float32)
             with self._lock:
                 self._counts["distill/teacher_tokens"] += len(row)
             done(traj)
@@ -268,3 +318,16 @@ def _row_problem(row: np.ndarray, num_tokens: int) -> str | None:
                 else f"the teacher gave a positive log-prob ({row.max():.3g})")
     return None
 
+
+
+def _topk_problem(scored: TeacherScores, num_tokens: int) -> str | None:
+    """Why a teacher's top-k cannot be that of ``num_tokens`` response tokens, or ``None``
+    (none at all is fine: a signal without a top-k)."""
+    ids, lps = np.asarray(scored.topk_ids), np.asarray(scored.topk_logprobs)
+    if not ids.size and not lps.size:
+        return None
+    if ids.shape != lps.shape or ids.ndim != 2 or ids.shape[0] != num_tokens or ids.shape[1] < 1:
+        return f"the teacher gave top-k ids {ids.shape} and log-probs {lps.shape} for {num_tokens} response tokens"
+    if not (np.isfinite(lps).all() and lps.max() <= 1e-6) or ids.min() < 0:
+        return "the teacher gave a non-finite or positive top-k log-prob, or a negative token id"
+    return None

@@ -40,7 +40,9 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
     runs on the explicit group ids over every trajectory's generated tokens; only then does DAPO
     overlong filtering zero the loss mask (and advantages) of truncated samples; last, with a
     teacher (``algorithm.distill``), ``distill_advantages`` adds ``-coef * (log mu - log q)`` per
-    trained token (or replaces the task advantage with it: ``task_reward=false``). Leaving the loss
+    trained token (or replaces the task advantage with it: ``task_reward=false``); with a top-k
+    signal the teacher's term is the learner's loss term instead (``topk_kl``), and the advantage
+    is the task's or, with ``task_reward=false``, zero. Leaving the loss
     is not leaving the baseline: a truncated sample's reward still counts in its group's mean and
     std (and in whitening statistics), so filtering never changes another sample's advantage.
     Every trajectory here has a reward (samples without one were rejected and counted upstream).
@@ -100,7 +102,15 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
         batch.loss_mask = batch.loss_mask * keep.unsqueeze(-1).float()
         metrics["rollout/overlong_filtered"] = float((~keep).sum())
     batch.advantages = advantages * batch.loss_mask
-    if algo.needs_teacher:
+    if algo.needs_teacher and algo.distill.uses_topk:
+        has_response = any(len(t.response_ids) for t in trajectories)
+        if has_response and "teacher_topk_logprobs" not in batch.extras:
+            raise ValueError(f"make_batch: algorithm.distill.signal={algo.distill.signal} needs the teacher's top-k "
+                             "log-probs, but the trajectories carry none (the rollout did not go through the "
+                             "teacher stage, or its teacher sent no top-k)")
+        if not algo.distill.task_reward:
+            batch.advantages = torch.zeros_like(batch.advantages)
+    elif algo.needs_teacher:
         if teacher is None and not any(len(t.response_ids) for t in trajectories):
             teacher = torch.zeros_like(batch.behavior_logprobs)  # no response token: nothing to score
         if teacher is None:

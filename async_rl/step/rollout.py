@@ -198,7 +198,7 @@ def load_teacher(cfg, tokenizer_path: str, num_threads: int = 0):
 
     d = cfg.algorithm.distill
     return TeacherModel(teacher_routes(d), tokenizer_path, temperature=cfg.generator.temperature,
-                        batch_size=d.batch_size, num_threads=num_threads)
+                        batch_size=d.batch_size, num_threads=num_threads, top_k=d.top_k if d.uses_topk else 0)
 
 
 def make_scorer(reward_cfg, on_error: str, score_batch=None, teacher=None) -> RewardScorer:

@@ -49,7 +49,7 @@ from async_rl.algorithms.config import AlgorithmConfig
 from async_rl.buffers.trajectory import TrainBatch
 from async_rl.utils.checkpoint_format import LEARNER_STATE, load_learner_state, save_state
 from async_rl.learners.base import LearnerConfig, save_hf_model
-from async_rl.learners.batching import unpack_labels
+from async_rl.learners.batching import pack_labels, unpack_labels
 from async_rl.learners.capabilities import LearnerCapabilities
 from async_rl.learners.core import LearnerCore
 from async_rl.learners.megatron.critic import MegatronCritic
@@ -143,9 +143,10 @@ class MegatronLearner(LearnerCore):
 
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: nn.Module | None = None,
                  temperature: float | None = None, packed: bool | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 topk_ids: torch.Tensor | None = None) -> tuple:
         """Log-probs (and entropies) ``[b, L-1]`` float32 of a micro-batch's labels, from the
-        vocab-parallel logits (``async_rl.learners.megatron.ops``)."""
+        vocab-parallel logits (``async_rl.learners.megatron.ops``); with ``topk_ids``
+        (``[b, L-1, K]`` int64) a third tensor, their log-probs ``[b, L-1, K]``."""
         mb = mb.to(self.device)
         model = model or self.model
         temp = self.temperature if temperature is None else temperature
@@ -158,13 +159,23 @@ class MegatronLearner(LearnerCore):
             logits = stage_forward(model, ids, positions, mask)
         if logits.dim() == 0:  # a pipeline stage before the last: its send, standing in for the outputs
             stand_in = logits + torch.zeros(mb.input_ids.shape[0], mb.input_ids.shape[1] - 1, device=self.device)
-            return stand_in, (stand_in if with_entropy else None)
-        logprobs, entropy = vocab_parallel_logprobs(logits[:, : width - 1], ids[:, 1:width], temp, self.vocab_size,
-                                                    with_entropy)
+            if topk_ids is None:
+                return stand_in, (stand_in if with_entropy else None)
+            return stand_in, (stand_in if with_entropy else None), stand_in.unsqueeze(-1).expand(*topk_ids.shape)
+        picks = None
+        if topk_ids is not None:
+            picks = topk_ids.to(self.device)
+            picks = pack_labels(picks, mb.attention_mask) if packed else picks
+            picks = picks[:, : width - 1]
+        out = vocab_parallel_logprobs(logits[:, : width - 1], ids[:, 1:width], temp, self.vocab_size,
+                                      with_entropy, topk_ids=picks)
+        logprobs, entropy = out[0], out[1]
         if packed:
             logprobs = unpack_labels(logprobs, mb.attention_mask)
             entropy = unpack_labels(entropy, mb.attention_mask) if with_entropy else None
-        return logprobs, entropy
+        if topk_ids is None:
+            return logprobs, entropy
+        return logprobs, entropy, unpack_labels(out[2], mb.attention_mask) if packed else out[2]
 
     # ------------------------------------------------------------------ backend hooks
     def _data_parallel(self) -> tuple[int, int, object]:

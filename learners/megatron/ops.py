@@ -18,7 +18,7 @@ from async_rl.learners.megatron.pipeline import reduce_shared_embedding_grads
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int,
-                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            with_entropy: bool, topk_ids: torch.Tensor | None = None) -> tuple:
     """Log-probs of ``labels`` and entropies from logits split over the vocabulary, without
     gathering it: each tensor-parallel rank holds ``logits[..., r*V_r : (r+1)*V_r]``.
 
@@ -36,9 +36,12 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperat
         temperature: sampling temperature (> 0) the behavior log-probs were taken at.
         vocab_size: the real (unpadded) vocabulary.
         with_entropy: also return the entropies.
+        topk_ids: ``[b, t, K]`` int64 ids (the teacher's top-k); their log-probs are picked like
+            the label's, each rank its own slice's, summed over the ranks.
 
     Returns:
-        ``(logprobs [b, t], entropy [b, t] or None)``, float32, differentiable.
+        ``(logprobs [b, t], entropy [b, t] or None)``, float32, differentiable; with ``topk_ids``
+        a third, ``[b, t, K]`` float32.
 
     Raises:
         ValueError: a rank's slice holds no real vocabulary entry (more padding than the slice).
@@ -64,11 +67,16 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperat
     owned = (local >= 0) & (local < real)
     picked = z.gather(-1, local.clamp(0, real - 1).unsqueeze(-1)).squeeze(-1) * owned
     logprobs = reduce_from_tensor_model_parallel_region(picked) - lse
-    if not with_entropy:
-        return logprobs, None
-    p = (z - lse.unsqueeze(-1)).exp()
-    entropy = lse - reduce_from_tensor_model_parallel_region((p * z).sum(-1))
-    return logprobs, entropy
+    entropy = None
+    if with_entropy:
+        p = (z - lse.unsqueeze(-1)).exp()
+        entropy = lse - reduce_from_tensor_model_parallel_region((p * z).sum(-1))
+    if topk_ids is None:
+        return logprobs, entropy
+    local_k = topk_ids - start
+    owned_k = (local_k >= 0) & (local_k < real)
+    picked_k = z.gather(-1, local_k.clamp(0, real - 1)) * owned_k
+    return logprobs, entropy, reduce_from_tensor_model_parallel_region(picked_k) - lse.unsqueeze(-1)
 
 
 def model_parallel_step(model: nn.Module, optimizer, scheduler, grad_clip: float) -> torch.Tensor:
