@@ -19,8 +19,10 @@ distillation, else 0) and ``teacher_top_k`` (K_i: the width of the teacher's top
 0 without). With ``P = sum P_i``, ``R = sum R_i``, ``T = sum T_i`` and ``Q = sum R_i K_i`` the
 body holds the per-token fields of all ``k`` trajectories, each field's arrays back to back in
 trajectory order, as raw little-endian arrays in the dtypes the ``Trajectory`` holds
-(``PER_TOKEN_DTYPES``; the ``[R_i, K_i]`` top-k pair row-major), 8-byte dtypes first so every
-array is aligned:
+(``PER_TOKEN_DTYPES``, and ``TOPK_DTYPES`` for the ``[R_i, K_i]`` top-k pair, row-major), in
+falling dtype size (8-byte, then 4-byte, the 1-byte mask last) so every array is aligned with no
+padding. The top-k pair therefore goes after the response ids, not after the mask: its ids then
+extend the run of int32 token ids that the decoder checks with one reduction.
 
 =========================  =======================  ======  ====================
 body field, in order       dtype                    length  byte offset
@@ -46,21 +48,21 @@ body with ``np.frombuffer``: a received trajectory's arrays are read-only views 
 Layout checks void the whole message (one counted, logged rejection): the frame count, the
 header length, msgpack, the schema version, the kind and fields, each trajectory header's
 length, field types and non-negative counts, each ``num_teacher_tokens`` 0 or that trajectory's
-``num_response_tokens``, each ``teacher_top_k`` >= 0 (0 without a response token), and the body
-size against the counts; when any of these fails no offset
-in the message can be trusted. Value checks are per trajectory, so a trajectory that would crash
+``num_response_tokens``, each ``teacher_top_k`` >= 0 (0 when ``num_response_tokens`` is 0), and
+the body size against the counts; when any of these fails no offset in the message can be
+trusted. Value checks are per trajectory, so a trajectory that would crash
 or poison a step is one counted, logged rejection and the rest of its message is kept:
 ``trajectory_id`` ends in ``/<index in group>`` (the learner orders a group by it), at least one
 prompt token, token ids >= 0, ``behavior_logprobs`` neither NaN nor +inf (-inf is kept: the
 losses clamp log-ratios), ``teacher_logprobs`` finite (neither NaN nor +inf nor -inf: the
 distillation term is the teacher's minus the student's log-prob, and an infinite teacher
-log-prob is a teacher's fault, not a signal: the term would sit at its +-20-nat clamp), the
-teacher's top-k ids >= 0 and its top-k log-probs finite and <= 0 (1e-6 of float32 round-off
-allowed), ``loss_mask`` values 0 or 1, policy
-versions >= 0, a finite ``reward`` and finite ``reward_extras`` values, and in a group message
-the group's id. (Token ids past the vocabulary cannot be checked here: the transport does not
-know the model.) The array checks run once per message, vectorised over all its trajectories
-(five reductions); only a message that fails one is checked trajectory by trajectory. A refused
+log-prob is a teacher's fault, not a signal: the term would sit at its +-20-nat clamp),
+``teacher_topk_ids`` >= 0, ``teacher_topk_logprobs`` finite and <= 1e-6 (a log-prob, 0 up to
+float32 round-off), ``loss_mask`` values 0 or 1, policy versions >= 0, a finite ``reward`` and
+finite ``reward_extras`` values, and in a group message the group's id. (Token ids past the
+vocabulary cannot be checked here: the transport does not know the model.) The array checks run
+once per message, vectorised over all its trajectories (five reductions, two more with a
+top-k); only a message that fails one is checked trajectory by trajectory. A refused
 trajectory of a group leaves the group one sample short, so the buffer never completes it,
 exactly as when it travelled alone and was refused. A message of another schema version (schema
 4: the same framing, 10 fields per trajectory header; schema 3 and older: one msgpack map, no
@@ -82,7 +84,8 @@ bytes an entry; K_i = 0 otherwise, one more header byte per trajectory). Schema 
 Why this layout: raw arrays avoid encoding 1000s of numbers one msgpack item at a time, and one
 frame beats one frame per array (``bench/bench_transport.py``: raw ZeroMQ moves ~1.6x more
 25 KB messages/s as 1 frame than as 6). Log-probs are float64, so a Python float round-trips
-bit-exactly; token ids must fit int32 and ``loss_mask`` values 0..255, else building the
+bit-exactly (the teacher's top-k log-probs are float32, what the teacher computes, and travel
+bit-exactly as such); token ids must fit int32 and ``loss_mask`` values 0..255, else building the
 ``Trajectory`` raises ``ValueError`` rather than wrap around (the decoder then accepts only what
 the checks above allow).
 
@@ -100,7 +103,7 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, Trajectory, per_token_array
+from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, TOPK_DTYPES, Trajectory, per_token_array, topk_array
 
 SCHEMA_VERSION = 6
 """Version of the wire format above; bump it on any change to the fields, their encoding or the framing."""
@@ -121,12 +124,13 @@ _FIELD_NAMES = tuple(_FIELD_TYPES)
 _USUAL_TYPES = tuple(kinds[0] for kinds in _FIELD_TYPES.values())
 _TID, _GID, _UID, _GEN, _FINISH, _REWARD, _EXTRAS, _TEXT, _P, _R, _T, _K = range(len(_FIELD_TYPES))
 _HEADER_FIELDS = frozenset({"schema", "kind", "group_id", "trajectories"})
-# Body order: 8-byte dtypes first, so every array starts aligned when the body does.
+# Body order: falling dtype size, so every array starts aligned when the body does.
 _F8, _I8, _I4, _U1 = (PER_TOKEN_DTYPES[n] for n in ("behavior_logprobs", "policy_version", "prompt_ids", "loss_mask"))
 _BYTES_PER_RESPONSE_TOKEN = _F8.itemsize + _I8.itemsize + _I4.itemsize + _U1.itemsize  # 21
 _BYTES_PER_TEACHER_TOKEN = _F8.itemsize  # 8
 _BYTES_PER_PROMPT_TOKEN = _I4.itemsize  # 4
-_F4 = np.dtype("<f4")
+_F4 = TOPK_DTYPES["teacher_topk_logprobs"]
+assert TOPK_DTYPES["teacher_topk_ids"] == _I4  # the top-k ids extend the int32 run of token ids
 _BYTES_PER_TOPK_ENTRY = _I4.itemsize + _F4.itemsize  # 8: an id and its log-prob
 _PAD = bytes(7)
 _BODY_ORDER = ("behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids",
@@ -135,17 +139,22 @@ _BODY_ORDER = ("behavior_logprobs", "teacher_logprobs", "policy_version", "promp
 _PER_TOKEN_ORDER = tuple(name for name in _BODY_ORDER if name in PER_TOKEN_DTYPES)
 """The 1-D per-token fields among them (the top-k pair is ``[R, K]``, sent flat)."""
 _PER_TOKEN_BODY_DTYPES = tuple(PER_TOKEN_DTYPES[name] for name in _PER_TOKEN_ORDER)
+_AT_TOPK = _BODY_ORDER.index("teacher_topk_ids")
+assert _BODY_ORDER == (*_PER_TOKEN_ORDER[:_AT_TOPK], *TOPK_DTYPES, *_PER_TOKEN_ORDER[_AT_TOPK:])
 _ndarray = np.ndarray
 _STR, _FLOAT = frozenset({str}), frozenset({float})
 # Reductions called directly: ``ndarray.min()`` adds a Python-level wrapper per call.
 _min, _max = np.minimum.reduce, np.maximum.reduce
 _frombuffer, _isfinite, _from_checked = np.frombuffer, math.isfinite, Trajectory.from_checked
-_NO_I4, _NO_F4 = np.zeros(0, dtype=_I4), np.zeros(0, dtype=np.dtype("<f4"))
-_NO_TOPK_IDS, _NO_TOPK_LPS = np.zeros((0, 0), dtype=_I4), np.zeros((0, 0), dtype=np.dtype("<f4"))
+_NO_I4, _NO_F4 = np.zeros(0, dtype=_I4), np.zeros(0, dtype=_F4)
+# Shared by every decoded trajectory without a top-k: read-only like the views of a message.
+_NO_TOPK_IDS, _NO_TOPK_LPS = np.zeros((0, 0), dtype=_I4), np.zeros((0, 0), dtype=_F4)
+_NO_TOPK_IDS.flags.writeable = _NO_TOPK_LPS.flags.writeable = False
 
 
 _MAX_LOGPROB = 1e-6
-"""Largest teacher top-k log-prob accepted: 0 up to float32 round-off."""
+"""Largest teacher top-k log-prob accepted: 0 up to float32 round-off (a float32 log-softmax of a
+near-certain token can come out a few 1e-8 above 0; a larger one is not a log-prob)."""
 
 _TRAJECTORY_ID = re.compile(r".*/[0-9]+", re.DOTALL)
 """``"<group>/<index in group>"``: the learner sorts a group's samples by the index."""
@@ -245,19 +254,27 @@ def _refuse_old_schema(view: memoryview) -> None:
 
 
 def _topk_arrays(traj: Trajectory) -> tuple[np.ndarray, np.ndarray, int]:
-    """The trajectory's teacher top-k as flat ``<i4`` ids and ``<f4`` log-probs, and K (0: none).
+    """The trajectory's teacher top-k as flat ``<i4`` ids and ``<f4`` log-probs (views of the
+    held ``[R, K]`` arrays, row-major), and K (0: none, two empty arrays).
 
     Raises:
-        ValueError: shapes other than ``[R, K]`` for both (reassigned after construction).
+        ValueError: a field reassigned after construction that ``topk_array`` refuses, or shapes
+            other than ``[R, K]`` for both.
     """
-    ids, lps = np.asarray(traj.teacher_topk_ids), np.asarray(traj.teacher_topk_logprobs)
+    ids, lps = traj.teacher_topk_ids, traj.teacher_topk_logprobs
+    if type(ids) is _ndarray and type(lps) is _ndarray and not ids.size and not lps.size:
+        return _NO_I4, _NO_F4, 0  # the usual case first: no top-k
+    if not (type(ids) is _ndarray and ids.dtype == _I4 and ids.ndim == 2 and ids.flags.c_contiguous
+            and type(lps) is _ndarray and lps.dtype == _F4 and lps.ndim == 2 and lps.flags.c_contiguous):
+        # Reassigned after construction: converted exactly (or refused) as the constructor would.
+        ids = topk_array(ids, "teacher_topk_ids", traj.trajectory_id)
+        lps = topk_array(lps, "teacher_topk_logprobs", traj.trajectory_id)
     if not ids.size and not lps.size:
         return _NO_I4, _NO_F4, 0
-    if ids.shape != lps.shape or ids.ndim != 2 or ids.shape[0] != len(traj.response_ids):
+    if ids.shape != lps.shape or ids.shape[0] != len(traj.response_ids):  # would void a whole group
         raise ValueError(f"trajectory {traj.trajectory_id}: teacher_topk_ids {ids.shape} and teacher_topk_logprobs "
                          f"{lps.shape} must both be [{len(traj.response_ids)}, K]")
-    return (np.ascontiguousarray(ids, dtype=_I4).reshape(-1), np.ascontiguousarray(lps, dtype=_F4).reshape(-1),
-            int(ids.shape[1]))
+    return ids.reshape(-1), lps.reshape(-1), ids.shape[1]
 
 
 def _trajectory_header(traj: Trajectory, top_k: int) -> list[Any]:
@@ -306,8 +323,8 @@ def encode_trajectories(trajectories: Sequence[Trajectory], group_id: int | None
         if not all(type(a) is _ndarray and a.dtype == dt and a.ndim == 1 and a.flags.c_contiguous
                    for a, dt in zip(held, _PER_TOKEN_BODY_DTYPES)):  # a field reassigned after construction
             held = [per_token_array(a, name, traj.trajectory_id) for a, name in zip(held, _PER_TOKEN_ORDER)]
-        fields_ = dict(zip(_PER_TOKEN_ORDER, held), teacher_topk_ids=topk_ids, teacher_topk_logprobs=topk_lps)
-        arrays.append([fields_[name] for name in _BODY_ORDER])
+        held[_AT_TOPK:_AT_TOPK] = topk_ids, topk_lps  # into _BODY_ORDER, before the loss mask
+        arrays.append(held)
     # All trajectories' arrays of one field back to back, fields in _BODY_ORDER: the decoder
     # checks each field of the whole message with one reduction (the prompt and response ids and
     # the top-k ids, adjacent int32 runs, with one together).
@@ -370,7 +387,7 @@ def _check_fields(entry: Any, index: int) -> None:
                                     f"expected 0 or num_response_tokens ({entry[_R]})")
     if entry[_K] < 0 or (entry[_K] and not entry[_R]):
         raise MalformedMessageError(f"field 'teacher_top_k' of trajectory header {index} is {entry[_K]}, "
-                                    f"expected >= 0 (0 without a response: {entry[_R]} response tokens)")
+                                    f"expected >= 0, and 0 when num_response_tokens is 0 (it is {entry[_R]})")
     extras = entry[_EXTRAS]
     if not (_STR.issuperset(map(type, extras)) and _FLOAT.issuperset(map(type, extras.values()))):
         raise MalformedMessageError(f"reward_extras must map str -> float, got {extras!r:.200}")
@@ -400,8 +417,10 @@ def _value_problems(entry: list, arrays: dict[str, np.ndarray], group_id: int | 
     topk_ids, topk_lps = arrays["teacher_topk_ids"].reshape(-1), arrays["teacher_topk_logprobs"].reshape(-1)
     if topk_ids.size and _min(topk_ids) < 0:
         problems.append(f"teacher_topk_ids holds a negative token id ({_min(topk_ids)})")
-    if topk_lps.size and not (_min(topk_lps) > -math.inf and _max(topk_lps) <= _MAX_LOGPROB):
-        problems.append("teacher_topk_logprobs holds NaN, +-inf or a positive log-prob")
+    num_bad = int(topk_lps.size - np.count_nonzero(np.isfinite(topk_lps) & (topk_lps <= _MAX_LOGPROB)))
+    if num_bad:
+        problems.append(f"teacher_topk_logprobs holds NaN, +-inf or a positive log-prob (> {_MAX_LOGPROB}; "
+                        f"{num_bad} values)")
     if arrays["loss_mask"].size and _max(arrays["loss_mask"]) > 1:
         problems.append(f"loss_mask holds {_max(arrays['loss_mask'])} (0 or 1 only)")
     if arrays["policy_version"].size and _min(arrays["policy_version"]) < 0:
@@ -488,11 +507,12 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
     topk_ids = _frombuffer(body, _I4, q, at_topk)
     topk_lps = _frombuffer(body, _F4, q, at_topk + 4 * q)
     mask = _frombuffer(body, _U1, r, at_topk + 8 * q)
-    # The whole message's arrays in a few reductions, conservatively: versions and token ids
-    # together as int32 words, >= 0 when every id and every version's high word is (a version
-    # >= 2^31 has a "negative" low word too, and takes the exact per-trajectory check); the
-    # teacher's log-probs by their min and max (both NaN when any is; a sum could overflow).
-    # Only a message that fails one is checked trajectory by trajectory.
+    # The whole message's arrays in a few reductions, conservatively: versions, token ids and
+    # top-k ids together as int32 words (adjacent in the body), >= 0 when every id and every
+    # version's high word is (a version >= 2^31 has a "negative" low word too, and takes the
+    # exact per-trajectory check); the teacher's log-probs, and its top-k log-probs, by their
+    # min and max (both NaN when any is; a sum could overflow; the top-k's max also bounds them
+    # by _MAX_LOGPROB). Only a message that fails one is checked trajectory by trajectory.
     arrays_ok = ((not r or (_max(logprobs) < math.inf and _max(mask) <= 1))
                  and (not t or (_min(teacher) > -math.inf and _max(teacher) < math.inf))
                  and (not q or (_min(topk_lps) > -math.inf and _max(topk_lps) <= _MAX_LOGPROB))
@@ -504,13 +524,15 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
         prompt, response = token_ids[at_p:at_p + np_], token_ids[p + at_r:p + at_r + nr]
         rs = slice(at_r, at_r + nr)
         teacher_i = teacher[at_t:at_t + nt]  # an empty view for nt == 0, read-only like the others
-        qs = slice(at_q, at_q + nr * nk)
-        topk_ids_i = topk_ids[qs].reshape(nr, nk) if nk else _NO_TOPK_IDS
-        topk_lps_i = topk_lps[qs].reshape(nr, nk) if nk else _NO_TOPK_LPS
+        if nk:
+            end_q = at_q + nr * nk
+            topk_ids_i, topk_lps_i = topk_ids[at_q:end_q].reshape(nr, nk), topk_lps[at_q:end_q].reshape(nr, nk)
+            at_q = end_q
+        else:
+            topk_ids_i, topk_lps_i = _NO_TOPK_IDS, _NO_TOPK_LPS
         at_p += np_
         at_r += nr
         at_t += nt
-        at_q += nr * nk
         if not (arrays_ok and np_ and _TRAJECTORY_ID.fullmatch(tid) and _isfinite(reward)
                 and (group_id is None or gid == group_id) and all(map(_isfinite, extras.values()))):
             problem = _value_problems(

@@ -38,8 +38,15 @@ from typing import Any
 
 from async_rl.buffers.trajectory import Trajectory
 
-STATE_FORMAT = 1
-"""Version of the ``ReplayBuffer.state_dict`` layout."""
+STATE_FORMAT = 2
+"""Version of the ``ReplayBuffer.state_dict`` layout. 2: each trajectory dict also holds
+``teacher_topk_ids`` and ``teacher_topk_logprobs`` (``[R, K]`` nested lists, ``[]`` without): code
+that reads only format 1 would fail on those keys mid-load, so it refuses the whole state in one
+line instead. This code reads format 1 too (``READABLE_STATE_FORMATS``): its trajectories have no
+top-k, which is what the missing keys default to, so a run checkpointed before the bump resumes."""
+
+READABLE_STATE_FORMATS = (1, STATE_FORMAT)
+"""State formats ``load_state_dict`` accepts."""
 
 
 def staleness(traj: Trajectory, current_version: int) -> int:
@@ -417,7 +424,8 @@ class ReplayBuffer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume, as plain Python (lists, dicts, str, int, float).
 
-        Trajectories are ``Trajectory.as_dict`` dicts (per-token arrays as lists); group ids sit
+        Trajectories are ``Trajectory.as_dict`` dicts (per-token arrays as lists, the teacher's
+        top-k as lists of rows; float32 top-k log-probs come back bit-exact); group ids sit
         in lists of pairs so the state also survives JSON. Includes partial groups, declared counts, the ready queue in
         order with reuse counts, seen ids, finished groups, counters, the last histogram and the
         peak resident size.
@@ -449,8 +457,9 @@ class ReplayBuffer:
         Raises:
             ValueError: an unknown state format or a different ``group_size``.
         """
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"replay buffer state format {state.get('format')!r}, this code reads {STATE_FORMAT}")
+        if state.get("format") not in READABLE_STATE_FORMATS:
+            raise ValueError(f"replay buffer state format {state.get('format')!r}, this code reads "
+                             f"{' and '.join(map(str, READABLE_STATE_FORMATS))}")
         if state["config"]["group_size"] != self.group_size:
             raise ValueError(f"replay buffer state has group_size {state['config']['group_size']}, "
                              f"this buffer {self.group_size}")

@@ -11,8 +11,11 @@ batch padded to ``L = 8`` tokens with pad id ``_``::
 
 Every per-token tensor of the learner (``behavior_logprobs``, ``advantages``, learner log-probs,
 the teacher's log-probs of on-policy distillation) is aligned with ``labels``: slot ``t`` scores
-token ``input_ids[:, t + 1]`` given the tokens up to ``t``. Position ids come from the attention
-mask, so the same sequence gets the same log-probs whether it is left- or right-padded.
+token ``input_ids[:, t + 1]`` given the tokens up to ``t``. The teacher's top-k of top-k
+distillation (``[B, L-1, K]``) is aligned the same way: row ``t`` holds the teacher's K most
+likely tokens, and their log-probs, for slot ``t``, the position that predicts ``labels[:, t]``.
+Position ids come from the attention mask, so the same sequence gets the same log-probs whether
+it is left- or right-padded.
 """
 
 from __future__ import annotations
@@ -32,9 +35,18 @@ PER_TOKEN_DTYPES: dict[str, np.dtype] = {
 carries these same bytes, so a received trajectory's arrays are views of the message. int32 ids
 hold any vocabulary; float64 log-probs keep a Python float bit-exact; versions are int64. Every
 field but ``teacher_logprobs`` has one value per response token (R), or per prompt token for
-``prompt_ids``; ``teacher_logprobs`` has R or none (a run without a teacher)."""
+``prompt_ids``; ``teacher_logprobs`` has R or none (a run without a teacher). The teacher's
+top-k, two 2-D fields, has a table of its own: ``TOPK_DTYPES``."""
 
-_ARRAY_FIELDS = frozenset(PER_TOKEN_DTYPES) | {"teacher_topk_ids", "teacher_topk_logprobs"}
+TOPK_DTYPES: dict[str, np.dtype] = {"teacher_topk_ids": np.dtype("<i4"), "teacher_topk_logprobs": np.dtype("<f4")}
+"""The dtype of each per-token top-k field of a ``Trajectory`` (the teacher's K most likely next
+tokens at every response position, for top-k distillation): 2-D, ``[R, K]`` with ``K >= 1``, or
+``[0, 0]`` without; the wire carries these same bytes, row-major. float32 log-probs: the teacher
+computes them in float32 (or lower) and a top-k of 8 bytes an entry keeps a large K affordable.
+Held apart from ``PER_TOKEN_DTYPES``, whose fields are 1-D (``per_token_array``); built by
+``topk_array``."""
+
+_ARRAY_FIELDS = frozenset(PER_TOKEN_DTYPES) | frozenset(TOPK_DTYPES)
 """Every ``Trajectory`` field held as a numpy array (the 1-D per-token ones and the [R, K] top-k)."""
 
 # Struct codes are spelled out: numpy's ``dtype.char`` for int64 is the platform's 'l'.
@@ -67,10 +79,47 @@ def per_token_array(values: Any, name: str, trajectory_id: str = "?") -> np.ndar
         raise ValueError(f"trajectory {trajectory_id}: {name} cannot be sent as {dtype.name}: {e}") from e
 
 
-def _array_problem(values: np.ndarray, dtype: np.dtype) -> str | None:
-    """Why an ndarray of another dtype cannot be cast to ``dtype`` exactly, or ``None``."""
-    if values.ndim != 1:
-        return f"a {values.ndim}-D array, expected 1-D"
+def topk_array(values: Any, name: str, trajectory_id: str = "?") -> np.ndarray:
+    """``values`` as the 2-D, C-contiguous ``[R, K]`` array of ``TOPK_DTYPES[name]``, or ``[0, 0]``.
+
+    An ndarray already of that dtype and 2-D is returned as is (no copy). Anything else (the
+    nested lists of ``Trajectory.as_dict``, another dtype) is converted: integer values must fit
+    int32 (never wrapped or truncated, as ``per_token_array``); float values are rounded to
+    float32, but a finite one beyond float32's range is refused rather than made infinite. An
+    empty input (``[]``, ``[0, K]`` or ``[R, 0]``) is ``[0, 0]``: nothing to carry (a response
+    without a top-k, or an empty response), so every "none" compares equal and travels as K = 0.
+
+    Raises:
+        ValueError: not a rectangular 2-D array of numbers, a non-integer in
+            ``teacher_topk_ids``, or a value the dtype cannot hold. The text names the
+            trajectory and the field.
+    """
+    dtype = TOPK_DTYPES[name]
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 2 and values.size:
+        return values if values.flags.c_contiguous else np.ascontiguousarray(values)
+    try:
+        array = np.asarray(values)  # nested lists: [R, K]; ragged rows raise (numpy >= 1.24)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"trajectory {trajectory_id}: {name} cannot be held as {dtype.name} [R, K]: {e}") from e
+    if not array.size and array.ndim in (1, 2):
+        return np.zeros((0, 0), dtype=dtype)
+    problem = _array_problem(array, dtype, ndim=2)
+    if problem is None and dtype.kind == "f" and array.dtype.kind == "f" and array.dtype.itemsize > dtype.itemsize:
+        with np.errstate(over="ignore"):
+            narrowed = array.astype(dtype)
+        if (np.isinf(narrowed) & np.isfinite(array)).any():
+            problem = f"a finite value beyond float32's range ({array[np.isinf(narrowed) & np.isfinite(array)][0]})"
+        else:
+            return np.ascontiguousarray(narrowed)
+    if problem:
+        raise ValueError(f"trajectory {trajectory_id}: {name} cannot be held as {dtype.name} [R, K]: {problem}")
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+def _array_problem(values: np.ndarray, dtype: np.dtype, ndim: int = 1) -> str | None:
+    """Why an ndarray of another dtype cannot be cast to an ``ndim``-D ``dtype`` array exactly, or ``None``."""
+    if values.ndim != ndim:
+        return f"a {values.ndim}-D array, expected {ndim}-D"
     if dtype.kind == "f":
         return None if values.dtype.kind in "biuf" else f"dtype {values.dtype} is not numeric"
     if values.dtype.kind not in "biu":
@@ -83,12 +132,12 @@ def _array_problem(values: np.ndarray, dtype: np.dtype) -> str | None:
 
 def _no_topk_ids() -> np.ndarray:
     """An empty ``[0, 0]`` int32 array: ``Trajectory.teacher_topk_ids`` without a top-k signal."""
-    return np.zeros((0, 0), dtype=np.int32)
+    return np.zeros((0, 0), dtype=TOPK_DTYPES["teacher_topk_ids"])
 
 
 def _no_topk_logprobs() -> np.ndarray:
     """An empty ``[0, 0]`` float32 array: ``Trajectory.teacher_topk_logprobs`` without a top-k signal."""
-    return np.zeros((0, 0), dtype=np.float32)
+    return np.zeros((0, 0), dtype=TOPK_DTYPES["teacher_topk_logprobs"])
 
 
 def _no_teacher_logprobs() -> np.ndarray:
@@ -131,16 +180,20 @@ class Trajectory:
             float32; ``[0, 0]`` without.
 
     The six per-token fields are given as any sequence of numbers (engines give lists) and held
-    as 1-D numpy arrays of ``PER_TOKEN_DTYPES`` (``per_token_array``): the replay buffer and the
-    batch builder then never touch one Python object per token, and the transport sends their
-    bytes as they are. Treat them as read-only: a received trajectory's arrays are views of its
-    message. Equality compares every field, arrays by value.
+    as 1-D numpy arrays of ``PER_TOKEN_DTYPES`` (``per_token_array``); the two top-k fields as
+    any ``[R, K]`` array or nested lists, held as 2-D arrays of ``TOPK_DTYPES``
+    (``topk_array``). The replay buffer and the batch builder then never touch one Python
+    object per token, and the transport sends their bytes as they are. Treat them as read-only:
+    a received trajectory's arrays are views of its message. Equality compares every field,
+    arrays by value (and shape).
 
     Raises:
-        ValueError: a per-token value its dtype cannot hold exactly (``per_token_array``), or
-            per-token fields of different lengths: ``behavior_logprobs``, ``loss_mask`` and
-            ``policy_version`` must have R values (``len(response_ids)``), ``teacher_logprobs``
-            0 or R.
+        ValueError: a per-token value its dtype cannot hold exactly (``per_token_array``,
+            ``topk_array``), per-token fields of different lengths (``behavior_logprobs``,
+            ``loss_mask`` and ``policy_version`` must have R values (``len(response_ids)``),
+            ``teacher_logprobs`` 0 or R), or top-k fields of different shapes (both
+            ``[R, K]`` with K >= 1, or both ``[0, 0]``). The text names the trajectory and
+            the fields.
     """
 
     trajectory_id: str
@@ -164,14 +217,14 @@ class Trajectory:
         for name in PER_TOKEN_DTYPES:
             setattr(self, name, per_token_array(getattr(self, name), name, self.trajectory_id))
         n = len(self.response_ids)
-        self.teacher_topk_ids = np.ascontiguousarray(self.teacher_topk_ids, dtype=np.int32)
-        self.teacher_topk_logprobs = np.ascontiguousarray(self.teacher_topk_logprobs, dtype=np.float32)
-        if not self.teacher_topk_ids.size and not self.teacher_topk_logprobs.size:  # as_dict's [] included
-            self.teacher_topk_ids, self.teacher_topk_logprobs = _no_topk_ids(), _no_topk_logprobs()
+        for name in TOPK_DTYPES:  # 2-D, [0, 0] when empty (as_dict's [] included)
+            setattr(self, name, topk_array(getattr(self, name), name, self.trajectory_id))
         ids, lps = self.teacher_topk_ids, self.teacher_topk_logprobs
-        if ids.shape != lps.shape or ids.ndim != 2 or (ids.size and ids.shape[0] != n):
+        # Both or neither, one row per response token: a top-k without its log-probs (or the
+        # reverse) is a teacher stage's bug, and rows off by one would score the wrong tokens.
+        if ids.shape != lps.shape or (ids.size and ids.shape[0] != n):
             raise ValueError(f"trajectory {self.trajectory_id}: teacher_topk_ids {ids.shape} and "
-                             f"teacher_topk_logprobs {lps.shape} must both be [{n}, K] or both empty")
+                             f"teacher_topk_logprobs {lps.shape} must both be [{n}, K] (K >= 1) or both [0, 0]")
         if not (len(self.behavior_logprobs) == len(self.loss_mask) == len(self.policy_version) == n
                 and len(self.teacher_logprobs) in (0, n)):
             raise ValueError(
@@ -190,10 +243,11 @@ class Trajectory:
         """A trajectory from fields already in their held form, without ``__post_init__``'s checks.
 
         For the wire decoder (``async_rl.buffers.codec``), which has checked every field's
-        type and the per-token lengths (``teacher_logprobs`` 0 or R) and made each array itself
-        (1-D, of ``PER_TOKEN_DTYPES``); skipping the re-check saves a few microseconds per
-        received trajectory. Anything else builds with ``Trajectory(...)``, which checks.
-        Arguments: the attributes, in field order.
+        type and the per-token lengths (``teacher_logprobs`` 0 or R, the top-k ``[R, K]`` or
+        ``[0, 0]``) and made each array itself (1-D of ``PER_TOKEN_DTYPES``, 2-D of
+        ``TOPK_DTYPES``); skipping the re-check saves a few microseconds per received
+        trajectory. Anything else builds with ``Trajectory(...)``, which checks.
+        Arguments: the attributes, in field order (the top-k pair ``None``: ``[0, 0]``).
         """
         self = object.__new__(cls)
         self.__dict__.update(
@@ -225,8 +279,9 @@ class Trajectory:
     __hash__ = None  # type: ignore[assignment]  # mutable, so unhashable (as a dataclass with eq)
 
     def as_dict(self) -> dict[str, Any]:
-        """Every field as plain Python (per-token arrays as lists of int / float), for JSON or a
-        checkpoint; ``Trajectory(**d)`` rebuilds an equal trajectory."""
+        """Every field as plain Python (per-token arrays as lists of int / float, the ``[R, K]``
+        top-k as lists of rows, ``[]`` without), for JSON or a checkpoint; ``Trajectory(**d)``
+        rebuilds an equal trajectory (float32 top-k log-probs exactly: a float32 is a float64)."""
         return {f.name: getattr(self, f.name).tolist() if f.name in _ARRAY_FIELDS else getattr(self, f.name)
                 for f in fields(self)} | {"reward_extras": dict(self.reward_extras)}
 
@@ -245,7 +300,9 @@ class TrainBatch:
         rewards: ``[B]`` float32 sequence rewards.
         group_ids: ``[B]`` int64.
         extras: other per-sample tensors keyed by name (for example ``ref_logprobs``;
-            ``teacher_logprobs``, ``[B, L-1]`` float32, from ``collate`` in a distillation run).
+            ``teacher_logprobs``, ``[B, L-1]`` float32, from ``collate`` in a distillation run;
+            ``teacher_topk_ids`` int64 and ``teacher_topk_logprobs`` float32, ``[B, L-1, K]``,
+            in a top-k distillation run).
     """
 
     input_ids: torch.Tensor
@@ -287,8 +344,8 @@ class TrainBatch:
 
     def trimmed(self) -> "TrainBatch":
         """The batch cut to its longest row (right padding beyond it removed): ``[B, L']`` and
-        ``[B, L'-1]`` tensors with ``L' = max(attention_mask.sum(1))`` (at least 2 columns).
-        Per-sequence ``[B]`` extras are kept whole."""
+        ``[B, L'-1]`` tensors with ``L' = max(attention_mask.sum(1))`` (at least 2 columns);
+        ``[B, L-1, K]`` extras are cut on dim 1 alike. Per-sequence ``[B]`` extras are kept whole."""
         width = max(2, int(self.attention_mask.sum(1).max())) if len(self) else self.input_ids.shape[1]
         if width >= self.input_ids.shape[1]:
             return self
@@ -324,15 +381,19 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         in slots ``P_i - 1 .. P_i + R_i - 2``), 0 elsewhere. It is there when at least one
         trajectory has a non-empty ``teacher_logprobs``; a trajectory with an empty response
         has nothing to carry and fits either way, so a batch of empty responses only has none.
-        With the teacher's top-k (``teacher_topk_ids``), ``extras["teacher_topk_ids"]`` (int64)
-        and ``extras["teacher_topk_logprobs"]`` (float32), ``[B, L-1, K]``, are aligned the same
-        way, 0 elsewhere; every trajectory with a response carries them, with one K.
+        With the teacher's top-k (top-k distillation), ``extras["teacher_topk_ids"]`` (int64,
+        what ``torch.gather`` takes) and ``extras["teacher_topk_logprobs"]`` (float32), both
+        ``[B, L-1, K]``, hold trajectory i's R_i rows in the same slots, 0 elsewhere (id 0 in a
+        slot outside the response: masked, never a signal). They are there when at least one
+        trajectory has a top-k, by the same rule as ``teacher_logprobs``.
 
     Raises:
-        ValueError: for an empty list, an advantage row whose length is not R_i, or a batch that
+        ValueError: for an empty list, an advantage row whose length is not R_i, a batch that
             mixes trajectories with teacher log-probs and trajectories (R_i > 0) without (the
             message names the first without: a run either has a teacher or not, so the mix is a
-            routing bug, and zeros in its place would train towards log-prob 0).
+            routing bug, and zeros in its place would train towards log-prob 0), the same mix
+            for the top-k, or top-k trajectories of different K (the message names the first
+            whose K differs from the batch's first: one run has one K).
     """
     if not trajectories:
         raise ValueError("collate() needs at least one trajectory")
@@ -359,11 +420,13 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         if missing is not None:
             raise ValueError(f"collate: trajectory {missing.trajectory_id} has no teacher_topk_ids, but "
                              f"{sum(with_topk)} of the batch's {B} trajectories have them")
-        k = next(t.teacher_topk_ids.shape[1] for t, has in zip(trajectories, with_topk) if has)
+        first = trajectories[with_topk.index(True)]
+        k = first.teacher_topk_ids.shape[1]
         other = next((t for t, has in zip(trajectories, with_topk) if has and t.teacher_topk_ids.shape[1] != k), None)
-        if other is not None:
-            raise ValueError(f"collate: trajectory {other.trajectory_id} has a teacher top-{other.teacher_topk_ids.shape[1]}, "
-                             f"the batch's first a top-{k}")
+        if other is not None:  # one [B, L-1, K] tensor cannot hold both; one run asks its teacher for one K
+            raise ValueError(f"collate: trajectory {other.trajectory_id} has a teacher top-"
+                             f"{other.teacher_topk_ids.shape[1]}, but the batch's first with a top-k "
+                             f"({first.trajectory_id}) has a top-{k}")
         topk_ids = np.zeros((B, L - 1, k), dtype=np.int64)
         topk_lps = np.zeros((B, L - 1, k), dtype=np.float32)
     for i, t in enumerate(trajectories):

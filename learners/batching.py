@@ -146,7 +146,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_id
 
 
 def unpack_labels(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-label values of a packed row back in the padded label layout.
+    """Per-label values of a packed row back in the padded label layout (the inverse of
+    ``pack_labels`` at the slots that predict a real token).
 
     Label slot ``t`` of row ``b`` (predicting token ``t + 1``) is packed position
     ``offset_b + t``; the last position of each sequence would predict the next sequence's first
@@ -154,49 +155,70 @@ def unpack_labels(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.T
     forward pass.
 
     Args:
-        values: ``[1, N-1]`` or ``[N-1]`` float, one per packed position but the last (as
-            computed from logits ``[:, :-1]`` against labels ``ids[:, 1:]``), or ``[1, N-1, ...]``
-            with trailing dimensions (``K`` values a position), kept.
+        values: ``[1, N-1, *trailing]`` or ``[N-1, *trailing]``, one entry per packed position but
+            the last (as computed from logits ``[:, :-1]`` against labels ``ids[:, 1:]``);
+            ``trailing`` may be empty (one float per position) or e.g. ``K`` values per position.
+            ``[1, N-1, ...]`` is read as the packed row when both readings fit.
         attention_mask: ``[B, L]`` the padded rows' mask (``N = attention_mask.sum()``).
 
     Returns:
-        ``[B, L-1]`` (``[B, L-1, ...]``) float, 0 at every slot that does not predict a real token
-        of its own row.
+        ``[B, L-1, *trailing]``, the dtype of ``values``, 0 at every slot that does not predict a
+        real token of its own row.
 
     Raises:
-        ValueError: ``values`` does not hold ``attention_mask.sum() - 1`` entries.
+        ValueError: ``values`` does not hold ``attention_mask.sum() - 1`` positions.
     """
     keep = attention_mask.bool()
-    n = int(keep.sum())
-    trailing = tuple(values.shape[2:]) if values.dim() >= 3 else ()  # [1, N-1, K]: K values a position
-    flat = values.reshape(-1, *trailing)
-    if flat.shape[0] != n - 1:
-        raise ValueError(f"unpack_labels: {flat.shape[0]} values for {n} packed tokens (need N - 1)")
+    n = int(keep.sum()) - 1
+    if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == n:
+        body = values[0]
+    elif values.dim() >= 1 and values.shape[0] == n:
+        body = values
+    else:
+        raise ValueError(f"unpack_labels: values {tuple(values.shape)} for {n + 1} packed tokens (need N - 1 "
+                         "positions)")
+    trailing = body.shape[1:]
     # One entry per packed token (the last one predicts nothing), scattered to its padded slot.
-    per_token = torch.cat([flat, flat.new_zeros((1, *trailing))])
-    full = torch.zeros((*keep.shape, *trailing), dtype=flat.dtype, device=flat.device)
-    full = full.masked_scatter(keep.view(*keep.shape, *([1] * len(trailing))).expand_as(full), per_token)
+    per_token = torch.cat([body, body.new_zeros(1, *trailing)])
+    where = keep.reshape(*keep.shape, *(1,) * len(trailing))
+    full = torch.zeros((*keep.shape, *trailing), dtype=body.dtype, device=body.device)
+    full = full.masked_scatter(where.expand_as(full), per_token)
     # Slot t is valid when token t + 1 is real: this drops each sequence's boundary position.
-    valid = keep[:, 1:].view(*keep[:, 1:].shape, *([1] * len(trailing)))
-    return torch.where(valid, full[:, :-1], torch.zeros((), dtype=flat.dtype, device=flat.device))
+    return torch.where(where[:, 1:], full[:, :-1], torch.zeros((), dtype=body.dtype, device=body.device))
 
 
 def pack_labels(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-label values of padded rows in the packed layout: the inverse of ``unpack_labels``.
+    """Per-label values of right-padded rows in the layout of their packed row (``pack_rows``):
+    the inverse of ``unpack_labels``.
+
+    Label slot ``t`` of row ``b`` (predicting token ``t + 1``) goes to packed position
+    ``offset_b + t``; the position of each sequence's last token (it would predict the next
+    sequence's first token) gets 0, and the packed row's last position, which predicts nothing,
+    is dropped. Slots that predict no real token of their own row are not read. Differentiable
+    (indexing), so gradients reach ``values`` at the slots that are read.
+
+    Example: rows of 3, 2 and 4 real tokens (``N = 9``), ``values[b, t] = 10 * b + t`` give
+    ``[[0, 1, 0, 10, 0, 20, 21, 22]]``.
 
     Args:
-        values: ``[B, L-1, ...]`` in the label layout (slot ``t`` of row ``b`` predicts token
-            ``t + 1``), any dtype; slots that predict no real token of their own row are dropped.
-        attention_mask: ``[B, L]`` the rows' mask (``N = attention_mask.sum()``).
+        values: ``[B, L-1, *trailing]`` (any dtype), one entry per label slot (``trailing``
+            e.g. ``K`` token ids per slot).
+        attention_mask: ``[B, L]`` int64/bool, each row ``n_b`` ones then zeros (``N = sum(n_b)``).
 
     Returns:
-        ``[1, N-1, ...]``: packed position ``offset_b + t`` holds slot ``t`` of row ``b``; each
-        sequence's last position (which would predict the next sequence's first token) holds 0.
+        ``[1, N-1, *trailing]``, the dtype and device of ``values``.
+
+    Raises:
+        ValueError: ``values`` does not start with ``[B, L-1]``.
     """
     keep = attention_mask.bool()
+    if tuple(values.shape[:2]) != (keep.shape[0], keep.shape[1] - 1):
+        raise ValueError(f"pack_labels: values {tuple(values.shape)} for an attention mask {tuple(keep.shape)} "
+                         "(need [B, L-1, ...])")
     trailing = values.shape[2:]
-    per_token = torch.cat([values, values.new_zeros((values.shape[0], 1, *trailing))], dim=1)  # [B, L, ...]
-    last = keep & ~torch.cat([keep[:, 1:], keep.new_zeros((keep.shape[0], 1))], dim=1)  # a row's last real token
-    per_token = torch.where(last.view(*last.shape, *([1] * len(trailing))), torch.zeros((), dtype=values.dtype,
-                            device=values.device), per_token)
+    # Slot t is read when token t + 1 is real; each sequence's last token gets 0 (a pad column
+    # past L-1 gives the full-length rows theirs).
+    valid = keep[:, 1:].reshape(*keep[:, 1:].shape, *(1,) * len(trailing))
+    per_token = torch.cat([torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device)),
+                           values.new_zeros(keep.shape[0], 1, *trailing)], 1)
     return per_token[keep][:-1].unsqueeze(0)

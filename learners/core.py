@@ -176,13 +176,33 @@ class LearnerCore:
     # ------------------------------------------------------------------ backend hooks
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
                  temperature: float | None = None, packed: bool | None = None,
-                 topk_ids: torch.Tensor | None = None) -> tuple:
+                 topk_ids: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Log-probs (and entropies) ``[b, L-1]`` float32 of a micro-batch's labels under ``model``
-        (default the policy) at ``temperature`` (default the generator's). Only meaningful on a
-        rank where ``_reports_outputs()``; the others return what their stage computes. With
-        ``topk_ids`` (``[b, L-1, K]`` int64, the teacher's top-k in the label layout) a third
-        tensor, the log-probs ``[b, L-1, K]`` float32 of those ids from the same forward pass."""
+        (default the policy) at ``temperature`` (default the generator's); ``packed`` (default
+        ``learner.packing``): from one packed row. Only meaningful on a rank where
+        ``_reports_outputs()``; the others return what their stage computes (stand-ins of the
+        same shapes that carry the backward to the stage's send).
+
+        ``topk_ids``: ``[b, L-1, K]`` int64 token ids in ``[0, vocab)`` in the label layout (slot
+        ``t`` is the position predicting ``input_ids[:, t+1]``). When given, the return value is
+        ``(logprobs, entropy, topk_logprobs)`` with ``topk_logprobs`` ``[b, L-1, K]`` float32,
+        differentiable: ``log_softmax(logits / temperature)`` of each id at each slot, from the
+        same forward pass, and 0 at slots that predict no real token of their own row (whatever
+        ids are there). Without it, the 2-tuple ``(logprobs, entropy)`` at no extra cost."""
         raise NotImplementedError
+
+    def _check_topk_ids(self, mb: TrainBatch, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``topk_ids`` of ``_forward`` as int64 on the learner's device.
+
+        Raises:
+            ValueError: not ``[b, L-1, K]`` for the micro-batch's ``[b, L]`` ids.
+        """
+        b, length = mb.input_ids.shape
+        if topk_ids.dim() != 3 or tuple(topk_ids.shape[:2]) != (b, length - 1):
+            raise ValueError(f"topk_ids {tuple(topk_ids.shape)} for a micro-batch of {b} rows of {length} tokens "
+                             f"(need [{b}, {length - 1}, K], the label layout)")
+        return topk_ids.to(self.device, torch.long)
 
     def _data_parallel(self) -> tuple[int, int, object]:
         """``(size, rank, process group)`` of the data-parallel dimension (the group ``None`` =

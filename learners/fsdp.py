@@ -218,36 +218,45 @@ class FSDPLearner(LearnerCore):
     # ------------------------------------------------------------------ forward passes
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
                  temperature: float | None = None, packed: bool | None = None,
-                 topk_ids: torch.Tensor | None = None) -> tuple:
+                 topk_ids: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Log-probs (and entropies) ``[b, L-1]`` float32 of a micro-batch's labels; with
         ``learner.packing`` from one padding-free packed row (``async_rl.learners.batching.pack_rows``),
         unpacked to the same layout (0 where a slot predicts no real token).
 
-        With ``topk_ids`` (``[b, L-1, K]`` int64 token ids in the label layout: the teacher's
-        top-k of on-policy distillation) a third tensor: the log-probs ``[b, L-1, K]`` float32
-        of those ids at each slot, from the same logits (differentiable; 0 where a packed slot
-        predicts no real token)."""
+        With ``topk_ids`` (``[b, L-1, K]`` int64 in ``[0, V)``, label layout) a third output
+        ``[b, L-1, K]`` float32: ``log_softmax(logits / temperature)`` at those ids, from the same
+        forward pass and the same logsumexp as the log-probs (no further ``[.., V]`` tensor),
+        differentiable, 0 at slots that predict no real token of their own row (both layouts;
+        the ids there are not read). See ``LearnerCore._forward``."""
         mb = mb.to(self.device)
         model = model or self.model
         temp = self.temperature if temperature is None else temperature
+        if topk_ids is not None:
+            topk_ids = self._check_topk_ids(mb, topk_ids)
         if self.cfg.packing if packed is None else packed:
             ids, positions = pack_rows(mb.input_ids, mb.attention_mask, mb.position_ids)
             logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, :-1]
-            logprobs = unpack_labels(logprobs_from_logits(logits, ids[:, 1:], temp), mb.attention_mask)
+            if topk_ids is None:
+                logprobs = logprobs_from_logits(logits, ids[:, 1:], temp)
+            else:
+                logprobs, topk = _logprobs_and_topk(logits, ids[:, 1:], pack_labels(topk_ids, mb.attention_mask),
+                                                    temp)
+            logprobs = unpack_labels(logprobs, mb.attention_mask)
             entropy = (unpack_labels(entropy_from_logits(logits, temp), mb.attention_mask)
                        if with_entropy else None)
             if topk_ids is None:
                 return logprobs, entropy
-            picked = _logprobs_at(logits, pack_labels(topk_ids.to(self.device), mb.attention_mask), temp)
-            return logprobs, entropy, unpack_labels(picked, mb.attention_mask)
+            return logprobs, entropy, unpack_labels(topk, mb.attention_mask)
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                        position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
         labels = mb.input_ids[:, 1:]
-        logprobs = logprobs_from_logits(logits, labels, temp)
         entropy = entropy_from_logits(logits, temp) if with_entropy else None
         if topk_ids is None:
-            return logprobs, entropy
-        return logprobs, entropy, _logprobs_at(logits, topk_ids.to(self.device), temp)
+            return logprobs_from_logits(logits, labels, temp), entropy
+        logprobs, topk = _logprobs_and_topk(logits, labels, topk_ids, temp)
+        real = mb.attention_mask[:, 1:].bool().unsqueeze(-1)
+        return logprobs, entropy, torch.where(real, topk, torch.zeros((), dtype=topk.dtype, device=topk.device))
 
     @torch.no_grad()
     def _check_packing(self) -> None:
@@ -400,8 +409,15 @@ class FSDPLearner(LearnerCore):
         self.version = int(meta["version"])
 
 
-def _logprobs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` at ``ids``: ``[..., K]`` float32 from ``[..., V]``
-    logits and ``[..., K]`` int64 ids, without a second ``[..., V]`` tensor of log-probs."""
+def _logprobs_and_topk(logits: torch.Tensor, labels: torch.Tensor, topk_ids: torch.Tensor, temperature: float,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``labels`` ``[..., T]`` and of ``topk_ids`` ``[..., T, K]`` under
+    ``softmax(logits / temperature)`` (``logits`` ``[..., T, V]``), float32 and differentiable:
+    one ``z = float32(logits) / temperature``, one logsumexp, one gather of the ``1 + K`` picked
+    logits. The label log-probs are ``logprobs_from_logits``'s to the bit (the same ops)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     z = logits.float() / temperature
-    return z.gather(-1, ids) - torch.logsumexp(z, dim=-1, keepdim=True)
+    picked = z.gather(-1, torch.cat([labels.long().unsqueeze(-1), topk_ids.long()], -1))
+    picked = picked - torch.logsumexp(z, dim=-1, keepdim=True)
+    return picked[..., 0], picked[..., 1:]

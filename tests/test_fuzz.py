@@ -578,11 +578,15 @@ def test_fuzz_tool_call_text_parsed_and_dispatched_without_exceptions(tmp_path):
 # --------------------------------------------------------------------------------- transport
 def random_trajectory(rng: random.Random, tid: str | None = None, group_id: int | None = None) -> Trajectory:
     """A valid trajectory of random size and content, with the teacher's log-probs (on-policy
-    distillation) half of the time."""
+    distillation) half of the time, and its top-k (K of 1 to 4) half of the time."""
     group_id = rng.randint(0, 10**6) if group_id is None else group_id
     r = rng.randint(0, 12)
     versions = sorted(rng.randint(0, 5) for _ in range(r))
     teacher = [rng.choice([-rng.expovariate(1.0), 0.0, -0.0, -1e308]) for _ in range(r)] if rng.random() < 0.5 else []
+    k = rng.randint(1, 4) if rng.random() < 0.5 else 0
+    topk_ids = [[rng.randint(0, 2**31 - 1) for _ in range(k)] for _ in range(r)] if k else []
+    topk_lps = ([[rng.choice([-rng.expovariate(1.0), 0.0, -0.0, 1e-7, -3e38]) for _ in range(k)] for _ in range(r)]
+                if k else [])
     return Trajectory(
         trajectory_id=tid or f"{group_id}/{rng.randint(0, 7)}", group_id=group_id, prompt_uid=junk_text(rng, 8),
         prompt_ids=[rng.randint(0, 2**31 - 1) for _ in range(rng.randint(1, 12))],
@@ -590,7 +594,8 @@ def random_trajectory(rng: random.Random, tid: str | None = None, group_id: int 
         behavior_logprobs=[rng.choice([-rng.expovariate(1.0), 0.0, -0.0, -math.inf]) for _ in range(r)],
         loss_mask=[rng.randint(0, 1) for _ in range(r)], finish_reason=rng.choice(["stop", "length"]),
         policy_version=versions, reward=rng.uniform(-5, 5), reward_extras={"acc": float(rng.randint(0, 1))},
-        response_text=junk_text(rng), generator_id=rng.randint(-1, 7), teacher_logprobs=teacher)
+        response_text=junk_text(rng), generator_id=rng.randint(-1, 7), teacher_logprobs=teacher,
+        teacher_topk_ids=topk_ids, teacher_topk_logprobs=topk_lps)
 
 
 def _random_value(rng: random.Random, depth: int = 0) -> Any:
@@ -611,8 +616,9 @@ def _array(values: list, code: str) -> bytes:
     return struct.pack(f"<{len(values)}{code}", *values)
 
 
-_BODY = ["behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "loss_mask"]
-_P, _R, _T = 8, 9, 10  # where a trajectory header holds its prompt, response and teacher token counts
+_BODY = ["behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "teacher_topk_ids",
+         "teacher_topk_logprobs", "loss_mask"]
+_P, _R, _T, _K = 8, 9, 10, 11  # where a trajectory header holds its prompt, response, teacher counts and top-k K
 
 
 def _split(frame: bytes) -> tuple[Any, dict[str, bytes]]:
@@ -621,7 +627,8 @@ def _split(frame: bytes) -> tuple[Any, dict[str, bytes]]:
     p = sum(e[_P] for e in header.get("trajectories", ()))
     r = sum(e[_R] for e in header.get("trajectories", ()))
     t = sum(e[_T] for e in header.get("trajectories", ()))
-    ends = list(itertools.accumulate([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, r]))
+    q = sum(e[_R] * e[_K] for e in header.get("trajectories", ()))
+    ends = list(itertools.accumulate([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, 4 * q, 4 * q, r]))
     return header, {name: bytes(body[ends[i]:ends[i + 1]]) for i, name in enumerate(_BODY)}
 
 
@@ -635,7 +642,8 @@ def _semantic(rng: random.Random, header: dict, arrays: dict[str, bytes]) -> byt
     entry = rng.choice(header["trajectories"])
     r = sum(e[_R] for e in header["trajectories"])
     t = sum(e[_T] for e in header["trajectories"])
-    kind = rng.randrange(10) if t else rng.randrange(9) if r else rng.choice([0, 5, 6, 7, 8])
+    q = sum(e[_R] * e[_K] for e in header["trajectories"])
+    kind = rng.choice([0, 5, 6, 7, 8] + [1, 2, 3, 4] * bool(r) + [9] * bool(t) + [10, 11] * bool(q))
     if kind == 0:
         old = entry[_P]
         entry[_P] = rng.choice([3, 0])
@@ -660,8 +668,12 @@ def _semantic(rng: random.Random, header: dict, arrays: dict[str, bytes]) -> byt
         entry[_R] += 1  # arrays one short
         if entry[_T]:
             entry[_T] += 1
-    else:
+    elif kind == 9:
         arrays["teacher_logprobs"] = _array([rng.choice([math.nan, math.inf, -math.inf])] * t, "d")
+    elif kind == 10:
+        arrays["teacher_topk_ids"] = _array([rng.randint(-2**31, -1)] * q, "i")
+    else:
+        arrays["teacher_topk_logprobs"] = _array([rng.choice([math.nan, math.inf, -math.inf, 0.5, 2e-6])] * q, "f")
     return _packed(header, arrays)
 
 
@@ -711,14 +723,14 @@ def malformed_frames(rng: random.Random, valid: list[list[bytes]]) -> list[Any]:
         header.update({"num_kept": rng.choice([-1, -2**63, True]), "group_id": rng.choice([1.5, "3", None, 3])})
         return [_packed(header)]
     if kind == 7:  # absurd or mismatched lengths
-        entry, i = rng.choice(entries), rng.choice([_P, _R, _T])
+        entry, i = rng.choice(entries), rng.choice([_P, _R, _T, _K])
         entry[i] = rng.choice([2**31, 2**63 - 1, 2**64 - 1, -1, entry[i] + 1, max(0, entry[i] - 1)])
         return [_packed(header, arrays)]
     if kind == 8:  # a field's bytes truncated, grown, doubled, or the header's fields as schema 3's map
         name = rng.choice(_BODY)
         data = arrays[name]
         if rng.random() < 0.2:
-            header["trajectories"] = [dict(zip(range(11), e)) for e in entries]
+            header["trajectories"] = [dict(zip(range(12), e)) for e in entries]
             return [_packed(header, arrays)]
         arrays[name] = rng.choice([data[: rng.randrange(len(data))] if data else b"\x00",
                                    data + bytes(rng.randint(1, 9)), data * 2 if data else b"\x01" * 3])
@@ -739,6 +751,7 @@ MALFORMED_REASONS = [
     ("field_type", r"field '\w+' of trajectory header \d+ is \w+, expected"),
     ("negative_count", r"field 'num_prompt_tokens' or 'num_response_tokens' of trajectory header \d+ is negative"),
     ("teacher_count", r"field 'num_teacher_tokens' of trajectory header \d+ is -?\d+, expected 0 or num_response_tokens"),
+    ("topk_count", r"field 'teacher_top_k' of trajectory header \d+ is -?\d+, expected >= 0"),
     ("reward_extras_type", r"reward_extras must map str -> float"),
     ("body_size", r"message body is \d+ bytes, expected \d+ for \d+ trajectories"),
     ("trajectory_id", r"trajectory_id .* is not '<group>/<index in group>'"),
@@ -764,6 +777,10 @@ def assert_trainable(msg: Any) -> None:
     r = len(msg.response_ids)
     assert len(msg.behavior_logprobs) == len(msg.loss_mask) == len(msg.policy_version) == r
     assert len(msg.teacher_logprobs) in (0, r) and all(map(math.isfinite, msg.teacher_logprobs.tolist()))
+    ids, lps = msg.teacher_topk_ids, msg.teacher_topk_logprobs
+    assert ids.shape == lps.shape and (ids.shape == (0, 0) or (ids.shape[0] == r and ids.shape[1] >= 1))
+    assert (ids.dtype, lps.dtype) == (np.dtype("<i4"), np.dtype("<f4"))
+    assert (ids >= 0).all() and (np.isfinite(lps) & (lps <= 1e-6)).all()
     assert {name: getattr(msg, name).dtype for name in PER_TOKEN_DTYPES} == PER_TOKEN_DTYPES
     assert len(msg.prompt_ids) >= 1 and min(msg.prompt_ids.tolist() + msg.response_ids.tolist()) >= 0
     assert not any(math.isnan(x) or x == math.inf for x in msg.behavior_logprobs.tolist())

@@ -353,6 +353,47 @@ def test_state_dict_round_trip_keeps_the_teacher_top_k():
     assert second.teacher_topk_ids.shape == (0, 0)
 
 
+def test_state_dict_keeps_each_top_k_bit_exact_in_partial_and_served_groups():
+    """Every awkward float32 (-0.0, a subnormal, the most negative, the 1e-6 round-off) and int32
+    id comes back from a JSON checkpoint bit for bit, whatever K a trajectory has (the buffer
+    does not care that a run has one K), in a partial group and in a served one kept for reuse."""
+    lps = np.array([[-0.0, 0.0, -1e-45], [-3.4028235e38, 1e-6, -1.0000001]], np.float32)
+    ids = np.array([[0, 2**31 - 1, 7], [1, 2, 3]], np.int32)
+    top = {(0, 0): (ids, lps), (0, 1): (ids[:, :1], lps[:, 2:]), (1, 0): (ids[:, ::-1].copy(), -lps)}
+    buf = ReplayBuffer(group_size=2, max_staleness=1, max_reuse=2)
+    for (g, i), (k_ids, k_lps) in top.items():
+        buf.add(dataclasses.replace(tr(g, i, num_tokens=2), teacher_topk_ids=k_ids, teacher_topk_logprobs=k_lps))
+    assert buf.get_groups(1, 0) is not None  # group 0 served once, kept for reuse
+    state = buf.state_dict()
+    assert state["format"] == 2 and state["partial"][0][1][0]["teacher_topk_ids"] == top[1, 0][0].tolist()
+    restored = ReplayBuffer(group_size=2, max_staleness=1, max_reuse=2)
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.state_dict() == state
+    restored.close_group(1, 1)
+    got = [t for g in restored.get_groups(2, 0) for t in g]
+    assert [t.trajectory_id for t in got] == ["0/0", "0/1", "1/0"]
+    for t, (k_ids, k_lps) in zip(got, top.values()):
+        assert t.teacher_topk_ids.dtype == np.int32 and t.teacher_topk_ids.tobytes() == k_ids.tobytes()
+        assert t.teacher_topk_logprobs.dtype == np.float32 and t.teacher_topk_logprobs.tobytes() == k_lps.tobytes()
+        assert t.teacher_topk_logprobs.shape == k_lps.shape
+
+
+def test_a_format_1_state_resumes_without_a_top_k():
+    """Format 1 (before the teacher's top-k) has no top-k keys; a run checkpointed then resumes,
+    its trajectories without a top-k, and saves format 2 from then on."""
+    buf = ReplayBuffer(group_size=2, max_staleness=1)
+    buf.add(tr(0, 0))
+    state = json.loads(json.dumps(buf.state_dict()))
+    for t in state["partial"][0][1]:
+        del t["teacher_topk_ids"], t["teacher_topk_logprobs"]
+    restored = ReplayBuffer(group_size=2, max_staleness=1)
+    restored.load_state_dict({**state, "format": 1})
+    assert restored.state_dict() == buf.state_dict() and restored.state_dict()["format"] == 2
+    restored.close_group(0, 1)
+    (got,), = restored.get_groups(1, 0)
+    assert got == tr(0, 0) and got.teacher_topk_ids.shape == (0, 0)
+
+
 def _bits(xs) -> list[int]:
     return np.asarray(xs, dtype=np.float64).view(np.int64).tolist()
 
@@ -361,7 +402,7 @@ def test_load_state_dict_checks_format_and_group_size():
     state = ReplayBuffer(group_size=3, max_staleness=1).state_dict()
     with pytest.raises(ValueError, match="group_size 3, this buffer 4"):
         ReplayBuffer(group_size=4, max_staleness=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="state format 99"):
+    with pytest.raises(ValueError, match="state format 99, this code reads 1 and 2"):
         ReplayBuffer(group_size=3, max_staleness=1).load_state_dict({**state, "format": 99})
 
 

@@ -7,6 +7,7 @@ sender processes).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import re
@@ -777,6 +778,13 @@ def test_a_group_message_arrives_as_its_trajectories_then_its_closure(k):
     (dict(prompt_ids=[]), r"trajectory '9/1': no prompt token"),
     (dict(reward=math.inf), r"trajectory '9/1': reward is inf"),
     (dict(group_id=8), r"trajectory '9/1': group_id 8 in a message of group 9"),
+    # The teacher's top-k (the group's other samples carry none: K_i = 0 beside K_i = 2).
+    (dict(teacher_topk_ids=[[4, 1]] * 6 + [[4, -3]], teacher_topk_logprobs=[[-0.5, -1.0]] * 7),
+     r"^trajectory '9/1': teacher_topk_ids holds a negative token id \(-3\)$"),
+    (dict(teacher_topk_ids=[[4, 1]] * 7, teacher_topk_logprobs=[[-0.5, math.nan]] + [[-0.5, -1.0]] * 6),
+     r"^trajectory '9/1': teacher_topk_logprobs holds NaN, \+-inf or a positive log-prob \(> 1e-06; 1 values\)$"),
+    (dict(teacher_topk_ids=[[4, 1]] * 7, teacher_topk_logprobs=[[2e-6, -1.0]] * 2 + [[-0.5, -1.0]] * 5),
+     r"trajectory '9/1': teacher_topk_logprobs holds .* \(> 1e-06; 2 values\)$"),
 ])
 def test_a_bad_trajectory_of_a_group_is_refused_alone_and_the_rest_kept(bad, match, caplog):
     """Values are per trajectory: the one that cannot be trained on is counted and logged, the
@@ -883,3 +891,231 @@ def test_encode_refuses_a_top_k_reassigned_to_the_wrong_shape():
     traj.teacher_topk_logprobs = np.zeros((3, 1), np.float32)
     with pytest.raises(ValueError, match=r"teacher_topk_ids \(2, 1\) and teacher_topk_logprobs \(3, 1\)"):
         encode_trajectory(traj)
+
+
+def _topk(num_response: int, k: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A teacher top-k of ``[num_response, k]``: ids over int32, log-probs <= 0, for ``make_traj``."""
+    rng = np.random.default_rng(seed)
+    return {"teacher_topk_ids": rng.integers(0, 2**31 - 1, (num_response, k)).astype(np.int32),
+            "teacher_topk_logprobs": (-rng.exponential(2.0, (num_response, k))).astype(np.float32)}
+
+
+# Every awkward float32 a top-k log-prob may be: -0.0, 0.0, the smallest subnormal, the most
+# negative finite value, the largest float32 <= 1e-6 and a tiny positive one (round-off).
+_F32_EDGES = np.array([-0.0, 0.0, -1e-45, -3.4028235e38, 1e-6, 1e-30, -1.0000001, -7.25], dtype=np.float32)
+
+
+@pytest.mark.parametrize("as_memoryview", [False, True])
+def test_the_teacher_top_k_round_trips_bit_exact_in_a_mixed_group(as_memoryview):
+    """K_i differs per trajectory on the wire (K = 1, K = 8, none, an empty response): each gets
+    its own [R_i, K_i] back, bit for bit (float32 -0.0, subnormals, the <= 1e-6 round-off), as
+    read-only views of the one frame; ids 0 and 2^31 - 1 included."""
+    edges = _F32_EDGES.reshape(1, 8)
+    sent = [make_traj("3/0", 3, num_response=4, seed=0, **_topk(4, 1, seed=1)),
+            make_traj("3/1", 3, num_response=3, seed=1, teacher_logprobs=[-1.0] * 3,
+                      teacher_topk_ids=np.array([[0, 2**31 - 1, 5, 6, 7, 8, 9, 10]] * 3, np.int32),
+                      teacher_topk_logprobs=np.concatenate([edges, edges[:, ::-1], edges])),
+            make_traj("3/2", 3, num_response=5, seed=2),
+            make_traj("3/3", 3, num_response=0, response_text="")]
+    frame = encode_message(TrajectoryGroup(3, sent))[0]
+    header, body = split_frame(frame)
+    assert [e[9:] for e in header["trajectories"]] == [[4, 0, 1], [3, 3, 8], [5, 0, 0], [0, 0, 0]]
+    assert len(body) == 21 * 12 + 8 * 3 + 4 * 20 + 8 * (4 * 1 + 3 * 8)
+    messages, rejected = decode_messages([memoryview(frame)] if as_memoryview else [frame])
+    assert rejected == [] and messages == [*sent, GroupClosed(3, 4)]
+    for got, want in zip(messages, sent):
+        for name, dtype in (("teacher_topk_ids", "<i4"), ("teacher_topk_logprobs", "<f4")):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == np.dtype(dtype) and a.shape == b.shape and a.tobytes() == b.tobytes(), name
+            assert not a.flags.writeable
+    assert [m.teacher_topk_ids.shape for m in messages[:4]] == [(4, 1), (3, 8), (0, 0), (0, 0)]
+    assert np.shares_memory(messages[1].teacher_topk_logprobs, np.frombuffer(frame, np.uint8))
+    assert messages[1].teacher_topk_logprobs.view(np.uint32)[0, 0] == 0x80000000  # -0.0 kept
+
+
+def test_a_top_k_log_prob_of_exactly_the_tolerance_is_kept_and_one_above_is_refused():
+    """The message-wide max and the per-trajectory check agree on the 1e-6 bound (float32)."""
+    at = np.float32(1e-6)  # 9.9999997e-07 <= 1e-6
+    above = np.nextafter(np.float32(1e-6), np.float32(1))  # the next float32: 1.0000001e-06 > 1e-6
+    ok = make_traj("8/0", 8, num_response=2, teacher_topk_ids=[[1], [2]], teacher_topk_logprobs=[[at], [-1.0]])
+    bad = make_traj("8/1", 8, num_response=2, teacher_topk_ids=[[1], [2]], teacher_topk_logprobs=[[-1.0], [above]])
+    messages, rejected = decode_messages(encode_message(TrajectoryGroup(8, [ok, bad])))
+    assert messages == [ok, GroupClosed(8, 2)]
+    assert [str(e) for e in rejected] == ["trajectory '8/1': teacher_topk_logprobs holds NaN, +-inf or a positive "
+                                          "log-prob (> 1e-06; 1 values)"]
+    assert decode_messages(encode_trajectory(ok)) == ([ok], [])
+
+
+def test_a_top_k_with_an_empty_response_or_a_count_off_by_one_voids_the_whole_message(caplog):
+    """K_i != 0 with R_i = 0 is a layout error (R_i K_i = 0 entries would hide it from the body
+    size), and a K_i that disagrees with the body voids every offset: nothing of the message is
+    kept, one counted rejection."""
+    header, body = split_frame(encode_trajectory(make_traj("e/0", num_response=0, response_text=""))[0])
+    header["trajectories"][0][11] = 2
+    with pytest.raises(MalformedMessageError) as e:
+        decode_messages([pack_frame(header, [body])])
+    assert str(e.value) == ("field 'teacher_top_k' of trajectory header 0 is 2, expected >= 0, and 0 when "
+                            "num_response_tokens is 0 (it is 0)")
+    group = TrajectoryGroup(9, [make_traj(f"9/{i}", 9, num_response=3, seed=i, **_topk(3, 2, seed=i))
+                                for i in range(3)])
+    header, body = split_frame(encode_message(group)[0])
+    header["trajectories"][1][11] = 3  # the body holds K = 2 for it
+    receiver, make_sender = make_transport("inproc", hwm=8)
+    receiver._channel.queue.put([pack_frame(header, [body])])
+    make_sender().send(GroupClosed(5, 0))
+    with caplog.at_level(logging.WARNING, logger="async_rl.buffers.transport"):
+        assert receiver.recv_many(16, timeout_s=5.0) == [GroupClosed(5, 0)]
+    assert (receiver.num_malformed, receiver.num_received) == (1, 1)
+    assert f"message body is {len(body)} bytes, expected {len(body) + 8 * 3} for 3 trajectories" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["trajectories", "group_closed"])
+def test_a_schema_5_message_is_refused_with_one_line_naming_both_versions(kind):
+    """What a generator of the previous release sends: the same framing, an 11-field trajectory
+    header (no teacher_top_k) and a 21R + 8T + 4P body."""
+    traj = make_traj("a/0", teacher_logprobs=[-1.0] * 7)
+    if kind == "group_closed":
+        frame = pack_frame({"schema": 5, "kind": "group_closed", "group_id": 1, "num_kept": 2})
+    else:
+        entry = ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0}, "x = 4", 5, 7, 7]
+        frame = pack_frame({"schema": 5, "kind": "trajectories", "group_id": None, "trajectories": [entry]},
+                           [getattr(traj, n) for n in ("behavior_logprobs", "teacher_logprobs", "policy_version",
+                                                       "prompt_ids", "response_ids", "loss_mask")])
+        assert len(split_frame(frame)[1]) == 21 * 7 + 8 * 7 + 4 * 5
+    with pytest.raises(MalformedMessageError) as e:
+        decode_messages([frame])
+    assert str(e.value) == ("schema version 5, this decoder reads version 6 "
+                            "(sender and receiver run different async-rl versions?)")
+
+
+def test_encode_converts_a_reassigned_top_k_exactly_or_refuses_it():
+    """A top-k set after construction (as the teacher stage does) is sent in the wire dtypes when
+    it converts exactly, else refused naming the trajectory and the field, never wrapped."""
+    traj = make_traj("7/0", 7, num_response=2)
+    traj.teacher_topk_ids = [[3, 4], [5, 6]]  # lists: converted
+    traj.teacher_topk_logprobs = np.array([[-0.5, -1.5], [-0.25, -3.0]])  # float64: rounded to float32 exactly
+    out = decode_trajectory(encode_trajectory(traj))
+    assert out.teacher_topk_ids.tolist() == [[3, 4], [5, 6]] and out.teacher_topk_logprobs.dtype == np.float32
+    assert out.teacher_topk_logprobs.tolist() == [[-0.5, -1.5], [-0.25, -3.0]]
+    traj.teacher_topk_ids = np.array([[3, 2**31], [5, 6]], np.int64)
+    with pytest.raises(ValueError, match=r"^trajectory 7/0: teacher_topk_ids cannot be held as int32 \[R, K\]: "
+                                         r"values must satisfy -2147483648 <= number <= 2147483647"):
+        encode_trajectory(traj)
+    traj.teacher_topk_ids = [[3.5, 4], [5, 6]]
+    with pytest.raises(ValueError, match=r"teacher_topk_ids cannot be held as int32 .*float64 is not an integer"):
+        encode_trajectory(traj)
+
+
+# --------------------------------------------------------------------------- top-k in a Trajectory
+def test_a_trajectory_holds_its_top_k_in_the_wire_dtypes_and_converts_exactly_or_refuses():
+    ids = np.array([[1, 2], [3, 4], [5, 6]], np.int32)
+    lps = np.array([[-0.5, -1.0], [-2.0, -3.0], [-0.0, -9.0]], np.float32)
+    kept = make_traj("k/0", num_response=3, teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+    assert kept.teacher_topk_ids is ids and kept.teacher_topk_logprobs is lps  # right dtype: no copy
+    plain = make_traj("k/0", num_response=3, teacher_topk_ids=ids.tolist(), teacher_topk_logprobs=lps.tolist())
+    assert plain == kept and plain.teacher_topk_ids.dtype == np.dtype("<i4")
+    assert plain.teacher_topk_logprobs.dtype == np.dtype("<f4")
+    assert plain.teacher_topk_logprobs.tobytes() == lps.tobytes()
+    wide = make_traj("k/0", num_response=3, teacher_topk_ids=ids.astype(np.int64), teacher_topk_logprobs=lps)
+    assert wide.teacher_topk_ids.dtype == np.dtype("<i4") and wide == kept
+    default = make_traj("k/1")
+    assert default.teacher_topk_ids.shape == default.teacher_topk_logprobs.shape == (0, 0)
+    assert (default.teacher_topk_ids.dtype, default.teacher_topk_logprobs.dtype) == (np.dtype("<i4"), np.dtype("<f4"))
+    # "None" in any spelling is [0, 0]: as_dict's [], an empty response's [0, K], an [R, 0].
+    for empty_ids, empty_lps in (([], []), (np.zeros((0, 4), np.int32), np.zeros((0, 4), np.float32)),
+                                 (np.zeros((7, 0)), np.zeros((7, 0)))):
+        t = make_traj("k/2", teacher_topk_ids=empty_ids, teacher_topk_logprobs=empty_lps)
+        assert t.teacher_topk_ids.shape == t.teacher_topk_logprobs.shape == (0, 0) and t == make_traj("k/2")
+    # as_dict / Trajectory(**d) keeps the float32 values exactly, through JSON too.
+    back = Trajectory(**json.loads(json.dumps(kept.as_dict())))
+    assert back == kept and back.teacher_topk_logprobs.tobytes() == lps.tobytes()
+    assert kept.as_dict()["teacher_topk_ids"] == [[1, 2], [3, 4], [5, 6]]
+    assert default.as_dict()["teacher_topk_ids"] == []
+    assert kept != dataclasses.replace(kept, teacher_topk_logprobs=lps + np.float32(-1.0))
+    assert kept != dataclasses.replace(kept, teacher_topk_ids=ids[:, ::-1])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(teacher_topk_ids=[[1, 2]] * 7), r"^trajectory t/0: teacher_topk_ids \(7, 2\) and teacher_topk_logprobs "
+                                          r"\(0, 0\) must both be \[7, K\] \(K >= 1\) or both \[0, 0\]$"),
+    (dict(teacher_topk_logprobs=[[-1.0]] * 7), r"teacher_topk_ids \(0, 0\) and teacher_topk_logprobs \(7, 1\)"),
+    (dict(teacher_topk_ids=[[1, 2]] * 6, teacher_topk_logprobs=[[-1.0, -2.0]] * 6), r"\(6, 2\) .* \[7, K\]"),
+    (dict(teacher_topk_ids=[[1, 2]] * 7, teacher_topk_logprobs=[[-1.0]] * 7), r"\(7, 2\) and .* \(7, 1\)"),
+    (dict(teacher_topk_ids=[[1, 2]] * 6 + [[1]], teacher_topk_logprobs=[[-1.0, -2.0]] * 7),
+     r"^trajectory t/0: teacher_topk_ids cannot be held as int32 \[R, K\]: .*inhomogeneous"),
+    (dict(teacher_topk_ids=[1] * 7, teacher_topk_logprobs=[-1.0] * 7),
+     r"teacher_topk_ids cannot be held .*a 1-D array"),
+    (dict(teacher_topk_ids=np.ones((7, 1, 1), np.int32), teacher_topk_logprobs=np.ones((7, 1, 1), np.float32)),
+     r"teacher_topk_ids cannot be held as int32 \[R, K\]: a 3-D array, expected 2-D"),
+    (dict(teacher_topk_ids=[[1]] * 7, teacher_topk_logprobs=[[-1e300]] * 7),
+     r"teacher_topk_logprobs cannot be held as float32 \[R, K\]: a finite value beyond float32's range \(-1e\+300\)"),
+    (dict(teacher_topk_ids=[["a"]] * 7, teacher_topk_logprobs=[[-1.0]] * 7), r"teacher_topk_ids .*is not an integer"),
+])
+def test_a_trajectory_refuses_a_top_k_that_is_not_both_r_by_k(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make_traj("t/0", **kw)
+
+
+# ----------------------------------------------------------------------------- top-k in collate
+def _topk_traj(tid: str, prompt: list[int], response: list[int], k: int, base: int) -> Trajectory:
+    """Ids ``base + 10 t + j`` and log-probs ``-(base + 10 t + j) / 100`` at response position t, rank j."""
+    r = len(response)
+    grid = base + 10 * np.arange(r)[:, None] + np.arange(k)[None, :]
+    return Trajectory(tid, 0, "u", prompt, response, [-0.5] * r, [1] * r, "stop", [3] * r,
+                      teacher_logprobs=[-1.0] * r, teacher_topk_ids=grid.astype(np.int32),
+                      teacher_topk_logprobs=(-grid / 100).astype(np.float32))
+
+
+def test_collate_puts_the_top_k_rows_in_the_label_slots_of_the_teacher_logprobs():
+    """Prompts of 3 and 1 tokens (the response starts at slot P - 1), L = 6: row t of trajectory
+    i lands in slot P_i - 1 + t of [B, L-1, K], zeros (id 0, log-prob 0) everywhere else; an empty
+    response fits with zeros."""
+    a = _topk_traj("0/0", [7, 8, 9], [4, 5, 2], k=2, base=100)
+    b = _topk_traj("0/1", [7], [6, 3], k=2, base=200)
+    c = Trajectory("0/2", 0, "u", [7, 8], [], [], [], "abort", [])  # no response: nothing to carry
+    batch = collate([a, b, c], pad_token_id=0)
+    ids, lps = batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logprobs"]
+    assert ids.dtype == torch.long and lps.dtype == torch.float32 and ids.shape == lps.shape == (3, 5, 2)
+    z = [0, 0]
+    assert ids.tolist() == [[z, z, [100, 101], [110, 111], [120, 121]],
+                            [[200, 201], [210, 211], z, z, z],
+                            [z, z, z, z, z]]
+    assert lps.tolist() == (-ids.double() / 100).float().tolist()  # the same slots, the same rows
+    # Exactly the slots where teacher_logprobs (and behavior_logprobs) go.
+    assert ((ids != 0).any(-1) == (batch.extras["teacher_logprobs"] != 0)).all()
+    assert ((ids != 0).any(-1) == (batch.loss_mask != 0)).all()
+    # select, to and trimmed keep the [B, L-1, K] extras with their rows; trimmed cuts dim 1.
+    one = batch.select([1])
+    assert one.extras["teacher_topk_ids"].tolist() == [[[200, 201], [210, 211], z, z, z]]
+    cut = one.trimmed()
+    assert cut.input_ids.shape == (1, 3) and cut.extras["teacher_topk_ids"].shape == (1, 2, 2)
+    assert cut.extras["teacher_topk_ids"].tolist() == [[[200, 201], [210, 211]]]
+    assert torch.equal(cut.extras["teacher_topk_logprobs"], lps[1:2, :2])
+    moved = batch.to("meta")
+    assert moved.extras["teacher_topk_ids"].shape == (3, 5, 2)
+    assert moved.extras["teacher_topk_ids"].device.type == "meta"
+
+
+def test_collate_without_a_top_k_adds_none_and_a_batch_of_empty_responses_needs_none():
+    plain = Trajectory("0/0", 0, "u", [7], [4], [-0.5], [1], "stop", [3], teacher_logprobs=[-1.0])
+    empty = Trajectory("0/1", 0, "u", [7, 8], [], [], [], "abort", [])
+    assert set(collate([plain, empty], pad_token_id=0).extras) == {"teacher_logprobs"}
+    assert collate([empty], pad_token_id=0).extras == {}
+
+
+def test_collate_refuses_a_batch_mixing_trajectories_with_and_without_a_top_k():
+    with_k = [_topk_traj(f"0/{i}", [7], [4, 5], k=3, base=10 * i) for i in (0, 2)]
+    without = Trajectory("0/1", 0, "u", [7], [4], [-0.5], [1], "stop", [3], teacher_logprobs=[-1.0])
+    with pytest.raises(ValueError) as e:
+        collate([with_k[0], without, with_k[1]], pad_token_id=0)
+    assert str(e.value) == ("collate: trajectory 0/1 has no teacher_topk_ids, but 2 of the batch's 3 trajectories "
+                            "have them")
+
+
+def test_collate_refuses_top_k_trajectories_of_different_k():
+    batch = [_topk_traj("0/0", [7], [4, 5], k=3, base=0), _topk_traj("0/1", [7], [4], k=3, base=50),
+             _topk_traj("0/2", [7, 8], [4], k=2, base=90), _topk_traj("0/3", [7], [4], k=4, base=90)]
+    with pytest.raises(ValueError) as e:
+        collate(batch, pad_token_id=0)
+    assert str(e.value) == ("collate: trajectory 0/2 has a teacher top-2, but the batch's first with a top-k (0/0) "
+                            "has a top-3")

@@ -143,13 +143,19 @@ class MegatronLearner(LearnerCore):
 
     def _forward(self, mb: TrainBatch, with_entropy: bool, model: nn.Module | None = None,
                  temperature: float | None = None, packed: bool | None = None,
-                 topk_ids: torch.Tensor | None = None) -> tuple:
+                 topk_ids: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Log-probs (and entropies) ``[b, L-1]`` float32 of a micro-batch's labels, from the
         vocab-parallel logits (``async_rl.learners.megatron.ops``); with ``topk_ids``
-        (``[b, L-1, K]`` int64) a third tensor, their log-probs ``[b, L-1, K]``."""
+        (``[b, L-1, K]`` int64) a third tensor, their log-probs ``[b, L-1, K]`` float32, picked
+        from the same logits by the tensor-parallel rank that owns each id, 0 at slots that
+        predict no real token of their own row (see ``LearnerCore._forward``). A pipeline stage
+        before the last returns stand-ins of the same shapes, tied to its send."""
         mb = mb.to(self.device)
         model = model or self.model
         temp = self.temperature if temperature is None else temperature
+        if topk_ids is not None:
+            topk_ids = self._check_topk_ids(mb, topk_ids)
         autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self._precision() == "bf16"
                     and self.device.type == "cuda" else nullcontext())
         packed = self.cfg.packing if packed is None else packed
@@ -161,12 +167,11 @@ class MegatronLearner(LearnerCore):
             stand_in = logits + torch.zeros(mb.input_ids.shape[0], mb.input_ids.shape[1] - 1, device=self.device)
             if topk_ids is None:
                 return stand_in, (stand_in if with_entropy else None)
+            # Tied to the same send: a loss on any of them brings the next stage's gradient in.
             return stand_in, (stand_in if with_entropy else None), stand_in.unsqueeze(-1).expand(*topk_ids.shape)
         picks = None
         if topk_ids is not None:
-            picks = topk_ids.to(self.device)
-            picks = pack_labels(picks, mb.attention_mask) if packed else picks
-            picks = picks[:, : width - 1]
+            picks = pack_labels(topk_ids, mb.attention_mask) if packed else topk_ids  # [b, width-1, K]
         out = vocab_parallel_logprobs(logits[:, : width - 1], ids[:, 1:width], temp, self.vocab_size,
                                       with_entropy, topk_ids=picks)
         logprobs, entropy = out[0], out[1]
@@ -175,7 +180,10 @@ class MegatronLearner(LearnerCore):
             entropy = unpack_labels(entropy, mb.attention_mask) if with_entropy else None
         if topk_ids is None:
             return logprobs, entropy
-        return logprobs, entropy, unpack_labels(out[2], mb.attention_mask) if packed else out[2]
+        if packed:
+            return logprobs, entropy, unpack_labels(out[2], mb.attention_mask)
+        real = mb.attention_mask[:, 1:].bool().unsqueeze(-1)
+        return logprobs, entropy, torch.where(real, out[2], torch.zeros((), dtype=out[2].dtype, device=out[2].device))
 
     # ------------------------------------------------------------------ backend hooks
     def _data_parallel(self) -> tuple[int, int, object]:
