@@ -807,16 +807,22 @@ def test_a_bad_trajectory_of_a_group_is_refused_alone_and_the_rest_kept(bad, mat
     assert caplog.text.count("rejected malformed message") == 1 and "9/1" in caplog.text
 
 
-def test_a_group_with_a_broken_layout_is_refused_whole_and_counted_once(caplog):
-    """A size that disagrees with the body voids every offset in it: nothing of it is trusted."""
-    header, body = split_frame(encode_message(_group(9, 4))[0])
-    header["trajectories"][2][9] += 1  # one response token more than the body holds
+def _assert_refused_whole(header: dict, body, caplog) -> None:
+    """The message of ``header`` and ``body`` is refused as a whole and counted once; a message
+    after it still arrives."""
     receiver, make_sender = make_transport("inproc", hwm=8)
     receiver._channel.queue.put([pack_frame(header, [body])])
     make_sender().send(GroupClosed(5, 0))
     with caplog.at_level(logging.WARNING, logger="async_rl.buffers.transport"):
         assert receiver.recv_many(16, timeout_s=5.0) == [GroupClosed(5, 0)]
     assert (receiver.num_malformed, receiver.num_received) == (1, 1)
+
+
+def test_a_group_with_a_broken_layout_is_refused_whole_and_counted_once(caplog):
+    """A size that disagrees with the body voids every offset in it: nothing of it is trusted."""
+    header, body = split_frame(encode_message(_group(9, 4))[0])
+    header["trajectories"][2][9] += 1  # one response token more than the body holds
+    _assert_refused_whole(header, body, caplog)
     assert "message body is" in caplog.text
 
 
@@ -960,12 +966,7 @@ def test_a_top_k_with_an_empty_response_or_a_count_off_by_one_voids_the_whole_me
                                 for i in range(3)])
     header, body = split_frame(encode_message(group)[0])
     header["trajectories"][1][11] = 3  # the body holds K = 2 for it
-    receiver, make_sender = make_transport("inproc", hwm=8)
-    receiver._channel.queue.put([pack_frame(header, [body])])
-    make_sender().send(GroupClosed(5, 0))
-    with caplog.at_level(logging.WARNING, logger="async_rl.buffers.transport"):
-        assert receiver.recv_many(16, timeout_s=5.0) == [GroupClosed(5, 0)]
-    assert (receiver.num_malformed, receiver.num_received) == (1, 1)
+    _assert_refused_whole(header, body, caplog)
     assert f"message body is {len(body)} bytes, expected {len(body) + 8 * 3} for 3 trajectories" in caplog.text
 
 
