@@ -365,6 +365,7 @@ def _cross_validate(cfg: Config, given: Mapping[str, str] | None = None) -> None
             "estimator compares samples within a group and needs at least 2 per prompt")
     _check_colocated(cfg)
     _check_env(cfg)
+    _check_routing_replay(cfg)
     if n < 2 and cfg.algorithm.dynamic_sampling:
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
                           "differ, which needs at least 2 samples per prompt")
@@ -478,6 +479,31 @@ def _check_colocated(cfg: Config) -> None:
             f"weight_sync.transport=colocated: the engine must live in the learner's process, which holds "
             f"only for trainer.mode=sync with generator.backend={engines_that(lambda c: c.colocated)} (got "
             f"{cfg.trainer.mode}, {cfg.generator.backend}); use shm (same host) or broadcast")
+
+
+def _check_routing_replay(cfg: Config) -> None:
+    """Refuse ``algorithm.routing_replay`` where the routing cannot reach the learner yet (only the
+    HF and vLLM engines record it, only single-turn samples carry it), and the MoE auxiliary losses on the Megatron
+    learner (megatron-core's own, whose scaling over micro-batches is not yet checked against
+    the FSDP2 learner's)."""
+    if cfg.learner.backend == "megatron":
+        for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            if getattr(cfg.algorithm, key):
+                raise ConfigError(f"algorithm.{key}={getattr(cfg.algorithm, key)} runs with learner.backend=fsdp2 "
+                                  f"for now; set it to 0 for the Megatron learner")
+    if not cfg.algorithm.records_routing:
+        return
+    key = "routing_replay" if cfg.algorithm.routing_replay else "record_routing"
+    if cfg.generator.backend not in ("hf", "vllm"):
+        raise ConfigError(f"algorithm.{key}=true runs with generator.backend=hf or vllm for now (got "
+                          f"{cfg.generator.backend}): that engine does not record routing yet")
+    if cfg.generator.backend == "vllm" and not cfg.generator.vllm.enforce_eager:
+        raise ConfigError(f"algorithm.{key}=true with generator.backend=vllm needs "
+                          "generator.vllm.enforce_eager=true: the routing is recorded by hooks on each router, "
+                          "which a compiled model would not run")
+    if cfg.env.enabled or cfg.agent.enabled or cfg.endpoint.enabled:
+        raise ConfigError(f"algorithm.{key}=true runs on single-turn rollouts for now: a multi-turn "
+                          "rollout (env.name, agent.tools, endpoint.rollout) does not record routing yet")
 
 
 def _check_partial_rollout(cfg: Config) -> None:

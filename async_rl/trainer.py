@@ -293,7 +293,8 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
             scorer=make_scorer(cfg.reward, cfg.reward.on_error, reward_model and reward_model.score, teacher=teacher),
             # Separate counters: eval must not leak into train metrics.
             eval_scorer=make_scorer(cfg.reward, "zero", reward_model and reward_model.score),
-            params=SamplingParams.from_config(cfg.generator, stops),
+            params=dataclasses.replace(SamplingParams.from_config(cfg.generator, stops),
+                                       return_routed_experts=cfg.algorithm.records_routing),
             eval_params=SamplingParams.from_config(cfg.generator, stops, greedy=t_cfg.eval_greedy),
             learner=learner, generator=generator,
             publisher=WeightPublisher(cfg.weight_sync, transport, learner, [LocalTarget(generator)],

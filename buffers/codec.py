@@ -3,11 +3,11 @@
 Used by both ends of ``async_rl.buffers.transport``: a sender encodes, the receiver decodes and
 checks. It knows no socket, so the in-process channel of the tests runs the same bytes.
 
-Wire format (schema version 6; msgpack, never pickle). A message is one ZeroMQ frame::
+Wire format (schema version 7; msgpack, never pickle). A message is one ZeroMQ frame::
 
     | header length H: uint32 LE | msgpack header (H bytes) | zero pad to a multiple of 8 | body |
 
-The header is a msgpack map. A data message is ``{"schema": 6, "kind": "trajectories",
+The header is a msgpack map. A data message is ``{"schema": 7, "kind": "trajectories",
 "group_id": None or g, "trajectories": [t_0, ..., t_{k-1}]}``: ``k >= 1`` trajectories, or, with
 an integer ``group_id`` (a ``TrajectoryGroup``: every kept trajectory of group ``g``), ``k >= 0``
 of them that also close group ``g`` with ``k`` kept. Each ``t_i`` is a msgpack array of the
@@ -15,18 +15,23 @@ trajectory's other fields, in this order: ``trajectory_id``, ``group_id``, ``pro
 ``generator_id``, ``finish_reason``, ``reward`` (float64), ``reward_extras`` (str -> float64),
 ``response_text``, ``num_prompt_tokens`` (P_i), ``num_response_tokens`` (R_i),
 ``num_teacher_tokens`` (T_i: R_i when the trajectory carries the teacher's log-probs of on-policy
-distillation, else 0) and ``teacher_top_k`` (K_i: the width of the teacher's top-k a position,
-0 without). With ``P = sum P_i``, ``R = sum R_i``, ``T = sum T_i`` and ``Q = sum R_i K_i`` the
-body holds the per-token fields of all ``k`` trajectories, each field's arrays back to back in
-trajectory order, as raw little-endian arrays in the dtypes the ``Trajectory`` holds
-(``PER_TOKEN_DTYPES``, and ``TOPK_DTYPES`` for the ``[R_i, K_i]`` top-k pair, row-major), in
-falling dtype size (8-byte, then 4-byte, the 1-byte mask last) so every array is aligned with no
-padding. The top-k pair therefore goes after the response ids, not after the mask: its ids then
-extend the run of int32 token ids that the decoder checks with one reduction.
+distillation, else 0), ``teacher_top_k`` (K_i: the width of the teacher's top-k a position,
+0 without), ``routed_layers`` (L_i: the mixture-of-experts layers whose routing routing replay
+recorded) and ``routed_top_k`` (k_i: the experts a token is routed to in each of them); L_i and
+k_i are both 0 (no routing) or both >= 1. With ``P = sum P_i``, ``R = sum R_i``,
+``T = sum T_i``, ``Q = sum R_i K_i`` and ``E = sum (P_i + R_i - 1) L_i k_i`` (the routed-expert
+entries: one row a forwarded token, the last response token is never forwarded) the body holds
+the per-token fields of all ``k`` trajectories, each field's arrays back to back in trajectory
+order, as raw little-endian arrays in the dtypes the ``Trajectory`` holds (``PER_TOKEN_DTYPES``,
+``TOPK_DTYPES`` for the ``[R_i, K_i]`` top-k pair and ``ROUTED_EXPERTS_DTYPE`` for the
+``[P_i + R_i - 1, L_i, k_i]`` routing, row-major), in falling dtype size (8-byte, then 4-byte,
+the 2-byte routing, the 1-byte mask last) so every array is aligned with no padding. The top-k
+pair therefore goes after the response ids, not after the mask: its ids then extend the run of
+int32 token ids that the decoder checks with one reduction.
 
-=========================  =======================  ======  ====================
+=========================  =======================  ======  ===========================
 body field, in order       dtype                    length  byte offset
-=========================  =======================  ======  ====================
+=========================  =======================  ======  ===========================
 ``behavior_logprobs``      float64 (``<f8``)        R       0
 ``teacher_logprobs``       float64 (``<f8``)        T       8R
 ``policy_version``         int64   (``<i8``)        R       8R + 8T
@@ -34,12 +39,13 @@ body field, in order       dtype                    length  byte offset
 ``response_ids``           int32   (``<i4``)        R       16R + 8T + 4P
 ``teacher_topk_ids``       int32   (``<i4``)        Q       20R + 8T + 4P
 ``teacher_topk_logprobs``  float32 (``<f4``)        Q       20R + 8T + 4P + 4Q
-``loss_mask``              uint8   (``u1``)         R       20R + 8T + 4P + 8Q
-=========================  =======================  ======  ====================
+``routed_experts``         int16   (``<i2``)        E       20R + 8T + 4P + 8Q
+``loss_mask``              uint8   (``u1``)         R       20R + 8T + 4P + 8Q + 2E
+=========================  =======================  ======  ===========================
 
-The body is 21R + 8T + 4P + 8Q bytes, exactly. A second message kind closes a group whose samples
-were all rejected, or travels on its own: ``{"schema": 6, "kind": "group_closed", "group_id": g,
-"num_kept": k}`` with an empty body. The buffer's ``close_group`` accepts a closure in any order
+The body is 21R + 8T + 4P + 8Q + 2E bytes, exactly. A second message kind closes a group whose
+samples were all rejected, or travels on its own: ``{"schema": 7, "kind": "group_closed",
+"group_id": g, "num_kept": k}`` with an empty body. The buffer's ``close_group`` accepts a closure in any order
 relative to the group's trajectories.
 
 The encoder joins each array's memory as it is (no per-token Python object, no conversion). The
@@ -48,9 +54,10 @@ body with ``np.frombuffer``: a received trajectory's arrays are read-only views 
 Layout checks void the whole message (one counted, logged rejection): the frame count, the
 header length, msgpack, the schema version, the kind and fields, each trajectory header's
 length, field types and non-negative counts, each ``num_teacher_tokens`` 0 or that trajectory's
-``num_response_tokens``, each ``teacher_top_k`` >= 0 (0 when ``num_response_tokens`` is 0), and
-the body size against the counts; when any of these fails no offset in the message can be
-trusted. Value checks are per trajectory, so a trajectory that would crash
+``num_response_tokens``, each ``teacher_top_k`` >= 0 (0 when ``num_response_tokens`` is 0), each
+``routed_layers`` and ``routed_top_k`` both 0 or both >= 1 (0 when the trajectory has no token,
+P_i + R_i = 0), and the body size against the counts; when any of these fails no offset in the
+message can be trusted. Value checks are per trajectory, so a trajectory that would crash
 or poison a step is one counted, logged rejection and the rest of its message is kept:
 ``trajectory_id`` ends in ``/<index in group>`` (the learner orders a group by it), at least one
 prompt token, token ids >= 0, ``behavior_logprobs`` neither NaN nor +inf (-inf is kept: the
@@ -58,16 +65,18 @@ losses clamp log-ratios), ``teacher_logprobs`` finite (neither NaN nor +inf nor 
 distillation term is the teacher's minus the student's log-prob, and an infinite teacher
 log-prob is a teacher's fault, not a signal: the term would sit at its +-20-nat clamp),
 ``teacher_topk_ids`` >= 0, ``teacher_topk_logprobs`` finite and <= 1e-6 (a log-prob, 0 up to
-float32 round-off), ``loss_mask`` values 0 or 1, policy versions >= 0, a finite ``reward`` and
-finite ``reward_extras`` values, and in a group message the group's id. (Token ids past the
-vocabulary cannot be checked here: the transport does not know the model.) The array checks run
-once per message, vectorised over all its trajectories (five reductions, two more with a
-top-k); only a message that fails one is checked trajectory by trajectory. A refused
+float32 round-off), ``routed_experts`` >= 0, ``loss_mask`` values 0 or 1, policy versions >= 0,
+a finite ``reward`` and finite ``reward_extras`` values, and in a group message the group's id.
+(Token ids past the vocabulary, and expert indices past the model's experts a layer, cannot be
+checked here: the transport does not know the model; the learner's routing replay checks the
+experts.) The array checks run once per message, vectorised over all its trajectories (five
+reductions, two more with a top-k, one more with routing); only a message that fails one is
+checked trajectory by trajectory. A refused
 trajectory of a group leaves the group one sample short, so the buffer never completes it,
 exactly as when it travelled alone and was refused. A message of another schema version (schema
 4: the same framing, 10 fields per trajectory header; schema 3 and older: one msgpack map, no
-length prefix; schema 5: 11 fields per trajectory header, no top-k) is refused with one line
-naming both versions.
+length prefix; schema 5: 11 fields per trajectory header, no top-k; schema 6: 12 fields per
+trajectory header, no routing) is refused with one line naming both versions.
 
 History: schema 2 carried the arrays as msgpack ext types and the receiver turned them back
 into Python lists (0.15-0.19x raw ZeroMQ's messages/s in ``bench/bench_transport.py``); schema 3
@@ -78,16 +87,21 @@ group as one message. Schema 5 adds the teacher's log-probs for on-policy distil
 (``num_teacher_tokens`` and the ``teacher_logprobs`` body field; a run without a teacher sends
 every T_i = 0, one more header byte per trajectory than schema 4). Schema 6 adds the teacher's
 top-k next-token distribution (``teacher_top_k`` and the two ``teacher_topk_*`` body fields, 8
-bytes an entry; K_i = 0 otherwise, one more header byte per trajectory). Schema 2 added
-``generator_id`` (the actor that sampled it).
+bytes an entry; K_i = 0 otherwise, one more header byte per trajectory). Schema 7 adds routing
+replay's routed experts (``routed_layers``, ``routed_top_k`` and the ``routed_experts`` body
+field, 2 bytes an entry; L_i = k_i = 0 otherwise, two more header bytes per trajectory). Schema 2
+added ``generator_id`` (the actor that sampled it).
 
 Why this layout: raw arrays avoid encoding 1000s of numbers one msgpack item at a time, and one
 frame beats one frame per array (``bench/bench_transport.py``: raw ZeroMQ moves ~1.6x more
 25 KB messages/s as 1 frame than as 6). Log-probs are float64, so a Python float round-trips
 bit-exactly (the teacher's top-k log-probs are float32, what the teacher computes, and travel
-bit-exactly as such); token ids must fit int32 and ``loss_mask`` values 0..255, else building the
-``Trajectory`` raises ``ValueError`` rather than wrap around (the decoder then accepts only what
-the checks above allow).
+bit-exactly as such); token ids must fit int32, expert indices int16 and ``loss_mask`` values
+0..255, else building the ``Trajectory`` raises ``ValueError`` rather than wrap around (the decoder
+then accepts only what the checks above allow). Expert indices are int16 (0..32,767, more experts
+a layer than any model has) because routing is the largest field a mixture-of-experts run sends:
+``(P + R - 1) L k`` entries a trajectory, 768 bytes a forwarded token at 48 layers x top-8, where
+a response token's other fields take 21.
 
 Run the tests with ``python -m pytest -q tests/test_transport.py``; measure throughput with
 ``python bench/bench_transport.py``.
@@ -103,9 +117,11 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-from async_rl.buffers.trajectory import PER_TOKEN_DTYPES, TOPK_DTYPES, Trajectory, per_token_array, topk_array
+from async_rl.buffers.trajectory import (
+    PER_TOKEN_DTYPES, ROUTED_EXPERTS_DTYPE, TOPK_DTYPES, Trajectory, per_token_array, routed_experts_array, topk_array,
+)
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Version of the wire format above; bump it on any change to the fields, their encoding or the framing."""
 
 _NUM_FRAMES = 1
@@ -117,12 +133,12 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "trajectory_id": (str,), "group_id": (int,), "prompt_uid": (str,), "generator_id": (int,),
     "finish_reason": (str,), "reward": (float, int), "reward_extras": (dict,), "response_text": (str,),
     "num_prompt_tokens": (int,), "num_response_tokens": (int,), "num_teacher_tokens": (int,),
-    "teacher_top_k": (int,),
+    "teacher_top_k": (int,), "routed_layers": (int,), "routed_top_k": (int,),
 }
 _FIELD_NAMES = tuple(_FIELD_TYPES)
 # The common case in one comparison (a float reward); anything else takes the per-field loop.
 _USUAL_TYPES = tuple(kinds[0] for kinds in _FIELD_TYPES.values())
-_TID, _GID, _UID, _GEN, _FINISH, _REWARD, _EXTRAS, _TEXT, _P, _R, _T, _K = range(len(_FIELD_TYPES))
+_TID, _GID, _UID, _GEN, _FINISH, _REWARD, _EXTRAS, _TEXT, _P, _R, _T, _K, _L, _KR = range(len(_FIELD_TYPES))
 _HEADER_FIELDS = frozenset({"schema", "kind", "group_id", "trajectories"})
 # Body order: falling dtype size, so every array starts aligned when the body does.
 _F8, _I8, _I4, _U1 = (PER_TOKEN_DTYPES[n] for n in ("behavior_logprobs", "policy_version", "prompt_ids", "loss_mask"))
@@ -132,24 +148,31 @@ _BYTES_PER_PROMPT_TOKEN = _I4.itemsize  # 4
 _F4 = TOPK_DTYPES["teacher_topk_logprobs"]
 assert TOPK_DTYPES["teacher_topk_ids"] == _I4  # the top-k ids extend the int32 run of token ids
 _BYTES_PER_TOPK_ENTRY = _I4.itemsize + _F4.itemsize  # 8: an id and its log-prob
+_I2 = ROUTED_EXPERTS_DTYPE
+_BYTES_PER_ROUTED_ENTRY = _I2.itemsize  # 2: one expert index
 _PAD = bytes(7)
 _BODY_ORDER = ("behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids",
-               "teacher_topk_ids", "teacher_topk_logprobs", "loss_mask")
+               "teacher_topk_ids", "teacher_topk_logprobs", "routed_experts", "loss_mask")
 """Body fields in order; each is the concatenation over the message's trajectories."""
 _PER_TOKEN_ORDER = tuple(name for name in _BODY_ORDER if name in PER_TOKEN_DTYPES)
-"""The 1-D per-token fields among them (the top-k pair is ``[R, K]``, sent flat)."""
+"""The 1-D per-token fields among them (the top-k pair is ``[R, K]`` and the routing
+``[P + R - 1, L, k]``, both sent flat)."""
 _PER_TOKEN_BODY_DTYPES = tuple(PER_TOKEN_DTYPES[name] for name in _PER_TOKEN_ORDER)
 _AT_TOPK = _BODY_ORDER.index("teacher_topk_ids")
-assert _BODY_ORDER == (*_PER_TOKEN_ORDER[:_AT_TOPK], *TOPK_DTYPES, *_PER_TOKEN_ORDER[_AT_TOPK:])
+# The top-k pair and the routing sit together before the loss mask, the one 1-byte field.
+assert _BODY_ORDER == (*_PER_TOKEN_ORDER[:_AT_TOPK], *TOPK_DTYPES, "routed_experts", *_PER_TOKEN_ORDER[_AT_TOPK:])
+assert _PER_TOKEN_ORDER[_AT_TOPK:] == ("loss_mask",)
 _ndarray = np.ndarray
 _STR, _FLOAT = frozenset({str}), frozenset({float})
 # Reductions called directly: ``ndarray.min()`` adds a Python-level wrapper per call.
 _min, _max = np.minimum.reduce, np.maximum.reduce
 _frombuffer, _isfinite, _from_checked = np.frombuffer, math.isfinite, Trajectory.from_checked
-_NO_I4, _NO_F4 = np.zeros(0, dtype=_I4), np.zeros(0, dtype=_F4)
-# Shared by every decoded trajectory without a top-k: read-only like the views of a message.
+_NO_I4, _NO_F4, _NO_I2 = np.zeros(0, dtype=_I4), np.zeros(0, dtype=_F4), np.zeros(0, dtype=_I2)
+# Shared by every decoded trajectory without a top-k (without routing): read-only like the views
+# of a message.
 _NO_TOPK_IDS, _NO_TOPK_LPS = np.zeros((0, 0), dtype=_I4), np.zeros((0, 0), dtype=_F4)
-_NO_TOPK_IDS.flags.writeable = _NO_TOPK_LPS.flags.writeable = False
+_NO_ROUTED = np.zeros((0, 0, 0), dtype=_I2)
+_NO_TOPK_IDS.flags.writeable = _NO_TOPK_LPS.flags.writeable = _NO_ROUTED.flags.writeable = False
 
 
 _MAX_LOGPROB = 1e-6
@@ -277,7 +300,32 @@ def _topk_arrays(traj: Trajectory) -> tuple[np.ndarray, np.ndarray, int]:
     return ids.reshape(-1), lps.reshape(-1), ids.shape[1]
 
 
-def _trajectory_header(traj: Trajectory, top_k: int) -> list[Any]:
+def _routed_array(traj: Trajectory) -> tuple[np.ndarray, int, int]:
+    """The trajectory's routed experts as flat ``<i2`` indices (a view of the held
+    ``[P + R - 1, L, k]`` array, row-major), L and k (0, 0: none, an empty array).
+
+    Raises:
+        ValueError: a field reassigned after construction that ``routed_experts_array`` refuses
+            (not a 3-D array of integers, an index outside 0..32767), or a row count other than
+            P + R - 1.
+    """
+    routed = traj.routed_experts
+    if type(routed) is _ndarray and not routed.size:
+        return _NO_I2, 0, 0  # the usual case first: no routing
+    if not (type(routed) is _ndarray and routed.dtype == _I2 and routed.ndim == 3 and routed.flags.c_contiguous):
+        # Reassigned after construction: converted exactly (or refused) as the constructor would.
+        routed = routed_experts_array(routed, traj.trajectory_id)
+        if not routed.size:
+            return _NO_I2, 0, 0
+    num_prompt, num_response = len(traj.prompt_ids), len(traj.response_ids)
+    if routed.shape[0] != num_prompt + num_response - 1:  # would void a whole group
+        raise ValueError(f"trajectory {traj.trajectory_id}: routed_experts has {routed.shape[0]} rows for "
+                         f"{num_prompt} prompt and {num_response} response tokens (P + R - 1 = "
+                         f"{num_prompt + num_response - 1} forwarded tokens)")
+    return routed.reshape(-1), routed.shape[1], routed.shape[2]
+
+
+def _trajectory_header(traj: Trajectory, top_k: int, routed_layers: int, routed_top_k: int) -> list[Any]:
     num_response, num_teacher = len(traj.response_ids), len(traj.teacher_logprobs)
     if num_teacher and num_teacher != num_response:  # reassigned after construction: would void a whole group
         raise ValueError(f"trajectory {traj.trajectory_id}: teacher_logprobs has {num_teacher} values for "
@@ -287,11 +335,12 @@ def _trajectory_header(traj: Trajectory, top_k: int) -> list[Any]:
     except (TypeError, ValueError) as e:
         raise ValueError(f"trajectory {traj.trajectory_id}: reward_extras must map str -> float ({e})") from e
     return [traj.trajectory_id, int(traj.group_id), traj.prompt_uid, int(traj.generator_id), traj.finish_reason,
-            float(traj.reward), extras, traj.response_text, len(traj.prompt_ids), num_response, num_teacher, top_k]
+            float(traj.reward), extras, traj.response_text, len(traj.prompt_ids), num_response, num_teacher, top_k,
+            routed_layers, routed_top_k]
 
 
 def encode_trajectories(trajectories: Sequence[Trajectory], group_id: int | None = None) -> list[bytes]:
-    """Encode trajectories as one schema-6 message (module docstring).
+    """Encode trajectories as one schema-7 message (module docstring).
 
     Args:
         trajectories: the trajectories; at least one unless ``group_id`` is given. Their
@@ -307,9 +356,10 @@ def encode_trajectories(trajectories: Sequence[Trajectory], group_id: int | None
         ValueError: a per-token field its wire dtype cannot hold (``per_token_array``: a token
             id outside int32, a ``loss_mask`` value outside 0..255, a non-integer in an integer
             field, not a flat sequence of numbers), a non-numeric ``reward_extras`` value, a
-            ``teacher_logprobs`` of neither 0 nor R values or a teacher top-k not ``[R, K]``
-            (reassigned after construction), no
-            trajectory without a ``group_id``, or a trajectory of another group than ``group_id``.
+            ``teacher_logprobs`` of neither 0 nor R values, a teacher top-k not ``[R, K]``, or
+            routed experts that ``routed_experts_array`` refuses or of a row count other than
+            P + R - 1 (each reassigned after construction), no trajectory without a
+            ``group_id``, or a trajectory of another group than ``group_id``.
     """
     if group_id is None and not trajectories:
         raise ValueError("encode_trajectories: no trajectory to send (and no group to close)")
@@ -318,12 +368,13 @@ def encode_trajectories(trajectories: Sequence[Trajectory], group_id: int | None
         if group_id is not None and traj.group_id != group_id:
             raise ValueError(f"trajectory {traj.trajectory_id} of group {traj.group_id} sent in group {group_id}")
         topk_ids, topk_lps, top_k = _topk_arrays(traj)
-        headers.append(_trajectory_header(traj, top_k))
+        routed, routed_layers, routed_top_k = _routed_array(traj)
+        headers.append(_trajectory_header(traj, top_k, routed_layers, routed_top_k))
         held = [getattr(traj, name) for name in _PER_TOKEN_ORDER]
         if not all(type(a) is _ndarray and a.dtype == dt and a.ndim == 1 and a.flags.c_contiguous
                    for a, dt in zip(held, _PER_TOKEN_BODY_DTYPES)):  # a field reassigned after construction
             held = [per_token_array(a, name, traj.trajectory_id) for a, name in zip(held, _PER_TOKEN_ORDER)]
-        held[_AT_TOPK:_AT_TOPK] = topk_ids, topk_lps  # into _BODY_ORDER, before the loss mask
+        held[_AT_TOPK:_AT_TOPK] = topk_ids, topk_lps, routed  # into _BODY_ORDER, before the loss mask
         arrays.append(held)
     # All trajectories' arrays of one field back to back, fields in _BODY_ORDER: the decoder
     # checks each field of the whole message with one reduction (the prompt and response ids and
@@ -388,6 +439,15 @@ def _check_fields(entry: Any, index: int) -> None:
     if entry[_K] < 0 or (entry[_K] and not entry[_R]):
         raise MalformedMessageError(f"field 'teacher_top_k' of trajectory header {index} is {entry[_K]}, "
                                     f"expected >= 0, and 0 when num_response_tokens is 0 (it is {entry[_R]})")
+    layers, top_k = entry[_L], entry[_KR]
+    if layers or top_k:
+        if layers < 1 or top_k < 1:  # one without the other: no [P + R - 1, L, k] shape to read
+            raise MalformedMessageError(f"fields 'routed_layers' and 'routed_top_k' of trajectory header {index} are "
+                                        f"{layers} and {top_k}, expected both 0 (no routing) or both >= 1")
+        if not entry[_P] + entry[_R]:  # P + R - 1 = -1 rows: a negative entry count
+            raise MalformedMessageError(f"fields 'routed_layers' and 'routed_top_k' of trajectory header {index} are "
+                                        f"{layers} and {top_k}, expected 0 for a trajectory without a token "
+                                        "(num_prompt_tokens and num_response_tokens are 0)")
     extras = entry[_EXTRAS]
     if not (_STR.issuperset(map(type, extras)) and _FLOAT.issuperset(map(type, extras.values()))):
         raise MalformedMessageError(f"reward_extras must map str -> float, got {extras!r:.200}")
@@ -421,6 +481,9 @@ def _value_problems(entry: list, arrays: dict[str, np.ndarray], group_id: int | 
     if num_bad:
         problems.append(f"teacher_topk_logprobs holds NaN, +-inf or a positive log-prob (> {_MAX_LOGPROB}; "
                         f"{num_bad} values)")
+    routed = arrays["routed_experts"].reshape(-1)  # reduce over every axis, not the first only
+    if routed.size and _min(routed) < 0:
+        problems.append(f"routed_experts holds a negative expert index ({_min(routed)})")
     if arrays["loss_mask"].size and _max(arrays["loss_mask"]) > 1:
         problems.append(f"loss_mask holds {_max(arrays['loss_mask'])} (0 or 1 only)")
     if arrays["policy_version"].size and _min(arrays["policy_version"]) < 0:
@@ -434,7 +497,7 @@ def _value_problems(entry: list, arrays: dict[str, np.ndarray], group_id: int | 
 
 
 def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajectory], list[MalformedMessageError]]:
-    """Decode one schema-6 message into what it carries, refusing bad trajectories one by one.
+    """Decode one schema-7 message into what it carries, refusing bad trajectories one by one.
 
     Args:
         frames: the message's frames (one), each a buffer-protocol object (``bytes``,
@@ -449,19 +512,23 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
         values (the trajectory id, an empty prompt, a negative token id or version, a NaN or
         +inf behavior log-prob, a non-finite teacher log-prob, a loss mask other than 0/1, a
         non-finite reward, another group's id in a group message, a negative top-k id, a
-        non-finite or positive top-k log-prob): the message's layout is
-        sound, so the other trajectories are kept. A trajectory sent without teacher log-probs
-        (T_i = 0) has an empty ``teacher_logprobs``, one without a top-k (K_i = 0) ``[0, 0]``
-        ``teacher_topk_ids`` and ``teacher_topk_logprobs``.
+        non-finite or positive top-k log-prob, a negative routed expert index): the message's
+        layout is sound, so the other trajectories are kept. A trajectory sent without teacher
+        log-probs (T_i = 0) has an empty ``teacher_logprobs``, one without a top-k (K_i = 0)
+        ``[0, 0]`` ``teacher_topk_ids`` and ``teacher_topk_logprobs``. ``routed_experts`` is a
+        read-only ``[P_i + R_i - 1, L_i, k_i]`` int16 view of the message, or, without routing
+        (L_i = k_i = 0, or no forwarded token: P_i + R_i = 1), one shared read-only ``[0, 0, 0]``
+        array, as a ``Trajectory`` holds "none".
 
     Raises:
         MalformedMessageError (a ``ValueError``), for the whole message: a wrong frame count, a
             frame that is not a length-prefixed msgpack header (a schema <= 3 message names its
-            version), a schema version other than ``SCHEMA_VERSION`` (schemas 4 and 5 included),
+            version), a schema version other than ``SCHEMA_VERSION`` (schemas 4 to 6 included),
             missing, unexpected or mistyped fields in the header or any trajectory's header, a
             negative token count, a ``num_teacher_tokens`` other than 0 or
             ``num_response_tokens``, a negative ``teacher_top_k`` or one without a response token,
-            or a body whose size does not match the token counts: none
+            ``routed_layers`` and ``routed_top_k`` not both 0 or both >= 1, or >= 1 for a
+            trajectory without a token, or a body whose size does not match the counts: none
             of the message's offsets can then be trusted.
     """
     if len(frames) != _NUM_FRAMES:
@@ -484,20 +551,22 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
     if type(entries) is not list or not (type(group_id) is int or (group_id is None and entries)):
         raise MalformedMessageError(f"trajectories message has group_id {group_id!r:.40} and trajectories "
                                     f"{type(entries).__name__} (a list, non-empty unless a group id closes it)")
-    num_prompt = num_response = num_teacher = num_topk = 0
+    num_prompt = num_response = num_teacher = num_topk = num_routed = 0
     for index, entry in enumerate(entries):
         _check_fields(entry, index)
         num_prompt += entry[_P]
         num_response += entry[_R]
         num_teacher += entry[_T]
         num_topk += entry[_R] * entry[_K]
-    p, r, t, q = num_prompt, num_response, num_teacher, num_topk
+        if entry[_L]:  # then P + R >= 1 (checked): a count >= 0
+            num_routed += (entry[_P] + entry[_R] - 1) * entry[_L] * entry[_KR]
+    p, r, t, q, e = num_prompt, num_response, num_teacher, num_topk, num_routed
     expected = (r * _BYTES_PER_RESPONSE_TOKEN + t * _BYTES_PER_TEACHER_TOKEN + p * _BYTES_PER_PROMPT_TOKEN
-                + q * _BYTES_PER_TOPK_ENTRY)
+                + q * _BYTES_PER_TOPK_ENTRY + e * _BYTES_PER_ROUTED_ENTRY)
     if len(body) != expected:
         raise MalformedMessageError(
             f"message body is {len(body)} bytes, expected {expected} for {len(entries)} trajectories "
-            f"({p} prompt, {r} response and {t} teacher tokens, {q} top-k entries)")
+            f"({p} prompt, {r} response and {t} teacher tokens, {q} top-k and {e} routed-expert entries)")
     logprobs = _frombuffer(body, _F8, r, 0)
     teacher = _frombuffer(body, _F8, t, 8 * r)
     at_versions = 8 * (r + t)
@@ -506,21 +575,24 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
     at_topk = at_versions + 12 * r + 4 * p
     topk_ids = _frombuffer(body, _I4, q, at_topk)
     topk_lps = _frombuffer(body, _F4, q, at_topk + 4 * q)
-    mask = _frombuffer(body, _U1, r, at_topk + 8 * q)
+    routed = _frombuffer(body, _I2, e, at_topk + 8 * q)
+    mask = _frombuffer(body, _U1, r, at_topk + 8 * q + 2 * e)
     # The whole message's arrays in a few reductions, conservatively: versions, token ids and
     # top-k ids together as int32 words (adjacent in the body), >= 0 when every id and every
     # version's high word is (a version >= 2^31 has a "negative" low word too, and takes the
     # exact per-trajectory check); the teacher's log-probs, and its top-k log-probs, by their
     # min and max (both NaN when any is; a sum could overflow; the top-k's max also bounds them
-    # by _MAX_LOGPROB). Only a message that fails one is checked trajectory by trajectory.
+    # by _MAX_LOGPROB); the routed experts, int16 and not adjacent to the int32 run, by their own
+    # min. Only a message that fails one is checked trajectory by trajectory.
     arrays_ok = ((not r or (_max(logprobs) < math.inf and _max(mask) <= 1))
                  and (not t or (_min(teacher) > -math.inf and _max(teacher) < math.inf))
                  and (not q or (_min(topk_lps) > -math.inf and _max(topk_lps) <= _MAX_LOGPROB))
+                 and (not e or _min(routed) >= 0)
                  and (not p + r or _min(_frombuffer(body, _I4, 2 * r + p + r + q, at_versions)) >= 0))
     out: list[GroupClosed | Trajectory] = []
     rejected: list[MalformedMessageError] = []
-    at_p, at_r, at_t, at_q = 0, 0, 0, 0
-    for tid, gid, uid, gen, finish, reward, extras, text, np_, nr, nt, nk in entries:
+    at_p, at_r, at_t, at_q, at_e = 0, 0, 0, 0, 0
+    for tid, gid, uid, gen, finish, reward, extras, text, np_, nr, nt, nk, nl, nkr in entries:
         prompt, response = token_ids[at_p:at_p + np_], token_ids[p + at_r:p + at_r + nr]
         rs = slice(at_r, at_r + nr)
         teacher_i = teacher[at_t:at_t + nt]  # an empty view for nt == 0, read-only like the others
@@ -530,22 +602,30 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
             at_q = end_q
         else:
             topk_ids_i, topk_lps_i = _NO_TOPK_IDS, _NO_TOPK_LPS
+        # L_i, k_i >= 1 with P_i + R_i = 1 is 0 entries: "none", [0, 0, 0] as a Trajectory holds it.
+        if nl and np_ + nr > 1:
+            end_e = at_e + (np_ + nr - 1) * nl * nkr
+            routed_i = routed[at_e:end_e].reshape(np_ + nr - 1, nl, nkr)
+            at_e = end_e
+        else:
+            routed_i = _NO_ROUTED
         at_p += np_
         at_r += nr
         at_t += nt
         if not (arrays_ok and np_ and _TRAJECTORY_ID.fullmatch(tid) and _isfinite(reward)
                 and (group_id is None or gid == group_id) and all(map(_isfinite, extras.values()))):
             problem = _value_problems(
-                [tid, gid, uid, gen, finish, reward, extras, text, np_, nr, nt, nk],
+                [tid, gid, uid, gen, finish, reward, extras, text, np_, nr, nt, nk, nl, nkr],
                 {"prompt_ids": prompt, "response_ids": response, "behavior_logprobs": logprobs[rs],
                  "teacher_logprobs": teacher_i, "loss_mask": mask[rs], "policy_version": versions[rs],
-                 "teacher_topk_ids": topk_ids_i, "teacher_topk_logprobs": topk_lps_i}, group_id)
+                 "teacher_topk_ids": topk_ids_i, "teacher_topk_logprobs": topk_lps_i,
+                 "routed_experts": routed_i}, group_id)
             if problem is not None:
                 rejected.append(MalformedMessageError(problem))
                 continue
             # Else this one is fine: another trajectory failed a message-wide reduction.
         out.append(_from_checked(tid, gid, uid, prompt, response, logprobs[rs], mask[rs], finish, versions[rs],
-                                 float(reward), extras, text, gen, teacher_i, topk_ids_i, topk_lps_i))
+                                 float(reward), extras, text, gen, teacher_i, topk_ids_i, topk_lps_i, routed_i))
     if group_id is not None:
         out.append(GroupClosed(group_id, len(entries)))
     return out, rejected

@@ -38,14 +38,16 @@ from typing import Any
 
 from async_rl.buffers.trajectory import Trajectory
 
-STATE_FORMAT = 2
+STATE_FORMAT = 3
 """Version of the ``ReplayBuffer.state_dict`` layout. 2: each trajectory dict also holds
-``teacher_topk_ids`` and ``teacher_topk_logprobs`` (``[R, K]`` nested lists, ``[]`` without): code
-that reads only format 1 would fail on those keys mid-load, so it refuses the whole state in one
-line instead. This code reads format 1 too (``READABLE_STATE_FORMATS``): its trajectories have no
-top-k, which is what the missing keys default to, so a run checkpointed before the bump resumes."""
+``teacher_topk_ids`` and ``teacher_topk_logprobs`` (``[R, K]`` nested lists, ``[]`` without); 3:
+and ``routed_experts`` (``[P + R - 1, layers, k]`` nested lists, ``[]`` without). Code that reads
+only an older format would fail on those keys mid-load, so it refuses the whole state in one line
+instead. This code reads formats 1 and 2 too (``READABLE_STATE_FORMATS``): their trajectories
+have no top-k and no routing, which is what the missing keys default to, so a run checkpointed
+before a bump resumes."""
 
-READABLE_STATE_FORMATS = (1, STATE_FORMAT)
+READABLE_STATE_FORMATS = (1, 2, STATE_FORMAT)
 """State formats ``load_state_dict`` accepts."""
 
 
@@ -459,7 +461,7 @@ class ReplayBuffer:
         """
         if state.get("format") not in READABLE_STATE_FORMATS:
             raise ValueError(f"replay buffer state format {state.get('format')!r}, this code reads "
-                             f"{' and '.join(map(str, READABLE_STATE_FORMATS))}")
+                             f"{', '.join(map(str, READABLE_STATE_FORMATS))}")
         if state["config"]["group_size"] != self.group_size:
             raise ValueError(f"replay buffer state has group_size {state['config']['group_size']}, "
                              f"this buffer {self.group_size}")

@@ -46,8 +46,12 @@ computes them in float32 (or lower) and a top-k of 8 bytes an entry keeps a larg
 Held apart from ``PER_TOKEN_DTYPES``, whose fields are 1-D (``per_token_array``); built by
 ``topk_array``."""
 
-_ARRAY_FIELDS = frozenset(PER_TOKEN_DTYPES) | frozenset(TOPK_DTYPES)
-"""Every ``Trajectory`` field held as a numpy array (the 1-D per-token ones and the [R, K] top-k)."""
+ROUTED_EXPERTS_DTYPE = np.dtype("<i2")
+"""``Trajectory.routed_experts``: expert indices as int16 (models of up to 32,767 experts a layer)."""
+
+_ARRAY_FIELDS = frozenset(PER_TOKEN_DTYPES) | frozenset(TOPK_DTYPES) | {"routed_experts"}
+"""Every ``Trajectory`` field held as a numpy array (the 1-D per-token ones, the [R, K] top-k and
+the [P + R - 1, layers, k] routing)."""
 
 # Struct codes are spelled out: numpy's ``dtype.char`` for int64 is the platform's 'l'.
 _STRUCT_CODES = {"<i4": "i", "<f8": "d", "|u1": "B", "<i8": "q"}
@@ -130,6 +134,39 @@ def _array_problem(values: np.ndarray, dtype: np.dtype, ndim: int = 1) -> str | 
     return None
 
 
+def routed_experts_array(values: Any, trajectory_id: str = "?") -> np.ndarray:
+    """``values`` as the 3-D, C-contiguous ``[tokens, num_moe_layers, top_k]`` int16 array of
+    ``Trajectory.routed_experts``, or ``[0, 0, 0]`` when empty; exactly or not at all.
+
+    Raises:
+        ValueError: not a rectangular 3-D array of integers, or an index outside 0..32767. The
+            text names the trajectory.
+    """
+    if type(values) is np.ndarray and values.dtype == ROUTED_EXPERTS_DTYPE and values.ndim == 3 and values.size:
+        array = values if values.flags.c_contiguous else np.ascontiguousarray(values)
+    else:
+        try:
+            array = np.asarray(values)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"trajectory {trajectory_id}: routed_experts cannot be held as int16 "
+                             f"[tokens, layers, k]: {e}") from e
+        if not array.size:
+            return np.zeros((0, 0, 0), dtype=ROUTED_EXPERTS_DTYPE)
+        problem = _array_problem(array, ROUTED_EXPERTS_DTYPE, ndim=3)
+        if problem:
+            raise ValueError(f"trajectory {trajectory_id}: routed_experts cannot be held as int16 "
+                             f"[tokens, layers, k]: {problem}")
+        array = np.ascontiguousarray(array, dtype=ROUTED_EXPERTS_DTYPE)
+    if array.min() < 0:
+        raise ValueError(f"trajectory {trajectory_id}: routed_experts holds a negative expert index ({array.min()})")
+    return array
+
+
+def _no_routed_experts() -> np.ndarray:
+    """An empty ``[0, 0, 0]`` int16 array: ``Trajectory.routed_experts`` without routing replay."""
+    return np.zeros((0, 0, 0), dtype=ROUTED_EXPERTS_DTYPE)
+
+
 def _no_topk_ids() -> np.ndarray:
     """An empty ``[0, 0]`` int32 array: ``Trajectory.teacher_topk_ids`` without a top-k signal."""
     return np.zeros((0, 0), dtype=TOPK_DTYPES["teacher_topk_ids"])
@@ -178,6 +215,11 @@ class Trajectory:
             (the default) without.
         teacher_topk_logprobs: their log-probs under the teacher (same temperature), ``[R, K]``
             float32; ``[0, 0]`` without.
+        routed_experts: for routing replay (``algorithm.routing_replay``, a mixture-of-experts
+            model), the experts the engine routed each forwarded token to,
+            ``[P + R - 1, num_moe_layers, top_k]`` int16: the prompt's tokens, then the
+            response's but the last (never forwarded), layers in model order
+            (``async_rl.utils.moe``); ``[0, 0, 0]`` (the default) without.
 
     The six per-token fields are given as any sequence of numbers (engines give lists) and held
     as 1-D numpy arrays of ``PER_TOKEN_DTYPES`` (``per_token_array``); the two top-k fields as
@@ -212,6 +254,7 @@ class Trajectory:
     teacher_logprobs: np.ndarray = field(default_factory=_no_teacher_logprobs)
     teacher_topk_ids: np.ndarray = field(default_factory=_no_topk_ids)
     teacher_topk_logprobs: np.ndarray = field(default_factory=_no_topk_logprobs)
+    routed_experts: np.ndarray = field(default_factory=_no_routed_experts)
 
     def __post_init__(self) -> None:
         for name in PER_TOKEN_DTYPES:
@@ -225,6 +268,11 @@ class Trajectory:
         if ids.shape != lps.shape or (ids.size and ids.shape[0] != n):
             raise ValueError(f"trajectory {self.trajectory_id}: teacher_topk_ids {ids.shape} and "
                              f"teacher_topk_logprobs {lps.shape} must both be [{n}, K] (K >= 1) or both [0, 0]")
+        self.routed_experts = routed_experts_array(self.routed_experts, self.trajectory_id)
+        forwarded = len(self.prompt_ids) + n - 1
+        if self.routed_experts.size and self.routed_experts.shape[0] != forwarded:
+            raise ValueError(f"trajectory {self.trajectory_id}: routed_experts has {self.routed_experts.shape[0]} "
+                             f"rows; the engine forwards P + R - 1 = {forwarded} tokens")
         if not (len(self.behavior_logprobs) == len(self.loss_mask) == len(self.policy_version) == n
                 and len(self.teacher_logprobs) in (0, n)):
             raise ValueError(
@@ -239,15 +287,18 @@ class Trajectory:
                      finish_reason: str, policy_version: np.ndarray, reward: float,
                      reward_extras: dict[str, float], response_text: str, generator_id: int,
                      teacher_logprobs: np.ndarray, teacher_topk_ids: np.ndarray | None = None,
-                     teacher_topk_logprobs: np.ndarray | None = None) -> "Trajectory":
+                     teacher_topk_logprobs: np.ndarray | None = None,
+                     routed_experts: np.ndarray | None = None) -> "Trajectory":
         """A trajectory from fields already in their held form, without ``__post_init__``'s checks.
 
         For the wire decoder (``async_rl.buffers.codec``), which has checked every field's
         type and the per-token lengths (``teacher_logprobs`` 0 or R, the top-k ``[R, K]`` or
-        ``[0, 0]``) and made each array itself (1-D of ``PER_TOKEN_DTYPES``, 2-D of
-        ``TOPK_DTYPES``); skipping the re-check saves a few microseconds per received
+        ``[0, 0]``, the routing ``[P + R - 1, L, k]`` with indices >= 0 or ``[0, 0, 0]``) and made
+        each array itself (1-D of ``PER_TOKEN_DTYPES``, 2-D of ``TOPK_DTYPES``, 3-D of
+        ``ROUTED_EXPERTS_DTYPE``); skipping the re-check saves a few microseconds per received
         trajectory. Anything else builds with ``Trajectory(...)``, which checks.
-        Arguments: the attributes, in field order (the top-k pair ``None``: ``[0, 0]``).
+        Arguments: the attributes, in field order (the top-k pair ``None``: ``[0, 0]``;
+        ``routed_experts`` ``None``: ``[0, 0, 0]``).
         """
         self = object.__new__(cls)
         self.__dict__.update(
@@ -257,7 +308,8 @@ class Trajectory:
             reward_extras=reward_extras, response_text=response_text, generator_id=generator_id,
             teacher_logprobs=teacher_logprobs,
             teacher_topk_ids=_no_topk_ids() if teacher_topk_ids is None else teacher_topk_ids,
-            teacher_topk_logprobs=_no_topk_logprobs() if teacher_topk_logprobs is None else teacher_topk_logprobs)
+            teacher_topk_logprobs=_no_topk_logprobs() if teacher_topk_logprobs is None else teacher_topk_logprobs,
+            routed_experts=_no_routed_experts() if routed_experts is None else routed_experts)
         return self
 
     @property
@@ -381,6 +433,9 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         in slots ``P_i - 1 .. P_i + R_i - 2``), 0 elsewhere. It is there when at least one
         trajectory has a non-empty ``teacher_logprobs``; a trajectory with an empty response
         has nothing to carry and fits either way, so a batch of empty responses only has none.
+        With routed experts (routing replay), ``extras["routed_experts"]`` ``[B, L, num_moe_layers,
+        top_k]`` int64 in the input layout (slot t: the experts of input token t), ``-1`` where
+        the engine recorded none (the last token, padding): the learner routes those itself.
         With the teacher's top-k (top-k distillation), ``extras["teacher_topk_ids"]`` (int64,
         what ``torch.gather`` takes) and ``extras["teacher_topk_logprobs"]`` (float32), both
         ``[B, L-1, K]``, hold trajectory i's R_i rows in the same slots, 0 elsewhere (id 0 in a
@@ -429,8 +484,22 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
                              f"({first.trajectory_id}) has a top-{k}")
         topk_ids = np.zeros((B, L - 1, k), dtype=np.int64)
         topk_lps = np.zeros((B, L - 1, k), dtype=np.float32)
+    with_routing = [t.routed_experts.size > 0 for t in trajectories]
+    routing = None
+    if any(with_routing):
+        first = trajectories[with_routing.index(True)]
+        shape = first.routed_experts.shape[1:]
+        other = next((t for t, has in zip(trajectories, with_routing) if not has or t.routed_experts.shape[1:] != shape),
+                     None)
+        if other is not None:  # a run records routing for every sample of one model, or for none
+            raise ValueError(f"collate: trajectory {other.trajectory_id} has routed experts of shape "
+                             f"{other.routed_experts.shape}, but the batch's first with them ({first.trajectory_id}) "
+                             f"has [tokens, {shape[0]}, {shape[1]}]")
+        routing = np.full((B, L, *shape), -1, dtype=np.int64)
     for i, t in enumerate(trajectories):
         P, R = len(t.prompt_ids), len(t.response_ids)
+        if routing is not None:
+            routing[i, : P + R - 1] = t.routed_experts
         input_ids[i, :P] = t.prompt_ids
         input_ids[i, P: P + R] = t.response_ids
         attention_mask[i, : P + R] = 1
@@ -457,6 +526,7 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
         extras={**({} if teacher is None else {"teacher_logprobs": torch.from_numpy(teacher)}),
                 **({} if topk_ids is None else {"teacher_topk_ids": torch.from_numpy(topk_ids),
-                                                "teacher_topk_logprobs": torch.from_numpy(topk_lps)})},
+                                                "teacher_topk_logprobs": torch.from_numpy(topk_lps)}),
+                **({} if routing is None else {"routed_experts": torch.from_numpy(routing)})},
     )
 

@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from async_rl.runtime.cluster import check_cpu_affinity, check_placement
@@ -223,6 +224,9 @@ class SamplingParams:
             log-probs under the sampling distribution (0: none; the OpenAI endpoint's
             ``top_logprobs``). The HF engine reports them; vLLM and SGLang report them where
             their own APIs do.
+        return_routed_experts: also report, for a mixture-of-experts model, the experts each
+            forwarded token was routed to (``Sample.routed_experts``), for routing replay
+            (``algorithm.routing_replay``).
     """
 
     temperature: float = 1.0
@@ -232,6 +236,7 @@ class SamplingParams:
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0
+    return_routed_experts: bool = False
 
     @classmethod
     def from_config(cls, cfg: GeneratorConfig, stop_token_ids: Iterable[int], greedy: bool = False) -> "SamplingParams":
@@ -252,6 +257,12 @@ class Sample:
         policy_version: version of the weights that produced each token, same length.
         top_logprobs: per sampled token, ``[(id, log-prob), ...]``, most likely first, when
             ``SamplingParams.top_logprobs`` asked for them; else empty.
+        routed_experts: when ``SamplingParams.return_routed_experts`` asked for them (a
+            mixture-of-experts model), the experts the engine routed each forwarded token to:
+            ``[P + R - 1, num_moe_layers, top_k]`` int16, rows in token order over the prompt's
+            ``P`` tokens and the response's first ``R - 1`` (the last sampled token is never
+            forwarded), layers in model order, each row's experts in the router's order (highest
+            score first); else ``None``.
     """
 
     response_ids: list[int]
@@ -259,6 +270,7 @@ class Sample:
     finish_reason: str
     policy_version: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
 
 
 class Generator(Protocol):

@@ -31,8 +31,10 @@ to sample until a complete update succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -44,17 +46,67 @@ from async_rl.utils.lora import adapter_parameters, lora_enabled, wrap
 
 
 def _param_table(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]):
-    # (every name a parameter loads under -> parameter, canonical names, {tied name: canonical}).
+    # (every name an update may carry -> parameter, canonical names, {tied name: canonical},
+    # {checkpoint name: its Piece} for parameters kept in another layout than the checkpoint's).
+    # A module's stacked experts load under their checkpoint names (``async_rl.weight_sync.layout``).
+    pieces = {}
     if isinstance(model, torch.nn.Module):
         params = dict(model.named_parameters(remove_duplicate=False))
         canonical = {id(p): name for name, p in model.named_parameters()}
+        layout = _layout_of(model)
+        for name, owned in layout.pieces.items():
+            p = params.pop(name)
+            del canonical[id(p)]
+            for piece in owned:
+                params[piece.name] = p
+                pieces[piece.name] = piece
     else:
         params = dict(model)
         canonical = {}
         for name, p in params.items():
             canonical.setdefault(id(p), name)
-    tied = {n: canonical[id(p)] for n, p in params.items() if canonical[id(p)] != n}
-    return params, list(canonical.values()), tied
+    tied = {n: canonical[id(p)] for n, p in params.items() if n not in pieces and canonical[id(p)] != n}
+    return params, [n for n in params if n in pieces or canonical.get(id(params[n])) == n], tied, pieces
+
+
+_LAYOUTS: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def _layout_of(model: torch.nn.Module):
+    # Computed once per module: it reads only names and shapes, which an update never changes.
+    from async_rl.weight_sync.layout import CheckpointLayout
+
+    layout = _LAYOUTS.get(model)
+    if layout is None:
+        layout = _LAYOUTS[model] = CheckpointLayout(model)
+    return layout
+
+
+def _specs(params: Mapping[str, torch.nn.Parameter], pieces: Mapping) -> dict[str, tuple[str, tuple[int, ...]]]:
+    # {name: (dtype name, shape)}: a checkpoint piece has its own shape, its parameter's dtype.
+    return {n: (str(p.dtype).removeprefix("torch."), pieces[n].shape if n in pieces else tuple(p.shape))
+            for n, p in params.items()}
+
+
+def _stage(staged: dict, p: torch.nn.Parameter, name: str, t: torch.Tensor, pieces: Mapping,
+           spare: dict | None = None) -> None:
+    # Stage tensor ``t`` sent under ``name`` for parameter ``p``: the whole parameter, or one
+    # checkpoint piece written into a staging tensor of the whole parameter (every piece of it
+    # arrives: the update's coverage was checked).
+    piece = pieces.get(name)
+    if piece is None and spare is None:
+        staged[id(p)] = (p, t.detach().to(dtype=p.dtype, device=p.device))
+        return
+    entry = staged.get(id(p))
+    if entry is None:
+        buf = spare.pop(id(p), None) if spare is not None else None
+        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+            buf = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        entry = staged[id(p)] = (p, buf)
+    if piece is None:
+        entry[1].copy_(t)  # converts to the parameter's dtype
+    else:
+        piece.put(entry[1], t)
 
 
 def stage_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter],
@@ -64,13 +116,17 @@ def stage_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter
     The update is checked as a whole first (``async_rl.weight_sync.check_update``: every name a
     parameter of ``model``, every parameter covered, each shape equal to its
     parameter's, each dtype convertible under ``converts_to``); tied names (``lm_head.weight``
-    aliasing ``model.embed_tokens.weight``) may both be sent only with equal tensors. Then each
-    tensor is converted to its parameter's dtype and device (no copy where none is needed: the
-    caller's tensors must stay unchanged until ``write_staged``).
+    aliasing ``model.embed_tokens.weight``) may both be sent only with equal tensors. A parameter
+    transformers keeps in another layout than its checkpoint (a mixture-of-experts layer's
+    stacked experts) is sent under its checkpoint names, one tensor per expert
+    (``async_rl.weight_sync.layout``), and staged whole from them. Then each tensor is converted
+    to its parameter's dtype and device (no copy where none is needed: the caller's tensors must
+    stay unchanged until ``write_staged``).
 
     Args:
         model: a module, or ``{name: parameter}`` (LoRA: ``async_rl.utils.lora.adapter_parameters``).
-        named_tensors: ``(name, tensor)`` by Hugging Face name; consumed entirely before any check.
+        named_tensors: ``(name, tensor)`` by Hugging Face checkpoint name; consumed entirely
+            before any check.
 
     Returns:
         ``(parameter, tensor)`` pairs ready for ``write_staged`` (each tied parameter once).
@@ -82,7 +138,7 @@ def stage_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter
     """
     from async_rl.weight_sync import check_update
 
-    params, names, tied = _param_table(model)
+    params, names, tied, pieces = _param_table(model)
     named = list(named_tensors)
     by_name = dict(named)
     sent = []
@@ -95,12 +151,10 @@ def stage_named_weights(model: torch.nn.Module | Mapping[str, torch.nn.Parameter
                 other.data_ptr() == t.data_ptr() or torch.equal(other, t.to(other.device))):
             alias = target
         sent.append((name, t.dtype, tuple(t.shape), alias))
-    specs = {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape)) for n, p in params.items()}
-    check_update(sent, names, {}, tied, specs)
+    check_update(sent, names, {}, tied, _specs(params, pieces))
     staged: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
     for name, t in named:
-        p = params[name]
-        staged[id(p)] = (p, t.detach().to(dtype=p.dtype, device=p.device))
+        _stage(staged, params[name], name, t, pieces)
     return list(staged.values())
 
 
@@ -152,6 +206,10 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    routing: list[torch.Tensor] = field(default_factory=list)
+    """``[tokens, num_moe_layers, top_k]`` int16 pieces of the experts each forwarded token was
+    routed to (``SamplingParams.return_routed_experts``): the context's at the batch's prefill,
+    then one row per decoding step."""
     done: bool = False
     finish_reason: str = ""
 
@@ -175,6 +233,10 @@ class _StepHook:
             self.warpers.append(TopKLogitsWarper(params.top_k))
         if not params.greedy and params.top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(params.top_p))
+        self.recorder = None
+        """``RoutingRecorder`` of the batch's forward passes (``return_routed_experts``), set by
+        the caller."""
+        self.prefill = True
         self.abort = False
         self.compact = False
         """Stop the batch to go on with its unfinished rows (``generator.compact_batches``)."""
@@ -184,7 +246,25 @@ class _StepHook:
             if gen.cfg.compact_batches < 1 and len(rows) >= MIN_COMPACT_ROWS else len(rows)
         self._num_done = sum(r.done for r in rows)
 
+    def _record_routing(self) -> None:
+        # The routers' picks of the forward pass that made these logits: the whole left-padded
+        # context at the prefill (a row's real tokens are its last ones), then the one token fed.
+        routing = self.recorder.take()
+        if routing is None:
+            return
+        routing = routing.view(len(self.rows), -1, *routing.shape[1:])
+        for b, r in enumerate(self.rows):
+            if r.done:
+                continue
+            if self.prefill:
+                r.routing = [routing[b, routing.shape[1] - len(r.prompt) - len(r.tokens):].clone()]
+            else:
+                r.routing.append(routing[b, -1:].clone())
+        self.prefill = False
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.recorder is not None:
+            self._record_routing()
         logits = scores.float()
         if not self.params.greedy:
             logits = logits / self.params.temperature
@@ -376,20 +456,21 @@ class HFGenerator:
 
     # ------------------------------------------------------------------ weight sync layer
     def weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
-        """``(parameter names, packed modules, tied aliases)``: HF names map one-to-one, tied
-        names (``lm_head.weight`` of a tied model) are aliases of the parameter they share. With
-        LoRA: the adapter matrices' sync names only, no aliases."""
-        from async_rl.weight_sync import tied_aliases
-
+        """``(parameter names, packed modules, tied aliases)``: HF checkpoint names map
+        one-to-one (stacked experts under one name per expert matrix), tied names
+        (``lm_head.weight`` of a tied model) are aliases of the parameter they share. With LoRA:
+        the adapter matrices' sync names only, no aliases."""
         if self.lora is not None:
             return list(self._targets()), {}, {}
-        return [n for n, _ in self.model.named_parameters()], {}, tied_aliases(self.model)
+        _, names, tied, _ = _param_table(self.model)
+        return names, {}, tied
 
     def weight_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """``{name: (dtype name, shape)}`` of every name an update may carry (tied aliases
-        included; with LoRA the adapter matrices: ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``)."""
-        params = _param_table(self._targets())[0]
-        return {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape)) for n, p in params.items()}
+        included; one expert's matrix for stacked experts; with LoRA the adapter matrices:
+        ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``)."""
+        params, _, _, pieces = _param_table(self._targets())
+        return _specs(params, pieces)
 
     def check_plan(self, plan) -> None:
         """Raise unless the ``UpdatePlan`` can load whole (``async_rl.weight_sync.check_update``:
@@ -436,7 +517,7 @@ class HFGenerator:
         t0 = time.perf_counter()
         update = UpdatePlan.from_dict(plan)
         targets = self._targets()
-        params = _param_table(targets)[0]
+        params, _, _, pieces = _param_table(targets)
         aliases = {m.name for b in update.buckets for m in b if m.alias_of is not None}
         staged: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         copy_s = 0.0
@@ -450,11 +531,7 @@ class HFGenerator:
                         if name in aliases and id(p) in staged:
                             continue  # a tied parameter's alias: the same bytes, staged once
                         # A copy: the bucket's memory is reused for the next one.
-                        buf = self._spare.pop(id(p), None)
-                        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
-                            buf = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                        staged[id(p)] = (p, buf)
-                        buf.copy_(t)  # converts to the parameter's dtype
+                        _stage(staged, p, name, t, pieces, spare=self._spare)
                 except Exception as e:  # (out of memory): tell the sender why before leaving the loop
                     self._receiver.fail(update, f"staging a bucket failed: {type(e).__name__}: {e}")
                     raise
@@ -530,7 +607,8 @@ class HFGenerator:
         def finish(row: _Row) -> None:
             sample = Sample(response_ids=list(row.tokens), logprobs=list(row.logprobs),
                             finish_reason=row.finish_reason, policy_version=list(row.versions),
-                            top_logprobs=list(row.top))
+                            top_logprobs=list(row.top),
+                            routed_experts=torch.cat(row.routing).numpy() if params.return_routed_experts else None)
             results[row.index] = sample
             if on_sample is not None:
                 on_sample(row.index // n, row.index % n, sample)
@@ -565,13 +643,19 @@ class HFGenerator:
             input_ids[i, P - len(c) :] = torch.tensor(c, dtype=torch.long)
             attention_mask[i, P - len(c) :] = 1
         hook = _StepHook(self, rows, params, finish)
+        recorder = contextlib.nullcontext()
+        if params.return_routed_experts:
+            from async_rl.utils.moe import RoutingRecorder
+
+            recorder = hook.recorder = RoutingRecorder(self.model)
         remaining = max(params.max_tokens - len(r.tokens) for r in rows)
         gen_cfg = GenerationConfig(
             do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,
             max_new_tokens=remaining, eos_token_id=list(params.stop_token_ids), pad_token_id=self.pad_token_id,
         )
-        self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            generation_config=gen_cfg, logits_processor=LogitsProcessorList([hook]),
-            stopping_criteria=StoppingCriteriaList([_AbortCriteria(hook)]),
-        )
+        with recorder:
+            self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                generation_config=gen_cfg, logits_processor=LogitsProcessorList([hook]),
+                stopping_criteria=StoppingCriteriaList([_AbortCriteria(hook)]),
+            )

@@ -48,10 +48,21 @@ class MegatronConfig:
     activations along the sequence (Korthikanti et al. 2022, arXiv 2205.05198). Ignored on CPU,
     where megatron-core's sequence-parallel kernels do not run."""
 
+    expert_parallel_size: int = 1
+    """Ranks a mixture-of-experts layer's experts are split over (>= 1), carved out of the
+    data-parallel ranks (``learner.world_size`` must be a multiple of expert x tensor x pipeline
+    parallel sizes) and dividing the number of experts; 1 for a dense model."""
+    moe_token_dispatcher: str = "alltoall"
+    """megatron-core's token dispatcher of a mixture-of-experts layer: ``alltoall`` (tokens go to
+    their experts' ranks) or ``allgather`` (every rank gathers every token); both run on gloo."""
+
     def __post_init__(self) -> None:
-        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"learner.megatron.{key} must be >= 1, got {getattr(self, key)}")
+        if self.moe_token_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(f"learner.megatron.moe_token_dispatcher must be alltoall or allgather, got "
+                             f"{self.moe_token_dispatcher!r}")
 
 
 @dataclass

@@ -32,6 +32,8 @@ entropies of a micro-batch), ``_data_parallel`` (its data-parallel size, rank an
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 from dataclasses import dataclass, field
@@ -138,6 +140,13 @@ class LearnerCore:
     version: int = 0
     """Policy version: training steps taken (``Learner.version``); ``_setup`` starts it at 0 and
     ``train_step`` and ``load_checkpoint`` move it."""
+    _moe_routers: int = 0
+    """Routers of a mixture-of-experts policy (``_init_router_stats``; 0: dense, or a learner
+    that does not take router statistics)."""
+    _router_stats: dict | None = None
+    """``{"train" | "no_grad": RouterStats}`` of the step's policy passes so far."""
+    _router_losses: list | None = None
+    """The last training forward pass's ``(load-balancing, z)`` loss terms per MoE layer."""
 
     def _setup(self, cfg: LearnerConfig, algo, model_path: str, temperature: float, total_optimizer_steps: int) -> None:
         """What every backend's constructor starts with: the settings (``algo`` resolved: the
@@ -419,6 +428,8 @@ class LearnerCore:
             logprobs, entropy, student_topk = self._forward(mb, with_entropy=True, topk_ids=mb.extras["teacher_topk_ids"])
         else:
             logprobs, entropy = self._forward(mb, with_entropy=True)
+        router_losses = self._router_losses
+        self._router_losses = None
         inputs = PolicyLossInputs(logprobs, mb_prox, mb.behavior_logprobs, mb.advantages, mb.loss_mask,
                                   agg_mode=a.loss_agg_mode, **agg)
         loss, metrics = self.policy_loss(inputs, self.correction, self.loss_options)
@@ -437,6 +448,15 @@ class LearnerCore:
             divergence = topk_kl(student_topk, mb.extras["teacher_topk_logprobs"], kind)
             total = total + a.distill.coef * aggregate_loss(divergence, mb.loss_mask, a.loss_agg_mode, **agg)
             metrics["loss/distill_kl"] = masked_mean(divergence.detach(), mb.loss_mask)
+        if router_losses:
+            # Each layer's terms are means over this micro-batch's tokens; weighting them by its
+            # share of the mini-batch's loss tokens makes the mini-batch's term their token-weighted
+            # mean, as the policy loss's token-mean is.
+            share = mb.loss_mask.sum() / num_tokens.clamp(min=1)
+            balance = torch.stack([b for b, _ in router_losses]).mean()
+            z = torch.stack([z for _, z in router_losses]).mean()
+            total = total + share * (a.moe_aux_loss_coef * balance + a.moe_z_loss_coef * z)
+            metrics["moe/aux_loss"], metrics["moe/z_loss"] = balance.detach(), z.detach()
         # The global normaliser already divides: the backend's scale makes the reduced gradient
         # the 1-rank one (see _grad_scale).
         (total * scale).backward()
@@ -466,6 +486,83 @@ class LearnerCore:
                            "LR-scheduler step; actor/skipped_mini_batches counts them from here on",
                            skipped, self.cfg.num_epochs * parts, batch_size, parts)
 
+    def _init_router_stats(self, model: torch.nn.Module) -> None:
+        """Note whether the policy is a mixture-of-experts model (its routers' statistics are then
+        taken in its forward passes: ``moe/*`` metrics)."""
+        from async_rl.utils.moe import check_replayable, routers
+
+        self._moe_routers = len(routers(model))
+        self._router_stats = None
+        if self.algo.routing_replay:
+            check_replayable(model)  # one line: not an MoE model, or a router replay cannot serve
+
+    def _routing(self, mb: TrainBatch, model: torch.nn.Module, packed: bool):
+        """The context of one forward pass of ``model`` on micro-batch ``mb`` for a
+        mixture-of-experts policy (a no-op context for a dense one): with the batch's
+        ``routed_experts`` extra (``[b, L, layers, k]``, input layout, ``-1`` unrecorded), each
+        router uses the recorded experts when ``algorithm.routing_replay`` is on (the proximal,
+        current and reference passes alike: R3) and is compared with them either way; the
+        policy's passes add to the step's router statistics (``_router_metrics``), and its
+        training passes leave their load-balancing and z-loss terms in ``_router_losses`` (the training loss adds
+        ``algorithm.moe_aux_loss_coef`` and ``moe_z_loss_coef`` times them)."""
+        if not self._moe_routers:
+            return contextlib.nullcontext()
+        from async_rl.utils.moe import replay_routing
+
+        routed = mb.extras.get("routed_experts")
+        keep = mb.attention_mask.bool()
+        if routed is not None:
+            # The rows in the order every router sees them: the packed row's real tokens, or
+            # the padded [b, L] batch flattened row-major.
+            routed = routed[keep] if packed else routed.reshape(-1, *routed.shape[2:])
+        stats = aux = None
+        if model is self.model:
+            # Training passes give the load and the auxiliary losses; a no-grad pass of the policy
+            # (the proximal pass, before any update of this step) the cleanest agreement with
+            # the engine, whose weights it shares in sync mode.
+            training = torch.is_grad_enabled()
+            if training:
+                aux = self._router_losses = []
+            stats = self._router_stats_of(model, "train" if training else "no_grad")
+        return replay_routing(model, routed, replay=self.algo.routing_replay, real=None if packed else keep.reshape(-1),
+                              stats=stats, aux=aux)
+
+    def _router_stats_of(self, model: torch.nn.Module, kind: str):
+        from async_rl.utils.moe import RouterStats
+
+        if self._router_stats is None:
+            self._router_stats = {}
+        if kind not in self._router_stats:
+            experts = int(getattr(model.config, "num_experts", None) or model.config.num_local_experts)
+            self._router_stats[kind] = RouterStats(num_experts=experts, top_k=int(model.config.num_experts_per_tok),
+                                                   load=torch.zeros(self._moe_routers, experts, dtype=torch.int64))
+        return self._router_stats[kind]
+
+    def _router_metrics(self) -> dict[str, torch.Tensor]:
+        """``moe/load_*`` of the step's training passes and ``moe/router_agreement`` of its
+        no-grad policy passes (the proximal pass; its training passes' where none ran)
+        (``async_rl.utils.moe.RouterStats.metrics``), counts summed over ranks; ``{}`` for a
+        dense policy. Collective on more than one rank (every rank runs the same passes)."""
+        if not self._moe_routers:
+            return {}
+        by_kind, self._router_stats = self._router_stats or {}, None
+        out: dict[str, float] = {}
+        for kind in ("train", "no_grad"):
+            stats = by_kind.get(kind)
+            if stats is None:
+                continue
+            counts = torch.cat([stats.load.reshape(-1), torch.tensor([stats.recorded, stats.agreeing])]).double()
+            if dist.get_world_size() > 1:
+                dist.all_reduce(counts)
+            stats.load = counts[:-2].round().long().view_as(stats.load)
+            stats.recorded, stats.agreeing = int(counts[-2]), int(counts[-1])
+            metrics = stats.metrics()
+            if kind == "train":
+                out.update(metrics)
+            elif "moe/router_agreement" in metrics:
+                out["moe/router_agreement"] = metrics["moe/router_agreement"]
+        return {k: torch.tensor(v) for k, v in out.items()}
+
     def _step_metrics(self, acc: "_StepAccumulator") -> dict[str, torch.Tensor]:
         """The training step's metrics: token-weighted means over micro-batches (and ranks), or
         their max / min for extremes (``metric_reduction``); the optimizer-step counts; and
@@ -491,6 +588,7 @@ class LearnerCore:
         out["loss/pg"] = sums[0] / max(acc.num_steps, 1)
         if acc.vf_losses:
             out["critic/vf_loss"] = sums[1] / max(acc.num_steps, 1)
+        out.update(self._router_metrics())
         return out
 
     def _micro_slices(self, mine: TrainBatch, mini: TrainBatch) -> list[tuple[slice, bool]]:

@@ -102,6 +102,8 @@ class FSDPLearner(LearnerCore):
         # fully_shard moves each module's parameters and buffers to the mesh's device.
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         self.model = self._load_policy(model_path)
+        self._layout = None  # CheckpointLayout of self.model, on the first weight push
+        self._init_router_stats(self.model)
         if cfg.packing:
             self._check_packing()
         self.policy_loss = algo.policy_loss_fn
@@ -234,9 +236,11 @@ class FSDPLearner(LearnerCore):
         temp = self.temperature if temperature is None else temperature
         if topk_ids is not None:
             topk_ids = self._check_topk_ids(mb, topk_ids)
-        if self.cfg.packing if packed is None else packed:
+        packed = self.cfg.packing if packed is None else packed
+        if packed:
             ids, positions = pack_rows(mb.input_ids, mb.attention_mask, mb.position_ids)
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, :-1]
+            with self._routing(mb, model, packed):
+                logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, :-1]
             if topk_ids is None:
                 logprobs = logprobs_from_logits(logits, ids[:, 1:], temp)
             else:
@@ -248,8 +252,9 @@ class FSDPLearner(LearnerCore):
             if topk_ids is None:
                 return logprobs, entropy
             return logprobs, entropy, unpack_labels(topk, mb.attention_mask)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                       position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
+        with self._routing(mb, model, packed):
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                           position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
         labels = mb.input_ids[:, 1:]
         entropy = entropy_from_logits(logits, temp) if with_entropy else None
         if topk_ids is None:
@@ -289,22 +294,37 @@ class FSDPLearner(LearnerCore):
     # ------------------------------------------------------------------ weights out
     @collective
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full parameters by Hugging Face name (tied ones once), gathered from the shards; with
-        LoRA only the adapter matrices, under peft's adapter-file names (``async_rl.learners.lora``)."""
+        """Full parameters by Hugging Face checkpoint name (tied ones once), gathered from the
+        shards: a parameter transformers holds in another layout than its checkpoint (stacked
+        experts) goes as its checkpoint tensors (``async_rl.weight_sync.layout``); with LoRA only
+        the adapter matrices, under peft's adapter-file names (``async_rl.learners.lora``)."""
         if self.cfg.lora.rank > 0:
             for name, tensor in lora.adapter_named_weights(self.model):
                 yield hf_name(name), tensor
             return
+        layout = self._checkpoint_layout()
         for name, param in self.model.named_parameters():
             data = param.detach()
-            yield hf_name(name), data.full_tensor() if isinstance(data, DTensor) else data
+            yield from layout.split(hf_name(name), data.full_tensor() if isinstance(data, DTensor) else data)
 
     def weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, full shape)`` of what ``named_weights`` yields, in order, without
         gathering (a DTensor's shape is the global one)."""
         if self.cfg.lora.rank > 0:
             return [(hf_name(n), d, s) for n, d, s in lora.adapter_metadata(self.model)]
-        return [(hf_name(n), p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+        layout = self._checkpoint_layout()
+        return [meta for n, p in self.model.named_parameters()
+                for meta in layout.split_metadata(hf_name(n), p.dtype, tuple(p.shape))]
+
+    def _checkpoint_layout(self):
+        # Built on first use: a weight update carries checkpoint names (one tensor per expert of a
+        # mixture-of-experts layer, where transformers stacks them in one parameter).
+        if self._layout is None:
+            from async_rl.weight_sync.layout import CheckpointLayout
+
+            self._layout = CheckpointLayout(self.model, [(hf_name(n), tuple(p.shape))
+                                                         for n, p in self.model.named_parameters()])
+        return self._layout
 
     def weight_aliases(self) -> dict[str, str]:
         """``{tied name: name sent}`` for parameters ``named_weights`` yields once under another

@@ -11,7 +11,8 @@ Each door gets a few thousand generated inputs, mixed with valid ones, from ``SE
 - ZeroMQ messages (``decode_messages``, then a real PUSH/PULL pair into a ``ReplayBuffer``):
   random bytes, bit flips, truncations, wrong frame counts, wrong msgpack types, absurd lengths,
   NaN log-probs (behavior and teacher), negative token ids, teacher token counts other than 0 or
-  the response's, duplicates, single trajectories and whole groups;
+  the response's, teacher top-k and routed-expert counts that disagree with the body, negative
+  top-k ids and expert indices, duplicates, single trajectories and whole groups;
 
 and one real async run (slow) takes all four at once. The contract everywhere: nothing raises
 out of the pipeline, every rejection is counted under a known reason, and every accepted input
@@ -578,24 +579,29 @@ def test_fuzz_tool_call_text_parsed_and_dispatched_without_exceptions(tmp_path):
 # --------------------------------------------------------------------------------- transport
 def random_trajectory(rng: random.Random, tid: str | None = None, group_id: int | None = None) -> Trajectory:
     """A valid trajectory of random size and content, with the teacher's log-probs (on-policy
-    distillation) half of the time, and its top-k (K of 1 to 4) half of the time."""
+    distillation) half of the time, its top-k (K of 1 to 4) half of the time, and routing
+    replay's routed experts (1 to 3 layers x top 1 to 4, indices over all of int16's >= 0) half
+    of the time."""
     group_id = rng.randint(0, 10**6) if group_id is None else group_id
-    r = rng.randint(0, 12)
+    p, r = rng.randint(1, 12), rng.randint(0, 12)
     versions = sorted(rng.randint(0, 5) for _ in range(r))
     teacher = [rng.choice([-rng.expovariate(1.0), 0.0, -0.0, -1e308]) for _ in range(r)] if rng.random() < 0.5 else []
     k = rng.randint(1, 4) if rng.random() < 0.5 else 0
     topk_ids = [[rng.randint(0, 2**31 - 1) for _ in range(k)] for _ in range(r)] if k else []
     topk_lps = ([[rng.choice([-rng.expovariate(1.0), 0.0, -0.0, 1e-7, -3e38]) for _ in range(k)] for _ in range(r)]
                 if k else [])
+    layers, top_k = (rng.randint(1, 3), rng.randint(1, 4)) if rng.random() < 0.5 else (0, 0)
+    routed = [[[rng.choice([0, 2**15 - 1, rng.randint(0, 255)]) for _ in range(top_k)] for _ in range(layers)]
+              for _ in range(p + r - 1)] if layers else []  # [] also when one token (P + R - 1 = 0 rows)
     return Trajectory(
         trajectory_id=tid or f"{group_id}/{rng.randint(0, 7)}", group_id=group_id, prompt_uid=junk_text(rng, 8),
-        prompt_ids=[rng.randint(0, 2**31 - 1) for _ in range(rng.randint(1, 12))],
+        prompt_ids=[rng.randint(0, 2**31 - 1) for _ in range(p)],
         response_ids=[rng.randint(0, 150_000) for _ in range(r)],
         behavior_logprobs=[rng.choice([-rng.expovariate(1.0), 0.0, -0.0, -math.inf]) for _ in range(r)],
         loss_mask=[rng.randint(0, 1) for _ in range(r)], finish_reason=rng.choice(["stop", "length"]),
         policy_version=versions, reward=rng.uniform(-5, 5), reward_extras={"acc": float(rng.randint(0, 1))},
         response_text=junk_text(rng), generator_id=rng.randint(-1, 7), teacher_logprobs=teacher,
-        teacher_topk_ids=topk_ids, teacher_topk_logprobs=topk_lps)
+        teacher_topk_ids=topk_ids, teacher_topk_logprobs=topk_lps, routed_experts=routed)
 
 
 def _random_value(rng: random.Random, depth: int = 0) -> Any:
@@ -617,8 +623,15 @@ def _array(values: list, code: str) -> bytes:
 
 
 _BODY = ["behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "teacher_topk_ids",
-         "teacher_topk_logprobs", "loss_mask"]
-_P, _R, _T, _K = 8, 9, 10, 11  # where a trajectory header holds its prompt, response, teacher counts and top-k K
+         "teacher_topk_logprobs", "routed_experts", "loss_mask"]
+# Where a trajectory header holds its prompt, response and teacher counts, the top-k's K, and the
+# routing's layers and experts a token.
+_P, _R, _T, _K, _L, _KR = 8, 9, 10, 11, 12, 13
+
+
+def _routed_entries(entries: Any) -> int:
+    """The routed-expert entries of a valid message's trajectory headers: sum (P + R - 1) L k."""
+    return sum((e[_P] + e[_R] - 1) * e[_L] * e[_KR] for e in entries if e[_L])
 
 
 def _split(frame: bytes) -> tuple[Any, dict[str, bytes]]:
@@ -628,7 +641,8 @@ def _split(frame: bytes) -> tuple[Any, dict[str, bytes]]:
     r = sum(e[_R] for e in header.get("trajectories", ()))
     t = sum(e[_T] for e in header.get("trajectories", ()))
     q = sum(e[_R] * e[_K] for e in header.get("trajectories", ()))
-    ends = list(itertools.accumulate([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, 4 * q, 4 * q, r]))
+    e = _routed_entries(header.get("trajectories", ()))
+    ends = list(itertools.accumulate([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, 4 * q, 4 * q, 2 * e, r]))
     return header, {name: bytes(body[ends[i]:ends[i + 1]]) for i, name in enumerate(_BODY)}
 
 
@@ -643,7 +657,8 @@ def _semantic(rng: random.Random, header: dict, arrays: dict[str, bytes]) -> byt
     r = sum(e[_R] for e in header["trajectories"])
     t = sum(e[_T] for e in header["trajectories"])
     q = sum(e[_R] * e[_K] for e in header["trajectories"])
-    kind = rng.choice([0, 5, 6, 7, 8] + [1, 2, 3, 4] * bool(r) + [9] * bool(t) + [10, 11] * bool(q))
+    e = _routed_entries(header["trajectories"])
+    kind = rng.choice([0, 5, 6, 7, 8] + [1, 2, 3, 4] * bool(r) + [9] * bool(t) + [10, 11] * bool(q) + [12] * bool(e))
     if kind == 0:
         old = entry[_P]
         entry[_P] = rng.choice([3, 0])
@@ -665,15 +680,19 @@ def _semantic(rng: random.Random, header: dict, arrays: dict[str, bytes]) -> byt
     elif kind == 7:
         entry[0] = rng.choice(["", "7", "7/", "7/x", "7/-1", "7/1 ", "7/١"])
     elif kind == 8:
-        entry[_R] += 1  # arrays one short
+        entry[_R] += 1  # arrays one short (the routing one row short too)
         if entry[_T]:
             entry[_T] += 1
     elif kind == 9:
         arrays["teacher_logprobs"] = _array([rng.choice([math.nan, math.inf, -math.inf])] * t, "d")
     elif kind == 10:
         arrays["teacher_topk_ids"] = _array([rng.randint(-2**31, -1)] * q, "i")
-    else:
+    elif kind == 11:
         arrays["teacher_topk_logprobs"] = _array([rng.choice([math.nan, math.inf, -math.inf, 0.5, 2e-6])] * q, "f")
+    else:  # one negative expert index among valid ones, anywhere in the message's routing
+        values = list(struct.unpack(f"<{e}h", arrays["routed_experts"]))
+        values[rng.randrange(e)] = rng.choice([-1, -(2**15), rng.randint(-(2**15), -1)])
+        arrays["routed_experts"] = _array(values, "h")
     return _packed(header, arrays)
 
 
@@ -723,14 +742,14 @@ def malformed_frames(rng: random.Random, valid: list[list[bytes]]) -> list[Any]:
         header.update({"num_kept": rng.choice([-1, -2**63, True]), "group_id": rng.choice([1.5, "3", None, 3])})
         return [_packed(header)]
     if kind == 7:  # absurd or mismatched lengths
-        entry, i = rng.choice(entries), rng.choice([_P, _R, _T, _K])
+        entry, i = rng.choice(entries), rng.choice([_P, _R, _T, _K, _L, _KR])
         entry[i] = rng.choice([2**31, 2**63 - 1, 2**64 - 1, -1, entry[i] + 1, max(0, entry[i] - 1)])
         return [_packed(header, arrays)]
     if kind == 8:  # a field's bytes truncated, grown, doubled, or the header's fields as schema 3's map
         name = rng.choice(_BODY)
         data = arrays[name]
         if rng.random() < 0.2:
-            header["trajectories"] = [dict(zip(range(12), e)) for e in entries]
+            header["trajectories"] = [dict(zip(range(len(e)), e)) for e in entries]
             return [_packed(header, arrays)]
         arrays[name] = rng.choice([data[: rng.randrange(len(data))] if data else b"\x00",
                                    data + bytes(rng.randint(1, 9)), data * 2 if data else b"\x01" * 3])
@@ -752,6 +771,8 @@ MALFORMED_REASONS = [
     ("negative_count", r"field 'num_prompt_tokens' or 'num_response_tokens' of trajectory header \d+ is negative"),
     ("teacher_count", r"field 'num_teacher_tokens' of trajectory header \d+ is -?\d+, expected 0 or num_response_tokens"),
     ("topk_count", r"field 'teacher_top_k' of trajectory header \d+ is -?\d+, expected >= 0"),
+    ("routed_count", r"fields 'routed_layers' and 'routed_top_k' of trajectory header \d+ are -?\d+ and -?\d+, "
+                     r"expected"),
     ("reward_extras_type", r"reward_extras must map str -> float"),
     ("body_size", r"message body is \d+ bytes, expected \d+ for \d+ trajectories"),
     ("trajectory_id", r"trajectory_id .* is not '<group>/<index in group>'"),
@@ -781,6 +802,10 @@ def assert_trainable(msg: Any) -> None:
     assert ids.shape == lps.shape and (ids.shape == (0, 0) or (ids.shape[0] == r and ids.shape[1] >= 1))
     assert (ids.dtype, lps.dtype) == (np.dtype("<i4"), np.dtype("<f4"))
     assert (ids >= 0).all() and (np.isfinite(lps) & (lps <= 1e-6)).all()
+    routed = msg.routed_experts
+    assert routed.dtype == np.dtype("<i2") and not routed.flags.writeable
+    assert routed.shape == (0, 0, 0) or (routed.shape[0] == len(msg.prompt_ids) + r - 1 and min(routed.shape) >= 1)
+    assert (routed >= 0).all()
     assert {name: getattr(msg, name).dtype for name in PER_TOKEN_DTYPES} == PER_TOKEN_DTYPES
     assert len(msg.prompt_ids) >= 1 and min(msg.prompt_ids.tolist() + msg.response_ids.tolist()) >= 0
     assert not any(math.isnan(x) or x == math.inf for x in msg.behavior_logprobs.tolist())

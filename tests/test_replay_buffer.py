@@ -365,7 +365,7 @@ def test_state_dict_keeps_each_top_k_bit_exact_in_partial_and_served_groups():
         buf.add(dataclasses.replace(tr(g, i, num_tokens=2), teacher_topk_ids=k_ids, teacher_topk_logprobs=k_lps))
     assert buf.get_groups(1, 0) is not None  # group 0 served once, kept for reuse
     state = buf.state_dict()
-    assert state["format"] == 2 and state["partial"][0][1][0]["teacher_topk_ids"] == top[1, 0][0].tolist()
+    assert state["format"] == 3 and state["partial"][0][1][0]["teacher_topk_ids"] == top[1, 0][0].tolist()
     restored = ReplayBuffer(group_size=2, max_staleness=1, max_reuse=2)
     restored.load_state_dict(json.loads(json.dumps(state)))
     assert restored.state_dict() == state
@@ -378,20 +378,36 @@ def test_state_dict_keeps_each_top_k_bit_exact_in_partial_and_served_groups():
         assert t.teacher_topk_logprobs.shape == k_lps.shape
 
 
-def test_a_format_1_state_resumes_without_a_top_k():
-    """Format 1 (before the teacher's top-k) has no top-k keys; a run checkpointed then resumes,
-    its trajectories without a top-k, and saves format 2 from then on."""
+@pytest.mark.parametrize("old", [1, 2])
+def test_an_older_format_state_resumes_without_what_it_lacked(old):
+    """Format 1 (before the teacher's top-k) has no top-k keys and format 2 no routing; a run
+    checkpointed then resumes, its trajectories without them, and saves format 3 from then on."""
     buf = ReplayBuffer(group_size=2, max_staleness=1)
     buf.add(tr(0, 0))
     state = json.loads(json.dumps(buf.state_dict()))
     for t in state["partial"][0][1]:
-        del t["teacher_topk_ids"], t["teacher_topk_logprobs"]
+        del t["routed_experts"]
+        if old == 1:
+            del t["teacher_topk_ids"], t["teacher_topk_logprobs"]
     restored = ReplayBuffer(group_size=2, max_staleness=1)
-    restored.load_state_dict({**state, "format": 1})
-    assert restored.state_dict() == buf.state_dict() and restored.state_dict()["format"] == 2
+    restored.load_state_dict({**state, "format": old})
+    assert restored.state_dict() == buf.state_dict() and restored.state_dict()["format"] == 3
     restored.close_group(0, 1)
     (got,), = restored.get_groups(1, 0)
-    assert got == tr(0, 0) and got.teacher_topk_ids.shape == (0, 0)
+    assert got == tr(0, 0) and got.teacher_topk_ids.shape == (0, 0) and got.routed_experts.shape == (0, 0, 0)
+
+
+def test_state_dict_keeps_routed_experts_exactly():
+    """Routing replay's [P + R - 1, layers, k] int16 routing comes back from a JSON checkpoint as it went."""
+    t = tr(0, 0, num_tokens=2)
+    routed = np.arange((len(t.prompt_ids) + 1) * 3 * 2, dtype=np.int16).reshape(-1, 3, 2)
+    buf = ReplayBuffer(group_size=2, max_staleness=1)
+    buf.add(dataclasses.replace(t, routed_experts=routed))
+    restored = ReplayBuffer(group_size=2, max_staleness=1)
+    restored.load_state_dict(json.loads(json.dumps(buf.state_dict())))
+    restored.close_group(0, 1)
+    (got,), = restored.get_groups(1, 0)
+    assert got.routed_experts.dtype == np.int16 and np.array_equal(got.routed_experts, routed)
 
 
 def _bits(xs) -> list[int]:
@@ -402,7 +418,7 @@ def test_load_state_dict_checks_format_and_group_size():
     state = ReplayBuffer(group_size=3, max_staleness=1).state_dict()
     with pytest.raises(ValueError, match="group_size 3, this buffer 4"):
         ReplayBuffer(group_size=4, max_staleness=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="state format 99, this code reads 1 and 2"):
+    with pytest.raises(ValueError, match="state format 99, this code reads 1, 2, 3"):
         ReplayBuffer(group_size=3, max_staleness=1).load_state_dict({**state, "format": 99})
 
 

@@ -94,8 +94,8 @@ def test_codec_layout_is_the_documented_schema():
     start = -(-(4 + head_len) // 8) * 8  # the body starts 8-byte aligned
     assert start % 8 == 0 and frame[4 + head_len:start] == bytes(start - 4 - head_len)
     assert header == {"schema": SCHEMA_VERSION, "kind": "trajectories", "group_id": None, "trajectories": [
-        ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0, "format": 0.5}, "x = 4", 3, 4, 0, 0]]}
-    assert SCHEMA_VERSION == 6
+        ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0, "format": 0.5}, "x = 4", 3, 4, 0, 0, 0, 0]]}
+    assert SCHEMA_VERSION == 7
     body = frame[start:]
     assert len(body) == 4 * 8 + 4 * 8 + 3 * 4 + 4 * 4 + 4 * 1
     assert np.frombuffer(body, "<f8", 4, 0).tolist() == traj.behavior_logprobs.tolist()
@@ -112,8 +112,8 @@ def test_codec_layout_with_teacher_logprobs_puts_them_after_behavior_logprobs():
     teacher = [-0.5, -0.0, -1e-310, -7.25]
     traj = make_traj("a/0", num_prompt=3, num_response=4, teacher_logprobs=teacher)
     header, body = split_frame(encode_trajectory(traj)[0])
-    assert header["schema"] == 6 and header["trajectories"][0][8:] == [3, 4, 4, 0]
-    assert len(header["trajectories"][0]) == 12
+    assert header["schema"] == 7 and header["trajectories"][0][8:] == [3, 4, 4, 0, 0, 0]
+    assert len(header["trajectories"][0]) == 14
     assert len(body) == 21 * 4 + 8 * 4 + 4 * 3 == 128
     assert bits(np.frombuffer(body, "<f8", 4, 0)) == bits(traj.behavior_logprobs)
     assert bits(np.frombuffer(body, "<f8", 4, 32)) == bits(teacher)
@@ -130,7 +130,7 @@ def test_group_layout_puts_each_field_of_all_trajectories_together():
                                           teacher_logprobs=[-0.75, -1.5])])
     header, body = split_frame(encode_message(group)[0])
     assert header["group_id"] == 3 and [e[0] for e in header["trajectories"]] == ["3/0", "3/1"]
-    assert [e[8:] for e in header["trajectories"]] == [[2, 3, 0, 0], [1, 2, 2, 0]]
+    assert [e[8:] for e in header["trajectories"]] == [[2, 3, 0, 0, 0, 0], [1, 2, 2, 0, 0, 0]]
     a, b = group.trajectories
     expected = b"".join(np.concatenate([getattr(a, n), getattr(b, n)]).tobytes() for n in
                         ("behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids",
@@ -158,16 +158,17 @@ def test_encode_rejects_values_the_wire_cannot_carry(kw, match):
 
 _ENTRY_FIELDS = ["trajectory_id", "group_id", "prompt_uid", "generator_id", "finish_reason", "reward",
                  "reward_extras", "response_text", "num_prompt_tokens", "num_response_tokens", "num_teacher_tokens",
-                 "teacher_top_k"]
+                 "teacher_top_k", "routed_layers", "routed_top_k"]
 _BODY = ["behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "teacher_topk_ids",
-         "teacher_topk_logprobs", "loss_mask"]
+         "teacher_topk_logprobs", "routed_experts", "loss_mask"]
 
 
 def _parts(frame: bytes) -> tuple[dict, dict[str, bytes]]:
-    """A one-trajectory frame as its header and its eight arrays' bytes."""
+    """A one-trajectory frame as its header and its nine arrays' bytes."""
     header, body = split_frame(frame)
-    p, r, t, k = header["trajectories"][0][8:12]
-    ends = np.cumsum([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, 4 * r * k, 4 * r * k, r]).tolist()
+    p, r, t, k, layers, top_k = header["trajectories"][0][8:14]
+    e = (p + r - 1) * layers * top_k if layers else 0
+    ends = np.cumsum([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, 4 * r * k, 4 * r * k, 2 * e, r]).tolist()
     return header, {name: bytes(body[ends[i]:ends[i + 1]]) for i, name in enumerate(_BODY)}
 
 
@@ -199,17 +200,18 @@ _TEACHER = np.full(7, -0.5).tobytes()
 
 
 @pytest.mark.parametrize("frames, match", [
-    ([], "0 frames, schema 6 has 1"),
+    ([], "0 frames, schema 7 has 1"),
     ([_GOOD, b""], "2 frames"),
     ([_GOOD[:-3]], r"message body is 164 bytes, expected 167 for 1 trajectories "
-                   r"\(5 prompt, 7 response and 0 teacher tokens, 0 top-k entries\)"),
+                   r"\(5 prompt, 7 response and 0 teacher tokens, 0 top-k and 0 routed-expert entries\)"),
     ([b"\xc1\xc1garbage"], "too short for its header"),
     ([b"\x01\x00"], r"message is 2 bytes, too short for its header \(no length\)"),
     ([b"\x03\x00\x00\x00\xc1\xc1\xc1\x00"], "message header is not valid msgpack"),
     ([_GOOD + b"\x00"], "message body is 168 bytes, expected 167"),
     ([pack_frame([1, 2])], "message header is a msgpack list, expected a map"),
-    ([_message(schema=2)], "schema version 2, this decoder reads version 6"),
-    ([_message(schema=5)], "schema version 5, this decoder reads version 6"),
+    ([_message(schema=2)], "schema version 2, this decoder reads version 7"),
+    ([_message(schema=5)], "schema version 5, this decoder reads version 7"),
+    ([_message(schema=6)], "schema version 6, this decoder reads version 7"),
     ([_message(schema=...)], "schema version None"),
     ([_message(kind="trajectory")], "message kind 'trajectory'"),
     ([_message(extra_field=1)], r"message kind 'trajectories' with fields \['extra_field'"),
@@ -218,11 +220,27 @@ _TEACHER = np.full(7, -0.5).tobytes()
      "trajectories message has group_id '7'"),
     ([_message(trajectories=[])], "non-empty unless a group id closes it"),
     ([_message(trajectories={"a/0": 1})], "trajectories message has group_id None and trajectories dict"),
-    ([_message(reward=...)], "trajectory header 0 is a msgpack list of 11 items, expected an array of 12"),
-    ([_message(teacher_top_k=...)], r"list of 11 items, expected an array of 12 \(.*, num_teacher_tokens, teacher_top_k\)"),
+    ([_message(reward=...)], "trajectory header 0 is a msgpack list of 13 items, expected an array of 14"),
+    ([_message(teacher_top_k=...)],
+     r"list of 13 items, expected an array of 14 \(.*, num_teacher_tokens, teacher_top_k, routed_layers, routed_top_k\)"),
+    ([_message(routed_top_k=...)], r"list of 13 items, expected an array of 14"),
     ([_message(teacher_top_k=-1)], r"'teacher_top_k' of trajectory header 0 is -1, expected >= 0"),
-    ([_message(teacher_top_k=2)], r"message body is 167 bytes, expected 279 .*, 14 top-k entries\)"),
+    ([_message(teacher_top_k=2)], r"message body is 167 bytes, expected 279 .*, 14 top-k and 0 routed-expert "
+                                  r"entries\)"),
     ([_message(teacher_top_k=True)], "'teacher_top_k' of trajectory header 0 is bool"),
+    # Routing replay's L_i and k_i: both 0 or both >= 1, and (P_i + R_i - 1) L_i k_i entries in the body.
+    ([_message(routed_layers=2)], r"^fields 'routed_layers' and 'routed_top_k' of trajectory header 0 are 2 and 0, "
+                                  r"expected both 0 \(no routing\) or both >= 1$"),
+    ([_message(routed_top_k=8)], r"'routed_layers' and 'routed_top_k' of trajectory header 0 are 0 and 8, expected"),
+    ([_message(routed_layers=-1, routed_top_k=-1)], r"header 0 are -1 and -1, expected both 0 \(no routing\)"),
+    ([_message(routed_layers=3, routed_top_k=-2)], r"header 0 are 3 and -2, expected both 0"),
+    ([_message(routed_layers=1, routed_top_k=1)],
+     r"^message body is 167 bytes, expected 189 for 1 trajectories \(5 prompt, 7 response and 0 teacher tokens, "
+     r"0 top-k and 11 routed-expert entries\)$"),
+    ([_message(routed_layers=2, routed_top_k=4, routed_experts=bytes(2 * 11 * 8 - 2))],
+     r"message body is 341 bytes, expected 343 .* 88 routed-expert entries\)"),
+    ([_message(routed_layers=True, routed_top_k=1)], "field 'routed_layers' of trajectory header 0 is bool, expected int"),
+    ([_message(routed_top_k=1.0)], "field 'routed_top_k' of trajectory header 0 is float, expected int"),
     ([_message(trajectories=[{"trajectory_id": "a/0"}])], "trajectory header 0 is a msgpack dict"),
     ([pack_frame({"schema": SCHEMA_VERSION, "kind": "trajectories", "group_id": None, "trajectories": [1]})],
      "trajectory header 0 is a msgpack int of \\? items"),
@@ -678,7 +696,8 @@ def _garbled(rng: np.random.Generator) -> list[bytes]:
     header, arrays = _parts(encode_trajectory(make_traj("g/0", num_prompt=4, num_response=6,
                                                          teacher_logprobs=[-1.0] * 6,
                                                          teacher_topk_ids=np.ones((6, 2), np.int32),
-                                                         teacher_topk_logprobs=np.full((6, 2), -1.0, np.float32)))[0])
+                                                         teacher_topk_logprobs=np.full((6, 2), -1.0, np.float32),
+                                                         routed_experts=np.ones((9, 2, 2), np.int16)))[0])
     name = _BODY[rng.integers(len(_BODY))]
     data = arrays[name]
     kind = rng.integers(4)
@@ -691,6 +710,7 @@ def _garbled(rng: np.random.Generator) -> list[bytes]:
                         "behavior_logprobs": np.full(6, np.nan).tobytes(), "loss_mask": b"\x07" * 6,
                         "teacher_logprobs": np.full(6, -np.inf).tobytes(),
                         "teacher_topk_ids": b"\xff" * 48, "teacher_topk_logprobs": np.full(12, 0.5, np.float32).tobytes(),
+                        "routed_experts": b"\xff" * 72,
                         "policy_version": b"\xff" * 48}[name]
     else:  # the trajectory's fields as a map, as schema 3 sent them
         header["trajectories"] = [dict(zip(_ENTRY_FIELDS, header["trajectories"][0]))]
@@ -724,7 +744,7 @@ def test_a_schema_3_message_is_refused_with_one_line_naming_both_versions(kind):
             **{name: getattr(traj, name).tobytes() for name in PER_TOKEN_DTYPES}})
     with pytest.raises(MalformedMessageError) as e:
         decode_message([msgpack.packb(old, use_bin_type=True)])
-    assert str(e.value) == ("schema version 3, this decoder reads version 6 "
+    assert str(e.value) == ("schema version 3, this decoder reads version 7 "
                             "(sender and receiver run different async-rl versions?)")
 
 
@@ -743,7 +763,7 @@ def test_a_schema_4_message_is_refused_with_one_line_naming_both_versions(kind):
         assert len(split_frame(frame)[1]) == 21 * 7 + 4 * 5
     with pytest.raises(MalformedMessageError) as e:
         decode_messages([frame])
-    assert str(e.value) == ("schema version 4, this decoder reads version 6 "
+    assert str(e.value) == ("schema version 4, this decoder reads version 7 "
                             "(sender and receiver run different async-rl versions?)")
 
 
@@ -865,7 +885,7 @@ def test_the_teacher_top_k_travels_flat_between_the_response_ids_and_the_loss_ma
     without = make_traj("5/1", 5, num_prompt=2, num_response=2, teacher_logprobs=[-1.0, -2.0])
     frame = encode_message(TrajectoryGroup(5, [with_topk, without]))[0]
     header, body = split_frame(frame)
-    assert [e[8:] for e in header["trajectories"]] == [[3, 4, 4, 3], [2, 2, 2, 0]]
+    assert [e[8:] for e in header["trajectories"]] == [[3, 4, 4, 3, 0, 0], [2, 2, 2, 0, 0, 0]]
     assert len(body) == 21 * 6 + 8 * 6 + 4 * 5 + 8 * 12
     at = 8 * 6 + 8 * 6 + 8 * 6 + 4 * 5 + 4 * 6
     assert np.frombuffer(body, "<i4", 12, at).tolist() == ids.reshape(-1).tolist()
@@ -925,7 +945,8 @@ def test_the_teacher_top_k_round_trips_bit_exact_in_a_mixed_group(as_memoryview)
             make_traj("3/3", 3, num_response=0, response_text="")]
     frame = encode_message(TrajectoryGroup(3, sent))[0]
     header, body = split_frame(frame)
-    assert [e[9:] for e in header["trajectories"]] == [[4, 0, 1], [3, 3, 8], [5, 0, 0], [0, 0, 0]]
+    assert [e[9:] for e in header["trajectories"]] == [[4, 0, 1, 0, 0], [3, 3, 8, 0, 0], [5, 0, 0, 0, 0],
+                                                        [0, 0, 0, 0, 0]]
     assert len(body) == 21 * 12 + 8 * 3 + 4 * 20 + 8 * (4 * 1 + 3 * 8)
     messages, rejected = decode_messages([memoryview(frame)] if as_memoryview else [frame])
     assert rejected == [] and messages == [*sent, GroupClosed(3, 4)]
@@ -985,7 +1006,7 @@ def test_a_schema_5_message_is_refused_with_one_line_naming_both_versions(kind):
         assert len(split_frame(frame)[1]) == 21 * 7 + 8 * 7 + 4 * 5
     with pytest.raises(MalformedMessageError) as e:
         decode_messages([frame])
-    assert str(e.value) == ("schema version 5, this decoder reads version 6 "
+    assert str(e.value) == ("schema version 5, this decoder reads version 7 "
                             "(sender and receiver run different async-rl versions?)")
 
 
@@ -1120,3 +1141,177 @@ def test_collate_refuses_top_k_trajectories_of_different_k():
         collate(batch, pad_token_id=0)
     assert str(e.value) == ("collate: trajectory 0/2 has a teacher top-2, but the batch's first with a top-k (0/0) "
                             "has a top-3")
+
+
+# ------------------------------------------------------------------- routed experts on the wire
+def _routed(num_rows: int, layers: int, top_k: int, seed: int = 0) -> np.ndarray:
+    """Routing of ``[num_rows, layers, top_k]`` int16 expert indices over all of 0..32767, both
+    ends included (for ``make_traj``'s ``routed_experts``)."""
+    routed = np.random.default_rng(seed).integers(0, 2**15, (num_rows, layers, top_k)).astype(np.int16)
+    if routed.size >= 2:
+        routed.flat[0], routed.flat[-1] = 0, 2**15 - 1
+    return routed
+
+
+@pytest.mark.parametrize("as_memoryview", [False, True])
+def test_routed_experts_of_different_shapes_round_trip_bit_exact_in_one_group_message(as_memoryview):
+    """L_i and k_i differ per trajectory in one group message (2 x 3, none, 1 x 1, 4 x 8, an
+    empty response, beside a top-k): each gets its own [P_i + R_i - 1, L_i, k_i] back bit for
+    bit, as read-only int16 views of the one frame; those without share one read-only [0, 0, 0]."""
+    sent = [make_traj("2/0", 2, num_prompt=3, num_response=4, seed=0, routed_experts=_routed(6, 2, 3, seed=0)),
+            make_traj("2/1", 2, num_prompt=2, num_response=5, seed=1),
+            make_traj("2/2", 2, num_prompt=1, num_response=1, seed=2, routed_experts=[[[7]]]),
+            make_traj("2/3", 2, num_prompt=5, num_response=3, seed=3, teacher_logprobs=[-1.0] * 3,
+                      **_topk(3, 2, seed=3), routed_experts=_routed(7, 4, 8, seed=3)),
+            make_traj("2/4", 2, num_prompt=4, num_response=0, response_text="",
+                      routed_experts=_routed(3, 2, 2, seed=4)),
+            make_traj("2/5", 2, num_prompt=2, num_response=2, seed=5)]
+    frame = encode_message(TrajectoryGroup(2, sent))[0]
+    header, body = split_frame(frame)
+    assert [e[12:] for e in header["trajectories"]] == [[2, 3], [0, 0], [1, 1], [4, 8], [2, 2], [0, 0]]
+    p, r, t, q, e = 17, 15, 3, 6, 6 * 6 + 1 + 7 * 32 + 3 * 4
+    assert len(body) == 21 * r + 8 * t + 4 * p + 8 * q + 2 * e
+    messages, rejected = decode_messages([memoryview(frame)] if as_memoryview else [frame])
+    assert rejected == [] and messages == [*sent, GroupClosed(2, 6)]
+    for got, want in zip(messages, sent):
+        a, b = got.routed_experts, want.routed_experts
+        assert a.dtype == np.dtype("<i2") and a.shape == b.shape and a.tobytes() == b.tobytes(), got.trajectory_id
+        assert not a.flags.writeable
+    assert [m.routed_experts.shape for m in messages[:6]] == [(6, 2, 3), (0, 0, 0), (1, 1, 1), (7, 4, 8), (3, 2, 2),
+                                                              (0, 0, 0)]
+    assert messages[0].routed_experts.min() == 0 and messages[3].routed_experts.max() == 2**15 - 1
+    assert np.shares_memory(messages[3].routed_experts, np.frombuffer(frame, np.uint8))
+    assert messages[1].routed_experts is messages[5].routed_experts  # the one shared "none"
+    assert messages[3].teacher_topk_ids.tobytes() == sent[3].teacher_topk_ids.tobytes()  # its neighbours intact
+    assert messages[4].loss_mask.tolist() == [] and messages[5].loss_mask.tobytes() == sent[5].loss_mask.tobytes()
+
+
+def test_routed_experts_travel_between_the_top_k_log_probs_and_the_loss_mask():
+    """Schema 7: L_i, k_i last in the trajectory header; the int16 routing of every trajectory
+    at byte 20R + 8T + 4P + 8Q (4-byte aligned), the loss mask 2E bytes later; body
+    21R + 8T + 4P + 8Q + 2E."""
+    routed = _routed(6, 3, 2, seed=1)
+    ids, lps = np.arange(8, dtype=np.int32).reshape(4, 2), np.full((4, 2), -0.5, np.float32)
+    with_routing = make_traj("5/0", 5, num_prompt=3, num_response=4, teacher_logprobs=[-0.5] * 4,
+                             teacher_topk_ids=ids, teacher_topk_logprobs=lps, routed_experts=routed)
+    also = make_traj("5/1", 5, num_prompt=2, num_response=1, routed_experts=[[[1, 2]], [[3, 4]]])
+    header, body = split_frame(encode_message(TrajectoryGroup(5, [with_routing, also]))[0])
+    assert [e[8:] for e in header["trajectories"]] == [[3, 4, 4, 2, 3, 2], [2, 1, 0, 0, 1, 2]]
+    assert len(header["trajectories"][0]) == 14
+    p, r, t, q, e = 5, 5, 4, 8, 36 + 4
+    assert len(body) == 21 * r + 8 * t + 4 * p + 8 * q + 2 * e == 301
+    at = 20 * r + 8 * t + 4 * p + 8 * q
+    assert at % 4 == 0 and np.frombuffer(body, "<f4", 8, at - 32).tobytes() == lps.tobytes()
+    assert np.frombuffer(body, "<i2", e, at).tolist() == routed.reshape(-1).tolist() + [1, 2, 3, 4]
+    assert bytes(body[at + 2 * e:]) == bytes(with_routing.loss_mask.tolist() + also.loss_mask.tolist())
+
+
+def test_a_negative_routed_expert_rejects_only_its_trajectory(caplog):
+    """A negative index (the message-wide min then fails) sends the message to the per-trajectory
+    check: only that trajectory is refused, with one line; the rest of the group and its closure
+    arrive. An encoder does not check a held int16 array, so a reassigned one carries it."""
+    sent = [make_traj(f"6/{i}", 6, num_prompt=2 + i, num_response=3, seed=i,
+                      routed_experts=_routed(4 + i, 1 + i, 2, seed=i)) for i in range(4)]
+    sent[1].routed_experts = sent[1].routed_experts.copy()
+    sent[1].routed_experts[2, 1, 0] = -1
+    sent[3].routed_experts = np.full((7, 4, 2), -(2**15), np.int16)
+    frames = encode_message(TrajectoryGroup(6, sent))
+    messages, rejected = decode_messages(frames)
+    assert messages == [sent[0], sent[2], GroupClosed(6, 4)]
+    assert [str(e) for e in rejected] == ["trajectory '6/1': routed_experts holds a negative expert index (-1)",
+                                          "trajectory '6/3': routed_experts holds a negative expert index (-32768)"]
+    receiver, _ = make_transport("inproc", hwm=8)
+    receiver._channel.queue.put(frames)
+    with caplog.at_level(logging.WARNING, logger="async_rl.buffers.transport"):
+        assert receiver.recv_many(16, timeout_s=5.0) == messages
+    assert (receiver.num_malformed, receiver.num_received) == (2, 3)
+
+
+def test_routed_experts_with_a_broken_layout_void_the_whole_message(caplog):
+    """A routing of no token (P_i + R_i = 0) or a count that disagrees with the body by one entry
+    (2 bytes) voids every offset: nothing of the message is kept, one counted rejection."""
+    header, body = split_frame(encode_trajectory(make_traj("e/0", num_prompt=0, num_response=0, response_text=""))[0])
+    header["trajectories"][0][12:14] = [2, 1]
+    with pytest.raises(MalformedMessageError) as e:
+        decode_messages([pack_frame(header, [body])])
+    assert str(e.value) == ("fields 'routed_layers' and 'routed_top_k' of trajectory header 0 are 2 and 1, expected 0 "
+                            "for a trajectory without a token (num_prompt_tokens and num_response_tokens are 0)")
+    group = TrajectoryGroup(9, [make_traj(f"9/{i}", 9, num_prompt=2, num_response=3, seed=i,
+                                          routed_experts=_routed(4, 2, 2, seed=i)) for i in range(3)])
+    header, body = split_frame(encode_message(group)[0])
+    at_mask = len(body) - 9
+    for short in (bytes(body[:at_mask - 2]) + bytes(body[at_mask:]),  # one entry short
+                  bytes(body[:at_mask]) + b"\x00\x00" + bytes(body[at_mask:])):  # one entry too many
+        with pytest.raises(MalformedMessageError, match=rf"^message body is {len(short)} bytes, expected {len(body)} "
+                                                        r"for 3 trajectories .* 48 routed-expert entries\)$"):
+            decode_messages([pack_frame(header, [short])])
+    header["trajectories"][2][13] = 3  # the body holds k = 2 for it: 8 entries, 16 bytes short
+    _assert_refused_whole(header, body, caplog)
+    assert f"message body is {len(body)} bytes, expected {len(body) + 16} for 3 trajectories" in caplog.text
+
+
+def test_routed_experts_of_a_single_token_are_none():
+    """P_i + R_i = 1 forwards no token: L_i, k_i >= 1 then carry 0 entries (a layout the encoder
+    never sends) and decode as the shared [0, 0, 0], as a ``Trajectory`` holds an empty routing."""
+    traj = make_traj("1/0", num_prompt=1, num_response=0, response_text="",
+                     routed_experts=np.zeros((0, 2, 2), np.int16))
+    assert traj.routed_experts.shape == (0, 0, 0)
+    header, body = split_frame(encode_trajectory(traj)[0])
+    assert header["trajectories"][0][8:] == [1, 0, 0, 0, 0, 0]
+    header["trajectories"][0][12:14] = [2, 2]
+    got = decode_trajectory([pack_frame(header, [body])])
+    assert got == traj and got.routed_experts.shape == (0, 0, 0) and not got.routed_experts.flags.writeable
+
+
+def test_encode_converts_reassigned_routed_experts_exactly_or_refuses_them():
+    """Routing set after construction (as a generator may attach it) is sent as int16 when it
+    converts exactly; a wrong row count, an index outside 0..32767 or a non-integer is refused
+    at encode with one line naming the trajectory, never wrapped or sent to void a group."""
+    traj = make_traj("7/0", 7, num_prompt=2, num_response=2)  # P + R - 1 = 3 forwarded tokens
+    traj.routed_experts = [[[1, 2]], [[3, 4]], [[5, 32767]]]  # lists: converted
+    out = decode_trajectory(encode_trajectory(traj))
+    assert out.routed_experts.dtype == np.dtype("<i2")
+    assert out.routed_experts.tolist() == [[[1, 2]], [[3, 4]], [[5, 32767]]]
+    traj.routed_experts = np.arange(12, dtype=np.int64).reshape(3, 2, 2)[:, :, ::-1]  # int64, not contiguous
+    assert decode_trajectory(encode_trajectory(traj)).routed_experts.tolist() == traj.routed_experts.tolist()
+    traj.routed_experts = np.zeros((0, 4, 2), np.int16)  # empty: none
+    assert encode_trajectory(traj) == encode_trajectory(make_traj("7/0", 7, num_prompt=2, num_response=2))
+    for rows in (1, 2, 4):
+        traj.routed_experts = np.ones((rows, 2, 2), np.int16)
+        with pytest.raises(ValueError) as e:
+            encode_trajectory(traj)
+        assert str(e.value) == (f"trajectory 7/0: routed_experts has {rows} rows for 2 prompt and 2 response tokens "
+                                "(P + R - 1 = 3 forwarded tokens)")
+    traj.routed_experts = np.full((3, 1, 1), 2**15, np.int32)
+    with pytest.raises(ValueError, match=r"^trajectory 7/0: routed_experts cannot be held as int16 \[tokens, layers, "
+                                         r"k\]: values must satisfy -32768 <= number <= 32767"):
+        encode_trajectory(traj)
+    traj.routed_experts = [[[-1]], [[2]], [[3]]]  # converted, so checked as the constructor checks
+    with pytest.raises(ValueError, match=r"^trajectory 7/0: routed_experts holds a negative expert index \(-1\)$"):
+        encode_trajectory(traj)
+    traj.routed_experts = np.ones((3, 2), np.int16)
+    with pytest.raises(ValueError, match=r"routed_experts cannot be held as int16 .*a 2-D array, expected 3-D"):
+        encode_trajectory(traj)
+    # One trajectory's bad routing refuses the whole send: nothing half-encoded leaves.
+    with pytest.raises(ValueError, match="trajectory 7/0: routed_experts"):
+        encode_message(TrajectoryGroup(7, [make_traj("7/1", 7), traj]))
+
+
+@pytest.mark.parametrize("kind", ["trajectories", "group_closed"])
+def test_a_schema_6_message_is_refused_with_one_line_naming_both_versions(kind):
+    """What a generator of the previous release sends: the same framing, a 12-field trajectory
+    header (no routed_layers, routed_top_k) and a 21R + 8T + 4P + 8Q body."""
+    traj = make_traj("a/0", teacher_logprobs=[-1.0] * 7, **_topk(7, 2))
+    if kind == "group_closed":
+        frame = pack_frame({"schema": 6, "kind": "group_closed", "group_id": 1, "num_kept": 2})
+    else:
+        entry = ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0}, "x = 4", 5, 7, 7, 2]
+        frame = pack_frame({"schema": 6, "kind": "trajectories", "group_id": None, "trajectories": [entry]},
+                           [getattr(traj, n) for n in ("behavior_logprobs", "teacher_logprobs", "policy_version",
+                                                       "prompt_ids", "response_ids", "teacher_topk_ids",
+                                                       "teacher_topk_logprobs", "loss_mask")])
+        assert len(split_frame(frame)[1]) == 21 * 7 + 8 * 7 + 4 * 5 + 8 * 14
+    with pytest.raises(MalformedMessageError) as e:
+        decode_messages([frame])
+    assert str(e.value) == ("schema version 6, this decoder reads version 7 "
+                            "(sender and receiver run different async-rl versions?)")

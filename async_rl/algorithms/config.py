@@ -98,6 +98,27 @@ class AlgorithmConfig:
     """IcePop band lower bound (> 0)."""
     icepop_high: float = 2.0
     """IcePop band upper bound (> icepop_low)."""
+    routing_replay: bool = False
+    """Rollout routing replay for a mixture-of-experts model (R3, Ma et al. 2025): the engine
+    records the experts each token was routed to, the trajectory carries them, and the learner's
+    forward passes (proximal, current, reference) use them, with gating weights from its own
+    router so the router still trains (``async_rl.utils.moe``). Metrics ``moe/router_agreement``
+    (without replay too: how often the learner's router picks what the engine's did) and
+    ``moe/load_*`` (FSDP2). Runs with the HF and vLLM engines, both learners, sync and async mode, single-turn
+    rollouts; SGLang and multi-turn rollouts are refused in one line until they record it."""
+    record_routing: bool = False
+    """Record the engine's routing of a mixture-of-experts model in every trajectory without
+    replaying it (``routing_replay`` records it too): the learner then reports
+    ``moe/router_agreement`` (how often its router picks the experts the engine picked), the
+    measure of what replay would change. Same engines and rollouts as ``routing_replay``."""
+    moe_aux_loss_coef: float = 0.0
+    """Weight of a mixture-of-experts policy's load-balancing loss in the training loss
+    (``async_rl.utils.moe.load_balancing_loss``, Switch Transformer eq. 4; averaged over MoE
+    layers, token-weighted over micro-batches; 0: off; metric ``moe/aux_loss`` either way).
+    Typical: 1e-3 (Qwen3-MoE's ``router_aux_loss_coef``)."""
+    moe_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (``async_rl.utils.moe.router_z_loss``, ST-MoE eq. 5; 0: off;
+    metric ``moe/z_loss`` either way). Typical: 1e-3."""
     bypass_proximal: bool | None = None
     """Use the behavior log-probs as proximal log-probs (skips the learner's recompute pass; the
     clip then bounds the update against the policy that sampled). ``None`` = on for one-step
@@ -163,6 +184,9 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.behavior_correction must be one of {BEHAVIOR_CORRECTIONS}, got {self.behavior_correction!r}")
         if not self.tis_cap > 0:
             raise ValueError(f"algorithm.tis_cap must be > 0, got {self.tis_cap}")
+        for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"algorithm.{key} must be >= 0, got {getattr(self, key)}")
         if not 0 < self.icepop_low < self.icepop_high:
             raise ValueError(f"algorithm.icepop_low/high must satisfy 0 < low < high, got {self.icepop_low}/{self.icepop_high}")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -240,6 +264,11 @@ class AlgorithmConfig:
                 not been applied.
         """
         return POLICY_LOSSES.get(self.require_resolved().policy_loss)
+
+    @property
+    def records_routing(self) -> bool:
+        """The engine records routing for the trajectories (``routing_replay`` or ``record_routing``)."""
+        return self.routing_replay or self.record_routing
 
     @property
     def needs_critic(self) -> bool:

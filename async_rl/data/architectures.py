@@ -41,6 +41,13 @@ ARCH_SPECS: dict[str, dict[str, Any]] = {
                     "query_pre_attn_scalar": 32, "sliding_window": 128, "tie_word_embeddings": True},
     "tiny-phi3": {"config": "Phi3Config", "model": "Phi3ForCausalLM", **_SHAPE, "tie_word_embeddings": False},
     "tiny-olmo2": {"config": "Olmo2Config", "model": "Olmo2ForCausalLM", **_SHAPE, "tie_word_embeddings": False},
+    # A mixture of experts: 8 routed experts a layer, 2 per token (top-k softmax routing,
+    # renormalised over the 2 as Qwen3-MoE does), each expert half the dense width, so a token's
+    # active MLP is as wide as the dense models'; 4 layers as tiny-qwen2, every one sparse.
+    "tiny-qwen3-moe": {"config": "Qwen3MoeConfig", "model": "Qwen3MoeForCausalLM", **_SHAPE, "head_dim": 32,
+                       "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                       "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False},
 }
 """``{builtin name: spec}``: the transformers config and model class names, the config fields,
 and ``seed`` (of the initialisation). Part of each artefact's cache key: a change rebuilds it."""

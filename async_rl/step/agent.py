@@ -226,6 +226,9 @@ class Conversation:
     num_tool_errors: int = 0
     finish_reason: str | None = None
     final_text: str = ""
+    routed_experts: Any = None
+    """The engine's routing of a one-turn rollout (``Sample.routed_experts``, cut to the tokens
+    kept: ``[P + R - 1, layers, k]`` int16), for routing replay; ``None`` otherwise."""
 
     def append(self, ids: list[int], logprobs: list[float], mask: int, versions: list[int]) -> None:
         """Extend the response; the four per-token lists stay aligned (checked)."""

@@ -286,6 +286,11 @@ class EpisodeLoop(EpisodeCounters):
         c.num_turns += 1
         ids = list(sample.response_ids)[:budget]
         c.append(ids, list(sample.logprobs)[:budget], 1, list(sample.policy_version)[:budget] or [0] * len(ids))
+        routed = getattr(sample, "routed_experts", None)
+        # Routing replay covers one-turn rollouts: a later turn's routing would cover its own
+        # context only, so a multi-turn episode carries none (and its batch is refused whole).
+        c.routed_experts = (routed[: len(c.prompt_ids) + len(ids) - 1]
+                            if routed is not None and c.num_turns == 1 else None)
         ended = bool(ids) and ids[-1] in self.stop_token_ids
         body = ids[:-1] if ended else ids
         text = self.tokenizer.decode(body, skip_special_tokens=True).strip()

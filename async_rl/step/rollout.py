@@ -27,7 +27,7 @@ from transformers import GenerationConfig
 
 from async_rl.step.agent import Conversation
 from async_rl.step.episodes import Episode
-from async_rl.buffers.trajectory import Trajectory
+from async_rl.buffers.trajectory import Trajectory, routed_experts_array
 from async_rl.generators.base import mix_seed
 from async_rl.rewards import RewardScorer
 from async_rl.rewards.registry import dispatch_by_source, resolve_reward_spec  # noqa: F401 (re-exported)
@@ -318,6 +318,12 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
         loss_mask=list(sample.loss_mask) if conversation else [1] * len(sample.response_ids),
         finish_reason=_FINISH_REASONS[sample.finish_reason],
         policy_version=list(sample.policy_version), reward=0.0, response_text=text)
+    routed = getattr(sample, "routed_experts", None)
+    if routed is not None:  # routing replay: one row per token the engine forwarded
+        traj.routed_experts = routed_experts_array(routed, traj.trajectory_id)
+        if traj.routed_experts.shape[0] != traj.num_tokens - 1:
+            raise ValueError(f"trajectory {traj.trajectory_id}: the engine recorded routing for "
+                             f"{traj.routed_experts.shape[0]} tokens, but it forwarded P + R - 1 = {traj.num_tokens - 1}")
     if conversation:
         traj.reward_extras = {"agent/turns": float(sample.num_turns), "agent/tool_calls": float(sample.num_tool_calls),
                               "agent/tool_errors": float(sample.num_tool_errors),

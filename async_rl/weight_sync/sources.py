@@ -19,18 +19,24 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 class ModuleWeights:
     """A plain ``nn.Module`` as the source of a ``WeightPublisher`` (what a learner provides:
     ``named_weights``, ``weight_metadata``, ``weight_aliases``); for tools, benchmarks and tests
-    that push a Hugging Face model's weights without a learner."""
+    that push a Hugging Face model's weights without a learner. Parameters transformers keeps in
+    another layout than the checkpoint's (stacked experts) go under their checkpoint names
+    (``async_rl.weight_sync.layout``), as a learner sends them."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from async_rl.weight_sync.layout import CheckpointLayout
+
         self.model = model
+        self.layout = CheckpointLayout(model)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` of every parameter, tied ones once."""
-        return ((n, p.detach()) for n, p in self.model.named_parameters())
+        """``(checkpoint name, tensor)`` of every parameter, tied ones once."""
+        return (item for n, p in self.model.named_parameters() for item in self.layout.split(n, p.detach()))
 
     def weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, shape)`` in ``named_weights`` order."""
-        return [(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+        return [meta for n, p in self.model.named_parameters()
+                for meta in self.layout.split_metadata(n, p.dtype, tuple(p.shape))]
 
     def weight_aliases(self) -> dict[str, str]:
         """``tied_aliases(model)``."""

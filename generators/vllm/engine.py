@@ -26,6 +26,15 @@ decodes.
   a large model does not fit beside its KV cache), so the engine then aborts the requests the
   update froze and refuses to sample until a complete update succeeds
   (``async_rl.weight_sync``'s *All or nothing*).
+* **Routed experts** (``SamplingParams.return_routed_experts``, a mixture-of-experts model):
+  vLLM's own ``enable_return_routed_experts`` does not run on its CPU build (it needs Model
+  Runner V2, which needs Triton: ``vllm/config/vllm.py`` ``_verify_aux_output_compatibility``
+  and ``use_v2_model_runner``; the V1 runner the CPU build uses has no auxiliary-output path),
+  so our worker records them itself (``async_rl.generators.vllm.worker.RoutingRecorder``: the
+  ids each MoE layer's router returns, stored by token position). Such a request never reads
+  the prefix cache (a cached prompt token is never forwarded, so it would have no routing) and
+  is taken back from the worker by one RPC when it ends; the sample's ``routed_experts`` is
+  int16 ``[P + R - 1, num_moe_layers, top_k]``. Needs ``vllm.enforce_eager`` (the default).
 * **Prefix cache**: each request carries ``cache_salt = "v<version>.<loads>"`` (``loads``: complete
   updates so far, since a version can be pushed twice with different weights: the warm start's
   weights go out as version 0 again), so no request ever hits a block computed under older weights (in ``keep`` mode a frozen request keeps its own KV: that is
@@ -56,6 +65,7 @@ import time
 import uuid
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, check_request, mix_seed, row_seeds,
@@ -127,6 +137,8 @@ class VLLMGenerator:
         self._unusable: str | None = None
         """Why the engine refuses to sample (an update failed after its first loaded byte), or None."""
         self._tied: bool | None = None
+        self._routing: asyncio.Future | None = None
+        """The workers' ``async_rl_record_routing`` call, made by the first request asking for routed experts."""
         self._own_publisher = None
         """``update_weights``'s one-target publisher (made on first use)."""
         self._connected_to: str | None = None
@@ -256,11 +268,15 @@ class VLLMGenerator:
 
         ``on_sample`` is called from the engine's loop thread as each sample finishes.
 
+        With ``params.return_routed_experts`` each sample's ``routed_experts`` holds the experts
+        its forwarded tokens were routed to (module docstring, *Routed experts*).
+
         Raises:
-            ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
+            ValueError: ``n < 1``, no stop token ids, ``seeds`` of the wrong length, or routed
+                experts asked of an engine that cannot record them (a dense model, a compiled one).
             RuntimeError: the engine is unusable: a weight update failed after its first byte
                 reached the model (before this call, or during it: its requests are aborted),
-                until a complete update succeeds.
+                until a complete update succeeds; or a sample's routing came back incomplete.
         """
         check_request(n, params)
         self._check_usable()
@@ -272,14 +288,24 @@ class VLLMGenerator:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
+        from async_rl.generators.vllm.worker import ROUTING_KEY
+
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         tops: list[list[tuple[int, float]]] = []
+        routed = None
         cached = 0
+        if params.return_routed_experts:
+            await self._start_routing()
         while True:
             await self._resumed.wait()
             self._check_usable()
+            request_id = uuid.uuid4().hex
+            # Routing is recorded as tokens are forwarded: a prompt read from the prefix cache would
+            # have none, so such a request computes its whole prompt (and still fills the cache).
+            routing = {"extra_args": {ROUTING_KEY: request_id}, "skip_reading_prefix_cache": True} \
+                if params.return_routed_experts else {}
             # A re-issued (aborted) sample cannot continue its old RNG stream: derive a new one.
             # Final-only output (AsyncLLM's default is cumulative): one output per request, none per
             # step; flat log-probs: plain float lists, no per-token dicts. Per-token versions come
@@ -289,13 +315,13 @@ class VLLMGenerator:
                      max_tokens=params.max_tokens - len(tokens), seed=mix_seed(seed, len(tokens)) if tokens else seed,
                      stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
                      detokenize=False,
-                     skip_special_tokens=False, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
+                     skip_special_tokens=False, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
+                     **routing)
             # Rendered here as vLLM asks (a raw prompt dict is deprecated and logs a warning per engine).
             (request,) = self.engine.renderer.render_cmpl(
                 [{"prompt_token_ids": prompt + tokens, "cache_salt": self._cache_salt()}])
             pauses_at_start = self._update_pauses
             final = None
-            request_id = uuid.uuid4().hex
             self._active += 1
             self._requests.add(request_id)
             try:
@@ -305,11 +331,19 @@ class VLLMGenerator:
             finally:
                 self._active -= 1
                 self._requests.discard(request_id)
+            if routing:
+                # Taken whether the request finished or was aborted, so the worker keeps nothing of it.
+                rows = (await self.engine.collective_rpc("async_rl_take_routing", args=(request_id,)))[0]
             finish = None
             if final is not None:
                 c = final.outputs[0]
                 finish = c.finish_reason
                 new = list(c.token_ids)
+                if routing and finish in ("stop", "length"):
+                    # This request forwarded its whole prompt (earlier partial tokens included) and
+                    # all but its last sampled token: it alone covers the sample. (An aborted one
+                    # is re-issued and may never have been forwarded at all.)
+                    routed = _routed_rows(rows, len(prompt) + len(tokens) + len(new) - 1)
                 tokens += new
                 logprobs += _sampled_logprobs(c.logprobs, new)
                 if params.top_logprobs:
@@ -326,7 +360,21 @@ class VLLMGenerator:
                 raise RuntimeError(f"vLLM request ended with finish reason {finish!r}")
             self.num_cached_prompt_tokens += cached
             return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions,
-                          top_logprobs=tops)
+                          top_logprobs=tops, routed_experts=routed)
+
+    async def _start_routing(self) -> None:
+        # Once per engine: the workers wrap their MoE routers (``RoutingRecorder``); concurrent
+        # first requests share one call.
+        if self._routing is None:
+            self._routing = asyncio.ensure_future(self.engine.collective_rpc("async_rl_record_routing"))
+        try:
+            answers = await asyncio.shield(self._routing)
+        except Exception:
+            self._routing = None
+            raise
+        refused = next((a for a in answers if isinstance(a, str)), None)
+        if refused is not None:
+            raise ValueError(f"vLLM engine cannot return routed experts for {self.model_path}: {refused}")
 
     # ------------------------------------------------------------------ weights
     def connect_weight_sync(self, init_info: dict[str, Any], rank: int) -> None:
@@ -513,6 +561,14 @@ class VLLMGenerator:
             return self._call(self.engine.collective_rpc("async_rl_lora_names", args=(self.lora,)))[0], {}, {}
         return self._call(self.engine.collective_rpc("async_rl_weight_names"))[0]
 
+    def expert_names(self) -> dict[str, tuple[str, str]]:
+        """``{per-expert HF name: (engine stack parameter, shard)}`` of the served model's
+        mixture-of-experts layers (``async_rl.generators.vllm.worker.engine_expert_names``; ``{}``
+        for a dense model): with ``weight_names``, what ``weight_sync.map_to_engine`` needs to map
+        an update of per-expert names (``model.layers.0.mlp.experts.3.gate_proj.weight``)."""
+        table = self._call(self.engine.collective_rpc("async_rl_expert_names"))[0]
+        return {hf: (stack, shard) for hf, (stack, shard) in table.items()}  # the RPC turns tuples into lists
+
 
 def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
     """Behavior log-prob of each sampled token (float, nats), from a final output's ``logprobs``
@@ -530,6 +586,24 @@ def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
     if len(flat) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(flat)} log-probs for {len(token_ids)} sampled tokens")
     return list(flat)
+
+
+def _routed_rows(taken, num_rows: int) -> np.ndarray:
+    """``Sample.routed_experts`` from a worker's ``RoutingRecorder.take``: int16 ``[num_rows,
+    num_moe_layers, top_k]``, one row per forwarded token position (``num_rows`` = the request's
+    prompt length plus its sampled tokens, minus one: the last sampled token is never forwarded).
+
+    Raises:
+        RuntimeError: nothing recorded, positions never forwarded (a prompt read from the prefix
+            cache), or another number of rows than ``num_rows``.
+    """
+    if taken is None:
+        raise RuntimeError("vLLM worker recorded no routed experts for the request")
+    data, shape, gaps = taken
+    if gaps or shape[0] != num_rows:
+        raise RuntimeError(f"vLLM worker recorded routed experts for {shape[0] - gaps} of {num_rows} forwarded "
+                           f"token positions")
+    return np.frombuffer(data, dtype=np.int16).reshape(shape).copy()
 
 
 def _top_logprobs(logprobs, num_tokens: int) -> list[list[tuple[int, float]]]:

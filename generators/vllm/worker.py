@@ -28,6 +28,14 @@ update session ends) and reports whether any bucket had reached the model; the g
 refuses to sample until a complete update (``async_rl.generators.vllm``, ``async_rl.weight_sync``'s *All
 or nothing*).
 
+**Mixture of experts**: an update carries each expert's projections under the checkpoint's names
+(``mlp.experts.3.gate_proj.weight``); ``engine_expert_names`` maps them onto vLLM's stacked
+``routed_experts.w13_weight``/``w2_weight`` by inverting vLLM's own expert mapping, and the check
+refuses an update that leaves any expert of a stack out. The CPU build's expert kernel reads a
+prepacked layout vLLM does not rebuild on a weight update; ``_repack_cpu_experts_on_update``
+rebuilds it. ``RoutingRecorder`` records the experts each token was routed to (vLLM's own
+option does not run on the CPU build).
+
 Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact there); only the
 plan (names, dtypes, shapes, offsets) does.
 
@@ -52,6 +60,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -107,6 +116,84 @@ def engine_weight_names(model) -> tuple[list[str], dict[str, list[str]], dict[st
     return names, packed, tied
 
 
+def _routed_experts_modules(model) -> list[tuple[str, Any]]:
+    # ``(module path, RoutedExperts)`` of every expert stack, in model order. vLLM 0.32 keeps every
+    # fused-MoE layer's expert weights in a ``RoutedExperts`` module (``w13_weight``/``w2_weight``
+    # and, for some models, biases and scales); an older vLLM without it has no stacks found here.
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    except ImportError:
+        return []
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
+
+
+def _stack_leaves(module) -> list[str]:
+    # The stack parameters of a RoutedExperts module the expert mapping can load (``w13_weight``,
+    # ``w2_weight``, ``w13_bias``...): ``param_name`` of vLLM's mapping is ``experts.w13_``/``experts.w2_``.
+    return [n for n, _ in module.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]
+
+
+def engine_expert_names(model) -> dict[str, tuple[str, str]]:
+    """``{per-expert HF name: (engine stack parameter, shard)}`` of every expert of every
+    mixture-of-experts layer of a vLLM model (``{}`` for a dense model): the names an update
+    carries for its experts and the fused parameter each loads into, for ``check_update``.
+
+    An update sends each expert's projections under the checkpoint's names
+    (``model.layers.0.mlp.experts.3.gate_proj.weight`` ``[I, H]``, ``up_proj`` ``[I, H]``,
+    ``down_proj`` ``[H, I]``); vLLM stacks them into ``...mlp.experts.routed_experts.w13_weight``
+    ``[E, 2I, H]`` (gate and up) and ``w2_weight`` ``[E, H, I]``. The table is the inverse of the
+    mapping vLLM's own loader applies (``RoutedExperts.get_expert_mapping()``:
+    ``(param_name, weight_name, expert_id, shard_id)``, ``qual_name.replace(weight_name,
+    param_name)``), so it names exactly what ``load_weights`` accepts; the shard is the expert's
+    part, ``"experts.3.gate_proj"``. Stacked checkpoint layouts (transformers 5's
+    ``experts.gate_up_proj`` ``[E, 2I, H]``) are not in it: the wire carries per-expert tensors.
+    Read it before any reload (a reload swaps parameters for meta tensors; names survive).
+    """
+    table: dict[str, tuple[str, str]] = {}
+    for path, module in _routed_experts_modules(model):
+        runner_path = path.rpartition(".")[0]
+        layer = getattr(module, "layer_name", runner_path)
+        mapping = module.get_expert_mapping()
+        for leaf in _stack_leaves(module):
+            qual = f"{layer}.{leaf}"
+            for param_name, weight_name, _, _ in mapping:
+                # ``param_name`` is the stack's name inside the layer (``experts.w13_``), ``weight_name``
+                # the checkpoint's (``experts.3.gate_proj.``): vLLM maps the latter onto the former.
+                # Only per-expert entries (an expert id after ``experts.``) are taken.
+                if param_name not in qual or not weight_name.partition(".")[2].partition(".")[0].isdigit():
+                    continue
+                hf_in_layer = qual.replace(param_name, weight_name)
+                if not hf_in_layer.startswith(layer + "."):
+                    continue
+                hf = f"{runner_path}.{hf_in_layer.removeprefix(layer + '.')}" if runner_path else \
+                    hf_in_layer.removeprefix(layer + ".")
+                table.setdefault(hf, (f"{path}.{leaf}", weight_name.rstrip(".")))
+    return table
+
+
+def _expert_specs(model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    # Full (unsharded, unpadded) shapes of each expert's projections, from the layer's MoE config:
+    # the stack itself is sharded by tensor parallelism, padded and repacked by the CPU kernels.
+    specs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    table = engine_expert_names(model)
+    by_stack: dict[str, Any] = {f"{path}.{leaf}": (m, leaf) for path, m in _routed_experts_modules(model)
+                                for leaf in _stack_leaves(m)}
+    for hf, (stack, _) in table.items():
+        module, leaf = by_stack[stack]
+        cfg = module.moe_config
+        hidden = int(getattr(cfg, "hidden_dim_unpadded", None) or cfg.hidden_dim)
+        inter = int(cfg.intermediate_size)
+        down = leaf.startswith("w2_")
+        if leaf.endswith("_weight"):
+            shape = (hidden, inter) if down else (inter, hidden)
+        elif leaf.endswith("_bias"):
+            shape = (hidden,) if down else (inter,)
+        else:
+            continue  # quantization scales: no per-expert shape rule here, no shape check
+        specs[hf] = (dtype_name(getattr(module, leaf).dtype), shape)
+    return specs
+
+
 def _hf_output_sizes(module) -> list[int] | None:
     # Full (unsharded) output size of each HF projection a fused linear holds, in packed order.
     # vLLM's layer classes (QKVParallelLinear, MergedColumnParallelLinear...) differ by model and
@@ -128,12 +215,17 @@ def engine_weight_specs(model) -> dict[str, tuple[str, tuple[int, ...]]]:
     of linear layers, ``org_vocab_size``/``embedding_dim`` of vocabulary embeddings), never from
     the parameters themselves: tensor parallelism shards them, the vocabulary is padded, and the
     CPU build repacks linear weights into oneDNN kernels (their parameters then have shape
-    ``[0]``). Other parameters (norms) are replicated and keep their checkpoint shape. Read it
-    before any reload (a reload swaps parameters for meta tensors).
+    ``[0]``). Each expert of a mixture-of-experts stack gets its own projections' shapes
+    (``engine_expert_names``; ``gate_proj``/``up_proj`` ``[I, H]``, ``down_proj`` ``[H, I]``, from
+    the layer's ``moe_config``). Other parameters (norms) are replicated and keep their
+    checkpoint shape. Read it before any reload (a reload swaps parameters for meta tensors).
     """
     _, packed, tied = engine_weight_names(model)
     specs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    stacks = {e for e, _ in engine_expert_names(model).values()}
     for name, p in model.named_parameters():
+        if name in stacks:
+            continue  # an expert stack: each expert's projections get their own specs, below
         module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         # An engine serving LoRA wraps each linear (``qkv_proj.base_layer.weight``): its base
         # weights keep their HF names (the adapters' shapes derive from them, ``adapter_specs``).
@@ -155,6 +247,7 @@ def engine_weight_specs(model) -> dict[str, tuple[str, tuple[int, ...]]]:
             specs[hf_name] = (dtype, full)
         else:
             specs[hf_name] = (dtype, tuple(p.shape))
+    specs.update(_expert_specs(model))
     for alias, target in tied.items():
         if target in specs:
             specs[alias] = specs[target]
@@ -194,6 +287,8 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         self.receiver: WeightReceiver | None = None
         # Read before any reload (a reload swaps parameters for meta tensors).
         self.names, self.packed, self.tied = engine_weight_names(self.model)
+        self.experts = engine_expert_names(self.model)
+        """Per-expert HF names of the model's expert stacks (``{}`` for a dense model)."""
         self.specs = engine_weight_specs(self.model)
         self.unloaded = unloaded_aliases(self.model, self.tied)
         """Tied aliases the check accepts but ``load_weights`` cannot take (vLLM's Gemma2 head)."""
@@ -202,6 +297,8 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         self.metrics: dict[str, float] = {}
         """Phase seconds of the last update (``AsyncRLWorkerExtension.async_rl_update_metrics``)."""
         self._process_s = [0.0]
+        self.repacked = _repack_cpu_experts_on_update(self.model)
+        """Expert stacks whose CPU kernel layout a reload now rebuilds (``_repack_cpu_experts_on_update``)."""
         _time_processing(self.model, self._process_s)
         self._views = _reload_internals()
         """Load straight from the bucket's views (``own_pending`` then copies what the reload keeps),
@@ -215,11 +312,11 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
 
     def check(self, plan: UpdatePlan) -> None:
         """Raise unless ``plan`` loads whole into this model (``check_update``: names, coverage,
-        full shapes, dtypes, tied aliases), and carries the tied head (vLLM's CPU build keeps the
-        old head otherwise, with only a log warning)."""
+        full shapes, dtypes, tied aliases, every expert of every expert stack), and carries the
+        tied head (vLLM's CPU build keeps the old head otherwise, with only a log warning)."""
         metas = [m for b in plan.buckets for m in b]
         check_update([(m.name, m.dtype, m.shape, m.alias_of) for m in metas], self.names, self.packed, self.tied,
-                     self.specs)
+                     self.specs, self.experts)
         names = {m.name for m in metas}
         missing_alias = [n for n in self.tied if n not in names]
         if missing_alias:
@@ -349,6 +446,45 @@ def _reload_internals() -> bool:
                                                                              "__dataclass_fields__", {})
 
 
+def _repack_cpu_experts_on_update(model) -> int:
+    """Make a weight update rebuild the CPU build's expert-kernel layout; returns the stacks concerned.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod._setup_kernel``
+    (``vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py``, lines 187-205)
+    treats any call after the first as a weight update: it copies the new ``w13_weight`` and
+    ``w2_weight`` into the existing parameters and skips ``fused_experts.
+    process_weights_after_loading``, which on CPU (``CPUUnquantizedExperts``,
+    ``experts/cpu_moe.py`` lines 208-217) pads and prepacks the stacks into the grouped-GEMM
+    layout the kernel reads. The layerwise reload then copies the unpacked values over the packed
+    ones: measured, an update of a tiny Qwen3-MoE "succeeded" yet generated other tokens than a
+    fresh engine on the same weights, and pushing the original weights back did not restore it.
+    Wrapped here (an instance attribute over the bound method, like ``_time_processing``): after
+    a reprocess, the stacks are prepacked again, so the reload copies the packed layout back.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return 0
+    count = 0
+    for _, module in _routed_experts_modules(model):
+        method = module.quant_method
+        kernel = getattr(method, "moe_kernel", None)
+        if type(method).__name__ != "UnquantizedFusedMoEMethod" or \
+                not isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            continue
+        inner = method.process_weights_after_loading
+
+        def repacking(layer, _inner=inner, _method=method):
+            out = _inner(layer)
+            # Always an update here: the first processing ran when the engine loaded the model.
+            _method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+            return out
+
+        method.process_weights_after_loading = repacking
+        count += 1
+    return count
+
+
 def _time_processing(model, total: list[float]) -> None:
     # Each layer's quant method re-processes its weights after a (re)load (the CPU build packs
     # linears into oneDNN kernels): time it, as an instance attribute over the bound method
@@ -371,6 +507,136 @@ def _time_processing(model, total: list[float]) -> None:
         method.process_weights_after_loading = timed
 
 
+ROUTING_KEY = "async_rl_routing"
+"""``SamplingParams.extra_args`` key by which a request asks our worker to record the experts its
+tokens are routed to; its value is the id the rows are kept under (``RoutingRecorder.take``)."""
+
+
+class RoutingRecorder:
+    """Records, for the requests that ask for it, the experts every forwarded token was routed to,
+    inside a vLLM worker of the CPU build (whose model runner cannot return them; see
+    ``async_rl.generators.vllm.engine``'s *Routed experts*).
+
+    Each mixture-of-experts layer's router (``MoERunner.router``, a vLLM ``BaseRouter``) gets its
+    ``_compute_routing`` wrapped (an instance attribute over the bound method): while a step
+    forwards a recorded request, the ``top_k`` expert ids it returns (logical ids, before any
+    expert-parallel placement) are kept, each row ordered by routing weight, highest first. The
+    model runner's ``_model_forward`` is wrapped too: it knows the step's batch (``input_batch``
+    order, ``query_start_loc``) and the ``positions`` passed to the model, so each request's rows
+    are stored at their token positions (a recomputed token overwrites its row). A request asks
+    by ``extra_args[ROUTING_KEY] = key``; it must not read the prefix cache
+    (``skip_reading_prefix_cache``): cached prompt tokens are never forwarded, so their routing
+    would be missing (``take`` reports the gap).
+
+    Args:
+        model_runner: the worker's V1 model runner (``GPUModelRunner`` or the CPU build's subclass).
+        max_kept: requests whose rows are kept until taken; beyond it the oldest are dropped (a
+            caller that never takes cannot grow memory without bound).
+
+    Raises:
+        ValueError: the model has no mixture-of-experts layer, a layer's experts route inside a
+            monolithic kernel (no router to wrap), or the model is compiled (``enforce_eager``
+            off: the wrappers would be traced, not run).
+    """
+
+    def __init__(self, model_runner, max_kept: int = 4096) -> None:
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        if not getattr(model_runner.model_config, "enforce_eager", False):
+            raise ValueError("recording routed experts needs an eager model (generator.vllm.enforce_eager: true): "
+                             "under torch.compile the router wrappers would be traced instead of run")
+        model = model_runner.get_model()
+        self.layers = [m for m in model.modules() if isinstance(m, MoERunner)]
+        if not self.layers:
+            raise ValueError(f"{type(model).__name__} has no mixture-of-experts layer: no routed experts to return")
+        for m in self.layers:
+            if m.is_monolithic or not hasattr(m.router, "_compute_routing"):
+                raise ValueError(f"MoE layer {m.layer_name} routes inside its kernel ({type(m.router).__name__}, "
+                                 f"monolithic={m.is_monolithic}): its routed experts cannot be recorded")
+        self.top_k = int(self.layers[0].router.top_k)
+        self.runner = model_runner
+        self.max_kept = max_kept
+        self.kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        """``{key: (rows [capacity, num_layers, top_k] int16, recorded [capacity] bool)}``."""
+        self._step: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._active = False
+        for i, m in enumerate(self.layers):
+            m.router._compute_routing = self._wrap_routing(m.router._compute_routing, i)
+        self._inner_forward = model_runner._model_forward
+        model_runner._model_forward = self._forward
+
+    def _wrap_routing(self, inner, index: int):
+        def routing(*args, **kwargs):
+            weights, ids = inner(*args, **kwargs)
+            if self._active:
+                order = torch.argsort(weights, dim=-1, descending=True, stable=True)
+                self._step[index] = torch.gather(ids, 1, order).to(torch.int16)
+            return weights, ids
+
+        return routing
+
+    def _recorded_requests(self) -> list[tuple[int, str]]:
+        # ``(index in the step's batch, key)`` of the batch's requests that asked to be recorded.
+        batch = self.runner.input_batch
+        out = []
+        for i, req_id in enumerate(batch.req_ids[: batch.num_reqs]):
+            state = self.runner.requests.get(req_id)
+            extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
+            if ROUTING_KEY in extra:
+                out.append((i, str(extra[ROUTING_KEY])))
+        return out
+
+    def _forward(self, *args, **kwargs):
+        recorded = self._recorded_requests()
+        if not recorded:
+            return self._inner_forward(*args, **kwargs)
+        self._step = [None] * len(self.layers)
+        self._active = True
+        try:
+            out = self._inner_forward(*args, **kwargs)
+        finally:
+            self._active = False
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        if positions.dim() != 1:
+            raise RuntimeError("recording routed experts: multi-dimensional positions (M-RoPE) are not supported")
+        missing = [m.layer_name for m, t in zip(self.layers, self._step) if t is None]
+        if missing:
+            raise RuntimeError(f"recording routed experts: layers {missing} routed no tokens in this step")
+        step = torch.stack(self._step, dim=1).cpu().numpy()  # [step tokens (padded), num_layers, top_k]
+        starts = self.runner.query_start_loc.np
+        pos = positions.cpu().numpy()
+        for i, key in recorded:
+            a, b = int(starts[i]), int(starts[i + 1])
+            self._store(key, pos[a:b], step[a:b])
+        return out
+
+    def _store(self, key: str, positions: np.ndarray, rows: np.ndarray) -> None:
+        need = int(positions.max()) + 1 if len(positions) else 0
+        rec = self.kept.get(key)
+        if rec is None or len(rec[1]) < need:
+            cap = max(need, 64, 2 * (len(rec[1]) if rec else 0))
+            grown = (np.zeros((cap, len(self.layers), self.top_k), np.int16), np.zeros(cap, bool))
+            if rec is not None:
+                grown[0][: len(rec[1])], grown[1][: len(rec[1])] = rec
+            rec = self.kept[key] = grown
+            while len(self.kept) > self.max_kept:
+                self.kept.pop(next(iter(self.kept)))
+        rec[0][positions] = rows
+        rec[1][positions] = True
+
+    def take(self, key: str) -> tuple[bytes, tuple[int, int, int], int] | None:
+        """Remove and return what was recorded under ``key``: ``(bytes of int16 [n, num_layers,
+        top_k], shape, positions below n never forwarded)``, ``n`` being one past the last
+        position recorded; ``None`` if nothing was (or it was dropped, ``max_kept``). Raw bytes:
+        ``collective_rpc`` results cross a process boundary."""
+        rec = self.kept.pop(key, None)
+        if rec is None:
+            return None
+        rows, recorded = rec
+        n = int(np.flatnonzero(recorded)[-1]) + 1 if recorded.any() else 0
+        return rows[:n].tobytes(), (n, len(self.layers), self.top_k), int((~recorded[:n]).sum())
+
+
 def lora_request():
     """The ``LoRARequest`` of the policy's adapter (``LORA_ID``), attached to every request."""
     from vllm.lora.request import LoRARequest
@@ -384,6 +650,29 @@ class AsyncRLWorkerExtension:
     def async_rl_weight_names(self) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
         """``engine_weight_names`` of the served model (for the name-mapping check)."""
         return engine_weight_names(self.model_runner.get_model())
+
+    def async_rl_record_routing(self) -> tuple[int, int] | str:
+        """Start recording routed experts for the requests that ask (``RoutingRecorder``; once,
+        later calls return at once); returns ``(num_moe_layers, top_k)``, or why it cannot (the
+        ``RoutingRecorder`` error: no MoE layer, a monolithic kernel, a compiled model) as a
+        string: raised here, vLLM's engine core would log the refusal as a worker failure with
+        its traceback."""
+        rec = getattr(self, "_async_rl_routing", None)
+        if rec is None:
+            try:
+                rec = self._async_rl_routing = RoutingRecorder(self.model_runner)
+            except ValueError as e:
+                return str(e)
+        return len(rec.layers), rec.top_k
+
+    def async_rl_take_routing(self, key: str) -> tuple[bytes, tuple[int, int, int], int] | None:
+        """``RoutingRecorder.take(key)`` (``None`` if recording never started)."""
+        rec = getattr(self, "_async_rl_routing", None)
+        return None if rec is None else rec.take(key)
+
+    def async_rl_expert_names(self) -> dict[str, tuple[str, str]]:
+        """``engine_expert_names`` of the served model (``{}`` for a dense model)."""
+        return engine_expert_names(self.model_runner.get_model())
 
     def async_rl_lora_names(self, lora: dict[str, Any]) -> list[str]:
         """The adapter names an update must carry for LoRA settings ``lora`` (``async_rl.utils.lora.spec``):

@@ -2,8 +2,9 @@
 tensor and pipeline parallelism, behind the learner protocol.
 
 - ``async_rl.learners.megatron.learner``: ``MegatronLearner``, the policy learner;
-- ``async_rl.learners.megatron.model``: Hugging Face Qwen2 / Llama models as ``GPTModel``s and
-  their weights both ways;
+- ``async_rl.learners.megatron.model``: Hugging Face Qwen2 / Llama / Qwen3 / Qwen3-MoE models as
+  ``GPTModel``s and their weights both ways (MoE experts and routers included);
+- ``async_rl.learners.megatron.routing``: routing replay (R3) and routing records for MoE layers;
 - ``async_rl.learners.megatron.critic``: the PPO critic on the same layout;
 - ``async_rl.learners.megatron.ops``: the tensor-parallel step pieces both share;
 - ``async_rl.learners.megatron.pipeline``: pipeline stages joined by sends inside autograd;

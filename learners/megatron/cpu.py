@@ -20,6 +20,22 @@ or insufficient):
    group; ``cpu_model_construction`` makes ``Tensor.cuda`` return the tensor itself while the
    model is built (only without CUDA, only inside the ``with`` block).
 
+5. Mixture-of-experts layers with the ``alltoall`` token dispatcher: ``MoEAlltoAllTokenDispatcher``
+   makes a ``torch.cuda.Stream()`` in ``__init__`` (class attribute ``cuda_dtoh_stream``;
+   ``transformer/moe/token_dispatcher.py:444-445`` in megatron-core 0.16.1) and, in every
+   forward, copies its split sizes to the host on that stream and waits on a CUDA event
+   (``_maybe_dtoh_and_synchronize``, same file, lines 862-900). ``cpu_moe_construction`` gives
+   the class a stand-in stream while the model is built (only without CUDA) and
+   ``cpu_moe_dispatchers`` replaces that method, per dispatcher instance, with one that does
+   what it does to tensors already on the host: nothing.
+
+6. Not a CPU matter but one of every machine without TransformerEngine: megatron-core 0.16.1's
+   ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` and the ``fused_*`` MoE kernels
+   only inside ``try: import transformer_engine`` (lines 22-39) and leaves the names undefined
+   when that fails, yet the router's ``RouterGatingLinearFunction.forward`` tests
+   ``te_general_gemm is not None`` (line 1192): every MoE forward raises ``NameError``.
+   ``define_missing_te_names`` sets the missing names to ``None`` (what the guard expects).
+
 megatron's pipeline schedules (``get_forward_backward_func()``) cannot run on CPU at all: they
 allocate ``torch.zeros([], device="cuda")`` for the token count before anything else. A CPU
 learner runs the stages itself (send/recv of the hidden states ``[s, b, h]``).
@@ -93,6 +109,88 @@ def cpu_model_construction() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.cuda = original
+
+
+class _HostStream:
+    """Stands in for the ``torch.cuda.Stream`` megatron's alltoall dispatcher keeps (adjustment 5);
+    never used as a stream: ``cpu_moe_dispatchers`` removes every use of it."""
+
+
+@contextlib.contextmanager
+def cpu_moe_construction() -> Iterator[None]:
+    """Within the block, building an alltoall-dispatcher MoE layer does not create a CUDA stream
+    (only without CUDA; adjustment 5). Wrap ``GPTModel(...)`` and call ``cpu_moe_dispatchers`` on
+    the model afterwards. Not thread-safe: it sets a class attribute of megatron's dispatcher for
+    the duration of the block (restored after)."""
+    if not cpu_adjustments_needed():
+        yield
+        return
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    saved = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+    if saved is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HostStream()
+    try:
+        yield
+    finally:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = saved
+
+
+def _host_dtoh_and_synchronize(dispatcher, point: str, tokens_per_expert: torch.Tensor | None = None,
+                               ) -> torch.Tensor | None:
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` for tensors already on the host.
+
+    On CUDA that method copies the split sizes to the host on a side stream at
+    ``cuda_dtoh_point``, turning ``input_splits``, ``output_splits`` and ``output_splits_tp`` into
+    numpy arrays (``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which leaves a CPU tensor as it
+    is), and waits on an event at ``cuda_sync_point``. Here the same conversion is done without a
+    stream; the three must be numpy arrays (or lists) because ``all_to_all_single`` takes its split
+    sizes as a sequence of ints, not a tensor (a CPU tensor there raises ``TypeError``).
+    """
+    if not dispatcher.drop_and_pad and point == dispatcher.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(dispatcher, name, None)
+            if isinstance(value, torch.Tensor):
+                setattr(dispatcher, name, value.numpy())
+    return tokens_per_expert
+
+
+def cpu_moe_dispatchers(model: torch.nn.Module) -> int:
+    """Make every alltoall token dispatcher in ``model`` run without CUDA streams (adjustment 5).
+
+    Only without CUDA; the override is an attribute of each dispatcher instance, so models built
+    elsewhere in the process and the class itself are untouched. Returns how many dispatchers were
+    adjusted (0 with CUDA or for a dense model).
+    """
+    import functools
+
+    if not cpu_adjustments_needed():
+        return 0
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    count = 0
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
+            dispatcher._maybe_dtoh_and_synchronize = functools.partial(_host_dtoh_and_synchronize, dispatcher)
+            count += 1
+    return count
+
+
+_TE_MOE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm")
+
+
+def define_missing_te_names() -> list[str]:
+    """Set the TransformerEngine names megatron's ``moe_utils`` leaves undefined without TE to
+    ``None`` (adjustment 6; idempotent; names TE did define are untouched). Returns the names set."""
+    from megatron.core.transformer.moe import moe_utils
+
+    missing = [name for name in _TE_MOE_NAMES if not hasattr(moe_utils, name)]
+    for name in missing:
+        setattr(moe_utils, name, None)
+    return missing
 
 
 def seed_model_parallel(seed: int, device: torch.device) -> None:

@@ -55,8 +55,10 @@ from async_rl.learners.core import LearnerCore
 from async_rl.learners.megatron.critic import MegatronCritic
 from async_rl.learners.megatron.ops import model_inputs, model_parallel_step, vocab_parallel_logprobs
 from async_rl.learners.megatron.pipeline import stage_forward
-from async_rl.learners.megatron.model import (build_model, hf_weight_metadata, init_model_parallel, load_hf_checkpoint,
-                                              load_hf_weights, named_hf_weights, transformer_config)
+from async_rl.learners.megatron.routing import routing_replay
+from async_rl.learners.megatron.model import (build_model, fuse_expert_weights, hf_weight_metadata,
+                                              init_model_parallel, is_moe, load_hf_checkpoint, load_hf_weights,
+                                              named_hf_weights, train_routers_only, transformer_config)
 from async_rl.learners.spmd import collective
 
 logger = logging.getLogger(__name__)
@@ -65,16 +67,22 @@ logger = logging.getLogger(__name__)
 class MegatronLearner(LearnerCore):
     """Policy learner on megatron-core (``learner.backend=megatron``).
 
+    Mixture of experts (Qwen3-MoE): megatron-core ``MoELayer``s with ``SequentialMLP`` experts,
+    ``learner.megatron.expert_parallel_size`` ways expert parallel (carved out of the
+    data-parallel ranks) with ``learner.megatron.moe_token_dispatcher``; megatron-core's
+    auxiliary and z-losses stay off (``algorithm.moe_aux_loss_coef`` / ``moe_z_loss_coef`` are
+    refused for this learner until their scaling is checked against the FSDP2 learner's).
+
     Args:
         cfg: learner settings (``cfg.megatron``: parallel sizes).
         algo: algorithm settings, presets applied (as for ``FSDPLearner``).
-        model_path: Hugging Face directory of a Qwen2 or Llama causal LM to start from.
+        model_path: Hugging Face directory of a Qwen2, Llama, Qwen3 or Qwen3-MoE causal LM to start from.
         temperature: the generator's sampling temperature (log-probs and entropy use it).
         total_optimizer_steps: for the LR schedule.
 
     Raises:
-        ValueError: an architecture other than Qwen2/Llama, parallel sizes that do not divide the
-            world, the heads or the layers; the checkpoint lacks a weight.
+        ValueError: an architecture other than Qwen2/Llama/Qwen3/Qwen3-MoE, parallel sizes that do
+            not divide the world, the heads, the layers or the experts; the checkpoint lacks a weight.
     """
 
     capabilities = LearnerCapabilities(name="Megatron", lora=False, cpu_offload=False, hf_attention=False,
@@ -94,10 +102,14 @@ class MegatronLearner(LearnerCore):
             # process group that has been destroyed since: build them anew.
             ps.destroy_model_parallel()
         m = cfg.megatron
-        init_model_parallel(m.tensor_parallel_size, m.pipeline_parallel_size, cfg.rng_seed, self.device)
+        init_model_parallel(m.tensor_parallel_size, m.pipeline_parallel_size, cfg.rng_seed, self.device,
+                            expert_parallel_size=m.expert_parallel_size)
         torch.manual_seed(cfg.rng_seed)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.vocab_size = self.hf_config.vocab_size
+        if algo.routing_replay and not is_moe(self.hf_config):
+            raise ValueError(f"algorithm.routing_replay=true needs a mixture-of-experts model; "
+                             f"{type(self.hf_config).__name__} has no MoE layer")
         self.model = self._build(model_path)
         self.policy_loss = algo.policy_loss_fn
         self.correction, self.loss_options = algo.off_policy_correction(), algo.loss_options()
@@ -124,13 +136,15 @@ class MegatronLearner(LearnerCore):
         m = self.cfg.megatron
         tcfg = transformer_config(hf_config, tensor_parallel_size=m.tensor_parallel_size,
                                   pipeline_parallel_size=m.pipeline_parallel_size, device=self.device,
-                                  sequence_parallel=self._sequence_parallel())
+                                  sequence_parallel=self._sequence_parallel(),
+                                  moe_token_dispatcher=m.moe_token_dispatcher,
+                                  expert_parallel_size=m.expert_parallel_size if is_moe(hf_config) else 1)
         model = build_model(hf_config, tcfg)
         state = load_hf_checkpoint(path)
         if untied and "lm_head.weight" not in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]  # unused by a critic's value head
         load_hf_weights(model, hf_config, state)
-        return model.to(self.device).eval()
+        return train_routers_only(model.to(self.device).eval())
 
     def _sequence_parallel(self) -> bool:
         m = self.cfg.megatron
@@ -162,7 +176,8 @@ class MegatronLearner(LearnerCore):
         with autocast:
             ids, positions, mask, width = model_inputs(mb, packed, self._sequence_multiple())
             # [b, L, V/tp] logits (one row [1, sum L, V/tp] packed)
-            logits = stage_forward(model, ids, positions, mask)
+            with routing_replay(model, self._replayed_routing(mb, packed, ids.shape[1])):
+                logits = stage_forward(model, ids, positions, mask)
         if logits.dim() == 0:  # a pipeline stage before the last: its send, standing in for the outputs
             stand_in = logits + torch.zeros(mb.input_ids.shape[0], mb.input_ids.shape[1] - 1, device=self.device)
             if topk_ids is None:
@@ -184,6 +199,20 @@ class MegatronLearner(LearnerCore):
             return logprobs, entropy, unpack_labels(out[2], mb.attention_mask)
         real = mb.attention_mask[:, 1:].bool().unsqueeze(-1)
         return logprobs, entropy, torch.where(real, out[2], torch.zeros((), dtype=out[2].dtype, device=out[2].device))
+
+    def _replayed_routing(self, mb: TrainBatch, packed: bool, width: int) -> torch.Tensor | None:
+        """The micro-batch's recorded routing (``routed_experts`` extra, ``[b, L, layers, k]``) in
+        the layout of the forward's ids (packed: the real tokens in one row), padded with -1 (the
+        router's own choice) to ``width`` tokens; ``None`` without routing replay."""
+        routed = mb.extras.get("routed_experts") if self.algo.routing_replay else None
+        if routed is None:
+            return None
+        if packed:
+            routed = routed[mb.attention_mask.bool()].unsqueeze(0)
+        extra = width - routed.shape[1]
+        if extra:
+            routed = torch.cat([routed, routed.new_full((routed.shape[0], extra, *routed.shape[2:]), -1)], dim=1)
+        return routed
 
     # ------------------------------------------------------------------ backend hooks
     def _data_parallel(self) -> tuple[int, int, object]:
@@ -246,7 +275,8 @@ class MegatronLearner(LearnerCore):
         if dist.get_rank() != 0:
             return
         model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        # Experts leave under their per-expert checkpoint names; transformers' model holds them fused.
+        missing, unexpected = model.load_state_dict(fuse_expert_weights(state, self.hf_config), strict=False)
         missing = [k for k in missing if k not in self.weight_aliases()]
         if missing or unexpected:
             raise ValueError(f"export_hf: weights do not fit {type(model).__name__}: missing {missing[:3]}, "
@@ -280,7 +310,8 @@ class MegatronLearner(LearnerCore):
             meta = {"version": self.version, "scheduler": self.scheduler.state_dict(),
                     "critic_scheduler": self.critic.scheduler.state_dict() if self.critic is not None else None,
                     "has_ref": self.ref_model is not None, "backend": "megatron",
-                    "tensor_parallel_size": self.cfg.megatron.tensor_parallel_size}
+                    "tensor_parallel_size": self.cfg.megatron.tensor_parallel_size,
+                    "expert_parallel_size": self.cfg.megatron.expert_parallel_size}
             save_state(path, LEARNER_STATE, meta)
         dist.barrier()
 

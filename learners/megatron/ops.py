@@ -82,13 +82,19 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperat
 def model_parallel_step(model: nn.Module, optimizer, scheduler, grad_clip: float) -> torch.Tensor:
     """Sum gradients over the data-parallel replicas, clip by the global norm, step, zero grads.
 
+    Mixture of experts: expert weights (megatron's ``allreduce=False``) are summed over the
+    expert-data-parallel group instead, and their squared norm over the expert
+    tensor x expert x pipeline group (each rank holds other experts).
+
     The norm counts each weight once: tensor-parallel slices from every rank, duplicated
     parameters (layer norms, biases of row-parallel layers) from tensor-parallel rank 0
     (megatron-core's ``param_is_not_tensor_parallel_duplicate``), a tied embedding's last-stage
     copy not at all (``param.shared``), squared norms summed over the model-parallel group
     (tensor x pipeline). As megatron-core's ``finalize_model_grads`` does, the two copies of a tied
     embedding sum their gradients over the embedding group first, and with sequence parallelism
-    the layer norms' partial gradients are all-reduced over the tensor-parallel group.
+    the layer norms' partial gradients are all-reduced over the tensor-parallel group; without it,
+    Qwen3's QK-norm weights' partial gradients are summed over it and the MoE experts' divided by
+    the TP size (``model._mark_tensor_parallel_gradients`` says why).
 
     Args:
         model: this rank's slice of the model (its trainable parameters are stepped).
@@ -103,24 +109,46 @@ def model_parallel_step(model: nn.Module, optimizer, scheduler, grad_clip: float
 
     reduce_shared_embedding_grads(model)
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-    grads = [p.grad for p in params]
-    if ps.get_data_parallel_world_size() > 1 and grads:
-        # One flat all-reduce instead of one per tensor (the loss is already divided by the
-        # global normaliser, so the sum is the 1-replica gradient).
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=ps.get_data_parallel_group())
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+    # megatron marks MoE expert weights ``allreduce=False``: each expert-parallel rank holds other
+    # experts, whose gradients already cover every data-parallel replica's tokens (the dispatcher's
+    # all-to-all brought them), so they are summed only over replicas of the *same* experts
+    # (megatron's expert-data-parallel group), everything else over the data-parallel group.
+    experts = [p for p in model.parameters() if p.requires_grad and not getattr(p, "allreduce", True)]
+    for p in experts:
+        if p.grad is None:  # an expert no token reached on any micro-batch: the same flat sizes on every rank
+            p.grad = torch.zeros_like(p)
+    params = [p for p in params if getattr(p, "allreduce", True)] + experts
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    _sum_grads(dense, ps.get_data_parallel_world_size(), ps.get_data_parallel_group)
+    if experts:
+        _sum_grads(experts, ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_group)
     if ps.get_tensor_model_parallel_world_size() > 1:
         for p in params:
-            if getattr(p, "sequence_parallel", False):
+            # Both flags come from model._mark_tensor_parallel_gradients (TP > 1, no sequence parallelism).
+            if getattr(p, "sequence_parallel", False) or getattr(p, "tp_partial_grad", False):
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for p in params:
-        if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-            squares = squares + p.grad.float().pow(2).sum()
+            elif getattr(p, "tp_duplicated_tokens", 0):
+                p.grad.div_(p.tp_duplicated_tokens)
+    device = params[0].grad.device if params else "cpu"
+
+    def squared_norm(group_params) -> torch.Tensor:
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for p in group_params:
+            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
+                squares = squares + p.grad.float().pow(2).sum()
+        return squares
+
+    squares = squared_norm(dense)
     if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(squares, group=ps.get_model_parallel_group())
+    if experts:  # every stage of a MoE model has experts (every layer is sparse)
+        # Experts differ across expert-parallel (and expert tensor-parallel) ranks and stages, as
+        # megatron's get_grad_norm_fp32 counts them: one more sum, over that group. Every rank of
+        # it joins, with or without local experts (a dense stage contributes 0).
+        expert_squares = squared_norm(experts)
+        if dist.get_world_size(ps.get_expert_tensor_model_pipeline_parallel_group()) > 1:
+            dist.all_reduce(expert_squares, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        squares = squares + expert_squares
     norm = squares.sqrt()
     if grad_clip > 0 and params:
         torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
@@ -129,6 +157,18 @@ def model_parallel_step(model: nn.Module, optimizer, scheduler, grad_clip: float
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm.detach().cpu()
+
+
+def _sum_grads(params: list, size: int, group) -> None:
+    """Sum ``params``' gradients over the ``size`` ranks of process group ``group()`` with one flat
+    all-reduce (the loss is already divided by the global normaliser, so the sum is the 1-replica
+    gradient); nothing when ``size`` is 1 or there are no gradients."""
+    grads = [p.grad for p in params]
+    if size > 1 and grads:
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group())
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
 
 
 def model_inputs(mb: TrainBatch, packed: bool, multiple: int = 1,
