@@ -648,6 +648,9 @@ class HFGenerator:
             from async_rl.utils.moe import RoutingRecorder
 
             recorder = hook.recorder = RoutingRecorder(self.model)
+            if not recorder.routers:
+                raise ValueError(f"the HF engine cannot return routed experts: {type(self.model).__name__} is not a "
+                                 f"mixture-of-experts model (no router)")
         remaining = max(params.max_tokens - len(r.tokens) for r in rows)
         gen_cfg = GenerationConfig(
             do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,

@@ -141,8 +141,9 @@ class LearnerCore:
     """Policy version: training steps taken (``Learner.version``); ``_setup`` starts it at 0 and
     ``train_step`` and ``load_checkpoint`` move it."""
     _moe_routers: int = 0
-    """Routers of a mixture-of-experts policy (``_init_router_stats``; 0: dense, or a learner
-    that does not take router statistics)."""
+    """Routers of a mixture-of-experts policy on this rank (``_init_router_stats``; 0: dense)."""
+    _moe_shape: tuple[int, int, int] | None = None
+    """``(num_moe_layers, num_experts, top_k)`` of a mixture-of-experts policy (the whole model)."""
     _router_stats: dict | None = None
     """``{"train" | "no_grad": RouterStats}`` of the step's policy passes so far."""
     _router_losses: list | None = None
@@ -489,11 +490,12 @@ class LearnerCore:
     def _init_router_stats(self, model: torch.nn.Module) -> None:
         """Note whether the policy is a mixture-of-experts model (its routers' statistics are then
         taken in its forward passes: ``moe/*`` metrics)."""
-        from async_rl.utils.moe import check_replayable, routers
+        from async_rl.utils.moe import check_replayable, moe_shape, routers
 
         self._moe_routers = len(routers(model))
+        self._moe_shape = moe_shape(model.config) if self._moe_routers else None
         self._router_stats = None
-        if self.algo.routing_replay:
+        if self.algo.records_routing:
             check_replayable(model)  # one line: not an MoE model, or a router replay cannot serve
 
     def _routing(self, mb: TrainBatch, model: torch.nn.Module, packed: bool):
@@ -528,14 +530,16 @@ class LearnerCore:
                               stats=stats, aux=aux)
 
     def _router_stats_of(self, model: torch.nn.Module, kind: str):
+        """The step's ``RouterStats`` of the policy's ``kind`` of pass (``train`` or ``no_grad``),
+        made on first use (one ``load`` row per MoE layer of the whole model)."""
         from async_rl.utils.moe import RouterStats
 
         if self._router_stats is None:
             self._router_stats = {}
         if kind not in self._router_stats:
-            experts = int(getattr(model.config, "num_experts", None) or model.config.num_local_experts)
-            self._router_stats[kind] = RouterStats(num_experts=experts, top_k=int(model.config.num_experts_per_tok),
-                                                   load=torch.zeros(self._moe_routers, experts, dtype=torch.int64))
+            layers, experts, top_k = self._moe_shape
+            self._router_stats[kind] = RouterStats(num_experts=experts, top_k=top_k,
+                                                   load=torch.zeros(layers, experts, dtype=torch.int64))
         return self._router_stats[kind]
 
     def _router_metrics(self) -> dict[str, torch.Tensor]:
@@ -543,7 +547,7 @@ class LearnerCore:
         no-grad policy passes (the proximal pass; its training passes' where none ran)
         (``async_rl.utils.moe.RouterStats.metrics``), counts summed over ranks; ``{}`` for a
         dense policy. Collective on more than one rank (every rank runs the same passes)."""
-        if not self._moe_routers:
+        if self._moe_shape is None:
             return {}
         by_kind, self._router_stats = self._router_stats or {}, None
         out: dict[str, float] = {}

@@ -111,6 +111,9 @@ def test_the_hf_engine_records_the_routing_of_every_forwarded_token(moe_path, mo
             assert torch.equal(torch.from_numpy(s.routed_experts).sort(-1).values, want.sort(-1).values)
     plain = gen.generate(prompts, 1, SamplingParams(max_tokens=3, stop_token_ids=(1,)))
     assert plain[0][0].routed_experts is None
+    dense = HFGenerator(resolve("builtin:tiny-qwen2"), GeneratorConfig(), pad_token_id=0)
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM is not a mixture-of-experts model"):
+        dense.generate(prompts, 1, SamplingParams(max_tokens=3, stop_token_ids=(1,), return_routed_experts=True))
 
 
 def test_replay_without_replaying_is_the_routers_own_forward_bit_for_bit(moe_model):
@@ -263,7 +266,7 @@ def test_routing_replay_is_refused_where_the_routing_cannot_reach_the_learner(mo
         from async_rl.algorithms.config import AlgorithmConfig  # noqa: F401
         from async_rl.learners.fsdp import FSDPLearner
 
-        cfg = load_config(ROOT / "configs/default.yaml", ["algorithm.routing_replay=true"])
+        cfg = load_config(ROOT / "configs/default.yaml", ["algorithm.record_routing=true"])
         FSDPLearner(cfg.learner, cfg.algorithm, resolve("builtin:tiny-qwen2"), temperature=1.0, total_optimizer_steps=1)
 
 
@@ -402,3 +405,28 @@ def test_with_replay_the_learner_uses_the_vllm_engines_experts(moe_path, moe_mod
         assert torch.equal(used.sort(-1).values, recorded.sort(-1).values)
         differ += int((own.sort(-1).values != recorded.sort(-1).values).any(-1).sum())
     assert differ > 0  # without replay the learner would have routed some tokens elsewhere
+
+
+def test_both_learners_report_the_same_router_statistics(moe_path):
+    """Recorded routing that differs from the learners' own (replay off): one step of each learner
+    from the same weights on the same batch reports the same agreement (proximal pass) and the same
+    per-expert load (training passes)."""
+    from async_rl.config import load_config
+    from async_rl.learners.fsdp import FSDPLearner
+    from async_rl.learners.megatron import MegatronLearner
+
+    routed = np.ones((6, 4, 2), np.int16) * np.array([2, 5], np.int16)
+    routed[::2] = _routing_of(_learner(moe_path, False).model, list(range(3, 7)) + [7, 7])[::2].numpy()
+    metrics = {}
+    for backend, cls in (("fsdp2", FSDPLearner), ("megatron", MegatronLearner)):
+        cfg = load_config(ROOT / "configs/default.yaml", [f"model.path={MOE}", f"learner.backend={backend}",
+                                                           "learner.num_mini_batches=1", "algorithm.record_routing=true"])
+        learner = cls(cfg.learner, cfg.algorithm, moe_path, temperature=1.0, total_optimizer_steps=10)
+        batch = collate([_traj(4, 3, routed, "0/0"), _traj(4, 3, routed, "0/1")], pad_token_id=0)
+        batch.advantages = batch.loss_mask * torch.tensor([[1.0], [-1.0]])
+        learner.prepare(batch)
+        metrics[backend] = {k: float(v) for k, v in learner.train_step(batch).items() if k.startswith("moe/")}
+    fsdp, megatron = metrics["fsdp2"], metrics["megatron"]
+    assert 0.3 < fsdp["moe/router_agreement"] < 1.0
+    for key in ("moe/router_agreement", "moe/load_max", "moe/load_min", "moe/load_cv"):
+        assert megatron[key] == pytest.approx(fsdp[key], abs=1e-9), key

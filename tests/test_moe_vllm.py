@@ -23,6 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 from async_rl.generators.base import GeneratorConfig, SamplingParams  # noqa: E402
 from async_rl.weight_sync import (LocalTarget, NamedTensors, WeightPublisher, WeightSyncConfig,  # noqa: E402
                                   map_to_engine, plan_update)
+from update_cases import stacked_experts  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -164,18 +165,6 @@ def test_a_per_expert_update_equals_a_fresh_engine_on_every_transport(engine, ch
     assert _same(_fingerprint(engine), original, 1e-6)
 
 
-def _stacked(named):
-    # transformers 5's in-memory layout: each layer's experts as gate_up_proj [E, 2I, H], down_proj [E, H, I].
-    by = dict(named)
-    out = [(n, t) for n, t in named if ".mlp.experts." not in n]
-    for layer in range(4):
-        p = f"model.layers.{layer}.mlp.experts"
-        out.append((f"{p}.gate_up_proj", torch.stack([torch.cat([by[f"{p}.{e}.gate_proj.weight"],
-                                                                  by[f"{p}.{e}.up_proj.weight"]]) for e in range(8)])))
-        out.append((f"{p}.down_proj", torch.stack([by[f"{p}.{e}.down_proj.weight"] for e in range(8)])))
-    return out
-
-
 BAD = {
     # case: (how the update is broken, fragments its error must contain)
     "one expert left out": (lambda named: [(n, t) for n, t in named
@@ -186,7 +175,7 @@ BAD = {
                                                         if not n.startswith("model.layers.2.mlp.experts.")],
                                          ["left 24 expert weights unsent", "2 expert stacks",
                                           "model.layers.2.mlp.experts.0.gate_proj.weight"]),
-    "stacked transformers-5 names": (_stacked, ["unknown weights", "model.layers.0.mlp.experts.gate_up_proj",
+    "stacked transformers-5 names": (stacked_experts, ["unknown weights", "model.layers.0.mlp.experts.gate_up_proj",
                                                 "one tensor per expert", "left 96 expert weights unsent"]),
     "an expert of the wrong shape": (lambda named: [(n, t[:64] if n == "model.layers.3.mlp.experts.7.up_proj.weight"
                                                      else t) for n, t in named],
@@ -198,24 +187,13 @@ BAD = {
 @pytest.mark.parametrize("transport", ["shm", "broadcast", "update_weights"])
 @pytest.mark.parametrize("case", list(BAD))
 def test_an_update_that_leaves_experts_out_is_refused_before_any_byte(engine, perturbed, transport, case):
-    from update_cases import ListLearner
+    from update_cases import refused_update
 
     breaks, fragments = BAD[case]
     bad = breaks(_split_order(perturbed[0]))
     before, version = _fingerprint(engine), engine.policy_version
-    if transport == "update_weights":
-        with pytest.raises((RuntimeError, ValueError)) as err:
-            engine.update_weights(bad, version + 1)
-    else:
-        pub = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=0.05), transport,
-                              ListLearner(bad), [LocalTarget(engine)])
-        try:
-            with pytest.raises(RuntimeError) as err:
-                pub.push(version + 1)
-        finally:
-            pub.close()
-        assert pub.published_version is None
-    assert all(f in str(err.value) for f in fragments), str(err.value)
+    err = refused_update(engine, bad, transport)
+    assert all(f in str(err) for f in fragments), str(err)
     assert engine.policy_version == version
     assert _same(_fingerprint(engine), before, 1e-6)
 

@@ -1,4 +1,4 @@
-"""Runs the SGLang tests (``tests/test_sglang.py``) inside the SGLang venv, from the main suite.
+"""Runs the SGLang tests (``tests/test_sglang.py``, ``tests/test_sglang_moe.py``) inside the SGLang venv, from the main suite.
 
 SGLang cannot share the main venv (it is installed with ``--no-deps`` beside stand-ins that must
 never reach the vLLM venv; ``envs/sglang-cpu/build.sh``), so the README's single test command
@@ -20,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("ASYNC_RL_SGLANG_VENV", ROOT / ".venv-sglang"))
 PYTHON = VENV / "bin" / "python"
+SGLANG_TESTS = ("tests/test_sglang.py", "tests/test_sglang_moe.py")
+"""The files that run inside the SGLang venv (the dense engine, and a mixture-of-experts model)."""
 
 
 def _in_sglang_venv() -> bool:
@@ -37,7 +39,7 @@ def _in_sglang_venv() -> bool:
 def test_sglang_suite_in_its_venv():
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_sglang.py"],
+    proc = subprocess.run([str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", *SGLANG_TESTS],
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=3600)
     lines = proc.stdout.splitlines()
@@ -45,7 +47,7 @@ def test_sglang_suite_in_its_venv():
     report = [line for line in lines if line.startswith(("FAILED", "ERROR", "E ", "tests/", "_____"))]
     tail = "\n".join(report[-80:] + lines[-3:])
     sys.stdout.write(tail + "\n")
-    assert proc.returncode == 0, f"tests/test_sglang.py failed in {VENV}:\n{tail}"
+    assert proc.returncode == 0, f"{' '.join(SGLANG_TESTS)} failed in {VENV}:\n{tail}"
     summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed)", line)), "")
     # Every SGLang test ran (none may skip inside its own venv).
     assert "passed" in summary and "skipped" not in summary, tail

@@ -72,3 +72,44 @@ def bad_update(case: str, named: Sequence[tuple[str, torch.Tensor]], victim: str
         bad = (good * 100).round().to(torch.int64)
         return [(n, bad if n == victim else t) for n, t in named], [victim, "int64", "float32"]
     raise ValueError(case)
+
+
+def refused_update(engine, bad: Sequence[tuple[str, torch.Tensor]], transport: str,
+                   aliases: dict[str, str] | None = None) -> BaseException:
+    """Push ``bad`` to ``engine`` through ``transport`` (``shm`` or ``broadcast`` via a
+    ``WeightPublisher`` of 0.05 MiB buckets, or ``update_weights``: the engine's own call) and
+    return the error that refused it; fails the test if it was accepted or a version published."""
+    import pytest
+
+    from async_rl.weight_sync import LocalTarget, WeightPublisher, WeightSyncConfig
+
+    version = engine.policy_version + 1
+    if transport == "update_weights":
+        with pytest.raises((RuntimeError, ValueError)) as err:
+            engine.update_weights(bad, version)
+        return err.value
+    pub = WeightPublisher(WeightSyncConfig(transport=transport, bucket_size_mb=0.05), transport,
+                          ListLearner(bad, aliases), [LocalTarget(engine)])
+    try:
+        with pytest.raises(RuntimeError) as err:
+            pub.push(version)
+    finally:
+        pub.close()
+    assert pub.published_version is None
+    return err.value
+
+
+def stacked_experts(named: Sequence[tuple[str, torch.Tensor]], layers: int = 4, experts: int = 8
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """A per-expert update of the built-in MoE model rewritten in transformers 5's in-memory layout
+    (each layer's experts as ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``
+    ``[E, H, I]``): the names an engine must refuse, since checkpoints and engines name one matrix
+    per expert."""
+    by = dict(named)
+    out = [(n, t) for n, t in named if ".mlp.experts." not in n]
+    for layer in range(layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        out.append((f"{p}.gate_up_proj", torch.stack([torch.cat([by[f"{p}.{e}.gate_proj.weight"],
+                                                                  by[f"{p}.{e}.up_proj.weight"]]) for e in range(experts)])))
+        out.append((f"{p}.down_proj", torch.stack([by[f"{p}.{e}.down_proj.weight"] for e in range(experts)])))
+    return out

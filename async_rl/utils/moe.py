@@ -77,8 +77,8 @@ def check_replayable(model: torch.nn.Module) -> list[torch.nn.Module]:
     """
     found = routers(model)
     if not found:
-        raise RoutingReplayError(f"algorithm.routing_replay=true needs a mixture-of-experts model; "
-                                 f"{type(model).__name__} has no router")
+        raise RoutingReplayError(f"routing replay (algorithm.routing_replay, record_routing) needs a "
+                                 f"mixture-of-experts model; {type(model).__name__} has no router")
     bad = sorted({type(r).__name__ for r in found} - set(REPLAYABLE_ROUTERS))
     if bad:
         raise RoutingReplayError(f"algorithm.routing_replay supports the routers {', '.join(REPLAYABLE_ROUTERS)}; "

@@ -55,7 +55,7 @@ from async_rl.learners.core import LearnerCore
 from async_rl.learners.megatron.critic import MegatronCritic
 from async_rl.learners.megatron.ops import model_inputs, model_parallel_step, vocab_parallel_logprobs
 from async_rl.learners.megatron.pipeline import stage_forward
-from async_rl.learners.megatron.routing import routing_replay
+from async_rl.learners.megatron.routing import routing_replay, stage_routers
 from async_rl.learners.megatron.model import (build_model, fuse_expert_weights, hf_weight_metadata,
                                               init_model_parallel, is_moe, load_hf_checkpoint, load_hf_weights,
                                               named_hf_weights, train_routers_only, transformer_config)
@@ -107,10 +107,15 @@ class MegatronLearner(LearnerCore):
         torch.manual_seed(cfg.rng_seed)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.vocab_size = self.hf_config.vocab_size
-        if algo.routing_replay and not is_moe(self.hf_config):
-            raise ValueError(f"algorithm.routing_replay=true needs a mixture-of-experts model; "
+        if algo.records_routing and not is_moe(self.hf_config):
+            key = "routing_replay" if algo.routing_replay else "record_routing"
+            raise ValueError(f"algorithm.{key}=true needs a mixture-of-experts model; "
                              f"{type(self.hf_config).__name__} has no MoE layer")
         self.model = self._build(model_path)
+        if is_moe(self.hf_config):
+            from async_rl.utils.moe import moe_shape
+
+            self._moe_routers, self._moe_shape = len(stage_routers(self.model)), moe_shape(self.hf_config)
         self.policy_loss = algo.policy_loss_fn
         self.correction, self.loss_options = algo.off_policy_correction(), algo.loss_options()
         self.ref_model: nn.Module | None = None
@@ -176,7 +181,7 @@ class MegatronLearner(LearnerCore):
         with autocast:
             ids, positions, mask, width = model_inputs(mb, packed, self._sequence_multiple())
             # [b, L, V/tp] logits (one row [1, sum L, V/tp] packed)
-            with routing_replay(model, self._replayed_routing(mb, packed, ids.shape[1])):
+            with self._megatron_routing(mb, model, packed, ids.shape[1]):
                 logits = stage_forward(model, ids, positions, mask)
         if logits.dim() == 0:  # a pipeline stage before the last: its send, standing in for the outputs
             stand_in = logits + torch.zeros(mb.input_ids.shape[0], mb.input_ids.shape[1] - 1, device=self.device)
@@ -200,19 +205,29 @@ class MegatronLearner(LearnerCore):
         real = mb.attention_mask[:, 1:].bool().unsqueeze(-1)
         return logprobs, entropy, torch.where(real, out[2], torch.zeros((), dtype=out[2].dtype, device=out[2].device))
 
-    def _replayed_routing(self, mb: TrainBatch, packed: bool, width: int) -> torch.Tensor | None:
-        """The micro-batch's recorded routing (``routed_experts`` extra, ``[b, L, layers, k]``) in
-        the layout of the forward's ids (packed: the real tokens in one row), padded with -1 (the
-        router's own choice) to ``width`` tokens; ``None`` without routing replay."""
-        routed = mb.extras.get("routed_experts") if self.algo.routing_replay else None
-        if routed is None:
-            return None
+    def _megatron_routing(self, mb: TrainBatch, model: nn.Module, packed: bool, width: int):
+        """The routing context of one forward pass (``routing.routing_replay``): the micro-batch's
+        recorded routing (``routed_experts`` extra, ``[b, L, layers, k]``) in the layout of the
+        forward's ids (packed: the real tokens in one row), padded with -1 (the router's own
+        choice) to ``width`` tokens, replayed under ``algorithm.routing_replay``; for the policy,
+        the step's router statistics as ``LearnerCore._routing`` takes them for FSDP2 (no
+        auxiliary losses: those are megatron-core's own, off)."""
+        if not self._moe_routers:
+            return nullcontext()
+        routed = mb.extras.get("routed_experts")
+        real = mb.attention_mask.bool()
         if packed:
-            routed = routed[mb.attention_mask.bool()].unsqueeze(0)
-        extra = width - routed.shape[1]
+            real = real[real].unsqueeze(0)
+            routed = None if routed is None else routed[mb.attention_mask.bool()].unsqueeze(0)
+        extra = width - real.shape[1]
         if extra:
-            routed = torch.cat([routed, routed.new_full((routed.shape[0], extra, *routed.shape[2:]), -1)], dim=1)
-        return routed
+            real = torch.cat([real, real.new_zeros(real.shape[0], extra)], dim=1)
+            if routed is not None:
+                routed = torch.cat([routed, routed.new_full((routed.shape[0], extra, *routed.shape[2:]), -1)], dim=1)
+        stats = None
+        if model is self.model:
+            stats = self._router_stats_of(model, "train" if torch.is_grad_enabled() else "no_grad")
+        return routing_replay(model, routed, replay=self.algo.routing_replay, stats=stats, real=real)
 
     # ------------------------------------------------------------------ backend hooks
     def _data_parallel(self) -> tuple[int, int, object]:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 
-def _routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+def stage_routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """``(global layer index, TopKRouter)`` of every MoE layer of this pipeline stage, in layer order."""
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -47,29 +47,50 @@ def _routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 
 
 class _TokenReplay:
-    """megatron's ``RouterReplay.get_replay_topk`` interface: the given experts where recorded, the
-    router's own top-k elsewhere.
+    """megatron's ``RouterReplay.get_replay_topk`` interface: the given experts where recorded (and
+    ``replay``), the router's own top-k elsewhere; with ``stats``, the router's statistics.
 
     Args:
         target: ``[tokens, k]`` int64 expert ids in the router's token order; a row with any -1 is
-            routed by the router itself.
+            routed by the router itself. ``None``: nothing recorded.
+        replay: use the recorded experts (``False``: only compare the router's own with them).
+        stats: an ``async_rl.utils.moe.RouterStats`` to add this layer's load and agreement to,
+            or ``None``.
+        layer: the layer's row in ``stats.load``.
+        real: ``[tokens]`` bool, the tokens that count in the statistics (not padding), or ``None``: all.
     """
 
-    def __init__(self, target: torch.Tensor) -> None:
-        self.target = target
+    def __init__(self, target: torch.Tensor | None, replay: bool = True, stats=None, layer: int = 0,
+                 real: torch.Tensor | None = None) -> None:
+        self.target, self.replay, self.stats, self.layer, self.real = target, replay, stats, layer, real
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
                         default_compute_topk=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores at the chosen experts [tokens, k], chosen experts [tokens, k] int64)``."""
         own_scores, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        target = self.target.to(scores.device)
-        if tuple(target.shape) != tuple(own.shape):
-            raise ValueError(f"routing replay: the router has {tuple(own.shape)} (tokens, top_k) picks, the "
-                             f"replayed experts are {tuple(target.shape)}")
-        recorded = (target >= 0).all(dim=1, keepdim=True)
-        chosen = torch.where(recorded, target, own)
-        # Gathered from the live scores, so the router's gradient flows through the replayed picks.
-        return torch.where(recorded, scores.gather(1, chosen.clamp(min=0)), own_scores), chosen
+        out_scores, chosen = own_scores, own
+        if self.target is not None:
+            target = self.target.to(scores.device)
+            if tuple(target.shape) != tuple(own.shape):
+                raise ValueError(f"routing replay: the router has {tuple(own.shape)} (tokens, top_k) picks, the "
+                                 f"replayed experts are {tuple(target.shape)}")
+            recorded = (target >= 0).all(dim=1, keepdim=True)
+            if self.replay:
+                chosen = torch.where(recorded, target, own)
+                # Gathered from the live scores, so the router's gradient flows through the replayed picks.
+                out_scores = torch.where(recorded, scores.gather(1, chosen.clamp(min=0)), own_scores)
+            if self.stats is not None:
+                with torch.no_grad():
+                    counted = recorded[:, 0] if self.real is None else recorded[:, 0] & self.real.to(own.device)
+                    hits = (target.unsqueeze(-1) == own.unsqueeze(-2)).any(-1).sum(-1)
+                    self.stats.recorded += int(counted.sum())
+                    self.stats.agreeing += int(hits[counted].sum())
+        if self.stats is not None:
+            with torch.no_grad():
+                used = chosen if self.real is None else chosen[self.real.to(own.device)]
+                self.stats.load[self.layer] += torch.bincount(used.reshape(-1).cpu(),
+                                                              minlength=self.stats.num_experts)
+        return out_scores, chosen
 
 
 def _check(routed_experts: torch.Tensor, routers: list, model: nn.Module) -> None:
@@ -89,7 +110,8 @@ def _check(routed_experts: torch.Tensor, routers: list, model: nn.Module) -> Non
 
 
 @contextlib.contextmanager
-def routing_replay(model: nn.Module, routed_experts: torch.Tensor | None) -> Iterator[None]:
+def routing_replay(model: nn.Module, routed_experts: torch.Tensor | None, replay: bool = True, stats=None,
+                   real: torch.Tensor | None = None) -> Iterator[None]:
     """Within the block, ``model``'s MoE layers route each token to the experts ``routed_experts`` gives.
 
     Args:
@@ -99,9 +121,15 @@ def routing_replay(model: nn.Module, routed_experts: torch.Tensor | None) -> Ite
             same way); entry ``[i, t, layer]`` = the experts of input token ``t`` of row ``i`` in
             MoE layer ``layer`` (model layer order, global index: every Qwen3-MoE layer is sparse);
             ``-1`` anywhere in a token's ``top_k`` = not recorded: that token is routed by the
-            router itself in that layer. ``None``: no replay (the block changes nothing).
+            router itself in that layer. ``None``: no replay.
             Its ``[B, L]`` must equal the forward's batch shape; every forward inside the block
             uses it (proximal, current and reference passes of one micro-batch).
+        replay: use the recorded experts; ``False``: route as the router does and only compare
+            (``stats``).
+        stats: an ``async_rl.utils.moe.RouterStats`` (``load`` rows indexed by global MoE layer)
+            the block's passes add the per-expert load and the agreement with ``routed_experts``
+            to; ``None``: none taken. With neither replay nor statistics the block changes nothing.
+        real: ``[B, L]`` bool, the tokens the statistics count (not padding); ``None``: all.
 
     Gating weights are the router's own at the given experts (``moe_router_pre_softmax=False``:
     softmax over those k logits, Qwen3-MoE's ``norm_topk_prob``; ``True``: the full-softmax
@@ -113,19 +141,22 @@ def routing_replay(model: nn.Module, routed_experts: torch.Tensor | None) -> Ite
             count, top-k, or expert ids outside ``[-1, E)``; (at forward time) its ``B * L`` is not
             the forward's token count.
     """
-    if routed_experts is None:
+    if (routed_experts is None or not replay) and stats is None:
         yield
         return
-    routers = _routers(model)
+    routers = stage_routers(model)
     if not routers:
         raise ValueError("routing replay needs a mixture-of-experts model; this one has no MoE layer")
-    _check(routed_experts, routers, model)
+    if routed_experts is not None:
+        _check(routed_experts, routers, model)
+    # [B, L] -> the router's [L * B] token order (sequence-major).
+    order = (lambda t: t.transpose(0, 1).reshape(-1, *t.shape[2:]))  # noqa: E731
     saved = [router.router_replay for _, router in routers]
     try:
         for layer, router in routers:
-            per_layer = routed_experts[:, :, layer, :].long()  # [B, L, k]
-            # [B, L, k] -> the router's [L * B, k] order (sequence-major).
-            router.router_replay = _TokenReplay(per_layer.transpose(0, 1).reshape(-1, per_layer.shape[-1]))
+            target = None if routed_experts is None else order(routed_experts[:, :, layer, :].long())
+            router.router_replay = _TokenReplay(target, replay=replay, stats=stats, layer=layer,
+                                                real=None if real is None else order(real.bool()))
         yield
     finally:
         for (_, router), before in zip(routers, saved):
@@ -147,7 +178,7 @@ def recorded_routing(model: nn.Module, rows: int) -> Iterator[dict[int, torch.Te
     Raises:
         ValueError: ``model`` has no MoE layer.
     """
-    routers = _routers(model)
+    routers = stage_routers(model)
     if not routers:
         raise ValueError("recorded_routing needs a mixture-of-experts model; this one has no MoE layer")
     seen: dict[int, torch.Tensor] = {}
@@ -170,4 +201,4 @@ def recorded_routing(model: nn.Module, rows: int) -> Iterator[dict[int, torch.Te
             handle.remove()
 
 
-__all__ = ["recorded_routing", "routing_replay"]
+__all__ = ["recorded_routing", "routing_replay", "stage_routers"]
