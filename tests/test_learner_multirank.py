@@ -180,3 +180,23 @@ def test_exit_rank_process_keeps_status_output_and_atexit_handlers(tmp_path):
     assert proc.stdout == "buffered on stdout"
     assert proc.stderr.endswith("and on stderr")
     assert marker.read_text() == "ran"
+
+
+def test_two_ranks_equal_one_rank_on_the_moe_model(tmp_path):
+    """FSDP2 shards a mixture-of-experts layer's stacked experts (``[E, 2I, H]``) like any
+    parameter: two ranks take the one-rank step, experts and routers included."""
+    from transformers import AutoModelForCausalLM
+
+    from async_rl.data.builtin import resolve
+    from async_rl.weight_sync import ModuleWeights
+
+    path = resolve("builtin:tiny-qwen3-moe")
+    one = _train(1, tmp_path / "a", path, "token-mean")
+    two = _train(2, tmp_path / "b", path, "token-mean")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    assert "model.layers.1.mlp.experts.5.down_proj.weight" in one["weights"]
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    start = dict(ModuleWeights(AutoModelForCausalLM.from_pretrained(path)).named_weights())
+    moved = {n: float((w - start[n]).abs().max()) for n, w in one["weights"].items()}
+    assert moved["model.layers.0.mlp.gate.weight"] > 1e-5 and max(moved.values()) > 1e-4
