@@ -46,7 +46,7 @@ from async_rl.weight_sync import WeightSyncConfig
 from async_rl.generators.base import GeneratorConfig
 from async_rl.generators.capabilities import engine_capabilities, engines_that
 from async_rl.learners.base import LearnerConfig
-from async_rl.learners.capabilities import model_parallel_sizes
+from async_rl.learners.capabilities import learner_capabilities, learners_that, model_parallel_sizes
 from async_rl.utils.lora import LoRAConfig
 
 
@@ -482,25 +482,26 @@ def _check_colocated(cfg: Config) -> None:
 
 
 def _check_routing_replay(cfg: Config) -> None:
-    """Refuse ``algorithm.routing_replay`` where the routing cannot reach the learner yet (only the
-    HF and vLLM engines record it, only single-turn samples carry it), and the MoE auxiliary losses on the Megatron
-    learner (megatron-core's own, whose scaling over micro-batches is not yet checked against
-    the FSDP2 learner's)."""
-    if cfg.learner.backend == "megatron":
-        for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
-            if getattr(cfg.algorithm, key):
-                raise ConfigError(f"algorithm.{key}={getattr(cfg.algorithm, key)} runs with learner.backend=fsdp2 "
-                                  f"for now; set it to 0 for the Megatron learner")
+    """Refuse ``algorithm.routing_replay`` / ``record_routing`` where the routing cannot reach the
+    learner yet (an engine that does not record it, or not in this configuration; a multi-turn
+    rollout), and the MoE auxiliary losses on a learner that does not add them."""
+    learner = learner_capabilities(cfg.learner.backend)
+    for key in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+        if getattr(cfg.algorithm, key) and not learner.moe_aux_losses:
+            raise ConfigError(f"algorithm.{key}={getattr(cfg.algorithm, key)}: the {learner.name} learner does not "
+                              f"add the MoE auxiliary losses yet; learner.backend="
+                              f"{learners_that(lambda c: c.moe_aux_losses)} does, or set it to 0")
     if not cfg.algorithm.records_routing:
         return
     key = "routing_replay" if cfg.algorithm.routing_replay else "record_routing"
-    if cfg.generator.backend not in ("hf", "vllm"):
-        raise ConfigError(f"algorithm.{key}=true runs with generator.backend=hf or vllm for now (got "
-                          f"{cfg.generator.backend}): that engine does not record routing yet")
-    if cfg.generator.backend == "vllm" and not cfg.generator.vllm.enforce_eager:
-        raise ConfigError(f"algorithm.{key}=true with generator.backend=vllm needs "
-                          "generator.vllm.enforce_eager=true: the routing is recorded by hooks on each router, "
-                          "which a compiled model would not run")
+    engine = engine_capabilities(cfg.generator.backend)
+    if not engine.records_routing:
+        raise ConfigError(f"algorithm.{key}=true: the {engine.name} engine does not record routing yet; "
+                          f"generator.backend={engines_that(lambda c: c.records_routing)} does")
+    blocked = engine.routing_blocked_by(cfg.generator)
+    if blocked:
+        raise ConfigError(f"algorithm.{key}=true: the {engine.name} engine records routing with hooks on each "
+                          f"router, which {blocked} would not run; set it to true")
     if cfg.env.enabled or cfg.agent.enabled or cfg.endpoint.enabled:
         raise ConfigError(f"algorithm.{key}=true runs on single-turn rollouts for now: a multi-turn "
                           "rollout (env.name, agent.tools, endpoint.rollout) does not record routing yet")

@@ -496,6 +496,58 @@ def _value_problems(entry: list, arrays: dict[str, np.ndarray], group_id: int | 
     return f"trajectory {tid!r:.100}: " + "; ".join(problems) if problems else None
 
 
+def _message_arrays(entries: list, body: memoryview) -> tuple[int, tuple[np.ndarray, ...], bool]:
+    """Check each trajectory header of ``entries`` (``_check_fields``) and return the message's
+    body arrays: ``(P, (behavior log-probs, teacher log-probs, versions, token ids (all
+    prompts, then all responses), top-k ids, top-k log-probs, routed experts, loss mask), ok)``,
+    each a read-only view of ``body`` (flat, all trajectories back to back), with ``ok`` false
+    when a message-wide value check failed (then each trajectory is checked on its own).
+
+    Raises:
+        MalformedMessageError: a malformed trajectory header, or a body whose size does not match
+            the headers' counts.
+    """
+    num_prompt = num_response = num_teacher = num_topk = num_routed = 0
+    for index, entry in enumerate(entries):
+        _check_fields(entry, index)
+        num_prompt += entry[_P]
+        num_response += entry[_R]
+        num_teacher += entry[_T]
+        num_topk += entry[_R] * entry[_K]
+        if entry[_L]:  # then P + R >= 1 (checked): a count >= 0
+            num_routed += (entry[_P] + entry[_R] - 1) * entry[_L] * entry[_KR]
+    p, r, t, q, e = num_prompt, num_response, num_teacher, num_topk, num_routed
+    expected = (r * _BYTES_PER_RESPONSE_TOKEN + t * _BYTES_PER_TEACHER_TOKEN + p * _BYTES_PER_PROMPT_TOKEN
+                + q * _BYTES_PER_TOPK_ENTRY + e * _BYTES_PER_ROUTED_ENTRY)
+    if len(body) != expected:
+        raise MalformedMessageError(
+            f"message body is {len(body)} bytes, expected {expected} for {len(entries)} trajectories "
+            f"({p} prompt, {r} response and {t} teacher tokens, {q} top-k and {e} routed-expert entries)")
+    logprobs = _frombuffer(body, _F8, r, 0)
+    teacher = _frombuffer(body, _F8, t, 8 * r)
+    at_versions = 8 * (r + t)
+    versions = _frombuffer(body, _I8, r, at_versions)
+    token_ids = _frombuffer(body, _I4, p + r, at_versions + 8 * r)  # all prompts, then all responses
+    at_topk = at_versions + 12 * r + 4 * p
+    topk_ids = _frombuffer(body, _I4, q, at_topk)
+    topk_lps = _frombuffer(body, _F4, q, at_topk + 4 * q)
+    routed = _frombuffer(body, _I2, e, at_topk + 8 * q)
+    mask = _frombuffer(body, _U1, r, at_topk + 8 * q + 2 * e)
+    # The whole message's arrays in a few reductions, conservatively: versions, token ids and
+    # top-k ids together as int32 words (adjacent in the body), >= 0 when every id and every
+    # version's high word is (a version >= 2^31 has a "negative" low word too, and takes the
+    # exact per-trajectory check); the teacher's log-probs, and its top-k log-probs, by their
+    # min and max (both NaN when any is; a sum could overflow; the top-k's max also bounds them
+    # by _MAX_LOGPROB); the routed experts, int16 and not adjacent to the int32 run, by their own
+    # min. Only a message that fails one is checked trajectory by trajectory.
+    arrays_ok = ((not r or (_max(logprobs) < math.inf and _max(mask) <= 1))
+                 and (not t or (_min(teacher) > -math.inf and _max(teacher) < math.inf))
+                 and (not q or (_min(topk_lps) > -math.inf and _max(topk_lps) <= _MAX_LOGPROB))
+                 and (not e or _min(routed) >= 0)
+                 and (not p + r or _min(_frombuffer(body, _I4, 2 * r + p + r + q, at_versions)) >= 0))
+    return p, (logprobs, teacher, versions, token_ids, topk_ids, topk_lps, routed, mask), arrays_ok
+
+
 def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajectory], list[MalformedMessageError]]:
     """Decode one schema-7 message into what it carries, refusing bad trajectories one by one.
 
@@ -551,44 +603,8 @@ def decode_messages(frames: Sequence[Any]) -> tuple[list[GroupClosed | Trajector
     if type(entries) is not list or not (type(group_id) is int or (group_id is None and entries)):
         raise MalformedMessageError(f"trajectories message has group_id {group_id!r:.40} and trajectories "
                                     f"{type(entries).__name__} (a list, non-empty unless a group id closes it)")
-    num_prompt = num_response = num_teacher = num_topk = num_routed = 0
-    for index, entry in enumerate(entries):
-        _check_fields(entry, index)
-        num_prompt += entry[_P]
-        num_response += entry[_R]
-        num_teacher += entry[_T]
-        num_topk += entry[_R] * entry[_K]
-        if entry[_L]:  # then P + R >= 1 (checked): a count >= 0
-            num_routed += (entry[_P] + entry[_R] - 1) * entry[_L] * entry[_KR]
-    p, r, t, q, e = num_prompt, num_response, num_teacher, num_topk, num_routed
-    expected = (r * _BYTES_PER_RESPONSE_TOKEN + t * _BYTES_PER_TEACHER_TOKEN + p * _BYTES_PER_PROMPT_TOKEN
-                + q * _BYTES_PER_TOPK_ENTRY + e * _BYTES_PER_ROUTED_ENTRY)
-    if len(body) != expected:
-        raise MalformedMessageError(
-            f"message body is {len(body)} bytes, expected {expected} for {len(entries)} trajectories "
-            f"({p} prompt, {r} response and {t} teacher tokens, {q} top-k and {e} routed-expert entries)")
-    logprobs = _frombuffer(body, _F8, r, 0)
-    teacher = _frombuffer(body, _F8, t, 8 * r)
-    at_versions = 8 * (r + t)
-    versions = _frombuffer(body, _I8, r, at_versions)
-    token_ids = _frombuffer(body, _I4, p + r, at_versions + 8 * r)  # all prompts, then all responses
-    at_topk = at_versions + 12 * r + 4 * p
-    topk_ids = _frombuffer(body, _I4, q, at_topk)
-    topk_lps = _frombuffer(body, _F4, q, at_topk + 4 * q)
-    routed = _frombuffer(body, _I2, e, at_topk + 8 * q)
-    mask = _frombuffer(body, _U1, r, at_topk + 8 * q + 2 * e)
-    # The whole message's arrays in a few reductions, conservatively: versions, token ids and
-    # top-k ids together as int32 words (adjacent in the body), >= 0 when every id and every
-    # version's high word is (a version >= 2^31 has a "negative" low word too, and takes the
-    # exact per-trajectory check); the teacher's log-probs, and its top-k log-probs, by their
-    # min and max (both NaN when any is; a sum could overflow; the top-k's max also bounds them
-    # by _MAX_LOGPROB); the routed experts, int16 and not adjacent to the int32 run, by their own
-    # min. Only a message that fails one is checked trajectory by trajectory.
-    arrays_ok = ((not r or (_max(logprobs) < math.inf and _max(mask) <= 1))
-                 and (not t or (_min(teacher) > -math.inf and _max(teacher) < math.inf))
-                 and (not q or (_min(topk_lps) > -math.inf and _max(topk_lps) <= _MAX_LOGPROB))
-                 and (not e or _min(routed) >= 0)
-                 and (not p + r or _min(_frombuffer(body, _I4, 2 * r + p + r + q, at_versions)) >= 0))
+    p, (logprobs, teacher, versions, token_ids, topk_ids, topk_lps, routed, mask), arrays_ok = \
+        _message_arrays(entries, body)
     out: list[GroupClosed | Trajectory] = []
     rejected: list[MalformedMessageError] = []
     at_p, at_r, at_t, at_q, at_e = 0, 0, 0, 0, 0

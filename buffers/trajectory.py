@@ -224,7 +224,7 @@ class Trajectory:
     The six per-token fields are given as any sequence of numbers (engines give lists) and held
     as 1-D numpy arrays of ``PER_TOKEN_DTYPES`` (``per_token_array``); the two top-k fields as
     any ``[R, K]`` array or nested lists, held as 2-D arrays of ``TOPK_DTYPES``
-    (``topk_array``). The replay buffer and the batch builder then never touch one Python
+    (``topk_array``); the routing as a 3-D int16 array (``routed_experts_array``). The replay buffer and the batch builder then never touch one Python
     object per token, and the transport sends their bytes as they are. Treat them as read-only:
     a received trajectory's arrays are views of its message. Equality compares every field,
     arrays by value (and shape).
@@ -233,9 +233,9 @@ class Trajectory:
         ValueError: a per-token value its dtype cannot hold exactly (``per_token_array``,
             ``topk_array``), per-token fields of different lengths (``behavior_logprobs``,
             ``loss_mask`` and ``policy_version`` must have R values (``len(response_ids)``),
-            ``teacher_logprobs`` 0 or R), or top-k fields of different shapes (both
-            ``[R, K]`` with K >= 1, or both ``[0, 0]``). The text names the trajectory and
-            the fields.
+            ``teacher_logprobs`` 0 or R), top-k fields of different shapes (both
+            ``[R, K]`` with K >= 1, or both ``[0, 0]``), or routing of other than ``P + R - 1``
+            rows or with a negative expert index. The text names the trajectory and the fields.
     """
 
     trajectory_id: str
@@ -397,7 +397,8 @@ class TrainBatch:
     def trimmed(self) -> "TrainBatch":
         """The batch cut to its longest row (right padding beyond it removed): ``[B, L']`` and
         ``[B, L'-1]`` tensors with ``L' = max(attention_mask.sum(1))`` (at least 2 columns);
-        ``[B, L-1, K]`` extras are cut on dim 1 alike. Per-sequence ``[B]`` extras are kept whole."""
+        ``[B, L-1, K]`` and ``[B, L, layers, k]`` extras are cut on dim 1 alike. Per-sequence
+        ``[B]`` extras are kept whole."""
         width = max(2, int(self.attention_mask.sum(1).max())) if len(self) else self.input_ids.shape[1]
         if width >= self.input_ids.shape[1]:
             return self

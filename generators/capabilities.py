@@ -57,6 +57,10 @@ class EngineCapabilities:
         library: the top-level module of the engine library (``vllm``); empty = none beyond
             this package's dependencies.
         install: how to install ``library``, for the one-line error when it is missing.
+        records_routing: it reports the experts a mixture-of-experts model routed each token to
+            (``SamplingParams.return_routed_experts``), for ``algorithm.routing_replay``.
+        routing_requires: the ``generator.<key>`` (dotted, a bool) that must be true for it to
+            record routing (``vllm.enforce_eager``: hooks a compiled model would not run); empty = none.
 
     Raises:
         ValueError: an unknown ``protocol`` or ``partial_rollout`` mode (at class definition).
@@ -75,6 +79,8 @@ class EngineCapabilities:
     device_key: str = ""
     library: str = ""
     install: str = ""
+    records_routing: bool = False
+    routing_requires: str = ""
 
     def __post_init__(self) -> None:
         if self.protocol not in WIRE_PROTOCOLS:
@@ -83,6 +89,16 @@ class EngineCapabilities:
         bad = [m for m in self.partial_rollout if m not in ("keep", "abort")]
         if bad:
             raise ValueError(f"engine {self.name}: unknown partial_rollout mode {bad[0]!r} (keep or abort)")
+
+    def routing_blocked_by(self, generator_cfg: Any) -> str | None:
+        """Why this engine cannot record routing under ``generator_cfg`` (a ``GeneratorConfig``),
+        as the ``generator.<key>=value`` to change, or ``None`` when it can."""
+        if not self.routing_requires:
+            return None
+        value: Any = generator_cfg
+        for part in self.routing_requires.split("."):
+            value = getattr(value, part)
+        return None if value else f"generator.{self.routing_requires}={value}"
 
     def context_length(self, generator_cfg: Any) -> int:
         """The engine's configured context cap in tokens (``context_key`` read from a

@@ -352,7 +352,8 @@ class HFGenerator:
     """
 
     # Decodes on the caller's threads, in its process: it can be the learner's colocated engine.
-    capabilities = EngineCapabilities(name="HF", colocated=True, separate_processes=False, device_key="hf.device")
+    capabilities = EngineCapabilities(name="HF", colocated=True, separate_processes=False, device_key="hf.device",
+                                      records_routing=True)
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int, device: str = "cpu",
                  lora=None) -> None:

@@ -35,6 +35,8 @@ class LearnerCapabilities:
         model_parallel: the integer keys of ``parallel_settings`` whose product splits one model
             replica over ranks (``tensor_parallel_size``, ``pipeline_parallel_size``); the data
             parallel size is ``learner.world_size`` divided by that product.
+        moe_aux_losses: adds a mixture-of-experts policy's load-balancing and z-losses
+            (``algorithm.moe_aux_loss_coef``, ``moe_z_loss_coef``).
     """
 
     name: str
@@ -43,6 +45,7 @@ class LearnerCapabilities:
     hf_attention: bool
     parallel_settings: str = ""
     model_parallel: tuple[str, ...] = ()
+    moe_aux_losses: bool = False
 
 
 LEARNERS = BackendRegistry("learner backend", "learner.backend", LearnerCapabilities)

@@ -86,7 +86,8 @@ class FSDPLearner(LearnerCore):
             decoder layers to shard, or the critic's backbone does not match the policy's weights.
     """
 
-    capabilities = LearnerCapabilities(name="FSDP2", lora=True, cpu_offload=True, hf_attention=True)
+    capabilities = LearnerCapabilities(name="FSDP2", lora=True, cpu_offload=True, hf_attention=True,
+                                       moe_aux_losses=True)
     """Every rank data parallel over the Hugging Face model; adapters and CPU offload supported."""
 
     shard_one_rank: bool = False

