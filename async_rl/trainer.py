@@ -100,6 +100,8 @@ def _train(cfg: "Config") -> dict[str, Any]:
                 ctx.cluster.save(ctx.run_dir)
             run_steps(ctx, loop, progress)
             progress.summary.update(loop.close())
+            if (late := loop.evaluation_after_last_step()) is not None:
+                record_late_eval(ctx, progress, late)
             loop = None
             finish(ctx, progress)
             failed = False
@@ -474,6 +476,15 @@ def record_eval(ctx: RunContext, progress: Progress, step: int, metrics: dict[st
     (``eval_final``), and those of the last quarter of the steps (``eval_tail_mean``)."""
     progress.summary["eval_final"] = metrics["eval/accuracy"]
     if step > 0.75 * ctx.cfg.trainer.total_steps:
+        progress.tail_evals.append(metrics["eval/accuracy"])
+
+
+def record_late_eval(ctx: RunContext, progress: Progress, metrics: dict[str, float]) -> None:
+    """Log an evaluation on the async pool that ended only after the last step, as its own
+    record at that step; it counts towards ``eval_tail_mean`` like any other started in the last
+    quarter, never as ``eval_final`` (the colocated evaluation of the final policy is that)."""
+    ctx.log.log(metrics, step=progress.last_step)
+    if metrics["eval/started_step"] > 0.75 * ctx.cfg.trainer.total_steps:
         progress.tail_evals.append(metrics["eval/accuracy"])
 
 

@@ -212,6 +212,35 @@ def test_async_run_evaluates_on_the_pool_while_training(tmp_path, ray_session):
     assert all(np.isfinite(r["eval/accuracy"]) for r in pooled)
 
 
+def test_an_evaluation_that_ends_as_the_run_closes_is_logged_or_abandoned(tmp_path, ray_session, monkeypatch):
+    """Regression: an evaluation whose last group arrived only as the loop closed was neither
+    logged nor counted. Its results are held back here until ``close``, so the one started
+    after step 2 is still running at steps 4 and 6 (both skipped) and ends only at close."""
+    from async_rl.loops.async_loop import AsyncLoop
+    from async_rl.trainer import train
+
+    closing = threading.Event()
+    poll, close = PoolEvaluation.poll, AsyncLoop.close
+    monkeypatch.setattr(PoolEvaluation, "poll", lambda self: poll(self) if closing.is_set() else None)
+
+    def close_then_poll(self):
+        closing.set()
+        return close(self)
+
+    monkeypatch.setattr(AsyncLoop, "close", close_then_poll)
+    cfg = small_run_cfg(tmp_path, "late_eval", "trainer.mode=async", "trainer.total_steps=8",
+                        "trainer.eval_every_steps=2")
+    summary = train(cfg)
+    lines = [json.loads(line) for line in (tmp_path / "late_eval" / "metrics.jsonl").read_text().splitlines()]
+    pooled = [r for r in lines if "eval/started_step" in r]
+    assert summary["eval/skipped_busy"] == 2
+    assert len(pooled) + summary["eval/abandoned"] == 1
+    for r in pooled:  # logged at the last step, apart from the final evaluation's record
+        assert r["eval/started_step"] == 2 and r["step"] == 8 and "timing/eval_s" not in r
+    (final,) = [r for r in lines if r["step"] == 8 and "timing/eval_s" in r]
+    assert summary["eval_final"] == final["eval/accuracy"]
+
+
 def test_the_pool_evaluation_bench_prints_its_ratio(tmp_path, ray_session, monkeypatch, capsys):
     """The bench's machinery in a short form (its figures come from the full run by hand)."""
     from pipeline_helpers import bench_module

@@ -91,6 +91,7 @@ class AsyncLoop:
     def __init__(self, ctx: RunContext, resume_state: dict[str, Any] | None = None) -> None:
         self.ctx = ctx
         self._closed = False
+        self._late_evaluation: dict[str, float] | None = None
         cfg, t_cfg, g_cfg = ctx.cfg, ctx.cfg.trainer, ctx.cfg.generator
         self.n = t_cfg.samples_per_prompt
         self.groups_per_step = t_cfg.prompts_per_step
@@ -402,6 +403,11 @@ class AsyncLoop:
             logger.warning("generator pool reward counts: %s", e)
         return summary
 
+    def evaluation_after_last_step(self) -> dict[str, float] | None:
+        """The evaluation on the pool whose last group arrived only as ``close`` drained the
+        intake (its metrics, tagged ``eval/started_step``), or ``None``."""
+        return self._late_evaluation
+
     def close(self) -> dict[str, Any]:
         """Stop the dispatcher, the workers and the receiver; returns ``pipeline/*`` summary entries
         and the actors' reward call totals (``reward/*``, ``reward/first_error``).
@@ -426,8 +432,8 @@ class AsyncLoop:
         if self.evaluation is not None:
             if (done := self.evaluation.poll()) is None:
                 self.evaluation.abandon("the run ended before its last group arrived")
-            elif done:
-                logger.info("an evaluation on the pool ended after the last step: %s", done)
+            else:  # its last group arrived after the last step: still a measurement, logged
+                self._late_evaluation = done
         summary = self._summary()
         ray.get(self.broker.close.remote())
         self.receiver.close()

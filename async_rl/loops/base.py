@@ -298,6 +298,11 @@ class Loop(Protocol):
     def close(self) -> dict[str, Any]:
         """Stop what the loop started; returns summary entries (idempotent)."""
 
+    def evaluation_after_last_step(self) -> dict[str, float] | None:
+        """After ``close``: the metrics of an evaluation started between steps that ended only
+        as the loop closed (tagged ``eval/started_step``), for the trainer to log; ``None``
+        when there was none (one still unfinished then is abandoned and counted)."""
+
 
 class GeneratorsGone(RuntimeError):
     """Every generator actor of the async pool (``async_rl.loops.pool``) died or was retired

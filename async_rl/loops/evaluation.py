@@ -12,7 +12,9 @@ any of their tokens was sampled with; ``eval/policy_version_max`` the newest: an
 between two groups) and ``eval/started_step``; ``eval/wall_s`` is the time from start to the last
 group. One evaluation runs at a time; one due while another runs is skipped and counted
 (``eval/skipped_busy``). A generator lost while an evaluation runs abandons it
-(``eval/abandoned``): its groups are not re-issued, the next evaluation is sampled afresh.
+(``eval/abandoned``): its groups are not re-issued, the next evaluation is sampled afresh. At
+the end of a run, one whose last group arrives as the loop closes is logged at the last step
+(``AsyncLoop.evaluation_after_last_step``); one still unfinished then is abandoned, counted.
 """
 
 from __future__ import annotations

@@ -189,3 +189,7 @@ class SyncLoop:
         """Nothing to stop (the engine belongs to the trainer); returns the training reward
         calls' totals (``reward/*``, ``reward/first_error``)."""
         return {**self.ctx.scorer.counts(), "reward/first_error": self.ctx.scorer.first_error}
+
+    def evaluation_after_last_step(self) -> None:
+        """Sync mode evaluates between steps on the colocated engine: nothing runs on."""
+        return None
