@@ -20,6 +20,8 @@ loading code that reads a user's model directory or verl parquet reads them too:
   (``async_rl.data.architectures``).
 - ``builtin:small-qwen2``: a Qwen2 of the same kind about 5x larger (4.8M parameters, 512
   positions, the same tokenizer), for tasks whose prompts are sentences (``SMALL_QWEN2_SPEC``).
+- ``builtin:tiny-qwen2-vl``: a tiny Qwen2-VL vision-language model with its image processor and
+  the tokenizer with Qwen2-VL's image markup (``async_rl.data.vision``).
 - ``builtin:tiny-qwen2-reward``: the same tiny Qwen2 with a scalar head
   (``Qwen2ForSequenceClassification``, one label), a reward model for ``reward.model``.
 
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.data.architectures import ARCH_SPECS, build_arch
+from async_rl.data.vision import TINY_QWEN2_VL_SPEC, build_tiny_qwen2_vl
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -177,6 +180,25 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+"""Qwen2-VL's image markup, special tokens of the vision-language tokenizer (``vision=True``): an
+image is ``<|vision_start|>`` + one ``<|image_pad|>`` per merged patch + ``<|vision_end|>``."""
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML with multimodal content: a message's ``content`` is a string or a list of parts
+``{"type": "text", "text": ...}`` / ``{"type": "image"}`` (the OpenAI and transformers layout);
+an image part renders as one ``<|image_pad|>``, which the processor expands to the image's
+merged-patch count (Qwen2-VL's template does the same)."""
 # Role names as single tokens keep the tiny model's prompts short (14 tokens for "37+45=").
 ROLE_TOKENS = ["system", "user", "assistant"]
 
@@ -212,13 +234,16 @@ def _build_cached(name: str, spec: dict[str, Any], build) -> Path:
     return target
 
 
-def build_tokenizer(out_dir: Path, tools: bool = False, model_max_length: int | None = None):
+def build_tokenizer(out_dir: Path, tools: bool = False, model_max_length: int | None = None,
+                    vision: bool = False):
     """Write a byte-level BPE tokenizer with ChatML special tokens to ``out_dir``.
 
     Vocabulary: the 256 byte symbols, three special tokens (``<|endoftext|>`` = pad,
     ``<|im_start|>``, ``<|im_end|>`` = EOS) and the role names as single tokens; no merges, so
     any UTF-8 text round-trips exactly. With ``tools``: also the tool-call markup as single
-    (non-special) tokens and the tool-aware chat template ``TOOLS_CHAT_TEMPLATE``.
+    (non-special) tokens and the tool-aware chat template ``TOOLS_CHAT_TEMPLATE``. With ``vision``:
+    also ``VISION_TOKENS`` (special, after the others, so every other id is unchanged) and
+    ``VISION_CHAT_TEMPLATE``.
     ``model_max_length``: the model's positions (default: the tiny model's, 256, or 512 with
     ``tools``).
 
@@ -234,7 +259,7 @@ def build_tokenizer(out_dir: Path, tools: bool = False, model_max_length: int | 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_tokens(ROLE_TOKENS + (TOOL_TOKENS if tools else []))
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(SPECIAL_TOKENS + (VISION_TOKENS if vision else []))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -244,7 +269,7 @@ def build_tokenizer(out_dir: Path, tools: bool = False, model_max_length: int | 
         model_max_length=model_max_length or (TINY_QWEN2_TOOLS_SPEC if tools else
                                               TINY_QWEN2_SPEC)["max_position_embeddings"],
         padding_side="left",
-        chat_template=TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
+        chat_template=VISION_CHAT_TEMPLATE if vision else TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
     )
     fast.save_pretrained(out_dir)
     return fast
@@ -480,6 +505,7 @@ _BUILDERS = {
     "tiny-qwen2-tools": (TINY_QWEN2_TOOLS_SPEC, lambda out: build_qwen2(out, TINY_QWEN2_TOOLS_SPEC)),
     "tiny-qwen2-reward": (TINY_QWEN2_REWARD_SPEC, _build_tiny_qwen2_reward),
     "small-qwen2": (SMALL_QWEN2_SPEC, lambda out: build_qwen2(out, SMALL_QWEN2_SPEC)),
+    "tiny-qwen2-vl": (TINY_QWEN2_VL_SPEC, lambda out: build_tiny_qwen2_vl(out, build_tokenizer)),
     "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
     "chainsum": (CHAINSUM_SPEC, _build_chainsum),
     "calc": (CALC_SPEC, _build_calc),
