@@ -1,0 +1,203 @@
+"""Images in prompts: decoding, resizing once, processing into what a vision-language model takes.
+
+A row of a vision-language dataset (the verl layout) holds an ``images`` column next to
+``prompt``: a list of images, each raw encoded bytes (PNG, JPEG, ...), a ``{"bytes": ..., "path":
+...}`` mapping (how Hugging Face ``datasets`` stores an ``Image`` feature in parquet) or a file
+path (absolute, or relative to the data file's directory). ``decode_image`` turns one into an
+RGB ``PIL.Image`` or raises ``BadImageError`` with one of ``BAD_IMAGE_REASONS``, so a dataset can
+count the row's rejection by reason.
+
+``ImageProcessing`` wraps the model's own image processor (``preprocessor_config.json``, loaded
+with transformers' ``AutoImageProcessor``; for Qwen2-VL the Pillow implementation, which needs no
+torchvision) with the run's pixel bounds, and turns a prompt's images into ``ImageInputs``:
+the resized images (kept for engines that take images, as vLLM does), ``pixel_values`` and
+``image_grid_thw`` (what transformers' model takes), computed once per prompt. The prompt's
+token ids carry one image placeholder token per merged patch (``expand_image_tokens``), so
+``data.max_prompt_tokens`` and every token budget count image tokens as the model sees them.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+BAD_IMAGE_REASONS = ("image_not_decodable", "image_missing_path", "image_bad_type", "image_bad_mode",
+                     "image_too_small", "image_count_mismatch")
+"""Why a row's image was refused (``BadImageError.reason``): bytes that no image decoder reads
+(corrupt, truncated, not an image); a path that names no file; a value that is neither bytes,
+a ``{"bytes", "path"}`` mapping nor a path string; a pixel mode that has no RGB conversion (for
+example 16-bit or floating-point single-channel); fewer than one pixel on a side; a row whose
+number of images differs from its number of image placeholders."""
+
+IMAGE_MODES_CONVERTIBLE = ("RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", "LAB", "HSV", "I;16")
+"""Pillow modes that convert to RGB without losing what the picture shows (palette, grey,
+alpha over black, CMYK, ...); any other mode (``I``, ``F``: 32-bit integer or float channels,
+whose range Pillow's conversion clips) is refused as ``image_bad_mode``."""
+
+
+class BadImageError(ValueError):
+    """An image of a dataset row that cannot be used; ``reason`` is one of ``BAD_IMAGE_REASONS``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        if reason not in BAD_IMAGE_REASONS:
+            raise ValueError(f"unknown bad-image reason {reason!r}")
+        super().__init__(message)
+        self.reason = reason
+
+
+def decode_image(value: Any, base_dir: Path | None = None):
+    """One image of a row's ``images`` as an RGB ``PIL.Image`` (fully loaded).
+
+    Args:
+        value: encoded bytes, a ``{"bytes": bytes | None, "path": str | None}`` mapping (bytes win
+            when both are set), or a path (relative to ``base_dir`` when not absolute).
+        base_dir: where relative paths start (the data file's directory).
+
+    Raises:
+        BadImageError: ``image_bad_type``, ``image_missing_path``, ``image_not_decodable``,
+            ``image_bad_mode`` or ``image_too_small`` (see ``BAD_IMAGE_REASONS``).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+        value = data if data else path
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        source, where = io.BytesIO(bytes(value)), f"{len(value)} bytes"
+    elif isinstance(value, (str, Path)) and str(value):
+        path = Path(value)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_file():
+            raise BadImageError("image_missing_path", f"image file {str(path)!r} does not exist")
+        source, where = path, repr(str(path))
+    else:
+        raise BadImageError("image_bad_type", f"an image must be bytes, a {{'bytes', 'path'}} mapping or a "
+                                              f"path, got {type(value).__name__}")
+    try:
+        with Image.open(source) as img:
+            img.load()
+            mode, size = img.mode, img.size
+            if mode not in IMAGE_MODES_CONVERTIBLE:
+                raise BadImageError("image_bad_mode", f"image ({where}) has pixel mode {mode!r}, which has no "
+                                                      f"RGB conversion; use one of {', '.join(IMAGE_MODES_CONVERTIBLE)}")
+            if min(size) < 1:
+                raise BadImageError("image_too_small", f"image ({where}) is {size[0]}x{size[1]} pixels")
+            if mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in img.info):
+                # Transparent pixels over black, as the processors' own convert_rgb does.
+                img = img.convert("RGBA")
+                rgb = Image.new("RGB", img.size)
+                rgb.paste(img, mask=img.getchannel("A"))
+                return rgb
+            return img.convert("RGB")
+    except BadImageError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:  # Pillow's decoders raise these
+        raise BadImageError("image_not_decodable", f"image ({where}) cannot be decoded: {e}") from e
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """A prompt's images as the model takes them, computed once (``ImageProcessing.process``).
+
+    Attributes:
+        images: the RGB images, resized to the processor's grid (sides multiples of
+            ``patch_size * merge_size`` pixels, area within the pixel bounds).
+        pixel_values: ``[num_patches, channels * temporal_patch_size * patch_size**2]`` float32,
+            the images' normalised patches in order (Qwen2-VL: ``[sum(t*h*w), 1176]``).
+        image_grid_thw: ``[num_images, 3]`` int64: frames, rows and columns of patches per image.
+        merge_size: patches merged per side into one language-model token.
+    """
+
+    images: tuple[Any, ...]
+    pixel_values: np.ndarray
+    image_grid_thw: np.ndarray
+    merge_size: int
+
+    @property
+    def tokens_per_image(self) -> list[int]:
+        """Placeholder tokens each image takes in the prompt: ``t * h * w // merge_size**2``."""
+        return [int(t * h * w) // self.merge_size ** 2 for t, h, w in self.image_grid_thw.tolist()]
+
+
+class ImageProcessing:
+    """The model's image processor with the run's pixel bounds (see the module docstring).
+
+    Args:
+        model_path: a model directory with ``preprocessor_config.json``.
+        image_token_id: the placeholder token id (``config.image_token_id``).
+        min_pixels, max_pixels: bounds on an image's area after resizing (pixels); ``None`` keeps
+            the processor's own.
+
+    Raises:
+        ValueError: the directory has no image processor, or ``min_pixels > max_pixels``.
+    """
+
+    def __init__(self, model_path: str, image_token_id: int, min_pixels: int | None = None,
+                 max_pixels: int | None = None) -> None:
+        from transformers import AutoImageProcessor
+
+        if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+            raise ValueError(f"image min_pixels ({min_pixels}) exceeds max_pixels ({max_pixels})")
+        overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(model_path, **overrides)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{model_path}: no image processor (preprocessor_config.json) for a "
+                             f"vision-language model: {e}") from e
+        if overrides:  # Qwen2-VL's processor reads its bounds from `size`, kept in step with these
+            self.processor.size = {"shortest_edge": overrides.get("min_pixels", self.processor.size["shortest_edge"]),
+                                   "longest_edge": overrides.get("max_pixels", self.processor.size["longest_edge"])}
+        self.image_token_id = int(image_token_id)
+        self.merge_size = int(getattr(self.processor, "merge_size", 1))
+        self.patch_size = int(getattr(self.processor, "patch_size", 14))
+
+    def process(self, images: Sequence[Any]) -> ImageInputs:
+        """Resize ``images`` (RGB ``PIL.Image``) once and compute their patches.
+
+        Raises:
+            BadImageError: ``image_too_small`` for an image the processor cannot resize to one
+                merged patch (its error, one line).
+        """
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor = self.patch_size * self.merge_size
+        size = self.processor.size
+        resized = []
+        for img in images:
+            try:
+                h, w = smart_resize(img.height, img.width, factor=factor, min_pixels=size["shortest_edge"],
+                                    max_pixels=size["longest_edge"])
+            except ValueError as e:
+                raise BadImageError("image_too_small", f"image of {img.width}x{img.height} pixels: {e}") from e
+            resized.append(img if (img.width, img.height) == (w, h) else img.resize((w, h), resample=3))
+        out = self.processor(images=resized, return_tensors="np")
+        return ImageInputs(tuple(resized), np.ascontiguousarray(out["pixel_values"], dtype=np.float32),
+                           np.asarray(out["image_grid_thw"], dtype=np.int64), self.merge_size)
+
+
+def expand_image_tokens(prompt_ids: Sequence[int], inputs: ImageInputs, image_token_id: int) -> list[int]:
+    """``prompt_ids`` with its k-th image placeholder repeated ``inputs.tokens_per_image[k]`` times.
+
+    Raises:
+        BadImageError: ``image_count_mismatch``: the number of placeholders differs from the
+            number of images.
+    """
+    counts = inputs.tokens_per_image
+    positions = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
+    if len(positions) != len(counts):
+        raise BadImageError("image_count_mismatch", f"the prompt has {len(positions)} image placeholder(s) for "
+                                                    f"{len(counts)} image(s)")
+    out: list[int] = []
+    k = 0
+    for t in prompt_ids:
+        if t == image_token_id:
+            out.extend([t] * counts[k])
+            k += 1
+        else:
+            out.append(t)
+    return out
