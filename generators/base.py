@@ -290,20 +290,26 @@ class Generator(Protocol):
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  seeds: Sequence[int] | None = None,
-                 on_sample: Callable[[int, int, "Sample"], None] | None = None) -> list[list["Sample"]]:
+                 on_sample: Callable[[int, int, "Sample"], None] | None = None,
+                 images: Sequence[Any] | None = None) -> list[list["Sample"]]:
         """Sample ``n`` responses for each prompt; returns one list of ``n`` samples per prompt.
 
         Args:
-            prompts: prompt token id lists.
+            prompts: prompt token id lists (a prompt with images holds one image placeholder
+                token per merged patch: ``async_rl.data.images.expand_image_tokens``).
             n: samples per prompt (>= 1).
             params: sampling settings (``stop_token_ids`` not empty).
             seeds: one per prompt: sample j of prompt i then depends only on ``(seeds[i], j)`` and
                 the weights, not on the batch it was generated in.
             on_sample: ``(prompt index, sample index, sample)``, called as each sample finishes
                 (from the engine's decoding thread), so a caller can stream them.
+            images: one ``async_rl.data.images.ImageInputs`` or ``None`` per prompt, for a
+                vision-language model on an engine whose capabilities say ``serves_images``;
+                ``None`` = text only.
 
         Raises:
-            ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
+            ValueError: ``n < 1``, no stop token ids, ``seeds`` or ``images`` of the wrong
+                length, or images for a model without a vision tower.
             RuntimeError: the engine is unusable (an update failed after its first write) until a
                 complete update succeeds.
         """

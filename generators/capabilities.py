@@ -61,6 +61,8 @@ class EngineCapabilities:
             (``SamplingParams.return_routed_experts``), for ``algorithm.routing_replay``.
         routing_requires: the ``generator.<key>`` (dotted, a bool) that must be true for it to
             record routing (``vllm.enforce_eager``: hooks a compiled model would not run); empty = none.
+        serves_images: it samples from prompts with images (``generate``'s ``images``: a
+            vision-language model's ``ImageInputs`` per prompt, ``async_rl.data.images``).
 
     Raises:
         ValueError: an unknown ``protocol`` or ``partial_rollout`` mode (at class definition).
@@ -81,6 +83,7 @@ class EngineCapabilities:
     install: str = ""
     records_routing: bool = False
     routing_requires: str = ""
+    serves_images: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in WIRE_PROTOCOLS:
