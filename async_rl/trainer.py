@@ -31,10 +31,11 @@ from async_rl.step.episodes import (data_file, env_gives_reward, environment_ser
 from async_rl.config import to_dict, to_yaml
 from async_rl.utils.cpu_threads import available_cores, user_num_threads
 from async_rl.data.builtin import resolve
-from async_rl.data.dataset import PromptDataset
+from async_rl.data.dataset import PromptDataset, image_processing_for
 from async_rl.step.evaluation import EvalAtK, evaluate, warm_start
 from async_rl.runtime.inputs import check_inputs
 from async_rl.utils.leftovers import sweep_at_start
+from async_rl.utils.vision import PromptImages
 from async_rl.generators import make_generator
 from async_rl.generators.base import Generator, SamplingParams
 from async_rl.runtime.cluster import (LOOPBACK, Cluster, PlacementConfig, cpus_restored, pin_process,
@@ -239,9 +240,11 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     rows_env = rollout_env_config(cfg)  # whose rows ``env:<split>`` data files are
     train_ds = PromptDataset([data_file(f, rows_env) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle,
                              tools=tools, reference_fields=t_cfg.warm_start.reference_fields(),
-                             reference_hint=WARM_START_HINT, on_bad_row=d.on_bad_row)
+                             reference_hint=WARM_START_HINT, on_bad_row=d.on_bad_row,
+                             images=image_processing_for(model_path, d))
     val_ds = (PromptDataset([data_file(f, rows_env) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
-                            limit=d.val_max_prompts, tools=tools, on_bad_row=d.on_bad_row) if d.val_files else None)
+                            limit=d.val_max_prompts, tools=tools, on_bad_row=d.on_bad_row,
+                            images=image_processing_for(model_path, d)) if d.val_files else None)
     if not cfg.reward.fn and not cfg.reward.model and not env_gives_reward(rows_env):
         # Fail before training, not as a reward error on every sample: each data_source needs a reward.
         for source in {p.data_source for ds in (train_ds, val_ds) if ds is not None for p in ds.prompts}:
@@ -303,7 +306,8 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
                                       protocol=engine_protocol(cfg.generator.backend if cfg.trainer.mode == "sync" else "hf")),
             run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
             agent=agent, cluster=cluster, service_cores=service,
-            eval_at_k=EvalAtK.from_config(t_cfg, SamplingParams.from_config(cfg.generator, stops)))
+            eval_at_k=EvalAtK.from_config(t_cfg, SamplingParams.from_config(cfg.generator, stops)),
+            prompt_images=PromptImages(train_ds))
     except BaseException:
         # Nothing of a run that could not be built may outlive it: the engine, the learner's
         # ranks, and a Ray instance this run started (a later ray.init in this process would fail).

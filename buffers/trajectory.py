@@ -398,14 +398,17 @@ class TrainBatch:
         """The batch cut to its longest row (right padding beyond it removed): ``[B, L']`` and
         ``[B, L'-1]`` tensors with ``L' = max(attention_mask.sum(1))`` (at least 2 columns);
         ``[B, L-1, K]`` and ``[B, L, layers, k]`` extras are cut on dim 1 alike. Per-sequence
-        ``[B]`` extras are kept whole."""
+        ``[B]`` extras and the image extras (``IMAGE_EXTRAS``) are kept whole."""
         width = max(2, int(self.attention_mask.sum(1).max())) if len(self) else self.input_ids.shape[1]
         if width >= self.input_ids.shape[1]:
             return self
         full = self.input_ids.shape[1]
         cut = lambda t: t[:, :width] if t.dim() >= 2 and t.shape[1] == full else (  # noqa: E731
             t[:, : width - 1] if t.dim() >= 2 and t.shape[1] == full - 1 else t)
-        return self._map(cut, per_sequence=lambda t: t)
+        trimmed = self._map(cut, per_sequence=lambda t: t)
+        # A row's patches may number exactly L or L-1: the image extras are not token-aligned.
+        trimmed.extras.update({k: v for k, v in self.extras.items() if k in IMAGE_EXTRAS})
+        return trimmed
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -418,7 +421,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
-            advantages: Sequence[Sequence[float]] | None = None) -> TrainBatch:
+            advantages: Sequence[Sequence[float]] | None = None, images: Sequence[Any] | None = None) -> TrainBatch:
     """Right-pad trajectories into a ``TrainBatch``.
 
     Args:
@@ -426,6 +429,10 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         pad_token_id: id written into padded ``input_ids`` slots (never attended, never trained).
         advantages: optional per-response-token advantages, one sequence of length R_i per
             trajectory; zeros when ``None``.
+        images: optional, one per trajectory: its prompt's ``ImageInputs``
+            (``async_rl.data.images``; ``pixel_values`` ``[N_i, D]``, ``image_grid_thw``
+            ``[I_i, 3]``) or ``None`` (a vision-language run: the trainer's dataset holds each
+            prompt's images once and looks them up by ``prompt_uid``).
 
     Returns:
         The batch with L = max over trajectories of (P_i + R_i). When the trajectories carry the
@@ -441,7 +448,11 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         what ``torch.gather`` takes) and ``extras["teacher_topk_logprobs"]`` (float32), both
         ``[B, L-1, K]``, hold trajectory i's R_i rows in the same slots, 0 elsewhere (id 0 in a
         slot outside the response: masked, never a signal). They are there when at least one
-        trajectory has a top-k, by the same rule as ``teacher_logprobs``.
+        trajectory has a top-k, by the same rule as ``teacher_logprobs``. With images,
+        ``extras["pixel_values"]`` ``[B, max N_i, D]`` float32 (row i's patches, then zeros) and
+        ``extras["image_grid_thw"]`` ``[B, max I_i, 3]`` int64 (row i's grids, then zero rows: no
+        image), per row so that ``TrainBatch.select`` keeps a row's images with it
+        (``IMAGE_EXTRAS``).
 
     Raises:
         ValueError: for an empty list, an advantage row whose length is not R_i, a batch that
@@ -449,7 +460,8 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
             message names the first without: a run either has a teacher or not, so the mix is a
             routing bug, and zeros in its place would train towards log-prob 0), the same mix
             for the top-k, or top-k trajectories of different K (the message names the first
-            whose K differs from the batch's first: one run has one K).
+            whose K differs from the batch's first: one run has one K); ``images`` of another
+            length than ``trajectories``.
     """
     if not trajectories:
         raise ValueError("collate() needs at least one trajectory")
@@ -469,22 +481,7 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
             raise ValueError(f"collate: trajectory {missing.trajectory_id} has no teacher_logprobs, but "
                              f"{sum(with_teacher)} of the batch's {B} trajectories have them")
         teacher = np.zeros((B, L - 1), dtype=np.float32)
-    with_topk = [t.teacher_topk_ids.size > 0 for t in trajectories]
-    topk_ids = topk_lps = None
-    if any(with_topk):
-        missing = next((t for t, has in zip(trajectories, with_topk) if not has and len(t.response_ids)), None)
-        if missing is not None:
-            raise ValueError(f"collate: trajectory {missing.trajectory_id} has no teacher_topk_ids, but "
-                             f"{sum(with_topk)} of the batch's {B} trajectories have them")
-        first = trajectories[with_topk.index(True)]
-        k = first.teacher_topk_ids.shape[1]
-        other = next((t for t, has in zip(trajectories, with_topk) if has and t.teacher_topk_ids.shape[1] != k), None)
-        if other is not None:  # one [B, L-1, K] tensor cannot hold both; one run asks its teacher for one K
-            raise ValueError(f"collate: trajectory {other.trajectory_id} has a teacher top-"
-                             f"{other.teacher_topk_ids.shape[1]}, but the batch's first with a top-k "
-                             f"({first.trajectory_id}) has a top-{k}")
-        topk_ids = np.zeros((B, L - 1, k), dtype=np.int64)
-        topk_lps = np.zeros((B, L - 1, k), dtype=np.float32)
+    topk_ids, topk_lps = _topk_buffers(trajectories, L)
     with_routing = [t.routed_experts.size > 0 for t in trajectories]
     routing = None
     if any(with_routing):
@@ -528,6 +525,57 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int,
         extras={**({} if teacher is None else {"teacher_logprobs": torch.from_numpy(teacher)}),
                 **({} if topk_ids is None else {"teacher_topk_ids": torch.from_numpy(topk_ids),
                                                 "teacher_topk_logprobs": torch.from_numpy(topk_lps)}),
-                **({} if routing is None else {"routed_experts": torch.from_numpy(routing)})},
+                **({} if routing is None else {"routed_experts": torch.from_numpy(routing)}),
+                **_image_extras(trajectories, images)},
     )
+
+
+def _topk_buffers(trajectories: Sequence[Trajectory], L: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``collate``'s zeroed ``[B, L-1, K]`` int64 top-k ids and float32 log-probs, or
+    ``(None, None)`` when no trajectory has a teacher top-k.
+
+    Raises:
+        ValueError: some trajectories (R_i > 0) with a top-k and some without, or two Ks.
+    """
+    B = len(trajectories)
+    with_topk = [t.teacher_topk_ids.size > 0 for t in trajectories]
+    if not any(with_topk):
+        return None, None
+    missing = next((t for t, has in zip(trajectories, with_topk) if not has and len(t.response_ids)), None)
+    if missing is not None:
+        raise ValueError(f"collate: trajectory {missing.trajectory_id} has no teacher_topk_ids, but "
+                         f"{sum(with_topk)} of the batch's {B} trajectories have them")
+    first = trajectories[with_topk.index(True)]
+    k = first.teacher_topk_ids.shape[1]
+    other = next((t for t, has in zip(trajectories, with_topk) if has and t.teacher_topk_ids.shape[1] != k), None)
+    if other is not None:  # one [B, L-1, K] tensor cannot hold both; one run asks its teacher for one K
+        raise ValueError(f"collate: trajectory {other.trajectory_id} has a teacher top-"
+                         f"{other.teacher_topk_ids.shape[1]}, but the batch's first with a top-k "
+                         f"({first.trajectory_id}) has a top-{k}")
+    return np.zeros((B, L - 1, k), dtype=np.int64), np.zeros((B, L - 1, k), dtype=np.float32)
+
+
+IMAGE_EXTRAS = ("pixel_values", "image_grid_thw")
+"""``TrainBatch.extras`` of a vision-language batch (``collate``'s ``images``): per row, padded
+on their own axis (patches, images), not on the token axis, so ``TrainBatch.trimmed`` keeps them."""
+
+
+def _image_extras(trajectories: Sequence[Trajectory], images: Sequence[Any] | None) -> dict[str, torch.Tensor]:
+    """``collate``'s ``pixel_values`` ``[B, max N_i, D]`` float32 and ``image_grid_thw``
+    ``[B, max I_i, 3]`` int64 extras, or ``{}`` when no trajectory has images."""
+    if images is None:
+        return {}
+    if len(images) != len(trajectories):
+        raise ValueError(f"collate: {len(images)} image entries for {len(trajectories)} trajectories")
+    present = [x for x in images if x is not None and len(x.image_grid_thw)]
+    if not present:
+        return {}
+    dim = present[0].pixel_values.shape[1]
+    pixels = np.zeros((len(images), max(len(x.pixel_values) for x in present), dim), dtype=np.float32)
+    grids = np.zeros((len(images), max(len(x.image_grid_thw) for x in present), 3), dtype=np.int64)
+    for i, x in enumerate(images):
+        if x is not None and len(x.image_grid_thw):
+            pixels[i, : len(x.pixel_values)] = x.pixel_values
+            grids[i, : len(x.image_grid_thw)] = x.image_grid_thw
+    return {"pixel_values": torch.from_numpy(pixels), "image_grid_thw": torch.from_numpy(grids)}
 

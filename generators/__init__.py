@@ -48,23 +48,28 @@ def make_generator(cfg, model_path: str, pad_token_id: int, num_threads: int = 0
 
 
 def check_model(cfg, model_spec: str) -> None:
-    """Refuse at start a model the engine ``cfg.backend`` names cannot serve on this platform: the
-    engine class's ``check_model(hf_config, model_path)`` where it has one (vLLM's; the HF engine
-    serves whatever transformers loads), given the model's ``config.json``. ``model_spec``: a
-    model directory or ``builtin:NAME`` (resolved, i.e. built, only for an engine that checks).
-    Starts nothing and imports no engine library.
+    """Refuse at start a model the engine ``cfg.backend`` names cannot serve on this platform: a
+    vision-language model on an engine whose capabilities lack ``serves_images``, then the engine
+    class's ``check_model(hf_config, model_path)`` where it has one (vLLM's; the HF engine serves
+    whatever transformers loads), given the model's ``config.json``. ``model_spec``: a model
+    directory or ``builtin:NAME`` (resolved, i.e. built when not cached). Starts nothing and
+    imports no engine library.
 
     Raises:
         ValueError: an unknown backend (``engine_class``).
         UnservableModelError: (a ``ValueError``) one line naming the engine, the value and what would work.
     """
-    from async_rl.generators.capabilities import engine_class
-
-    check = getattr(engine_class(cfg.backend), "check_model", None)
-    if check is None:
-        return
     from async_rl.data.builtin import resolve
-    from async_rl.generators.model_support import read_hf_config
+    from async_rl.generators.capabilities import engine_class, engines_that
+    from async_rl.generators.model_support import UnservableModelError, read_hf_config
 
+    cls = engine_class(cfg.backend)
     path = resolve(model_spec)
-    check(read_hf_config(path), path)
+    hf_config = read_hf_config(path)
+    if hf_config.get("vision_config") and not cls.capabilities.serves_images:
+        raise UnservableModelError(f"generator.backend={cfg.backend}: the {cls.capabilities.name} engine does not "
+                                   f"sample from prompts with images, and {model_spec} is a vision-language model; "
+                                   f"use generator.backend={engines_that(lambda c: c.serves_images)}")
+    check = getattr(cls, "check_model", None)
+    if check is not None:
+        check(hf_config, path)

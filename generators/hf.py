@@ -36,11 +36,13 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from async_rl.generators.base import GeneratorConfig, Sample, SamplingParams, check_request, row_seeds
+from async_rl.utils.vision import (check_images, image_kwargs, image_token_id, input_only_token_ids, load_policy_model,
+                                   suppress_input_only)
 from async_rl.generators.capabilities import EngineCapabilities
 from async_rl.utils.lora import adapter_parameters, lora_enabled, wrap
 
@@ -60,6 +62,10 @@ def _param_table(model: torch.nn.Module | Mapping[str, torch.nn.Parameter]):
             for piece in owned:
                 params[piece.name] = p
                 pieces[piece.name] = piece
+            if len(owned) == 1:
+                # Renamed whole (a vision-language model's language_model.embed_tokens is the
+                # checkpoint's model.embed_tokens): a tied alias of it points at the new name.
+                canonical[id(p)] = owned[0].name
     else:
         params = dict(model)
         canonical = {}
@@ -206,6 +212,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    images: Any = None
+    """The prompt's ``ImageInputs`` (``async_rl.data.images``), or ``None``."""
     routing: list[torch.Tensor] = field(default_factory=list)
     """``[tokens, num_moe_layers, top_k]`` int16 pieces of the experts each forwarded token was
     routed to (``SamplingParams.return_routed_experts``): the context's at the batch's prefill,
@@ -265,7 +273,8 @@ class _StepHook:
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.recorder is not None:
             self._record_routing()
-        logits = scores.float()
+        # -inf: a zero-probability token reached through round-off at the CDF's edge is caught below.
+        logits = suppress_input_only(scores.float(), self.gen.input_only, float("-inf"))
         if not self.params.greedy:
             logits = logits / self.params.temperature
             for warp in self.warpers:
@@ -353,15 +362,18 @@ class HFGenerator:
 
     # Decodes on the caller's threads, in its process: it can be the learner's colocated engine.
     capabilities = EngineCapabilities(name="HF", colocated=True, separate_processes=False, device_key="hf.device",
-                                      records_routing=True)
+                                      records_routing=True, serves_images=True)
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int, device: str = "cpu",
                  lora=None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.cfg = cfg
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.hf.dtype))
+        model = load_policy_model(model_path, dtype=getattr(torch, cfg.hf.dtype))
+        self.image_token_id: int | None = image_token_id(model.config)
+        """The vision-language model's image placeholder id; ``None`` for a text model."""
+        suppressed = input_only_token_ids(model.config)
+        self.input_only = torch.tensor(suppressed, dtype=torch.long, device=self.device) if suppressed else None
+        """Token ids sampled with probability 0 (``utils.vision.input_only_token_ids``), or ``None``."""
         self.lora = lora if lora_enabled(lora) else None
         if self.lora is not None:
             # peft draws the adapters' initial A from the global RNG: fork it, so building an
@@ -578,30 +590,35 @@ class HFGenerator:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  seeds: Sequence[int] | None = None,
-                 on_sample: Callable[[int, int, Sample], None] | None = None) -> list[list[Sample]]:
+                 on_sample: Callable[[int, int, Sample], None] | None = None,
+                 images: Sequence[Any] | None = None) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt.
 
         Args:
-            prompts: prompt token id lists.
+            prompts: prompt token id lists (image placeholders expanded, one per merged patch).
             n: samples per prompt (>= 1).
             params: sampling settings; ``params.stop_token_ids`` must not be empty.
             seeds: optional seed per prompt; sample j of prompt i then depends only on
                 ``(seeds[i], j)`` and the weights, whatever the batch.
             on_sample: optional callback ``(prompt_index, sample_index, sample)`` called as soon
                 as each sample finishes (from the decoding loop).
+            images: one ``ImageInputs`` or ``None`` per prompt (a vision-language model).
 
         Returns:
             ``len(prompts)`` lists of ``n`` ``Sample``s, in prompt order.
 
         Raises:
-            ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
+            ValueError: ``n < 1``, no stop token ids, ``seeds`` or ``images`` of the wrong length,
+                or images for a text model.
             RuntimeError: the engine is unusable: a weight update failed after its first write
                 (before this call, or while it decoded; it stops then, returning nothing), until
                 a complete update succeeds.
         """
         check_request(n, params)
+        images = check_images(images, len(prompts), self.image_token_id, "the HF engine's model")
         self._check_usable()
-        rows = [_Row(index=k, prompt=list(prompts[k // n]), rng=torch.Generator().manual_seed(seed))
+        rows = [_Row(index=k, prompt=list(prompts[k // n]), rng=torch.Generator().manual_seed(seed),
+                     images=images[k // n] if images is not None else None)
                 for k, seed in enumerate(row_seeds(self.cfg.seed, self._calls, n, len(prompts), seeds))]
         results: list[Sample | None] = [None] * len(rows)
 
@@ -662,4 +679,5 @@ class HFGenerator:
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                 generation_config=gen_cfg, logits_processor=LogitsProcessorList([hook]),
                 stopping_criteria=StoppingCriteriaList([_AbortCriteria(hook)]),
+                **image_kwargs(input_ids, [r.images for r in rows], self.image_token_id, self.device),
             )

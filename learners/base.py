@@ -153,6 +153,13 @@ class LearnerConfig:
     flash_attention_2`` the attention is flash-attention's varlen kernel; with ``sdpa``/``eager``
     a block-diagonal causal mask over the row. ``max_tokens_per_micro_batch`` then counts the
     packed tokens (the sum of lengths) instead of the padded size. The critic packs too."""
+    freeze_vision: bool = False
+    """Vision-language policies (a config with ``vision_config``, e.g. Qwen2-VL): ``true`` freezes
+    the vision tower (its ViT blocks and patch merger): its parameters get no gradient and no
+    optimizer state, and only the language model and its head train. Its weights are still sent
+    in every weight update, unchanged (one update format whatever is frozen). ``false`` (the
+    default): the vision tower trains with the rest. No effect on text-only models; with
+    ``lora.rank > 0`` the whole base model, vision tower included, is frozen anyway."""
     attn_implementation: str = "auto"
     """The Hugging Face attention backend of the policy and reference models: ``sdpa``,
     ``eager``, ``flash_attention_2`` (CUDA, needs ``flash-attn``), or ``auto`` = the model's

@@ -37,6 +37,7 @@ class LearnerCapabilities:
             parallel size is ``learner.world_size`` divided by that product.
         moe_aux_losses: adds a mixture-of-experts policy's load-balancing and z-losses
             (``algorithm.moe_aux_loss_coef``, ``moe_z_loss_coef``).
+        vision_language: trains a vision-language policy on prompts with images.
     """
 
     name: str
@@ -46,6 +47,7 @@ class LearnerCapabilities:
     parallel_settings: str = ""
     model_parallel: tuple[str, ...] = ()
     moe_aux_losses: bool = False
+    vision_language: bool = False
 
 
 LEARNERS = BackendRegistry("learner backend", "learner.backend", LearnerCapabilities)

@@ -27,7 +27,8 @@ from async_rl.learners.base import (LearnerConfig, clip_and_step, copy_matching_
 from async_rl.learners.capabilities import LearnerCapabilities
 from async_rl.learners.batching import pack_labels, pack_rows, unpack_labels
 from async_rl.learners.core import LearnerCore
-from async_rl.learners import lora
+from async_rl.learners import lora, vision
+from async_rl.utils.vision import input_only_token_ids, suppress_input_only, zero_input_only_labels
 from async_rl.utils.lora import wrap as wrap_with_lora
 from async_rl.learners.critic import FSDPCritic
 from async_rl.learners.spmd import collective
@@ -87,7 +88,7 @@ class FSDPLearner(LearnerCore):
     """
 
     capabilities = LearnerCapabilities(name="FSDP2", lora=True, cpu_offload=True, hf_attention=True,
-                                       moe_aux_losses=True)
+                                       moe_aux_losses=True, vision_language=True)
     """Every rank data parallel over the Hugging Face model; adapters and CPU offload supported."""
 
     shard_one_rank: bool = False
@@ -103,6 +104,10 @@ class FSDPLearner(LearnerCore):
         # fully_shard moves each module's parameters and buffers to the mesh's device.
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         self.model = self._load_policy(model_path)
+        self._vision = self._vision_inputs(self.model)
+        suppressed = input_only_token_ids(self.model.config)
+        # Scored with probability 0, as every engine samples them (utils.vision.input_only_token_ids).
+        self._input_only = torch.tensor(suppressed, dtype=torch.long, device=self.device) if suppressed else None
         self._layout = None  # CheckpointLayout of self.model, on the first weight push
         self._init_router_stats(self.model)
         if cfg.packing:
@@ -113,6 +118,10 @@ class FSDPLearner(LearnerCore):
         self.critic: FSDPCritic | None = None
         if self.algo.needs_critic:
             from async_rl.data.builtin import resolve
+
+            if self._vision is not None:
+                raise ValueError(f"algorithm.name={self.algo.name} trains a critic, which does not take images yet: "
+                                 "use a critic-free algorithm (grpo, rloo, ...) with a vision-language policy")
 
             critic_path = resolve(cfg.critic.model_path) if cfg.critic.model_path else model_path
             self.critic = FSDPCritic(cfg.critic, critic_path, self._shard, self._make_optimizer, packing=cfg.packing)
@@ -181,11 +190,29 @@ class FSDPLearner(LearnerCore):
         return model.model if isinstance(model, lora.AdapterDisabled) else (model or self.model)
 
     def _load_policy(self, path: str, with_lora: bool = True) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        """The policy (or a plain copy of it, ``with_lora=False``) of ``path``, float32, in eval
+        mode, sharded: a causal LM, or a vision-language model (``AutoModelForImageTextToText``,
+        its vision blocks sharded like the decoder layers) with its vision tower frozen under
+        ``learner.freeze_vision``.
+
+        Raises:
+            ValueError: LoRA target modules that match the vision tower.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         extra = {} if self.cfg.attn_implementation == "auto" else {"attn_implementation": self.cfg.attn_implementation}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
+        is_vl = vision.is_vision_language(AutoConfig.from_pretrained(path))
+        auto = AutoModelForImageTextToText if is_vl else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=torch.float32, **extra)
         model.config.use_cache = False
+        if is_vl:
+            # The text model reads its own config's use_cache: without it a KV cache would be
+            # built, and transformers then stops cutting packed rows into their sequences.
+            model.config.get_text_config().use_cache = False
+            if self.cfg.freeze_vision:
+                vision.vision_tower(model).requires_grad_(False)
+            if with_lora and self.cfg.lora.rank > 0:
+                vision.check_lora_targets(model, self.cfg.lora.target_modules)
         if with_lora and self.cfg.lora.rank > 0:
             # Before sharding, so each decoder layer's FSDP unit holds its adapters too.
             model = wrap_with_lora(model, self.cfg.lora)
@@ -194,6 +221,27 @@ class FSDPLearner(LearnerCore):
         # dropout in the learner would make proximal and training log-probs noisy and the PPO ratio
         # != 1 on-policy (GPT-2 configs ship 0.1 dropout; regression test in test_learner_algorithms).
         return model.eval()
+
+    @staticmethod
+    def _vision_inputs(model: torch.nn.Module) -> tuple[int, object] | None:
+        """``(image token id, the model's get_rope_index)`` of a vision-language policy, else None."""
+        config = model.config
+        if not vision.is_vision_language(config):
+            return None
+        return int(config.image_token_id), vision.rope_index_fn(model)
+
+    def _model_inputs(self, mb: TrainBatch, packed: bool) -> dict[str, torch.Tensor]:
+        """The forward call's tensors for micro-batch ``mb``: ``input_ids`` ``[b, L]`` (or ``[1, N]``
+        packed: ``pack_rows``), ``position_ids`` and, padded, ``attention_mask``; for a
+        vision-language policy its images and multimodal positions (``async_rl.learners.vision``)."""
+        if self._vision is not None:
+            token_id, rope_index = self._vision
+            return vision.forward_kwargs(rope_index, token_id, mb.input_ids, mb.attention_mask,
+                                         mb.position_ids, mb.extras, packed)
+        if packed:
+            ids, positions = pack_rows(mb.input_ids, mb.attention_mask, mb.position_ids)
+            return {"input_ids": ids, "position_ids": positions}
+        return {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids}
 
     @collective
     def begin_rl(self) -> None:
@@ -238,29 +286,30 @@ class FSDPLearner(LearnerCore):
         if topk_ids is not None:
             topk_ids = self._check_topk_ids(mb, topk_ids)
         packed = self.cfg.packing if packed is None else packed
+        inputs = self._model_inputs(mb, packed)
         if packed:
-            ids, positions = pack_rows(mb.input_ids, mb.attention_mask, mb.position_ids)
+            ids = inputs["input_ids"]
             with self._routing(mb, model, packed):
-                logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, :-1]
+                logits = suppress_input_only(model(**inputs, use_cache=False).logits[:, :-1], self._input_only)
             if topk_ids is None:
                 logprobs = logprobs_from_logits(logits, ids[:, 1:], temp)
             else:
                 logprobs, topk = _logprobs_and_topk(logits, ids[:, 1:], pack_labels(topk_ids, mb.attention_mask),
                                                     temp)
-            logprobs = unpack_labels(logprobs, mb.attention_mask)
+            logprobs = unpack_labels(zero_input_only_labels(logprobs, ids[:, 1:], self._input_only), mb.attention_mask)
             entropy = (unpack_labels(entropy_from_logits(logits, temp), mb.attention_mask)
                        if with_entropy else None)
             if topk_ids is None:
                 return logprobs, entropy
             return logprobs, entropy, unpack_labels(topk, mb.attention_mask)
         with self._routing(mb, model, packed):
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                           position_ids=mb.position_ids, use_cache=False).logits[:, :-1]
+            logits = suppress_input_only(model(**inputs, use_cache=False).logits[:, :-1], self._input_only)
         labels = mb.input_ids[:, 1:]
         entropy = entropy_from_logits(logits, temp) if with_entropy else None
         if topk_ids is None:
-            return logprobs_from_logits(logits, labels, temp), entropy
+            return zero_input_only_labels(logprobs_from_logits(logits, labels, temp), labels, self._input_only), entropy
         logprobs, topk = _logprobs_and_topk(logits, labels, topk_ids, temp)
+        logprobs = zero_input_only_labels(logprobs, labels, self._input_only)
         real = mb.attention_mask[:, 1:].bool().unsqueeze(-1)
         return logprobs, entropy, torch.where(real, topk, torch.zeros((), dtype=topk.dtype, device=topk.device))
 
@@ -334,7 +383,11 @@ class FSDPLearner(LearnerCore):
 
         if self.cfg.lora.rank > 0:
             return {}
-        return {hf_name(k): hf_name(v) for k, v in tied_aliases(self.model).items()}
+        # Both sides under their checkpoint names (a vision-language model's tied embedding is
+        # model.language_model.embed_tokens in memory, model.embed_tokens on disk and on the wire).
+        layout = self._checkpoint_layout()
+        return {layout.checkpoint_names(hf_name(k))[0]: layout.checkpoint_names(hf_name(v))[0]
+                for k, v in tied_aliases(self.model).items()}
 
     @collective(local=("tokenizer",))
     def export_hf(self, out_dir: str, tokenizer=None) -> None:

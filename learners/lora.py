@@ -179,11 +179,12 @@ def export_merged(model: torch.nn.Module, cfg: LoRAConfig, out_dir: str, tokeniz
 def _plain_like(model: torch.nn.Module) -> torch.nn.Module:
     # A weightless plain model of the same config: save_pretrained then writes its config and the
     # given state dict under plain names (the peft-wrapped model would describe its LoRA layers).
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = model.get_base_model().config
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.float32)
+        return auto.from_config(config, dtype=config.dtype or torch.float32)
 
 
 __all__ = ["AdapterDisabled", "adapter_named_weights", "adapter_metadata", "adapter_is_zero", "merged_named_weights",

@@ -139,7 +139,8 @@ def test_both_loops_implement_the_loop_protocol():
     from async_rl.loops.base import Loop
     from async_rl.loops.sync import SyncLoop
 
-    assert set(_members(Loop)) == {"step", "start_evaluation", "sync_eval_engine", "state_dict", "close"}
+    assert set(_members(Loop)) == {"step", "start_evaluation", "sync_eval_engine", "state_dict", "close",
+                                   "evaluation_after_last_step"}
     for cls in (SyncLoop, AsyncLoop):
         _check(cls, Loop)
         assert list(inspect.signature(cls.__init__).parameters)[1:3] == ["ctx", "resume_state"]

@@ -183,7 +183,8 @@ def held_out_prompts(cfg: Config, parts: EvalParts, limit: int | None = None):
         ValueError: ``data.val_files`` is empty, a malformed row, or a data source without a
             reward function.
     """
-    from async_rl.data.dataset import PromptDataset
+    from async_rl.data.builtin import resolve
+    from async_rl.data.dataset import PromptDataset, image_processing_for
     from async_rl.step.episodes import data_file, env_gives_reward, rollout_env_config
     from async_rl.rewards import default_reward_for
 
@@ -193,7 +194,9 @@ def held_out_prompts(cfg: Config, parts: EvalParts, limit: int | None = None):
     rows_env = rollout_env_config(cfg)  # an environment's or a rollout function's
     ds = PromptDataset([data_file(f, rows_env) for f in cfg.data.val_files], parts.tokenizer, cfg.data.max_prompt_tokens,
                        cfg.trainer.seed, False, limit=cfg.data.val_max_prompts if limit is None else limit, tools=tools,
-                       on_bad_row=cfg.data.on_bad_row)
+                       on_bad_row=cfg.data.on_bad_row,
+                       # The base model's config and image processor: an exported policy has the same.
+                       images=image_processing_for(resolve(cfg.model.path), cfg.data))
     if not cfg.reward.fn and not env_gives_reward(rows_env):  # an environment's return is the reward
         for source in {p.data_source for p in ds.prompts}:
             default_reward_for(source)

@@ -22,6 +22,9 @@ loading code that reads a user's model directory or verl parquet reads them too:
   positions, the same tokenizer), for tasks whose prompts are sentences (``SMALL_QWEN2_SPEC``).
 - ``builtin:tiny-qwen2-vl``: a tiny Qwen2-VL vision-language model with its image processor and
   the tokenizer with Qwen2-VL's image markup (``async_rl.data.vision``).
+- ``builtin:shapes/train`` and ``builtin:shapes/test``: an image task for the tiny Qwen2-VL,
+  the verl layout with an ``images`` column (PNG bytes) and ``<image>`` before a question such as
+  ``"How many shapes?"`` about 1 to 4 flat shapes (``async_rl.data.shapes``); one-word answers.
 - ``builtin:tiny-qwen2-reward``: the same tiny Qwen2 with a scalar head
   (``Qwen2ForSequenceClassification``, one label), a reward model for ``reward.model``.
 
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.data.architectures import ARCH_SPECS, build_arch
+from async_rl.data.shapes import SHAPES_DATA_SOURCE, SHAPES_SPEC, build_shapes  # noqa: F401  (re-exported, as ARITHMETIC_DATA_SOURCE)
 from async_rl.data.vision import TINY_QWEN2_VL_SPEC, build_tiny_qwen2_vl
 
 BUILTIN_PREFIX = "builtin:"
@@ -509,6 +513,7 @@ _BUILDERS = {
     "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
     "chainsum": (CHAINSUM_SPEC, _build_chainsum),
     "calc": (CALC_SPEC, _build_calc),
+    "shapes": (SHAPES_SPEC, build_shapes),
     # builtin:tiny-llama, tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-phi3, tiny-olmo2.
     **{name: (spec, lambda out, spec=spec: build_arch(out, spec, build_tokenizer))
        for name, spec in ARCH_SPECS.items()},

@@ -6,7 +6,24 @@ A row is a mapping with
   rendered with the tokenizer's chat template (``add_generation_prompt=True``);
 - ``data_source`` (string, picks the default reward function; ``"unknown"`` when absent);
 - ``reward_model``: ``{"style": "rule", "ground_truth": "..."}`` (ground truth for the reward);
-- ``extra_info``: free-form mapping passed to the reward function.
+- ``extra_info``: free-form mapping passed to the reward function;
+- ``images`` (vision-language models only): a list of images, each encoded bytes, a ``{"bytes",
+  "path"}`` mapping (Hugging Face ``datasets``' ``Image`` feature in parquet) or a path relative
+  to the data file's directory (``async_rl.data.images.decode_image``).
+
+Images, as verl's users write them: each ``<image>`` in a message's string ``content`` marks
+where the next image of the row goes; in a row that has an ``images`` value (even an empty
+list; a row without one keeps ``<image>`` as text) such content becomes a list of parts
+(``{"type": "text", "text": ...}``, ``{"type": "image"}``) in order, the form the chat template
+renders (content already given as parts is taken as it is). The images are decoded, resized
+within ``data.image_min_pixels``/``image_max_pixels`` and processed once, when the file is read
+(``Prompt.images``), and each image's placeholder token is repeated once per merged patch in
+``Prompt.prompt_ids``, so ``data.max_prompt_tokens`` counts image tokens. A row whose images
+cannot be used (``BAD_IMAGE_REASONS``: undecodable, missing file, wrong type or pixel mode, too
+small, a number of images other than its number of placeholders) is rejected, logged and
+counted in both ``on_bad_row`` modes, like an over-long one; an ``images`` value that is not a
+list is a malformed row (``bad_images``). Images given to a text-only model (no
+``ImageProcessing``) stop the read with a ``ValueError`` naming the file and the model.
 
 Rows are validated when the file is read. With ``data.on_bad_row=error`` (the default) a
 malformed row raises ``ValueError`` naming the file and the 0-based row index (a jsonl line that
@@ -35,21 +52,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from async_rl.data.images import BAD_IMAGE_REASONS, BadImageError, ImageInputs, ImageProcessing, decode_image, \
+    expand_image_tokens
+
 logger = logging.getLogger(__name__)
 
 ON_BAD_ROW_MODES = ("error", "skip")
 """``data.on_bad_row``: stop at the first malformed row, or skip it (logged, counted by reason)."""
 
 BAD_ROW_REASONS = ("not_json", "not_an_object", "missing_prompt", "bad_prompt", "bad_messages",
-                   "bad_data_source", "bad_reward_model", "bad_extra_info", "no_reference", "template_error")
+                   "bad_data_source", "bad_reward_model", "bad_extra_info", "bad_images", "no_reference",
+                   "template_error")
 """Why a row was rejected as malformed (``BadRowError.reason``), in the order the checks run:
 a jsonl line that is not JSON (or not UTF-8) or not an object; ``prompt`` missing, not a non-empty list, or
-holding a message that is not ``{"role": str, "content": str}``; ``data_source`` not a string;
-``reward_model`` or ``extra_info`` not a mapping; none of the reference fields the run asks for;
-the tokenizer's chat template refused the messages."""
+holding a message that is not ``{"role": str, "content": str | list of parts}``; ``data_source`` not a string;
+``reward_model`` or ``extra_info`` not a mapping; ``images`` present but not a list; none of the
+reference fields the run asks for; the tokenizer's chat template refused the messages."""
 
-REJECT_REASONS = (*BAD_ROW_REASONS, "too_long")
-"""Every reason a row can leave the dataset: ``BAD_ROW_REASONS`` plus an over-long prompt."""
+ALWAYS_COUNTED_REASONS = ("too_long", *BAD_IMAGE_REASONS)
+"""Reasons a row is rejected and counted in both ``on_bad_row`` modes, never raised: the row is
+well formed, only its length or its images are unusable (a scraped image set has a few bad
+images; one must not stop the run)."""
+
+REJECT_REASONS = (*BAD_ROW_REASONS, *ALWAYS_COUNTED_REASONS)
+"""Every reason a row can leave the dataset: ``BAD_ROW_REASONS``, an over-long prompt and the
+image reasons (``async_rl.data.images.BAD_IMAGE_REASONS``)."""
+
+IMAGE_PLACEHOLDER = "<image>"
+"""Where an image goes in a message's string content (verl's convention)."""
 
 _NUM_FULL_LOGS = 5
 """Skipped rows logged one line each per dataset; later ones only in the closing count."""
@@ -86,6 +116,14 @@ class DataConfig:
     """Shuffle the train prompts each epoch with ``trainer.seed``."""
     val_max_prompts: int = 0
     """Evaluate on at most this many held-out prompts (the first ones); 0 = all."""
+    image_min_pixels: int | None = None
+    """Vision-language models: the smallest area (pixels) an image is resized to, keeping its aspect
+    ratio; ``None`` = the model's image processor's own (``preprocessor_config.json``). More
+    pixels, more image tokens per prompt."""
+    image_max_pixels: int | None = None
+    """Vision-language models: the largest area (pixels) an image is resized to; ``None`` = the
+    image processor's own. Bounds each image's tokens (one per merged patch, 28x28 pixels for
+    Qwen2-VL) within ``max_prompt_tokens``."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 1:
@@ -96,6 +134,14 @@ class DataConfig:
             raise ValueError("data.train_files must name at least one file")
         if self.on_bad_row not in ON_BAD_ROW_MODES:
             raise ValueError(f"data.on_bad_row must be one of {ON_BAD_ROW_MODES}, got {self.on_bad_row!r}")
+        for key in ("image_min_pixels", "image_max_pixels"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"data.{key} must be a positive integer (pixels) or null, got {value!r}")
+        if (self.image_min_pixels is not None and self.image_max_pixels is not None
+                and self.image_min_pixels > self.image_max_pixels):
+            raise ValueError(f"data.image_min_pixels ({self.image_min_pixels}) exceeds data.image_max_pixels "
+                             f"({self.image_max_pixels})")
 
 
 @dataclass
@@ -114,16 +160,76 @@ class Prompt:
             demonstration), read from the first of the dataset's ``reference_fields`` the row has;
             ``None`` when the dataset was read without any.
         reference_field: the dotted path ``reference`` came from, or ``None``.
+        images: the row's images, decoded, resized and processed once (``ImageInputs``: resized
+            PIL images, ``pixel_values`` float32 ``[patches, 1176]``, ``image_grid_thw`` int64
+            ``[images, 3]``), in placeholder order; ``None`` for a text-only row. ``messages``
+            then holds the content as parts (each ``<image>`` an ``{"type": "image"}`` part) and
+            ``prompt_ids`` one placeholder token per merged patch.
     """
 
     prompt_ids: list[int]
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     data_source: str
     ground_truth: str | None
     extra_info: dict[str, Any]
     uid: str
     reference: Any = None
     reference_field: str | None = None
+    images: ImageInputs | None = None
+
+
+def image_processing_for(model_path: str, data_cfg: DataConfig | None = None) -> ImageProcessing | None:
+    """The ``ImageProcessing`` a dataset needs for the model at ``model_path``, or ``None`` for a
+    text-only model.
+
+    A model is vision-language when its config (``AutoConfig``) has a ``vision_config``; its image
+    placeholder is ``config.image_token_id`` (``image_token_index`` in LLaVA-style configs). The
+    pixel bounds are ``data.image_min_pixels``/``image_max_pixels`` (``None``: the processor's).
+    One function for every place that builds a ``PromptDataset``, so training, evaluation and the
+    commands render images alike.
+
+    Raises:
+        ValueError: a vision config without an image token id, or a model directory without an
+            image processor (``ImageProcessing``).
+        OSError: ``model_path`` has no readable config.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    if getattr(config, "vision_config", None) is None:
+        return None
+    token = getattr(config, "image_token_id", None)
+    if token is None:
+        token = getattr(config, "image_token_index", None)
+    if token is None:
+        raise ValueError(f"{model_path}: the config has a vision_config but no image_token_id: cannot place images")
+    return ImageProcessing(model_path, int(token),
+                           min_pixels=data_cfg.image_min_pixels if data_cfg is not None else None,
+                           max_pixels=data_cfg.image_max_pixels if data_cfg is not None else None)
+
+
+def content_parts(content: Any) -> Any:
+    """A message's ``content`` with each ``<image>`` turned into an image part: ``"<image>How many?"``
+    -> ``[{"type": "image"}, {"type": "text", "text": "How many?"}]``; content without a
+    placeholder (or already a list of parts) is returned as it is. Empty text between
+    placeholders is dropped (it renders to nothing)."""
+    if not isinstance(content, str) or IMAGE_PLACEHOLDER not in content:
+        return content
+    parts: list[dict[str, str]] = []
+    for k, text in enumerate(content.split(IMAGE_PLACEHOLDER)):
+        if k:
+            parts.append({"type": "image"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return parts
+
+
+def _valid_part(part: Any) -> bool:
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") == "image":
+        return True
+    return part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
 def field_value(row: dict[str, Any], dotted: str) -> Any:
@@ -227,7 +333,7 @@ def validate_row(row: dict[str, Any], where: str) -> None:
             that is not a ``{"role", "content"}`` string mapping (``bad_messages``);
             ``data_source`` present but not a string (``bad_data_source``); ``reward_model``
             present but not a mapping (``bad_reward_model``); ``extra_info`` not a mapping
-            (``bad_extra_info``).
+            (``bad_extra_info``); ``images`` present but not a list (``bad_images``).
     """
     if "prompt" not in row or row["prompt"] is None:
         raise BadRowError("missing_prompt",
@@ -237,9 +343,12 @@ def validate_row(row: dict[str, Any], where: str) -> None:
         raise BadRowError("bad_prompt",
                           f"{where}: 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
     for j, msg in enumerate(prompt):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if (not isinstance(msg, dict) or not isinstance(msg.get("role"), str)
+                or not (isinstance(content, str)
+                        or (isinstance(content, (list, tuple)) and content and all(map(_valid_part, content))))):
             raise BadRowError("bad_messages", f"{where}: prompt message {j} must be a mapping with string 'role' and "
-                                              f"'content', got {msg!r:.200}")
+                                              f"'content' (a string, or a list of text/image parts), got {msg!r:.200}")
     source = row.get("data_source")
     if source is not None and not isinstance(source, str):
         raise BadRowError("bad_data_source", f"{where}: 'data_source' must be a string, got {type(source).__name__}")
@@ -250,6 +359,9 @@ def validate_row(row: dict[str, Any], where: str) -> None:
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, dict):
         raise BadRowError("bad_extra_info", f"{where}: 'extra_info' must be a mapping, got {type(extra).__name__}")
+    images = row.get("images")
+    if images is not None and not isinstance(images, (list, tuple)):
+        raise BadRowError("bad_images", f"{where}: 'images' must be a list of images, got {type(images).__name__}")
 
 
 def _reference(row: dict[str, Any], fields: Sequence[str], where: str, hint: str) -> tuple[Any, str | None]:
@@ -271,6 +383,27 @@ def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] |
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+def _with_images(ids: list[int], raw: list[Any], base_dir: Path,
+                 images: ImageProcessing) -> tuple[list[int], ImageInputs | None]:
+    """``(prompt ids with each placeholder expanded, processed images)`` of a rendered row;
+    ``(ids, None)`` for a row with neither images nor placeholders.
+
+    The placeholders are counted before any image is decoded (a mismatch costs no decoding), and
+    in the rendered ids, so a placeholder token written literally in a text part counts too.
+
+    Raises:
+        BadImageError: any of ``BAD_IMAGE_REASONS``.
+    """
+    placeholders = sum(1 for t in ids if t == images.image_token_id)
+    if placeholders != len(raw):
+        raise BadImageError("image_count_mismatch", f"the prompt has {placeholders} image placeholder(s) "
+                                                    f"for {len(raw)} image(s)")
+    if not raw:
+        return ids, None
+    inputs = images.process([decode_image(value, base_dir) for value in raw])
+    return expand_image_tokens(ids, inputs, images.image_token_id), inputs
+
+
 class PromptDataset:
     """Validated, tokenised prompts from one or more files, iterated in seeded epochs.
 
@@ -289,24 +422,27 @@ class PromptDataset:
             appended to the error of a row that has none of ``reference_fields``.
         on_bad_row: ``"error"`` (raise at the first malformed row) or ``"skip"`` (log it, count it
             in ``rejected`` under its ``BadRowError.reason`` and read on); ``data.on_bad_row``.
+        images: the model's image processing (``image_processing_for``) for rows with
+            ``images``; ``None`` for a text-only model, which refuses such rows.
 
     Attributes:
         reference_sources: ``{dotted path: accepted rows whose reference came from it}``.
         rejected: ``{reason: rows}`` for every row left out, reasons from ``REJECT_REASONS``
-            (``too_long`` included); only reasons that occurred.
+            (``too_long`` and the image reasons included); only reasons that occurred.
         num_rejected_too_long: ``rejected.get("too_long", 0)``.
 
     Raises:
         ValueError: an unknown ``on_bad_row``; with ``on_bad_row="error"`` a malformed row
             (``BadRowError``, naming the file and row, or the row without any of
             ``reference_fields`` and the fields); no prompt left after filtering (the message
-            counts the rows rejected by reason).
+            counts the rows rejected by reason); a row with images and ``images=None`` (one line
+            naming the file and the model), in both modes.
     """
 
     def __init__(self, files: list[str], tokenizer, max_prompt_tokens: int, seed: int = 0,
                  shuffle: bool = True, limit: int = 0, tools: list[dict] | None = None,
                  reference_fields: Sequence[str] = (), reference_hint: str = "",
-                 on_bad_row: str = "error") -> None:
+                 on_bad_row: str = "error", images: ImageProcessing | None = None) -> None:
         if on_bad_row not in ON_BAD_ROW_MODES:
             raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW_MODES}, got {on_bad_row!r}")
         self.prompts: list[Prompt] = []
@@ -319,9 +455,9 @@ class PromptDataset:
                 where = f"{file}: row {i} (0-based)"
                 try:
                     prompt = self._prompt(row, file, i, where, tokenizer, tools, max_prompt_tokens,
-                                          reference_fields, reference_hint)
+                                          reference_fields, reference_hint, images)
                 except BadRowError as e:
-                    if on_bad_row == "error" and e.reason != "too_long":
+                    if on_bad_row == "error" and e.reason not in ALWAYS_COUNTED_REASONS:
                         raise
                     self._reject(e.reason, "%s", e)
                     continue
@@ -346,21 +482,41 @@ class PromptDataset:
     @staticmethod
     def _prompt(row: dict[str, Any] | BadRowError, file: str, i: int, where: str, tokenizer,
                 tools: list[dict] | None, max_prompt_tokens: int, reference_fields: Sequence[str],
-                reference_hint: str) -> Prompt:
+                reference_hint: str, images: ImageProcessing | None = None) -> Prompt:
         """The ``Prompt`` of one row.
 
         Raises:
             BadRowError: the row is malformed (``row`` itself when the reader could not parse it),
-                or its prompt is too long (reason ``too_long``, checked before the reference).
+                its images are unusable (an image reason, checked after the template), or its
+                prompt is too long (reason ``too_long``, image tokens counted, checked before the
+                reference).
+            ValueError: the row has images and ``images`` is ``None`` (a text-only model).
         """
         if isinstance(row, BadRowError):
             raise row
         validate_row(row, where)
+        raw_images = list(row.get("images") or [])
+        messages = list(row["prompt"])
+        if raw_images:
+            if images is None:
+                raise ValueError(f"{file}: rows with images (row {i} holds {len(raw_images)}), but the model "
+                                 f"{getattr(tokenizer, 'name_or_path', '') or '(unnamed)'!r} is text-only (its config "
+                                 f"has no vision_config); use a vision-language model or a dataset without images")
+        if images is not None and row.get("images") is not None:
+            # As verl: a row with an images column has its <image> markers converted, so one with
+            # an empty list and a marker is a counted mismatch, not the literal text "<image>".
+            messages = [{**m, "content": content_parts(m["content"])} for m in messages]
         try:
-            ids = render_prompt(tokenizer, row["prompt"], tools)
+            ids = render_prompt(tokenizer, messages, tools)
         except Exception as e:  # jinja's TemplateError and friends: a template may refuse any role or order
             raise BadRowError("template_error", f"{where}: the chat template refused the prompt messages "
                                                 f"({type(e).__name__}: {str(e)[:200]})") from e
+        inputs = None
+        if images is not None:
+            try:
+                ids, inputs = _with_images(ids, raw_images, Path(file).parent, images)
+            except BadImageError as e:
+                raise BadRowError(e.reason, f"{where}: {e.reason}: {e}; rejected") from e
         if len(ids) > max_prompt_tokens:
             raise BadRowError("too_long", f"{where}: prompt of {len(ids)} tokens exceeds "
                                           f"data.max_prompt_tokens={max_prompt_tokens}; rejected")
@@ -369,13 +525,14 @@ class PromptDataset:
         reference, reference_field = _reference(row, reference_fields, where, reference_hint)
         return Prompt(
             prompt_ids=ids,
-            messages=list(row["prompt"]),
+            messages=messages,
             data_source=row.get("data_source") or "unknown",
             ground_truth=None if gt is None else str(gt),
             extra_info=dict(row.get("extra_info") or {}),
             uid=f"{Path(file).stem}:{i}",
             reference=reference,
             reference_field=reference_field,
+            images=inputs,
         )
 
     def _reject(self, reason: str, fmt: str, *args: Any) -> None:

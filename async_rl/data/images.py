@@ -98,6 +98,12 @@ def decode_image(value: Any, base_dir: Path | None = None):
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:  # Pillow's decoders raise these
         raise BadImageError("image_not_decodable", f"image ({where}) cannot be decoded: {e}") from e
+    except Exception as e:  # noqa: BLE001
+        # Not only the above: a header claiming a huge size raises DecompressionBombError (an
+        # Exception), and a plugin may raise EOFError, struct.error or zlib.error on crafted bytes.
+        # Any of them is a row's bad image, never a stopped run.
+        raise BadImageError("image_not_decodable", f"image ({where}) cannot be decoded: "
+                                                   f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
 @dataclass(frozen=True, eq=False)

@@ -128,8 +128,19 @@ class Environment:
         """Release what the episode holds (called once per episode, however it ended)."""
 
 
-def check_messages(messages: Any, what: str, roles: tuple[str, ...] = OBSERVATION_ROLES) -> list[dict[str, Any]]:
-    """``messages`` as a list of ``{"role", "content"}`` dicts with allowed roles and string content.
+def _is_parts(content: Any) -> bool:
+    """Whether ``content`` is multimodal message content: a list of ``{"type": "text", "text":
+    str}`` and ``{"type": "image"}`` parts (the images themselves travel with the request)."""
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and (p.get("type") == "image" or (p.get("type") == "text" and isinstance(p.get("text"), str)))
+        for p in content)
+
+
+def check_messages(messages: Any, what: str, roles: tuple[str, ...] = OBSERVATION_ROLES,
+                   parts: bool = False) -> list[dict[str, Any]]:
+    """``messages`` as a list of ``{"role", "content"}`` dicts with allowed roles and string content
+    (with ``parts``, content may also be a list of text and image parts: a vision-language
+    prompt's first messages, whose images the request carries).
 
     Raises:
         MalformedEnvStepError: not a list of such dicts; the message names ``what`` and the fault.
@@ -138,8 +149,11 @@ def check_messages(messages: Any, what: str, roles: tuple[str, ...] = OBSERVATIO
         raise MalformedEnvStepError(f"{what} must be a list of messages, got {type(messages).__name__}")
     out = []
     for k, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in roles or not isinstance(m.get("content"), str):
-            raise MalformedEnvStepError(f"{what}[{k}] must be a dict with role in {list(roles)} and string "
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or m.get("role") not in roles or not (
+                isinstance(content, str) or (parts and _is_parts(content))):
+            kind = "string or text/image parts" if parts else "string"
+            raise MalformedEnvStepError(f"{what}[{k}] must be a dict with role in {list(roles)} and {kind} "
                                         f"content, got {str(m)[:120]}")
         out.append(dict(m))
     return out

@@ -331,7 +331,9 @@ class AsyncLoop:
                 "trained_by_generator": dict(self.trained_by_generator),
                 "last_rejected_samples": self._last_rejected_samples,
                 # As plain dicts: a checkpoint stores data, never objects (async_rl.utils.checkpoint_format).
-                "outstanding": [dataclasses.asdict(r) for r in self.dispatch.pending(self.buffer.is_finished)],
+                # A request's images are its prompt's, found again by uid when it is restored.
+                "outstanding": [dataclasses.asdict(dataclasses.replace(r, images=None))
+                                for r in self.dispatch.pending(self.buffer.is_finished)],
             }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
@@ -344,7 +346,8 @@ class AsyncLoop:
         # Their samples in this run's engines are gone; partial ones in the buffer are dropped
         # (counted as abandoned) and the prompts start over as new groups.
         count = self.dispatch.restore(int(state["num_dispatched"]), int(state.get("num_reissued", 0)),
-                                      [GroupRequest(**fields) for fields in state["outstanding"]],
+                                      [GroupRequest(**{**fields, "images": self.ctx.prompt_images(fields["prompt_uid"])})
+                                       for fields in state["outstanding"]],
                                       self.buffer.abandon_group)
         if count:
             logger.warning("resume: %d groups were in flight at the checkpoint; their prompts are dispatched again",

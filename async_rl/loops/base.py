@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from async_rl.runtime.checkpoint import CheckpointConfig
+from async_rl.utils.vision import PromptImages
 
 if TYPE_CHECKING:
     # Annotations only: ``Config`` is a layer above (it imports this module's ``TrainerConfig``), and
@@ -246,6 +247,8 @@ class RunContext:
         service_cores: async mode with ``learner.cpu_affinity``: the CPU ids of the trainer's
             threads that do not train (``cluster.split_learner_threads``); threads the loop
             starts (receiver, dispatcher, ZeroMQ's, Ray's) are started on them. Else empty.
+        prompt_images: the images of the datasets' prompts by uid (``utils.vision.PromptImages``;
+            empty, and false, for a text dataset), for the learner's batches.
     """
 
     cfg: Config
@@ -266,6 +269,7 @@ class RunContext:
     eval_at_k: EvalAtK | None = None
     cluster: Cluster | None = None
     service_cores: list[int] = field(default_factory=list)
+    prompt_images: PromptImages = field(default_factory=PromptImages)
 
 
 class Loop(Protocol):

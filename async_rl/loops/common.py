@@ -78,7 +78,7 @@ def learn_on(ctx: RunContext, step: int, ro: RolloutResult, num_mini_batches: in
                            f"trainer.max_staleness={cfg.trainer.max_staleness}")
     t1, (cpu1, queued1) = time.perf_counter(), thread_times()
     batch, metrics = make_batch(trajs, cfg.algorithm, ctx.tokenizer.pad_token_id,
-                                cfg.generator.max_response_tokens, learner)
+                                cfg.generator.max_response_tokens, learner, images=ctx.prompt_images.of(trajs))
     train_metrics = learner.train_step(batch) if num_mini_batches is None else \
         learner.train_step(batch, num_mini_batches=num_mini_batches)
     t_train = time.perf_counter() - t1

@@ -1,8 +1,8 @@
 """Rule-based rewards: built-in reward functions, user-function loading and a safe scorer.
 
 - ``REWARD_FUNCTIONS``: name -> reward function; built-ins "arithmetic" (the default CPU task),
-  "chainsum" (the long-tailed worked-answer CPU task), "gsm8k" and "math" (both checked with
-  math-verify). ``register_reward`` adds more.
+  "chainsum" (the long-tailed worked-answer CPU task), "shapes" (the one-word answers of the
+  built-in image task), "gsm8k" and "math" (both checked with math-verify). ``register_reward`` adds more.
 - ``get_reward_fn(spec)``: a built-in name, "package.module:function" or "path/file.py:function".
 - ``default_reward_for(data_source)``: the built-in for a dataset's ``data_source`` column.
 - ``RewardScorer``: calls a reward function and turns exceptions, NaN/inf and bad return types
@@ -22,6 +22,7 @@ The reward-function interface, shared with verl::
 from async_rl.rewards.arithmetic import arithmetic_reward
 from async_rl.rewards.chainsum import chainsum_reward
 from async_rl.rewards.math_rewards import gsm8k_reward, math_reward
+from async_rl.rewards.shapes import shapes_reward
 from async_rl.rewards.registry import (
     DATA_SOURCE_REWARDS,
     REWARD_FUNCTIONS,
@@ -50,4 +51,5 @@ __all__ = [
     "gsm8k_reward",
     "math_reward",
     "register_reward",
+    "shapes_reward",
 ]

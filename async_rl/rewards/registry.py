@@ -23,6 +23,7 @@ from async_rl.utils.registry import Registry
 from async_rl.rewards.arithmetic import arithmetic_reward
 from async_rl.rewards.chainsum import chainsum_reward
 from async_rl.rewards.math_rewards import gsm8k_reward, math_reward
+from async_rl.rewards.shapes import shapes_reward
 
 __all__ = [
     "DATA_SOURCE_REWARDS",
@@ -51,6 +52,7 @@ REWARD_FUNCTIONS.register("arithmetic", arithmetic_reward)
 REWARD_FUNCTIONS.register("chainsum", chainsum_reward)
 REWARD_FUNCTIONS.register("gsm8k", gsm8k_reward)
 REWARD_FUNCTIONS.register("math", math_reward)
+REWARD_FUNCTIONS.register("shapes", shapes_reward)
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -70,6 +72,7 @@ DATA_SOURCE_REWARDS: dict[str, str] = {
     "async_rl/arithmetic": "arithmetic",
     "async_rl/calc": "arithmetic",
     "async_rl/chainsum": "chainsum",
+    "async_rl/shapes": "shapes",
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "math",
     "DigitalLearningGmbH/MATH-lighteval": "math",

@@ -57,8 +57,32 @@ def check_inputs(cfg: Any) -> None:
         check_model("model.tokenizer_path", cfg.model.tokenizer_path, needs_config=False)
     # The engine's own verdict on the model (head sizes it runs here...), before any engine starts.
     engine_check_model(cfg.generator, cfg.model.path)
+    check_vision_language(cfg)
     for source, spec in cfg.algorithm.distill.routes.items():
         check_teacher(teacher_key(source), spec)
+
+
+def check_vision_language(cfg: Any) -> None:
+    """Refuse in one line what a vision-language policy cannot do yet: a learner backend that
+    does not train one (``LearnerCapabilities.vision_language``), or multi-turn rollouts (an
+    environment or tools: their observations are text). The engine's side is the engine's
+    check (``async_rl.generators.check_model``: ``EngineCapabilities.serves_images``).
+
+    Raises:
+        ValueError: one of those, naming the key to change.
+    """
+    from async_rl.data.builtin import resolve
+    from async_rl.generators.model_support import read_hf_config
+    from async_rl.learners.capabilities import learner_capabilities, learners_that
+
+    if not read_hf_config(resolve(cfg.model.path)).get("vision_config"):
+        return
+    if not learner_capabilities(cfg.learner.backend).vision_language:
+        raise ValueError(f"learner.backend={cfg.learner.backend} does not train vision-language models yet "
+                         f"({cfg.model.path}); use learner.backend={learners_that(lambda c: c.vision_language)}")
+    if cfg.env.name or cfg.agent.tools:
+        raise ValueError(f"{cfg.model.path} is a vision-language model: multi-turn rollouts (env.name, agent.tools) "
+                         "do not carry images yet; train it on single-turn prompts")
 
 
 def check_teacher(key: str, spec: str) -> None:

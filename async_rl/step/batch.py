@@ -29,7 +29,7 @@ def _last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 
 
 def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, learner=None,
-               ) -> tuple[Any, dict[str, float]]:
+               images=None) -> tuple[Any, dict[str, float]]:
     """Collate trajectories and fill in advantages (and critic returns) with the configured algorithm.
 
     In order: DAPO soft overlong punishment shapes the rewards; ``learner.prepare`` adds
@@ -54,6 +54,7 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
         max_response_tokens: the generator's response limit L, in tokens (overlong shaping).
         learner: the learner whose ``prepare`` fills the extras; ``None`` skips it (then neither
             a KL penalty nor a critic estimator can be used).
+        images: one prompt ``ImageInputs`` or ``None`` per trajectory (``collate``), or ``None``.
 
     Returns:
         ``(batch, metrics)``: the ``TrainBatch`` with ``advantages`` (and ``returns`` in
@@ -64,7 +65,7 @@ def make_batch(trajectories, algo, pad_token_id: int, max_response_tokens: int, 
             but trajectories without teacher log-probs (``collate``: some with, some without);
             or the estimator's errors.
     """
-    batch = collate(trajectories, pad_token_id)
+    batch = collate(trajectories, pad_token_id, images=images)
     # Only the advantage needs the teacher: its log-probs do not travel on to the learner.
     teacher = batch.extras.pop("teacher_logprobs", None)
     metrics: dict[str, float] = {}

@@ -270,7 +270,8 @@ class EpisodeLoop(EpisodeCounters):
             return self._reject(c, e)
 
     def _start(self, c: Episode, request, first: Any) -> None:
-        messages = self._checked(c, first, lambda m: check_messages(m, "reset()", ("system", "user", "assistant", "tool")))
+        messages = self._checked(c, first, lambda m: check_messages(m, "reset()", ("system", "user", "assistant", "tool"),
+                                                                    parts=request.images is not None))
         if messages is None:
             return
         c.messages = messages
@@ -399,8 +400,12 @@ class EpisodeLoop(EpisodeCounters):
             if len(taken) == 1:
                 loop.call_soon_threadsafe(start_taken)
 
+        # A vision-language prompt's images go with every turn of its episodes (single-turn:
+        # multi-turn rollouts of such a model are refused at start, their observations being text).
+        images = [getattr(requests[i], "images", None) for i, _ in active]
         samples = generator.generate([rows[i][j].prompt_ids + rows[i][j].response_ids for i, j in active], 1,
-                                     params, seeds=turn_seeds, on_sample=sampled)
+                                     params, seeds=turn_seeds, on_sample=sampled,
+                                     **({"images": images} if any(x is not None for x in images) else {}))
         for k, (sample,) in enumerate(samples):  # an engine that returned a sample without its callback
             sampled(k, 0, sample)
         done, stuck = concurrent.futures.wait(list(futures.values()), timeout=self._blocked_loop_s())

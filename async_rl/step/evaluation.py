@@ -189,7 +189,8 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
     rng = random.Random(seed + 17)
     for step in range(1, cfg.steps + 1):
         trajs = []
-        for k, p in enumerate(rng.choices(dataset.prompts, k=cfg.batch_size)):
+        chosen = rng.choices(dataset.prompts, k=cfg.batch_size)
+        for k, p in enumerate(chosen):
             demo = _demonstration(_reference(p), agent)
             if demo is not None:
                 ids, mask = demonstration_ids(tokenizer, p.messages, demo, agent.schemas, agent.stop_token_ids)
@@ -200,7 +201,9 @@ def warm_start(learner, dataset, tokenizer, cfg, eos_id: int, seed: int, log: Ca
                 trajectory_id=f"sft/{step}/{k}", group_id=k, prompt_uid=p.uid, prompt_ids=p.prompt_ids,
                 response_ids=ids, behavior_logprobs=[0.0] * len(ids), loss_mask=mask,
                 finish_reason="stop", policy_version=[0] * len(ids)))
-        metrics = learner.sft_step(collate(trajs, tokenizer.pad_token_id), cfg.lr)
+        images = [getattr(p, "images", None) for p in chosen]
+        metrics = learner.sft_step(collate(trajs, tokenizer.pad_token_id,
+                                           images=images if any(x is not None for x in images) else None), cfg.lr)
         if on_step is not None:
             on_step(step, float(metrics["sft/loss"]))
         if step % max(1, cfg.steps // 5) == 0 or step == cfg.steps:

@@ -244,6 +244,10 @@ class GroupRequest:
         messages: the prompt's chat messages (multi-turn tool use continues the conversation).
         params: the group's own ``SamplingParams`` (an evaluation group sampled by the pool:
             greedy, or at k at its temperature); ``None`` = the sampler's rollout params.
+        images: the prompt's ``async_rl.data.images.ImageInputs`` (a vision-language dataset;
+            ``prompt_ids`` then hold its expanded placeholders), or ``None``. It reaches the
+            engine only: a trajectory refers to its prompt's images by ``prompt_uid``, and the
+            trainer's dataset, which holds them once, gives them to the learner.
     """
 
     group_id: int
@@ -256,13 +260,14 @@ class GroupRequest:
     seed: int | None
     messages: list[dict[str, Any]] = field(default_factory=list)
     params: Any = None
+    images: Any = None
 
     @classmethod
     def of(cls, prompt, group_id: int, n: int, seed: int | None) -> "GroupRequest":
         """The request for a dataset ``Prompt``."""
         return cls(group_id=group_id, prompt_ids=prompt.prompt_ids, prompt_uid=prompt.uid,
                    data_source=prompt.data_source, ground_truth=prompt.ground_truth, extra_info=prompt.extra_info,
-                   n=n, seed=seed, messages=prompt.messages)
+                   n=n, seed=seed, messages=prompt.messages, images=getattr(prompt, "images", None))
 
 
 @dataclass
@@ -511,7 +516,11 @@ def sample_groups(engine, requests: Sequence[GroupRequest], params, tokenizer, s
     if agent is not None:
         agent.run_groups(engine, requests, n, params, seeds, on_sample=on_sample)
     else:
-        engine.generate([r.prompt_ids for r in requests], n, params, seeds=seeds, on_sample=on_sample)
+        images = [r.images for r in requests]
+        # Only a vision-language dataset passes images: an engine that serves none (its
+        # capabilities say so; the config refuses such a run) is called as it always was.
+        engine.generate([r.prompt_ids for r in requests], n, params, seeds=seeds, on_sample=on_sample,
+                        **({"images": images} if any(x is not None for x in images) else {}))
     if wait_scored:
         scorer.drain()
     return counts

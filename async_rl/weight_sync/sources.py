@@ -39,8 +39,11 @@ class ModuleWeights:
                 for meta in self.layout.split_metadata(n, p.dtype, tuple(p.shape))]
 
     def weight_aliases(self) -> dict[str, str]:
-        """``tied_aliases(model)``."""
-        return tied_aliases(self.model)
+        """``tied_aliases(model)`` with both sides under their checkpoint names (a vision-language
+        model's tied embedding is ``model.language_model.embed_tokens`` in memory and
+        ``model.embed_tokens`` on disk and on the wire)."""
+        return {self.layout.checkpoint_names(k)[0]: self.layout.checkpoint_names(v)[0]
+                for k, v in tied_aliases(self.model).items()}
 
 
 class WeightSource(Protocol):

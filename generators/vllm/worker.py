@@ -36,6 +36,11 @@ prepacked layout vLLM does not rebuild on a weight update; ``_repack_cpu_experts
 rebuilds it. ``RoutingRecorder`` records the experts each token was routed to (vLLM's own
 option does not run on the CPU build).
 
+**Multimodal models** (Qwen2-VL): an update carries checkpoint names (``visual.*``, ``model.*``);
+vLLM nests the language model (``language_model.model.*``). The check maps the names sent through
+the model's own ``hf_to_vllm_mapper`` renaming rules (``CheckpointNames``) and reports problems
+under the names sent; the loader gets the names as sent (``load_weights`` renames them itself).
+
 Tensors never travel through ``collective_rpc`` (vLLM cannot pickle them intact there); only the
 plan (names, dtypes, shapes, offsets) does.
 
@@ -69,7 +74,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from async_rl.generators.model_support import unloaded_aliases
 from async_rl.utils.lora import PEFT_PREFIX, expected_vllm_adapter_names
-from async_rl.weight_sync import UpdatePlan, WeightReceiver, check_update, dtype_name
+from async_rl.weight_sync import UpdatePlan, WeightReceiver, WeightUpdateError, check_update, dtype_name
 
 BACKEND = "async_rl"
 LORA_ID = 1
@@ -105,8 +110,11 @@ def engine_weight_names(model) -> tuple[list[str], dict[str, list[str]], dict[st
     ``lm_head.weight`` of its own; the HF name is accepted as an alias of the embedding (and is
     required: without it vLLM's CPU build silently keeps the old head, logging only a warning).
     """
+    from vllm.model_executor.utils import get_packed_modules_mapping
+
     names = [n for n, _ in model.named_parameters()]
-    packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+    # vLLM's own lookup: a multimodal model (Qwen2-VL) declares none itself; its language model does.
+    packed = {k: list(v) for k, v in get_packed_modules_mapping(model).items()}
     config = getattr(model, "config", None)
     tied = {}
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
@@ -114,6 +122,77 @@ def engine_weight_names(model) -> tuple[list[str], dict[str, list[str]], dict[st
         if embed is not None:
             tied["lm_head.weight"] = embed
     return names, packed, tied
+
+
+class CheckpointNames:
+    """The renaming vLLM's loader applies to a multimodal model's checkpoint names before they
+    reach its modules, for checking an update against the model's parameters by their names.
+
+    A multimodal model nests its parts under other paths than the checkpoint (Qwen2-VL: the
+    checkpoint's ``model.layers.0...`` or transformers 5's ``model.language_model.layers.0...``
+    are vLLM's ``language_model.model.layers.0...``; ``lm_head.weight`` is
+    ``language_model.lm_head.weight``); its ``load_weights`` renames them with the model's
+    ``hf_to_vllm_mapper``. This applies that mapper's renaming rules (prefixes, suffixes,
+    substrings, regexes), not its fusing ones (``orig_to_new_stacked``: q/k/v into ``qkv_proj``),
+    which the check resolves itself (``packed_modules_mapping``). A text model, or one without a
+    mapper, keeps every name (``identity``). Updates still load under the names sent: the model's
+    ``load_weights`` renames them itself.
+    """
+
+    def __init__(self, model) -> None:
+        from vllm.model_executor.models.interfaces import supports_multimodal
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        mapper = getattr(model, "hf_to_vllm_mapper", None) if supports_multimodal(model) else None
+        self.mapper = None if mapper is None else WeightsMapper(
+            orig_to_new_renaming=list(mapper.orig_to_new_renaming), orig_to_new_regex=dict(mapper.orig_to_new_regex),
+            orig_to_new_substr=dict(mapper.orig_to_new_substr), orig_to_new_prefix=dict(mapper.orig_to_new_prefix),
+            orig_to_new_suffix=dict(mapper.orig_to_new_suffix))
+
+    @property
+    def identity(self) -> bool:
+        """Whether every name stays as it is."""
+        return self.mapper is None
+
+    def __call__(self, name: str) -> str:
+        """The engine-side name of checkpoint name ``name`` (``name`` itself where no rule applies;
+        a name the mapper would drop stays, so the check reports it as unknown)."""
+        if self.mapper is None:
+            return name
+        return self.mapper.map_name(name) or name
+
+    def unloaded_aliases(self, model, tied: dict[str, str]) -> set[str]:
+        """``model_support.unloaded_aliases`` where the alias names the module it loads under
+        after renaming: Qwen2-VL's ``lm_head.weight`` loads into ``language_model.lm_head``
+        (which must be loaded: the CPU build re-processes its tied head only then)."""
+        if self.identity:
+            return unloaded_aliases(model, tied)
+        out = set()
+        for alias in tied:
+            try:
+                model.get_submodule(self(alias).rpartition(".")[0])
+            except AttributeError:
+                out.add(alias)
+        return out
+
+    @staticmethod
+    def readable(message: str, renamed: dict[str, str]) -> str:
+        """``message`` (a ``check_update`` error) with engine-side names written as the sender's:
+        ``renamed`` is ``{sent name: engine-side name}``; each engine prefix seen in it (the part
+        before the longest common ending, ``language_model.`` for ``model.layers.0.x`` ->
+        ``language_model.model.layers.0.x``) is turned back wherever a quoted name starts with
+        it, so names the update left out read as the sender would write them too."""
+        back: dict[str, str] = {}
+        for sent, engine in renamed.items():
+            common = 0
+            while common < min(len(sent), len(engine)) and sent[-1 - common] == engine[-1 - common]:
+                common += 1
+            engine_prefix, sent_prefix = engine[: len(engine) - common], sent[: len(sent) - common]
+            if engine_prefix != sent_prefix:
+                back.setdefault(engine_prefix, sent_prefix)
+        for engine_prefix in sorted(back, key=len, reverse=True):
+            message = message.replace(f"'{engine_prefix}", f"'{back[engine_prefix]}")
+        return message
 
 
 def _routed_experts_modules(model) -> list[tuple[str, Any]]:
@@ -290,7 +369,9 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         self.experts = engine_expert_names(self.model)
         """Per-expert HF names of the model's expert stacks (``{}`` for a dense model)."""
         self.specs = engine_weight_specs(self.model)
-        self.unloaded = unloaded_aliases(self.model, self.tied)
+        self.rename = CheckpointNames(self.model)
+        """Checkpoint names onto the model's own (a multimodal model's nesting), for the check."""
+        self.unloaded = self.rename.unloaded_aliases(self.model, self.tied)
         """Tied aliases the check accepts but ``load_weights`` cannot take (vLLM's Gemma2 head)."""
         self.num_updates = 0
         self.intact = True
@@ -315,10 +396,21 @@ class AsyncRLWeightTransferEngine(WeightTransferEngine[AsyncRLInitInfo, AsyncRLU
         full shapes, dtypes, tied aliases, every expert of every expert stack), and carries the
         tied head (vLLM's CPU build keeps the old head otherwise, with only a log warning)."""
         metas = [m for b in plan.buckets for m in b]
-        check_update([(m.name, m.dtype, m.shape, m.alias_of) for m in metas], self.names, self.packed, self.tied,
-                     self.specs, self.experts)
-        names = {m.name for m in metas}
-        missing_alias = [n for n in self.tied if n not in names]
+        renamed = {m.name: self.rename(m.name) for m in metas}
+        # Checked by the names the model's loader gives them (``CheckpointNames``); a tied alias
+        # is a checkpoint name (``lm_head.weight``) renamed likewise.
+        tied = {self.rename(alias): target for alias, target in self.tied.items()}
+        specs = self.specs if self.rename.identity else \
+            {**self.specs, **{self.rename(a): self.specs[t] for a, t in self.tied.items() if t in self.specs}}
+        try:
+            check_update([(renamed[m.name], m.dtype, m.shape, m.alias_of and self.rename(m.alias_of)) for m in metas],
+                         self.names, self.packed, tied, specs, self.experts)
+        except WeightUpdateError as e:
+            if self.rename.identity:
+                raise
+            raise type(e)(CheckpointNames.readable(str(e), renamed)) from None
+        names = {renamed[m.name] for m in metas}
+        missing_alias = [n for n in self.tied if self.rename(n) not in names]
         if missing_alias:
             raise ValueError(f"tied model: {missing_alias} must be sent (as an alias of {self.tied[missing_alias[0]]!r})")
 

@@ -82,7 +82,8 @@ class MegatronLearner(LearnerCore):
 
     Raises:
         ValueError: an architecture other than Qwen2/Llama/Qwen3/Qwen3-MoE, parallel sizes that do
-            not divide the world, the heads, the layers or the experts; the checkpoint lacks a weight.
+            not divide the world, the heads, the layers or the experts; the checkpoint lacks a weight;
+            a vision-language model.
     """
 
     capabilities = LearnerCapabilities(name="Megatron", lora=False, cpu_offload=False, hf_attention=False,
@@ -94,6 +95,8 @@ class MegatronLearner(LearnerCore):
                  total_optimizer_steps: int) -> None:
         from transformers import AutoConfig
 
+        if getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None:
+            raise ValueError("learner.backend=megatron does not train vision-language models yet; use fsdp2")
         self._setup(cfg, algo, model_path, temperature, total_optimizer_steps)
         from megatron.core import parallel_state as ps
 

@@ -1,0 +1,190 @@
+"""The built-in image task ``builtin:shapes``: questions about a few flat shapes in a small picture.
+
+Each picture (``draw_scene``) is a plain light background of 56 or 84 pixels a side (2 or 3
+cells of 28 pixels, the tiny Qwen2-VL's merged patch: 4 to 9 image tokens) holding 1 to 4
+filled shapes (circle, square, triangle) in red, green, blue or yellow, each inside its own cell
+(jittered, 14 to 22 pixels across), so no two shapes touch and each image token sees at most one
+shape: counting is counting the non-background tokens, a colour or a shape is what one token
+sees, which a two-block vision tower can learn.
+
+Three kinds of question (``SHAPES_SPEC["questions"]``), a third of the rows each, each answered
+by one word::
+
+    <image>How many shapes?           -> "1" .. "4"
+    <image>What colour is the circle? -> "red"       (the kind occurs exactly once)
+    <image>Which shape is blue?       -> "square"    (the colour occurs exactly once)
+
+Question kinds and their answers take turns (row ``i``: kind ``i % 3``, then the next answer
+of that kind) and the scene is redrawn until it gives that answer, so each answer is equally
+frequent given its kind: a guess that ignores the picture scores at best 1/4 on counts, 1/4
+on colours and 1/3 on shapes, about 28% overall (``blind_accuracy`` measures it on a split).
+The reward is an exact, case-insensitive word match (``async_rl.rewards.shapes``).
+
+The test split is drawn from its own seed, and a (picture, question) pair that also occurs in the
+train split is drawn again, so the held-out accuracy is on pairs never trained on. The pictures
+are multiples of 28 pixels, so the processor's default bounds never resize them and each image
+token covers exactly one cell. About 1 s to build both splits (2000 + 200 rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+SHAPES_DATA_SOURCE = "async_rl/shapes"
+
+CELL = 28
+"""Side of one grid cell, pixels: the tiny Qwen2-VL's merged patch (2 x 14-pixel patches)."""
+
+COLOURS: dict[str, tuple[int, int, int]] = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 60, 220),
+                                            "yellow": (235, 200, 20)}
+"""Colour names (the answers) and their RGB fills: far apart, and from the light background."""
+
+KINDS = ("circle", "square", "triangle")
+"""Shape names (the answers)."""
+
+SHAPES_SPEC: dict[str, Any] = {
+    "grid_sides": [2, 3],  # cells per side: 56x56 or 84x84 pixels
+    "min_shapes": 1,
+    "max_shapes": 4,
+    "min_size": 14,  # a shape's bounding box, pixels
+    "max_size": 22,
+    "background": [225, 255],  # grey level range of the plain background
+    "questions": ["count", "colour", "shape"],  # in turn, each kind's answers in turn (balanced)
+    "revision": 2,  # of the drawing code: a change the fields above do not capture rebuilds the splits
+    "num_train": 2000,
+    "num_test": 200,
+    "train_seed": 0,
+    "test_seed": 1,
+}
+"""``builtin:shapes``: picture and question law, split sizes and seeds; part of the artefact's
+cache key (a change rebuilds it)."""
+
+
+def draw_scene(rng: random.Random, spec: dict[str, Any] = SHAPES_SPEC) -> dict[str, Any]:
+    """One random scene: ``{"side": cells per side, "background": grey level, "shapes": [{"kind",
+    "colour", "cell": (row, col), "box": (x0, y0, x1, y1)}]}``, shapes in distinct cells."""
+    side = rng.choice(spec["grid_sides"])
+    n = rng.randint(spec["min_shapes"], min(spec["max_shapes"], side * side))
+    cells = rng.sample([(r, c) for r in range(side) for c in range(side)], n)
+    shapes = []
+    for r, c in sorted(cells):
+        size = rng.randint(spec["min_size"], spec["max_size"])
+        x0 = c * CELL + rng.randint(1, CELL - size - 1)
+        y0 = r * CELL + rng.randint(1, CELL - size - 1)
+        shapes.append({"kind": rng.choice(KINDS), "colour": rng.choice(sorted(COLOURS)), "cell": (r, c),
+                       "box": (x0, y0, x0 + size, y0 + size)})
+    return {"side": side, "background": rng.randint(*spec["background"]), "shapes": shapes}
+
+
+def render_png(scene: dict[str, Any]) -> bytes:
+    """The scene as PNG bytes: an RGB picture of ``side * CELL`` pixels a side."""
+    from PIL import Image, ImageDraw
+
+    px = scene["side"] * CELL
+    bg = scene["background"]
+    img = Image.new("RGB", (px, px), (bg, bg, bg))
+    draw = ImageDraw.Draw(img)
+    for s in scene["shapes"]:
+        x0, y0, x1, y1 = s["box"]
+        fill = COLOURS[s["colour"]]
+        if s["kind"] == "circle":
+            draw.ellipse((x0, y0, x1, y1), fill=fill)
+        elif s["kind"] == "square":
+            draw.rectangle((x0, y0, x1, y1), fill=fill)
+        else:
+            draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=fill)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=False)
+    return buf.getvalue()
+
+
+def ask(scene: dict[str, Any], kind: str, rng: random.Random) -> tuple[str, str] | None:
+    """``(question, answer)`` of the question ``kind`` (``count``, ``colour``, ``shape``) about the
+    scene, or ``None`` when the scene cannot answer it (no kind or colour occurs exactly once)."""
+    shapes = scene["shapes"]
+    if kind == "count":
+        return "How many shapes?", str(len(shapes))
+    key, other = ("kind", "colour") if kind == "colour" else ("colour", "kind")
+    counts = Counter(s[key] for s in shapes)
+    unique = sorted(v for v, n in counts.items() if n == 1)
+    if not unique:
+        return None
+    pick = rng.choice(unique)
+    answer = next(s[other] for s in shapes if s[key] == pick)
+    question = f"What colour is the {pick}?" if kind == "colour" else f"Which shape is {pick}?"
+    return question, answer
+
+
+def make_shapes_row(png: bytes, question: str, answer: str, kind: str, split: str, index: int) -> dict[str, Any]:
+    """One verl-layout row: the picture in ``images``, ``<image>`` before the question in the user
+    message, the one-word answer as ``reward_model.ground_truth`` and ``extra_info.answer`` (the
+    supervised warm start's target)."""
+    return {
+        "prompt": [{"role": "user", "content": f"<image>{question}"}],
+        # Hugging Face's Image feature layout; the name only labels the bytes, which are read first.
+        "images": [{"bytes": png, "path": f"{split}-{index}.png"}],
+        "data_source": SHAPES_DATA_SOURCE,
+        "ability": "vision",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question_type": kind},
+    }
+
+
+def shapes_rows(num: int, seed: int, split: str, exclude: set[str] | None = None,
+                spec: dict[str, Any] = SHAPES_SPEC) -> tuple[list[dict[str, Any]], set[str]]:
+    """``num`` rows drawn from ``seed`` and the keys (sha256 of picture and question) of their pairs;
+    a pair whose key is in ``exclude`` is drawn again."""
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    keys: set[str] = set()
+    exclude = exclude or set()
+    answers = {"count": [str(n) for n in range(spec["min_shapes"], spec["max_shapes"] + 1)],
+               "colour": sorted(COLOURS), "shape": list(KINDS)}
+    while len(rows) < num:
+        # Question kinds and answers in turn, not at random: every answer equally often in each
+        # split (a 200-row split drawn at random can favour one count by several points).
+        i = len(rows)
+        kind = spec["questions"][i % len(spec["questions"])]
+        target = answers[kind][(i // len(spec["questions"])) % len(answers[kind])]
+        qa = None
+        while qa is None or qa[1] != target:
+            scene = draw_scene(rng, spec)
+            qa = ask(scene, kind, rng)
+        png = render_png(scene)
+        key = hashlib.sha256(png + b"\0" + qa[0].encode()).hexdigest()
+        if key in exclude:
+            continue
+        keys.add(key)
+        rows.append(make_shapes_row(png, qa[0], qa[1], kind, split, len(rows)))
+    return rows, keys
+
+
+def build_shapes(out_dir: Path, spec: dict[str, Any] = SHAPES_SPEC) -> None:
+    """Write ``train.parquet`` and ``test.parquet`` (verl layout, ``images`` a list of
+    ``{"bytes", "path"}`` structs, PNG bytes) to ``out_dir``; the test split holds no
+    (picture, question) pair of the train split."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train, train_keys = shapes_rows(spec["num_train"], spec["train_seed"], "train", spec=spec)
+    test, _ = shapes_rows(spec["num_test"], spec["test_seed"], "test", exclude=train_keys, spec=spec)
+    for split, rows in (("train", train), ("test", test)):
+        pq.write_table(pa.Table.from_pylist(rows), Path(out_dir) / f"{split}.parquet")
+
+
+def blind_accuracy(rows: list[dict[str, Any]], fit_rows: list[dict[str, Any]] | None = None) -> float:
+    """The accuracy on ``rows`` of the best guess that sees the question text but not the picture:
+    each question answered with its most frequent answer in ``fit_rows`` (default ``rows``), the
+    floor a policy that learned to look must beat. Fit on the train split and scored on the test
+    split, it is what a policy that ignores the picture can reach on held-out questions."""
+    by_question: dict[str, Counter] = {}
+    for row in fit_rows if fit_rows is not None else rows:
+        by_question.setdefault(row["prompt"][0]["content"], Counter())[row["reward_model"]["ground_truth"]] += 1
+    guess = {q: c.most_common(1)[0][0] for q, c in by_question.items()}
+    hits = sum(guess.get(row["prompt"][0]["content"]) == row["reward_model"]["ground_truth"] for row in rows)
+    return hits / max(1, len(rows))
