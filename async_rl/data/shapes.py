@@ -2,28 +2,28 @@
 
 Each picture (``draw_scene``) is a plain light background of 56 or 84 pixels a side (2 or 3
 cells of 28 pixels, the tiny Qwen2-VL's merged patch: 4 to 9 image tokens) holding 1 to 4
-filled shapes (circle, square, triangle) in red, green, blue or yellow, each inside its own cell
-(jittered, 14 to 22 pixels across), so no two shapes touch and each image token sees at most one
-shape: counting is counting the non-background tokens, a colour or a shape is what one token
-sees, which a two-block vision tower can learn.
+filled shapes of one kind (circle, square or triangle) and one colour (red, green, blue or
+yellow), each inside its own cell (jittered, 14 to 22 pixels across), so no two shapes touch
+and each image token sees at most one shape: counting is counting the non-background tokens,
+the colour and the kind are what any shape's token sees. A tiny vision tower (two blocks) can
+learn all three from a few hundred steps; questions that bind a word to one of several shapes
+("what colour is the circle?") it does not learn in a thousand supervised steps here.
 
-Three kinds of question (``SHAPES_SPEC["questions"]``), a third of the rows each, each answered
-by one word::
+Three kinds of question, drawn in turn (``SHAPES_SPEC["questions"]``), each answered by one
+word::
 
-    <image>How many shapes?           -> "1" .. "4"
-    <image>What colour is the circle? -> "red"       (the kind occurs exactly once)
-    <image>Which shape is blue?       -> "square"    (the colour occurs exactly once)
+    <image>How many shapes?            -> "1" .. "4"
+    <image>What colour are the shapes? -> "red", "green", "blue", "yellow"
+    <image>Which shape is drawn?       -> "circle", "square", "triangle"
 
 Question kinds and their answers take turns (row ``i``: kind ``i % 3``, then the next answer
-of that kind) and the scene is redrawn until it gives that answer, so each answer is equally
-frequent given its kind: a guess that ignores the picture scores at best 1/4 on counts, 1/4
-on colours and 1/3 on shapes, about 28% overall (``blind_accuracy`` measures it on a split).
-The reward is an exact, case-insensitive word match (``async_rl.rewards.shapes``).
+of that kind) and the scene is drawn with that answer, so each answer is equally frequent
+given its kind: a guess that ignores the picture scores at best 1/4 on counts, 1/4 on colours
+and 1/3 on shapes, about 28% overall (``blind_accuracy`` measures it on a split). The reward is
+an exact, case-insensitive word match (``async_rl.rewards.shapes``).
 
-The test split is drawn from its own seed, and a (picture, question) pair that also occurs in the
-train split is drawn again, so the held-out accuracy is on pairs never trained on. The pictures
-are multiples of 28 pixels, so the processor's default bounds never resize them and each image
-token covers exactly one cell. About 1 s to build both splits (2000 + 200 rows).
+The test split is drawn from its own seed, and any (picture, question) pair that also occurs in
+the train split is drawn again, so the held-out accuracy is on pairs never trained on.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ SHAPES_SPEC: dict[str, Any] = {
     "max_size": 22,
     "background": [225, 255],  # grey level range of the plain background
     "questions": ["count", "colour", "shape"],  # in turn, each kind's answers in turn (balanced)
-    "revision": 2,  # of the drawing code: a change the fields above do not capture rebuilds the splits
+    "revision": 3,  # of the drawing code: a change the fields above do not capture rebuilds the splits
     "num_train": 2000,
     "num_test": 200,
     "train_seed": 0,
@@ -65,19 +65,22 @@ SHAPES_SPEC: dict[str, Any] = {
 cache key (a change rebuilds it)."""
 
 
-def draw_scene(rng: random.Random, spec: dict[str, Any] = SHAPES_SPEC) -> dict[str, Any]:
+def draw_scene(rng: random.Random, spec: dict[str, Any] = SHAPES_SPEC, count: int | None = None,
+               kind: str | None = None, colour: str | None = None) -> dict[str, Any]:
     """One random scene: ``{"side": cells per side, "background": grey level, "shapes": [{"kind",
-    "colour", "cell": (row, col), "box": (x0, y0, x1, y1)}]}``, shapes in distinct cells."""
+    "colour", "cell": (row, col), "box": (x0, y0, x1, y1)}]}``, shapes in distinct cells, all of
+    one kind and one colour; ``count``, ``kind`` and ``colour`` fix those (else drawn)."""
     side = rng.choice(spec["grid_sides"])
-    n = rng.randint(spec["min_shapes"], min(spec["max_shapes"], side * side))
+    n = count if count is not None else rng.randint(spec["min_shapes"], min(spec["max_shapes"], side * side))
+    kind = kind if kind is not None else rng.choice(KINDS)
+    colour = colour if colour is not None else rng.choice(sorted(COLOURS))
     cells = rng.sample([(r, c) for r in range(side) for c in range(side)], n)
     shapes = []
     for r, c in sorted(cells):
         size = rng.randint(spec["min_size"], spec["max_size"])
         x0 = c * CELL + rng.randint(1, CELL - size - 1)
         y0 = r * CELL + rng.randint(1, CELL - size - 1)
-        shapes.append({"kind": rng.choice(KINDS), "colour": rng.choice(sorted(COLOURS)), "cell": (r, c),
-                       "box": (x0, y0, x0 + size, y0 + size)})
+        shapes.append({"kind": kind, "colour": colour, "cell": (r, c), "box": (x0, y0, x0 + size, y0 + size)})
     return {"side": side, "background": rng.randint(*spec["background"]), "shapes": shapes}
 
 
@@ -103,21 +106,15 @@ def render_png(scene: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def ask(scene: dict[str, Any], kind: str, rng: random.Random) -> tuple[str, str] | None:
-    """``(question, answer)`` of the question ``kind`` (``count``, ``colour``, ``shape``) about the
-    scene, or ``None`` when the scene cannot answer it (no kind or colour occurs exactly once)."""
+QUESTIONS = {"count": "How many shapes?", "colour": "What colour are the shapes?", "shape": "Which shape is drawn?"}
+"""The question of each kind (``SHAPES_SPEC["questions"]``)."""
+
+
+def ask(scene: dict[str, Any], kind: str) -> tuple[str, str]:
+    """``(question, answer)`` of the question ``kind`` (``count``, ``colour``, ``shape``) about the scene."""
     shapes = scene["shapes"]
-    if kind == "count":
-        return "How many shapes?", str(len(shapes))
-    key, other = ("kind", "colour") if kind == "colour" else ("colour", "kind")
-    counts = Counter(s[key] for s in shapes)
-    unique = sorted(v for v, n in counts.items() if n == 1)
-    if not unique:
-        return None
-    pick = rng.choice(unique)
-    answer = next(s[other] for s in shapes if s[key] == pick)
-    question = f"What colour is the {pick}?" if kind == "colour" else f"Which shape is {pick}?"
-    return question, answer
+    answer = {"count": str(len(shapes)), "colour": shapes[0]["colour"], "shape": shapes[0]["kind"]}[kind]
+    return QUESTIONS[kind], answer
 
 
 def make_shapes_row(png: bytes, question: str, answer: str, kind: str, split: str, index: int) -> dict[str, Any]:
@@ -151,10 +148,9 @@ def shapes_rows(num: int, seed: int, split: str, exclude: set[str] | None = None
         i = len(rows)
         kind = spec["questions"][i % len(spec["questions"])]
         target = answers[kind][(i // len(spec["questions"])) % len(answers[kind])]
-        qa = None
-        while qa is None or qa[1] != target:
-            scene = draw_scene(rng, spec)
-            qa = ask(scene, kind, rng)
+        fixed = {"count": int(target)} if kind == "count" else {"colour": target} if kind == "colour" else {"kind": target}
+        scene = draw_scene(rng, spec, **fixed)
+        qa = ask(scene, kind)
         png = render_png(scene)
         key = hashlib.sha256(png + b"\0" + qa[0].encode()).hexdigest()
         if key in exclude:
