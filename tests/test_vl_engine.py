@@ -148,6 +148,8 @@ def test_the_runs_prompt_images_are_found_by_uid():
     (["generator.backend=sglang"], "the SGLang engine does not sample from prompts with images"),
     (["learner.backend=megatron"], "learner.backend=megatron does not train vision-language models yet"),
     (["agent.tools=[calculator]"], "multi-turn rollouts"),
+    (["reward.model=builtin:tiny-qwen2-reward"], "reward.model does not pass the prompts' images"),
+    (["algorithm.distill.teacher=builtin:tiny-qwen2"], "algorithm.distill does not pass the prompts' images"),
 ])
 def test_a_vision_language_run_is_refused_in_one_line_where_a_part_cannot_take_images(overrides, message):
     from pathlib import Path

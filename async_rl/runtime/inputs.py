@@ -64,8 +64,9 @@ def check_inputs(cfg: Any) -> None:
 
 def check_vision_language(cfg: Any) -> None:
     """Refuse in one line what a vision-language policy cannot do yet: a learner backend that
-    does not train one (``LearnerCapabilities.vision_language``), or multi-turn rollouts (an
-    environment or tools: their observations are text). The engine's side is the engine's
+    does not train one (``LearnerCapabilities.vision_language``), multi-turn rollouts (an
+    environment or tools: their observations are text), or a teacher or reward model (they score
+    token ids without the images). The engine's side is the engine's
     check (``async_rl.generators.check_model``: ``EngineCapabilities.serves_images``).
 
     Raises:
@@ -83,6 +84,12 @@ def check_vision_language(cfg: Any) -> None:
     if cfg.env.name or cfg.agent.tools:
         raise ValueError(f"{cfg.model.path} is a vision-language model: multi-turn rollouts (env.name, agent.tools) "
                          "do not carry images yet; train it on single-turn prompts")
+    # A teacher or a reward model scores the prompt's token ids, not its images: it would read
+    # placeholders where the pictures were.
+    if cfg.algorithm.distill.routes or cfg.reward.model:
+        key = "algorithm.distill" if cfg.algorithm.distill.routes else "reward.model"
+        raise ValueError(f"{cfg.model.path} is a vision-language model: {key} does not pass the prompts' images to "
+                         "its model yet; use a reward function (reward.fn)")
 
 
 def check_teacher(key: str, spec: str) -> None:
