@@ -35,7 +35,7 @@ from async_rl.data.dataset import PromptDataset, image_processing_for
 from async_rl.step.evaluation import EvalAtK, evaluate, warm_start
 from async_rl.runtime.inputs import check_inputs
 from async_rl.utils.leftovers import sweep_at_start
-from async_rl.utils.vision import PromptImages
+from async_rl.data.images import PromptImages
 from async_rl.generators import make_generator
 from async_rl.generators.base import Generator, SamplingParams
 from async_rl.runtime.cluster import (LOOPBACK, Cluster, PlacementConfig, cpus_restored, pin_process,
@@ -233,7 +233,10 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     stops = stop_token_ids(tokenizer, model_path, cfg.generator.extra_stop_token_ids)
-    agent = make_rollout_agent(cfg, tokenizer, stops)
+    # One image processor (the model's, with data.image_*_pixels) for the rows' images and the
+    # observations' of a multi-turn run; None for a text policy.
+    images = image_processing_for(model_path, d)
+    agent = make_rollout_agent(cfg, tokenizer, stops, images=images)
     # With tools, prompts are rendered with their schemas (the model sees what it may call).
     tools = agent.schemas if agent is not None else None
     # The warm start's reference responses are read (and a row without one refused) as the rows load.
@@ -241,10 +244,10 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     train_ds = PromptDataset([data_file(f, rows_env) for f in d.train_files], tokenizer, d.max_prompt_tokens, seed, d.shuffle,
                              tools=tools, reference_fields=t_cfg.warm_start.reference_fields(),
                              reference_hint=WARM_START_HINT, on_bad_row=d.on_bad_row,
-                             images=image_processing_for(model_path, d))
+                             images=images)
     val_ds = (PromptDataset([data_file(f, rows_env) for f in d.val_files], tokenizer, d.max_prompt_tokens, seed, False,
                             limit=d.val_max_prompts, tools=tools, on_bad_row=d.on_bad_row,
-                            images=image_processing_for(model_path, d)) if d.val_files else None)
+                            images=images) if d.val_files else None)
     if not cfg.reward.fn and not cfg.reward.model and not env_gives_reward(rows_env):
         # Fail before training, not as a reward error on every sample: each data_source needs a reward.
         for source in {p.data_source for ds in (train_ds, val_ds) if ds is not None for p in ds.prompts}:
@@ -307,7 +310,7 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
             run_dir=run_dir, log=MetricsLogger(cfg.logging, run_dir, t_cfg.total_steps, run_config=to_dict(cfg)),
             agent=agent, cluster=cluster, service_cores=service,
             eval_at_k=EvalAtK.from_config(t_cfg, SamplingParams.from_config(cfg.generator, stops)),
-            prompt_images=PromptImages(train_ds))
+            prompt_images=PromptImages(train_ds, merge_size=images.merge_size if images else None))
     except BaseException:
         # Nothing of a run that could not be built may outlive it: the engine, the learner's
         # ranks, and a Ray instance this run started (a later ray.init in this process would fail).

@@ -6,7 +6,7 @@ rows, each pair moving the same bytes in the same number of messages:
 
 * per trajectory (one trajectory a message):
 
-  * ``ours``: ``ZmqTrajectorySender.send(traj)`` (encode to one schema-7 frame + send) →
+  * ``ours``: ``ZmqTrajectorySender.send(traj)`` (encode to one schema-8 frame + send) →
     ``ZmqTrajectoryReceiver.recv`` (recv + decode and validate back to a ``Trajectory``). The
     trajectory is realistic for math RL: 100 prompt tokens, 1000 response tokens, float64
     behavior log-probs, no teacher log-probs (a run without on-policy distillation; a teacher

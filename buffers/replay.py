@@ -38,16 +38,18 @@ from typing import Any
 
 from async_rl.buffers.trajectory import Trajectory
 
-STATE_FORMAT = 3
+STATE_FORMAT = 4
 """Version of the ``ReplayBuffer.state_dict`` layout. 2: each trajectory dict also holds
 ``teacher_topk_ids`` and ``teacher_topk_logprobs`` (``[R, K]`` nested lists, ``[]`` without); 3:
-and ``routed_experts`` (``[P + R - 1, layers, k]`` nested lists, ``[]`` without). Code that reads
-only an older format would fail on those keys mid-load, so it refuses the whole state in one line
-instead. This code reads formats 1 and 2 too (``READABLE_STATE_FORMATS``): their trajectories
-have no top-k and no routing, which is what the missing keys default to, so a run checkpointed
-before a bump resumes."""
+and ``routed_experts`` (``[P + R - 1, layers, k]`` nested lists, ``[]`` without); 4: and
+``observation_pixel_values`` / ``observation_image_grid_thw`` (an episode's observation images,
+``[N, D]`` and ``[I, 3]`` nested lists, ``[]`` without). Code that reads only an older format
+would fail on those keys mid-load, so it refuses the whole state in one line instead. This code
+reads formats 1 to 3 too (``READABLE_STATE_FORMATS``): their trajectories have no top-k, no
+routing and no observation images, which is what the missing keys default to, so a run
+checkpointed before a bump resumes."""
 
-READABLE_STATE_FORMATS = (1, 2, STATE_FORMAT)
+READABLE_STATE_FORMATS = (1, 2, 3, STATE_FORMAT)
 """State formats ``load_state_dict`` accepts."""
 
 

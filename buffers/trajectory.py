@@ -49,9 +49,28 @@ Held apart from ``PER_TOKEN_DTYPES``, whose fields are 1-D (``per_token_array``)
 ROUTED_EXPERTS_DTYPE = np.dtype("<i2")
 """``Trajectory.routed_experts``: expert indices as int16 (models of up to 32,767 experts a layer)."""
 
-_ARRAY_FIELDS = frozenset(PER_TOKEN_DTYPES) | frozenset(TOPK_DTYPES) | {"routed_experts"}
-"""Every ``Trajectory`` field held as a numpy array (the 1-D per-token ones, the [R, K] top-k and
-the [P + R - 1, layers, k] routing)."""
+OBSERVATION_IMAGE_DTYPES: dict[str, np.dtype] = {
+    "observation_pixel_values": np.dtype("<f4"), "observation_image_grid_thw": np.dtype("<i8")}
+"""The dtype of each observation-image field of a ``Trajectory`` (the images an episode's
+environment answered with, in a multi-turn vision-language episode): ``observation_pixel_values``
+``[N, D]`` float32 (the normalised patches, what the vision tower takes; ``[0, 0]`` without) and
+``observation_image_grid_thw`` ``[I, 3]`` int64 (frames, rows and columns of patches per image;
+``[0, 3]`` without), as the model's image processor makes them (``async_rl.data.images``). The
+wire carries these same bytes, row-major. Built by ``observation_image_array``."""
+
+_NO_IMAGES = {name: np.zeros(shape, dtype=OBSERVATION_IMAGE_DTYPES[name]) for name, shape in
+              (("observation_pixel_values", (0, 0)), ("observation_image_grid_thw", (0, 3)))}
+"""The "none" of each observation-image field, ``[0, 0]`` and ``[0, 3]``: one read-only array
+each, shared by every trajectory without observation images (empty, so nothing in it to change;
+a text run then allocates nothing for them, and ``Trajectory`` checks them by identity)."""
+for _none in _NO_IMAGES.values():
+    _none.flags.writeable = False
+del _none
+
+_ARRAY_FIELDS = (frozenset(PER_TOKEN_DTYPES) | frozenset(TOPK_DTYPES) | {"routed_experts"}
+                 | frozenset(OBSERVATION_IMAGE_DTYPES))
+"""Every ``Trajectory`` field held as a numpy array (the 1-D per-token ones, the [R, K] top-k,
+the [P + R - 1, layers, k] routing and the [N, D] / [I, 3] observation images)."""
 
 # Struct codes are spelled out: numpy's ``dtype.char`` for int64 is the platform's 'l'.
 _STRUCT_CODES = {"<i4": "i", "<f8": "d", "|u1": "B", "<i8": "q"}
@@ -120,6 +139,47 @@ def topk_array(values: Any, name: str, trajectory_id: str = "?") -> np.ndarray:
     return np.ascontiguousarray(array, dtype=dtype)
 
 
+def observation_image_array(values: Any, name: str, trajectory_id: str = "?") -> np.ndarray:
+    """``values`` as the 2-D, C-contiguous array of ``OBSERVATION_IMAGE_DTYPES[name]``
+    (``observation_pixel_values`` ``[N, D]`` float32, ``observation_image_grid_thw`` ``[I, 3]``
+    int64), or its "none" shape (``[0, 0]``, ``[0, 3]``); exactly or not at all.
+
+    An ndarray already of that dtype and 2-D is returned as is (no copy). Anything else (the
+    nested lists of ``Trajectory.as_dict``, another dtype) is converted: grid values must be
+    integers that fit int64 (never truncated); pixel values are rounded to float32, but a finite
+    one beyond float32's range is refused rather than made infinite. An empty input (``[]``,
+    ``[0, D]``, ``[N, 0]``) is the "none" shape (the one shared read-only array of it), so every
+    "none" compares equal and travels as N = D = I = 0. The other rules (3 grid columns, finite
+    pixels, grid values >= 1, N the grid's patches) are ``Trajectory``'s checks.
+
+    Raises:
+        ValueError: not a rectangular 2-D array of numbers, a non-integer in
+            ``observation_image_grid_thw``, or a value the dtype cannot hold. The text names the
+            trajectory and the field.
+    """
+    dtype = OBSERVATION_IMAGE_DTYPES[name]
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 2 and values.size:
+        return values if values.flags.c_contiguous else np.ascontiguousarray(values)
+    try:
+        array = np.asarray(values)  # nested lists: 2-D; ragged rows raise (numpy >= 1.24)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"trajectory {trajectory_id}: {name} cannot be held as {dtype.name} 2-D: {e}") from e
+    if not array.size and array.ndim in (1, 2):
+        return _NO_IMAGES[name]
+    problem = _array_problem(array, dtype, ndim=2)
+    if problem is None and dtype.kind == "f" and array.dtype.kind == "f" and array.dtype.itemsize > dtype.itemsize:
+        with np.errstate(over="ignore"):
+            narrowed = array.astype(dtype)
+        overflowed = np.isinf(narrowed) & np.isfinite(array)
+        if overflowed.any():
+            problem = f"a finite value beyond float32's range ({array[overflowed][0]})"
+        else:
+            return np.ascontiguousarray(narrowed)
+    if problem:
+        raise ValueError(f"trajectory {trajectory_id}: {name} cannot be held as {dtype.name} 2-D: {problem}")
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
 def _array_problem(values: np.ndarray, dtype: np.dtype, ndim: int = 1) -> str | None:
     """Why an ndarray of another dtype cannot be cast to an ``ndim``-D ``dtype`` array exactly, or ``None``."""
     if values.ndim != ndim:
@@ -160,6 +220,18 @@ def routed_experts_array(values: Any, trajectory_id: str = "?") -> np.ndarray:
     if array.min() < 0:
         raise ValueError(f"trajectory {trajectory_id}: routed_experts holds a negative expert index ({array.min()})")
     return array
+
+
+def _no_observation_pixels() -> np.ndarray:
+    """The shared read-only ``[0, 0]`` float32 array: ``Trajectory.observation_pixel_values``
+    without observation images."""
+    return _NO_IMAGES["observation_pixel_values"]
+
+
+def _no_observation_grid() -> np.ndarray:
+    """The shared read-only ``[0, 3]`` int64 array: ``Trajectory.observation_image_grid_thw``
+    without observation images."""
+    return _NO_IMAGES["observation_image_grid_thw"]
 
 
 def _no_routed_experts() -> np.ndarray:
@@ -220,12 +292,21 @@ class Trajectory:
             ``[P + R - 1, num_moe_layers, top_k]`` int16: the prompt's tokens, then the
             response's but the last (never forwarded), layers in model order
             (``async_rl.utils.moe``); ``[0, 0, 0]`` (the default) without.
+        observation_pixel_values: in a multi-turn vision-language episode, the normalised
+            patches of the images the environment answered with (its observations; the prompt's
+            own images are the trainer's, found by ``prompt_uid``), in the order their
+            placeholder tokens appear in ``response_ids``, ``[N, D]`` float32 (Qwen2-VL:
+            D = 1176, N = sum over the images of t*h*w); ``[0, 0]`` (the default) without.
+        observation_image_grid_thw: frames, rows and columns of patches of each of those
+            images, ``[I, 3]`` int64; ``[0, 3]`` (the default) without.
 
     The six per-token fields are given as any sequence of numbers (engines give lists) and held
     as 1-D numpy arrays of ``PER_TOKEN_DTYPES`` (``per_token_array``); the two top-k fields as
     any ``[R, K]`` array or nested lists, held as 2-D arrays of ``TOPK_DTYPES``
-    (``topk_array``); the routing as a 3-D int16 array (``routed_experts_array``). The replay buffer and the batch builder then never touch one Python
-    object per token, and the transport sends their bytes as they are. Treat them as read-only:
+    (``topk_array``); the routing as a 3-D int16 array (``routed_experts_array``); the
+    observation images as 2-D arrays of ``OBSERVATION_IMAGE_DTYPES``
+    (``observation_image_array``). The replay buffer and the batch builder then never touch one
+    Python object per token, and the transport sends their bytes as they are. Treat them as read-only:
     a received trajectory's arrays are views of its message. Equality compares every field,
     arrays by value (and shape).
 
@@ -234,8 +315,12 @@ class Trajectory:
             ``topk_array``), per-token fields of different lengths (``behavior_logprobs``,
             ``loss_mask`` and ``policy_version`` must have R values (``len(response_ids)``),
             ``teacher_logprobs`` 0 or R), top-k fields of different shapes (both
-            ``[R, K]`` with K >= 1, or both ``[0, 0]``), or routing of other than ``P + R - 1``
-            rows or with a negative expert index. The text names the trajectory and the fields.
+            ``[R, K]`` with K >= 1, or both ``[0, 0]``), routing of other than ``P + R - 1``
+            rows or with a negative expert index, or observation images that
+            ``observation_image_array`` refuses, pixels that are not finite (NaN or +-inf: one
+            would poison the vision tower's step), a grid of other than 3 columns or with a
+            value < 1, pixels without a grid or the reverse, or N other than the grid's
+            sum of t*h*w. The text names the trajectory and the fields.
     """
 
     trajectory_id: str
@@ -255,6 +340,8 @@ class Trajectory:
     teacher_topk_ids: np.ndarray = field(default_factory=_no_topk_ids)
     teacher_topk_logprobs: np.ndarray = field(default_factory=_no_topk_logprobs)
     routed_experts: np.ndarray = field(default_factory=_no_routed_experts)
+    observation_pixel_values: np.ndarray = field(default_factory=_no_observation_pixels)
+    observation_image_grid_thw: np.ndarray = field(default_factory=_no_observation_grid)
 
     def __post_init__(self) -> None:
         for name in PER_TOKEN_DTYPES:
@@ -273,6 +360,9 @@ class Trajectory:
         if self.routed_experts.size and self.routed_experts.shape[0] != forwarded:
             raise ValueError(f"trajectory {self.trajectory_id}: routed_experts has {self.routed_experts.shape[0]} "
                              f"rows; the engine forwards P + R - 1 = {forwarded} tokens")
+        if not (self.observation_pixel_values is _NO_IMAGES["observation_pixel_values"]
+                and self.observation_image_grid_thw is _NO_IMAGES["observation_image_grid_thw"]):
+            self._check_observation_images()  # else the defaults: no observation image (a text episode)
         if not (len(self.behavior_logprobs) == len(self.loss_mask) == len(self.policy_version) == n
                 and len(self.teacher_logprobs) in (0, n)):
             raise ValueError(
@@ -281,6 +371,34 @@ class Trajectory:
                 f"loss_mask {len(self.loss_mask)}, policy_version {len(self.policy_version)}, "
                 f"teacher_logprobs {len(self.teacher_logprobs)}, which must be 0 or {n})")
 
+    def _check_observation_images(self) -> None:
+        """Convert the observation-image fields (``observation_image_array``) and check them.
+
+        Raises:
+            ValueError: as the class docstring says; one line naming the trajectory and field.
+        """
+        tid = self.trajectory_id
+        for name in OBSERVATION_IMAGE_DTYPES:
+            setattr(self, name, observation_image_array(getattr(self, name), name, tid))
+        pixels, grid = self.observation_pixel_values, self.observation_image_grid_thw
+        if grid.shape[1] != 3:
+            raise ValueError(f"trajectory {tid}: observation_image_grid_thw is {list(grid.shape)}, expected [I, 3] "
+                             "(frames, rows and columns of patches per image)")
+        if grid.size and grid.min() < 1:
+            raise ValueError(f"trajectory {tid}: observation_image_grid_thw holds {grid.min()} (frames, rows and "
+                             "columns of patches are >= 1)")
+        if pixels.size and not (pixels.min() > -np.inf and pixels.max() < np.inf):  # NaN fails both
+            raise ValueError(f"trajectory {tid}: observation_pixel_values holds NaN or +-inf "
+                             f"({pixels.size - np.count_nonzero(np.isfinite(pixels))} values)")
+        if bool(pixels.size) != bool(grid.size):  # patches without their images' shapes, or the reverse
+            raise ValueError(f"trajectory {tid}: observation_pixel_values {list(pixels.shape)} and "
+                             f"observation_image_grid_thw {list(grid.shape)} must be both present ([N, D] and "
+                             "[I, 3]) or both none ([0, 0] and [0, 3])")
+        patches = sum(t * h * w for t, h, w in grid.tolist())  # Python ints: no int64 overflow
+        if pixels.shape[0] != patches:
+            raise ValueError(f"trajectory {tid}: observation_pixel_values has {pixels.shape[0]} patches, "
+                             f"observation_image_grid_thw's t*h*w sum to {patches}")
+
     @classmethod
     def from_checked(cls, trajectory_id: str, group_id: int, prompt_uid: str, prompt_ids: np.ndarray,
                      response_ids: np.ndarray, behavior_logprobs: np.ndarray, loss_mask: np.ndarray,
@@ -288,17 +406,22 @@ class Trajectory:
                      reward_extras: dict[str, float], response_text: str, generator_id: int,
                      teacher_logprobs: np.ndarray, teacher_topk_ids: np.ndarray | None = None,
                      teacher_topk_logprobs: np.ndarray | None = None,
-                     routed_experts: np.ndarray | None = None) -> "Trajectory":
+                     routed_experts: np.ndarray | None = None,
+                     observation_pixel_values: np.ndarray | None = None,
+                     observation_image_grid_thw: np.ndarray | None = None) -> "Trajectory":
         """A trajectory from fields already in their held form, without ``__post_init__``'s checks.
 
         For the wire decoder (``async_rl.buffers.codec``), which has checked every field's
         type and the per-token lengths (``teacher_logprobs`` 0 or R, the top-k ``[R, K]`` or
-        ``[0, 0]``, the routing ``[P + R - 1, L, k]`` with indices >= 0 or ``[0, 0, 0]``) and made
-        each array itself (1-D of ``PER_TOKEN_DTYPES``, 2-D of ``TOPK_DTYPES``, 3-D of
-        ``ROUTED_EXPERTS_DTYPE``); skipping the re-check saves a few microseconds per received
-        trajectory. Anything else builds with ``Trajectory(...)``, which checks.
+        ``[0, 0]``, the routing ``[P + R - 1, L, k]`` with indices >= 0 or ``[0, 0, 0]``, the
+        observation images ``[N, D]`` finite and ``[I, 3]`` >= 1 with N the grid's patches, or
+        ``[0, 0]`` and ``[0, 3]``) and made each array itself (1-D of ``PER_TOKEN_DTYPES``, 2-D of
+        ``TOPK_DTYPES``, 3-D of ``ROUTED_EXPERTS_DTYPE``, 2-D of ``OBSERVATION_IMAGE_DTYPES``);
+        skipping the re-check saves a few microseconds per received trajectory. Anything else
+        builds with ``Trajectory(...)``, which checks.
         Arguments: the attributes, in field order (the top-k pair ``None``: ``[0, 0]``;
-        ``routed_experts`` ``None``: ``[0, 0, 0]``).
+        ``routed_experts`` ``None``: ``[0, 0, 0]``; ``observation_pixel_values`` ``None``:
+        ``[0, 0]``; ``observation_image_grid_thw`` ``None``: ``[0, 3]``).
         """
         self = object.__new__(cls)
         self.__dict__.update(
@@ -309,7 +432,11 @@ class Trajectory:
             teacher_logprobs=teacher_logprobs,
             teacher_topk_ids=_no_topk_ids() if teacher_topk_ids is None else teacher_topk_ids,
             teacher_topk_logprobs=_no_topk_logprobs() if teacher_topk_logprobs is None else teacher_topk_logprobs,
-            routed_experts=_no_routed_experts() if routed_experts is None else routed_experts)
+            routed_experts=_no_routed_experts() if routed_experts is None else routed_experts,
+            observation_pixel_values=(_no_observation_pixels() if observation_pixel_values is None
+                                      else observation_pixel_values),
+            observation_image_grid_thw=(_no_observation_grid() if observation_image_grid_thw is None
+                                        else observation_image_grid_thw))
         return self
 
     @property
@@ -332,8 +459,9 @@ class Trajectory:
 
     def as_dict(self) -> dict[str, Any]:
         """Every field as plain Python (per-token arrays as lists of int / float, the ``[R, K]``
-        top-k as lists of rows, ``[]`` without), for JSON or a checkpoint; ``Trajectory(**d)``
-        rebuilds an equal trajectory (float32 top-k log-probs exactly: a float32 is a float64)."""
+        top-k, the routing and the observation images as nested lists of rows, ``[]`` without),
+        for JSON or a checkpoint; ``Trajectory(**d)`` rebuilds an equal trajectory (float32 top-k
+        log-probs and pixels exactly: a float32 is a float64)."""
         return {f.name: getattr(self, f.name).tolist() if f.name in _ARRAY_FIELDS else getattr(self, f.name)
                 for f in fields(self)} | {"reward_extras": dict(self.reward_extras)}
 

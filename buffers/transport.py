@@ -14,7 +14,7 @@ While both ends are open nothing is dropped: ZeroMQ PUSH/PULL blocks rather than
 message (or trajectory) the receiver cannot decode is counted (``num_malformed``) and logged,
 never ignored silently. Closing loses what is still queued (a sender lingers ``linger_s`` to flush first).
 
-The wire format (schema 7, msgpack headers and raw little-endian arrays in one frame) and its
+The wire format (schema 8, msgpack headers and raw little-endian arrays in one frame) and its
 codec live in ``async_rl.buffers.codec``; its names are re-exported here, the path senders,
 receivers and tests import from.
 

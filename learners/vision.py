@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import torch
 
-
-def is_vision_language(config) -> bool:
-    """Whether a transformers config describes a vision-language model (it has ``vision_config``)."""
-    return getattr(config, "vision_config", None) is not None
+from async_rl.utils.vision import is_vision_language  # noqa: F401 (one definition, used as vision.is_vision_language)
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:

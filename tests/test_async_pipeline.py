@@ -313,7 +313,7 @@ def test_engine_speed_counts_only_the_batches_whose_busy_time_it_divides_by():
 
 
 def test_a_worker_refuses_to_send_a_group_short_of_what_the_rollout_kept():
-    """The generator sends a group as one message (wire schema 7); if the trajectories it holds
+    """The generator sends a group as one message (wire schema 8); if the trajectories it holds
     for the group are fewer than the rollout kept, it raises naming both counts rather than
     sending the group short (a raise, so ``python -O`` keeps the check)."""
     from types import SimpleNamespace

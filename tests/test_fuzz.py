@@ -11,8 +11,9 @@ Each door gets a few thousand generated inputs, mixed with valid ones, from ``SE
 - ZeroMQ messages (``decode_messages``, then a real PUSH/PULL pair into a ``ReplayBuffer``):
   random bytes, bit flips, truncations, wrong frame counts, wrong msgpack types, absurd lengths,
   NaN log-probs (behavior and teacher), negative token ids, teacher token counts other than 0 or
-  the response's, teacher top-k and routed-expert counts that disagree with the body, negative
-  top-k ids and expert indices, duplicates, single trajectories and whole groups;
+  the response's, teacher top-k, routed-expert and observation-image counts that disagree with the
+  body, negative top-k ids and expert indices, non-finite pixels, image grids with a value < 1 or
+  of another patch count, duplicates, single trajectories and whole groups;
 
 and one real async run (slow) takes all four at once. The contract everywhere: nothing raises
 out of the pipeline, every rejection is counted under a known reason, and every accepted input
@@ -579,9 +580,10 @@ def test_fuzz_tool_call_text_parsed_and_dispatched_without_exceptions(tmp_path):
 # --------------------------------------------------------------------------------- transport
 def random_trajectory(rng: random.Random, tid: str | None = None, group_id: int | None = None) -> Trajectory:
     """A valid trajectory of random size and content, with the teacher's log-probs (on-policy
-    distillation) half of the time, its top-k (K of 1 to 4) half of the time, and routing
-    replay's routed experts (1 to 3 layers x top 1 to 4, indices over all of int16's >= 0) half
-    of the time."""
+    distillation) half of the time, its top-k (K of 1 to 4) half of the time, routing replay's
+    routed experts (1 to 3 layers x top 1 to 4, indices over all of int16's >= 0) half of the
+    time, and observation images (1 or 2 of up to 2 x 3 x 3 patches of 1 to 6 values, float32's
+    extremes among them) a third of the time."""
     group_id = rng.randint(0, 10**6) if group_id is None else group_id
     p, r = rng.randint(1, 12), rng.randint(0, 12)
     versions = sorted(rng.randint(0, 5) for _ in range(r))
@@ -593,6 +595,11 @@ def random_trajectory(rng: random.Random, tid: str | None = None, group_id: int 
     layers, top_k = (rng.randint(1, 3), rng.randint(1, 4)) if rng.random() < 0.5 else (0, 0)
     routed = [[[rng.choice([0, 2**15 - 1, rng.randint(0, 255)]) for _ in range(top_k)] for _ in range(layers)]
               for _ in range(p + r - 1)] if layers else []  # [] also when one token (P + R - 1 = 0 rows)
+    grid = [[rng.randint(1, 2), rng.randint(1, 3), rng.randint(1, 3)] for _ in range(rng.randint(1, 2))] \
+        if rng.random() < 1 / 3 else []
+    dim = rng.randint(1, 6)
+    pixels = [[rng.choice([rng.gauss(0.0, 1.0), -0.0, 1e-45, 3.4e38, -3.4e38]) for _ in range(dim)]
+              for _ in range(sum(t * h * w for t, h, w in grid))]
     return Trajectory(
         trajectory_id=tid or f"{group_id}/{rng.randint(0, 7)}", group_id=group_id, prompt_uid=junk_text(rng, 8),
         prompt_ids=[rng.randint(0, 2**31 - 1) for _ in range(p)],
@@ -601,7 +608,8 @@ def random_trajectory(rng: random.Random, tid: str | None = None, group_id: int 
         loss_mask=[rng.randint(0, 1) for _ in range(r)], finish_reason=rng.choice(["stop", "length"]),
         policy_version=versions, reward=rng.uniform(-5, 5), reward_extras={"acc": float(rng.randint(0, 1))},
         response_text=junk_text(rng), generator_id=rng.randint(-1, 7), teacher_logprobs=teacher,
-        teacher_topk_ids=topk_ids, teacher_topk_logprobs=topk_lps, routed_experts=routed)
+        teacher_topk_ids=topk_ids, teacher_topk_logprobs=topk_lps, routed_experts=routed,
+        observation_pixel_values=pixels, observation_image_grid_thw=grid)
 
 
 def _random_value(rng: random.Random, depth: int = 0) -> Any:
@@ -622,11 +630,13 @@ def _array(values: list, code: str) -> bytes:
     return struct.pack(f"<{len(values)}{code}", *values)
 
 
-_BODY = ["behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "teacher_topk_ids",
-         "teacher_topk_logprobs", "routed_experts", "loss_mask"]
-# Where a trajectory header holds its prompt, response and teacher counts, the top-k's K, and the
-# routing's layers and experts a token.
-_P, _R, _T, _K, _L, _KR = 8, 9, 10, 11, 12, 13
+_BODY = ["behavior_logprobs", "teacher_logprobs", "observation_image_grid_thw", "policy_version", "prompt_ids",
+         "response_ids", "teacher_topk_ids", "teacher_topk_logprobs", "observation_pixel_values", "routed_experts",
+         "loss_mask"]
+# Where a trajectory header holds its prompt, response and teacher counts, the top-k's K, the
+# routing's layers and experts a token, and the observation images' patches, values a patch and
+# images.
+_P, _R, _T, _K, _L, _KR, _NX, _DX, _IX = 8, 9, 10, 11, 12, 13, 14, 15, 16
 
 
 def _routed_entries(entries: Any) -> int:
@@ -642,7 +652,9 @@ def _split(frame: bytes) -> tuple[Any, dict[str, bytes]]:
     t = sum(e[_T] for e in header.get("trajectories", ()))
     q = sum(e[_R] * e[_K] for e in header.get("trajectories", ()))
     e = _routed_entries(header.get("trajectories", ()))
-    ends = list(itertools.accumulate([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, 4 * q, 4 * q, 2 * e, r]))
+    i = sum(e[_IX] for e in header.get("trajectories", ()))
+    x = sum(e[_NX] * e[_DX] for e in header.get("trajectories", ()))
+    ends = list(itertools.accumulate([0, 8 * r, 8 * t, 24 * i, 8 * r, 4 * p, 4 * r, 4 * q, 4 * q, 4 * x, 2 * e, r]))
     return header, {name: bytes(body[ends[i]:ends[i + 1]]) for i, name in enumerate(_BODY)}
 
 
@@ -658,7 +670,10 @@ def _semantic(rng: random.Random, header: dict, arrays: dict[str, bytes]) -> byt
     t = sum(e[_T] for e in header["trajectories"])
     q = sum(e[_R] * e[_K] for e in header["trajectories"])
     e = _routed_entries(header["trajectories"])
-    kind = rng.choice([0, 5, 6, 7, 8] + [1, 2, 3, 4] * bool(r) + [9] * bool(t) + [10, 11] * bool(q) + [12] * bool(e))
+    i = sum(e[_IX] for e in header["trajectories"])
+    x = sum(e[_NX] * e[_DX] for e in header["trajectories"])
+    kind = rng.choice([0, 5, 6, 7, 8] + [1, 2, 3, 4] * bool(r) + [9] * bool(t) + [10, 11] * bool(q) + [12] * bool(e)
+                      + [13, 14, 15] * bool(i))
     if kind == 0:
         old = entry[_P]
         entry[_P] = rng.choice([3, 0])
@@ -689,10 +704,19 @@ def _semantic(rng: random.Random, header: dict, arrays: dict[str, bytes]) -> byt
         arrays["teacher_topk_ids"] = _array([rng.randint(-2**31, -1)] * q, "i")
     elif kind == 11:
         arrays["teacher_topk_logprobs"] = _array([rng.choice([math.nan, math.inf, -math.inf, 0.5, 2e-6])] * q, "f")
-    else:  # one negative expert index among valid ones, anywhere in the message's routing
+    elif kind == 12:  # one negative expert index among valid ones, anywhere in the message's routing
         values = list(struct.unpack(f"<{e}h", arrays["routed_experts"]))
         values[rng.randrange(e)] = rng.choice([-1, -(2**15), rng.randint(-(2**15), -1)])
         arrays["routed_experts"] = _array(values, "h")
+    elif kind == 13:  # one non-finite pixel value among valid ones
+        values = list(struct.unpack(f"<{x}f", arrays["observation_pixel_values"]))
+        values[rng.randrange(x)] = rng.choice([math.nan, math.inf, -math.inf])
+        arrays["observation_pixel_values"] = _array(values, "f")
+    else:  # one grid value < 1 (kind 14), or one grown by 1: a patch count other than N (kind 15)
+        values = list(struct.unpack(f"<{3 * i}q", arrays["observation_image_grid_thw"]))
+        at = rng.randrange(3 * i)
+        values[at] = rng.choice([0, -1, -(2**63)]) if kind == 14 else values[at] + 1
+        arrays["observation_image_grid_thw"] = _array(values, "q")
     return _packed(header, arrays)
 
 
@@ -742,7 +766,7 @@ def malformed_frames(rng: random.Random, valid: list[list[bytes]]) -> list[Any]:
         header.update({"num_kept": rng.choice([-1, -2**63, True]), "group_id": rng.choice([1.5, "3", None, 3])})
         return [_packed(header)]
     if kind == 7:  # absurd or mismatched lengths
-        entry, i = rng.choice(entries), rng.choice([_P, _R, _T, _K, _L, _KR])
+        entry, i = rng.choice(entries), rng.choice([_P, _R, _T, _K, _L, _KR, _NX, _DX, _IX])
         entry[i] = rng.choice([2**31, 2**63 - 1, 2**64 - 1, -1, entry[i] + 1, max(0, entry[i] - 1)])
         return [_packed(header, arrays)]
     if kind == 8:  # a field's bytes truncated, grown, doubled, or the header's fields as schema 3's map
@@ -773,6 +797,8 @@ MALFORMED_REASONS = [
     ("topk_count", r"field 'teacher_top_k' of trajectory header \d+ is -?\d+, expected >= 0"),
     ("routed_count", r"fields 'routed_layers' and 'routed_top_k' of trajectory header \d+ are -?\d+ and -?\d+, "
                      r"expected"),
+    ("image_count", r"fields 'num_image_patches', 'patch_dim' and 'num_images' of trajectory header \d+ are "
+                    r"-?\d+, -?\d+ and -?\d+, expected all 0"),
     ("reward_extras_type", r"reward_extras must map str -> float"),
     ("body_size", r"message body is \d+ bytes, expected \d+ for \d+ trajectories"),
     ("trajectory_id", r"trajectory_id .* is not '<group>/<index in group>'"),
@@ -806,6 +832,12 @@ def assert_trainable(msg: Any) -> None:
     assert routed.dtype == np.dtype("<i2") and not routed.flags.writeable
     assert routed.shape == (0, 0, 0) or (routed.shape[0] == len(msg.prompt_ids) + r - 1 and min(routed.shape) >= 1)
     assert (routed >= 0).all()
+    pixels, grid = msg.observation_pixel_values, msg.observation_image_grid_thw
+    assert (pixels.dtype, grid.dtype) == (np.dtype("<f4"), np.dtype("<i8"))
+    assert not pixels.flags.writeable and not grid.flags.writeable
+    assert (pixels.shape, grid.shape) == ((0, 0), (0, 3)) or (min(pixels.shape) >= 1 and grid.shape[1] == 3)
+    assert np.isfinite(pixels).all() and (grid >= 1).all()
+    assert pixels.shape[0] == sum(t * h * w for t, h, w in grid.tolist())
     assert {name: getattr(msg, name).dtype for name in PER_TOKEN_DTYPES} == PER_TOKEN_DTYPES
     assert len(msg.prompt_ids) >= 1 and min(msg.prompt_ids.tolist() + msg.response_ids.tolist()) >= 0
     assert not any(math.isnan(x) or x == math.inf for x in msg.behavior_logprobs.tolist())

@@ -276,7 +276,7 @@ def test_routing_replay_is_refused_where_the_routing_cannot_reach_the_learner(mo
 @pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_a_run_with_routing_replay_reports_the_routers_agreement_and_load(tmp_path, mode):
     """Sync: the engine's routing reaches the learner in process; async: from the generator
-    actors through the trajectory stream (wire schema 7) and the replay buffer."""
+    actors through the trajectory stream (wire schema 7 and later) and the replay buffer."""
     from async_rl.config import load_config
     from async_rl.trainer import train
 

@@ -104,7 +104,7 @@ def test_warm_start_reads_any_field_of_a_verl_row(tmp_path, tiny_tokenizer, monk
     assert [p.reference for p in load(WarmStartConfig(steps=0))] == [None, None]
 
     seen = []
-    monkeypatch.setattr(evaluation, "collate", lambda trajs, pad: seen.extend(trajs) or None)
+    monkeypatch.setattr(evaluation, "collate", lambda trajs, pad, images=None: seen.extend(trajs) or None)
 
     class Learner:
         def sft_step(self, batch, lr):

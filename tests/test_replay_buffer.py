@@ -365,7 +365,7 @@ def test_state_dict_keeps_each_top_k_bit_exact_in_partial_and_served_groups():
         buf.add(dataclasses.replace(tr(g, i, num_tokens=2), teacher_topk_ids=k_ids, teacher_topk_logprobs=k_lps))
     assert buf.get_groups(1, 0) is not None  # group 0 served once, kept for reuse
     state = buf.state_dict()
-    assert state["format"] == 3 and state["partial"][0][1][0]["teacher_topk_ids"] == top[1, 0][0].tolist()
+    assert state["format"] == 4 and state["partial"][0][1][0]["teacher_topk_ids"] == top[1, 0][0].tolist()
     restored = ReplayBuffer(group_size=2, max_staleness=1, max_reuse=2)
     restored.load_state_dict(json.loads(json.dumps(state)))
     assert restored.state_dict() == state
@@ -378,23 +378,43 @@ def test_state_dict_keeps_each_top_k_bit_exact_in_partial_and_served_groups():
         assert t.teacher_topk_logprobs.shape == k_lps.shape
 
 
-@pytest.mark.parametrize("old", [1, 2])
+@pytest.mark.parametrize("old", [1, 2, 3])
 def test_an_older_format_state_resumes_without_what_it_lacked(old):
-    """Format 1 (before the teacher's top-k) has no top-k keys and format 2 no routing; a run
-    checkpointed then resumes, its trajectories without them, and saves format 3 from then on."""
+    """Format 1 (before the teacher's top-k) has no top-k keys, format 2 no routing and format 3
+    no observation images; a run checkpointed then resumes, its trajectories without them, and
+    saves format 4 from then on."""
     buf = ReplayBuffer(group_size=2, max_staleness=1)
     buf.add(tr(0, 0))
     state = json.loads(json.dumps(buf.state_dict()))
     for t in state["partial"][0][1]:
-        del t["routed_experts"]
+        del t["observation_pixel_values"], t["observation_image_grid_thw"]
+        if old <= 2:
+            del t["routed_experts"]
         if old == 1:
             del t["teacher_topk_ids"], t["teacher_topk_logprobs"]
     restored = ReplayBuffer(group_size=2, max_staleness=1)
     restored.load_state_dict({**state, "format": old})
-    assert restored.state_dict() == buf.state_dict() and restored.state_dict()["format"] == 3
+    assert restored.state_dict() == buf.state_dict() and restored.state_dict()["format"] == 4
     restored.close_group(0, 1)
     (got,), = restored.get_groups(1, 0)
     assert got == tr(0, 0) and got.teacher_topk_ids.shape == (0, 0) and got.routed_experts.shape == (0, 0, 0)
+    assert got.observation_pixel_values.shape == (0, 0) and got.observation_image_grid_thw.shape == (0, 3)
+
+
+def test_state_dict_keeps_observation_images_bit_exact():
+    """An episode's observation images (float32 patches, int64 grids) come back from a JSON
+    checkpoint bit for bit."""
+    pixels = np.array([[-0.0, 1e-45, 3.4028235e38, -1.7920929], [0.5, -2.0, 1.25, 7.0]], np.float32)
+    buf = ReplayBuffer(group_size=2, max_staleness=1)
+    buf.add(dataclasses.replace(tr(0, 0), observation_pixel_values=pixels,
+                                observation_image_grid_thw=np.array([[1, 1, 2]], np.int64)))
+    state = json.loads(json.dumps(buf.state_dict()))
+    restored = ReplayBuffer(group_size=2, max_staleness=1)
+    restored.load_state_dict(state)
+    restored.close_group(0, 1)
+    (got,), = restored.get_groups(1, 0)
+    assert got.observation_pixel_values.dtype == np.float32 and got.observation_pixel_values.tobytes() == pixels.tobytes()
+    assert got.observation_image_grid_thw.tolist() == [[1, 1, 2]] and got.observation_image_grid_thw.dtype == np.int64
 
 
 def test_state_dict_keeps_routed_experts_exactly():

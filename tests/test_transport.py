@@ -94,8 +94,9 @@ def test_codec_layout_is_the_documented_schema():
     start = -(-(4 + head_len) // 8) * 8  # the body starts 8-byte aligned
     assert start % 8 == 0 and frame[4 + head_len:start] == bytes(start - 4 - head_len)
     assert header == {"schema": SCHEMA_VERSION, "kind": "trajectories", "group_id": None, "trajectories": [
-        ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0, "format": 0.5}, "x = 4", 3, 4, 0, 0, 0, 0]]}
-    assert SCHEMA_VERSION == 7
+        ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0, "format": 0.5}, "x = 4", 3, 4, 0, 0, 0, 0, 0, 0,
+         0]]}
+    assert SCHEMA_VERSION == 8
     body = frame[start:]
     assert len(body) == 4 * 8 + 4 * 8 + 3 * 4 + 4 * 4 + 4 * 1
     assert np.frombuffer(body, "<f8", 4, 0).tolist() == traj.behavior_logprobs.tolist()
@@ -112,8 +113,8 @@ def test_codec_layout_with_teacher_logprobs_puts_them_after_behavior_logprobs():
     teacher = [-0.5, -0.0, -1e-310, -7.25]
     traj = make_traj("a/0", num_prompt=3, num_response=4, teacher_logprobs=teacher)
     header, body = split_frame(encode_trajectory(traj)[0])
-    assert header["schema"] == 7 and header["trajectories"][0][8:] == [3, 4, 4, 0, 0, 0]
-    assert len(header["trajectories"][0]) == 14
+    assert header["schema"] == 8 and header["trajectories"][0][8:] == [3, 4, 4, 0, 0, 0, 0, 0, 0]
+    assert len(header["trajectories"][0]) == 17
     assert len(body) == 21 * 4 + 8 * 4 + 4 * 3 == 128
     assert bits(np.frombuffer(body, "<f8", 4, 0)) == bits(traj.behavior_logprobs)
     assert bits(np.frombuffer(body, "<f8", 4, 32)) == bits(teacher)
@@ -130,7 +131,7 @@ def test_group_layout_puts_each_field_of_all_trajectories_together():
                                           teacher_logprobs=[-0.75, -1.5])])
     header, body = split_frame(encode_message(group)[0])
     assert header["group_id"] == 3 and [e[0] for e in header["trajectories"]] == ["3/0", "3/1"]
-    assert [e[8:] for e in header["trajectories"]] == [[2, 3, 0, 0, 0, 0], [1, 2, 2, 0, 0, 0]]
+    assert [e[8:] for e in header["trajectories"]] == [[2, 3, 0, 0, 0, 0, 0, 0, 0], [1, 2, 2, 0, 0, 0, 0, 0, 0]]
     a, b = group.trajectories
     expected = b"".join(np.concatenate([getattr(a, n), getattr(b, n)]).tobytes() for n in
                         ("behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids",
@@ -158,17 +159,19 @@ def test_encode_rejects_values_the_wire_cannot_carry(kw, match):
 
 _ENTRY_FIELDS = ["trajectory_id", "group_id", "prompt_uid", "generator_id", "finish_reason", "reward",
                  "reward_extras", "response_text", "num_prompt_tokens", "num_response_tokens", "num_teacher_tokens",
-                 "teacher_top_k", "routed_layers", "routed_top_k"]
-_BODY = ["behavior_logprobs", "teacher_logprobs", "policy_version", "prompt_ids", "response_ids", "teacher_topk_ids",
-         "teacher_topk_logprobs", "routed_experts", "loss_mask"]
+                 "teacher_top_k", "routed_layers", "routed_top_k", "num_image_patches", "patch_dim", "num_images"]
+_BODY = ["behavior_logprobs", "teacher_logprobs", "observation_image_grid_thw", "policy_version", "prompt_ids",
+         "response_ids", "teacher_topk_ids", "teacher_topk_logprobs", "observation_pixel_values", "routed_experts",
+         "loss_mask"]
 
 
 def _parts(frame: bytes) -> tuple[dict, dict[str, bytes]]:
-    """A one-trajectory frame as its header and its nine arrays' bytes."""
+    """A one-trajectory frame as its header and its eleven arrays' bytes."""
     header, body = split_frame(frame)
-    p, r, t, k, layers, top_k = header["trajectories"][0][8:14]
+    p, r, t, k, layers, top_k, n, d, i = header["trajectories"][0][8:17]
     e = (p + r - 1) * layers * top_k if layers else 0
-    ends = np.cumsum([0, 8 * r, 8 * t, 8 * r, 4 * p, 4 * r, 4 * r * k, 4 * r * k, 2 * e, r]).tolist()
+    ends = np.cumsum([0, 8 * r, 8 * t, 24 * i, 8 * r, 4 * p, 4 * r, 4 * r * k, 4 * r * k, 4 * n * d, 2 * e,
+                      r]).tolist()
     return header, {name: bytes(body[ends[i]:ends[i + 1]]) for i, name in enumerate(_BODY)}
 
 
@@ -200,18 +203,20 @@ _TEACHER = np.full(7, -0.5).tobytes()
 
 
 @pytest.mark.parametrize("frames, match", [
-    ([], "0 frames, schema 7 has 1"),
+    ([], "0 frames, schema 8 has 1"),
     ([_GOOD, b""], "2 frames"),
     ([_GOOD[:-3]], r"message body is 164 bytes, expected 167 for 1 trajectories "
-                   r"\(5 prompt, 7 response and 0 teacher tokens, 0 top-k and 0 routed-expert entries\)"),
+                   r"\(5 prompt, 7 response and 0 teacher tokens, 0 top-k and 0 routed-expert entries, "
+                   r"0 observation images and 0 pixel values\)"),
     ([b"\xc1\xc1garbage"], "too short for its header"),
     ([b"\x01\x00"], r"message is 2 bytes, too short for its header \(no length\)"),
     ([b"\x03\x00\x00\x00\xc1\xc1\xc1\x00"], "message header is not valid msgpack"),
     ([_GOOD + b"\x00"], "message body is 168 bytes, expected 167"),
     ([pack_frame([1, 2])], "message header is a msgpack list, expected a map"),
-    ([_message(schema=2)], "schema version 2, this decoder reads version 7"),
-    ([_message(schema=5)], "schema version 5, this decoder reads version 7"),
-    ([_message(schema=6)], "schema version 6, this decoder reads version 7"),
+    ([_message(schema=2)], "schema version 2, this decoder reads version 8"),
+    ([_message(schema=5)], "schema version 5, this decoder reads version 8"),
+    ([_message(schema=6)], "schema version 6, this decoder reads version 8"),
+    ([_message(schema=7)], "schema version 7, this decoder reads version 8"),
     ([_message(schema=...)], "schema version None"),
     ([_message(kind="trajectory")], "message kind 'trajectory'"),
     ([_message(extra_field=1)], r"message kind 'trajectories' with fields \['extra_field'"),
@@ -220,13 +225,15 @@ _TEACHER = np.full(7, -0.5).tobytes()
      "trajectories message has group_id '7'"),
     ([_message(trajectories=[])], "non-empty unless a group id closes it"),
     ([_message(trajectories={"a/0": 1})], "trajectories message has group_id None and trajectories dict"),
-    ([_message(reward=...)], "trajectory header 0 is a msgpack list of 13 items, expected an array of 14"),
+    ([_message(reward=...)], "trajectory header 0 is a msgpack list of 16 items, expected an array of 17"),
     ([_message(teacher_top_k=...)],
-     r"list of 13 items, expected an array of 14 \(.*, num_teacher_tokens, teacher_top_k, routed_layers, routed_top_k\)"),
-    ([_message(routed_top_k=...)], r"list of 13 items, expected an array of 14"),
+     r"list of 16 items, expected an array of 17 \(.*, num_teacher_tokens, teacher_top_k, routed_layers, routed_top_k, "
+     r"num_image_patches, patch_dim, num_images\)"),
+    ([_message(routed_top_k=...)], r"list of 16 items, expected an array of 17"),
+    ([_message(num_images=...)], r"list of 16 items, expected an array of 17"),
     ([_message(teacher_top_k=-1)], r"'teacher_top_k' of trajectory header 0 is -1, expected >= 0"),
     ([_message(teacher_top_k=2)], r"message body is 167 bytes, expected 279 .*, 14 top-k and 0 routed-expert "
-                                  r"entries\)"),
+                                  r"entries, 0 observation images and 0 pixel values\)$"),
     ([_message(teacher_top_k=True)], "'teacher_top_k' of trajectory header 0 is bool"),
     # Routing replay's L_i and k_i: both 0 or both >= 1, and (P_i + R_i - 1) L_i k_i entries in the body.
     ([_message(routed_layers=2)], r"^fields 'routed_layers' and 'routed_top_k' of trajectory header 0 are 2 and 0, "
@@ -236,9 +243,10 @@ _TEACHER = np.full(7, -0.5).tobytes()
     ([_message(routed_layers=3, routed_top_k=-2)], r"header 0 are 3 and -2, expected both 0"),
     ([_message(routed_layers=1, routed_top_k=1)],
      r"^message body is 167 bytes, expected 189 for 1 trajectories \(5 prompt, 7 response and 0 teacher tokens, "
-     r"0 top-k and 11 routed-expert entries\)$"),
+     r"0 top-k and 11 routed-expert entries, 0 observation images and 0 pixel values\)$"),
     ([_message(routed_layers=2, routed_top_k=4, routed_experts=bytes(2 * 11 * 8 - 2))],
-     r"message body is 341 bytes, expected 343 .* 88 routed-expert entries\)"),
+     r"message body is 341 bytes, expected 343 .* 88 routed-expert entries, 0 observation images and 0 pixel "
+     r"values\)"),
     ([_message(routed_layers=True, routed_top_k=1)], "field 'routed_layers' of trajectory header 0 is bool, expected int"),
     ([_message(routed_top_k=1.0)], "field 'routed_top_k' of trajectory header 0 is float, expected int"),
     ([_message(trajectories=[{"trajectory_id": "a/0"}])], "trajectory header 0 is a msgpack dict"),
@@ -697,7 +705,9 @@ def _garbled(rng: np.random.Generator) -> list[bytes]:
                                                          teacher_logprobs=[-1.0] * 6,
                                                          teacher_topk_ids=np.ones((6, 2), np.int32),
                                                          teacher_topk_logprobs=np.full((6, 2), -1.0, np.float32),
-                                                         routed_experts=np.ones((9, 2, 2), np.int16)))[0])
+                                                         routed_experts=np.ones((9, 2, 2), np.int16),
+                                                         observation_pixel_values=np.ones((4, 3), np.float32),
+                                                         observation_image_grid_thw=[[1, 2, 2]]))[0])
     name = _BODY[rng.integers(len(_BODY))]
     data = arrays[name]
     kind = rng.integers(4)
@@ -711,6 +721,8 @@ def _garbled(rng: np.random.Generator) -> list[bytes]:
                         "teacher_logprobs": np.full(6, -np.inf).tobytes(),
                         "teacher_topk_ids": b"\xff" * 48, "teacher_topk_logprobs": np.full(12, 0.5, np.float32).tobytes(),
                         "routed_experts": b"\xff" * 72,
+                        "observation_image_grid_thw": bytes(24),
+                        "observation_pixel_values": np.full(12, np.nan, np.float32).tobytes(),
                         "policy_version": b"\xff" * 48}[name]
     else:  # the trajectory's fields as a map, as schema 3 sent them
         header["trajectories"] = [dict(zip(_ENTRY_FIELDS, header["trajectories"][0]))]
@@ -744,7 +756,7 @@ def test_a_schema_3_message_is_refused_with_one_line_naming_both_versions(kind):
             **{name: getattr(traj, name).tobytes() for name in PER_TOKEN_DTYPES}})
     with pytest.raises(MalformedMessageError) as e:
         decode_message([msgpack.packb(old, use_bin_type=True)])
-    assert str(e.value) == ("schema version 3, this decoder reads version 7 "
+    assert str(e.value) == ("schema version 3, this decoder reads version 8 "
                             "(sender and receiver run different async-rl versions?)")
 
 
@@ -763,7 +775,7 @@ def test_a_schema_4_message_is_refused_with_one_line_naming_both_versions(kind):
         assert len(split_frame(frame)[1]) == 21 * 7 + 4 * 5
     with pytest.raises(MalformedMessageError) as e:
         decode_messages([frame])
-    assert str(e.value) == ("schema version 4, this decoder reads version 7 "
+    assert str(e.value) == ("schema version 4, this decoder reads version 8 "
                             "(sender and receiver run different async-rl versions?)")
 
 
@@ -885,7 +897,7 @@ def test_the_teacher_top_k_travels_flat_between_the_response_ids_and_the_loss_ma
     without = make_traj("5/1", 5, num_prompt=2, num_response=2, teacher_logprobs=[-1.0, -2.0])
     frame = encode_message(TrajectoryGroup(5, [with_topk, without]))[0]
     header, body = split_frame(frame)
-    assert [e[8:] for e in header["trajectories"]] == [[3, 4, 4, 3, 0, 0], [2, 2, 2, 0, 0, 0]]
+    assert [e[8:] for e in header["trajectories"]] == [[3, 4, 4, 3, 0, 0, 0, 0, 0], [2, 2, 2, 0, 0, 0, 0, 0, 0]]
     assert len(body) == 21 * 6 + 8 * 6 + 4 * 5 + 8 * 12
     at = 8 * 6 + 8 * 6 + 8 * 6 + 4 * 5 + 4 * 6
     assert np.frombuffer(body, "<i4", 12, at).tolist() == ids.reshape(-1).tolist()
@@ -945,8 +957,8 @@ def test_the_teacher_top_k_round_trips_bit_exact_in_a_mixed_group(as_memoryview)
             make_traj("3/3", 3, num_response=0, response_text="")]
     frame = encode_message(TrajectoryGroup(3, sent))[0]
     header, body = split_frame(frame)
-    assert [e[9:] for e in header["trajectories"]] == [[4, 0, 1, 0, 0], [3, 3, 8, 0, 0], [5, 0, 0, 0, 0],
-                                                        [0, 0, 0, 0, 0]]
+    assert [e[9:] for e in header["trajectories"]] == [[4, 0, 1, 0, 0, 0, 0, 0], [3, 3, 8, 0, 0, 0, 0, 0],
+                                                        [5, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0]]
     assert len(body) == 21 * 12 + 8 * 3 + 4 * 20 + 8 * (4 * 1 + 3 * 8)
     messages, rejected = decode_messages([memoryview(frame)] if as_memoryview else [frame])
     assert rejected == [] and messages == [*sent, GroupClosed(3, 4)]
@@ -1006,7 +1018,7 @@ def test_a_schema_5_message_is_refused_with_one_line_naming_both_versions(kind):
         assert len(split_frame(frame)[1]) == 21 * 7 + 8 * 7 + 4 * 5
     with pytest.raises(MalformedMessageError) as e:
         decode_messages([frame])
-    assert str(e.value) == ("schema version 5, this decoder reads version 7 "
+    assert str(e.value) == ("schema version 5, this decoder reads version 8 "
                             "(sender and receiver run different async-rl versions?)")
 
 
@@ -1168,7 +1180,8 @@ def test_routed_experts_of_different_shapes_round_trip_bit_exact_in_one_group_me
             make_traj("2/5", 2, num_prompt=2, num_response=2, seed=5)]
     frame = encode_message(TrajectoryGroup(2, sent))[0]
     header, body = split_frame(frame)
-    assert [e[12:] for e in header["trajectories"]] == [[2, 3], [0, 0], [1, 1], [4, 8], [2, 2], [0, 0]]
+    assert [e[12:] for e in header["trajectories"]] == [[2, 3, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0],
+                                                         [4, 8, 0, 0, 0], [2, 2, 0, 0, 0], [0, 0, 0, 0, 0]]
     p, r, t, q, e = 17, 15, 3, 6, 6 * 6 + 1 + 7 * 32 + 3 * 4
     assert len(body) == 21 * r + 8 * t + 4 * p + 8 * q + 2 * e
     messages, rejected = decode_messages([memoryview(frame)] if as_memoryview else [frame])
@@ -1187,7 +1200,7 @@ def test_routed_experts_of_different_shapes_round_trip_bit_exact_in_one_group_me
 
 
 def test_routed_experts_travel_between_the_top_k_log_probs_and_the_loss_mask():
-    """Schema 7: L_i, k_i last in the trajectory header; the int16 routing of every trajectory
+    """Schema 7: L_i, k_i after K_i in the trajectory header; the int16 routing of every trajectory
     at byte 20R + 8T + 4P + 8Q (4-byte aligned), the loss mask 2E bytes later; body
     21R + 8T + 4P + 8Q + 2E."""
     routed = _routed(6, 3, 2, seed=1)
@@ -1196,8 +1209,8 @@ def test_routed_experts_travel_between_the_top_k_log_probs_and_the_loss_mask():
                              teacher_topk_ids=ids, teacher_topk_logprobs=lps, routed_experts=routed)
     also = make_traj("5/1", 5, num_prompt=2, num_response=1, routed_experts=[[[1, 2]], [[3, 4]]])
     header, body = split_frame(encode_message(TrajectoryGroup(5, [with_routing, also]))[0])
-    assert [e[8:] for e in header["trajectories"]] == [[3, 4, 4, 2, 3, 2], [2, 1, 0, 0, 1, 2]]
-    assert len(header["trajectories"][0]) == 14
+    assert [e[8:] for e in header["trajectories"]] == [[3, 4, 4, 2, 3, 2, 0, 0, 0], [2, 1, 0, 0, 1, 2, 0, 0, 0]]
+    assert len(header["trajectories"][0]) == 17
     p, r, t, q, e = 5, 5, 4, 8, 36 + 4
     assert len(body) == 21 * r + 8 * t + 4 * p + 8 * q + 2 * e == 301
     at = 20 * r + 8 * t + 4 * p + 8 * q
@@ -1243,7 +1256,8 @@ def test_routed_experts_with_a_broken_layout_void_the_whole_message(caplog):
     for short in (bytes(body[:at_mask - 2]) + bytes(body[at_mask:]),  # one entry short
                   bytes(body[:at_mask]) + b"\x00\x00" + bytes(body[at_mask:])):  # one entry too many
         with pytest.raises(MalformedMessageError, match=rf"^message body is {len(short)} bytes, expected {len(body)} "
-                                                        r"for 3 trajectories .* 48 routed-expert entries\)$"):
+                                                        r"for 3 trajectories .* 48 routed-expert entries, "
+                                                        r"0 observation images and 0 pixel values\)$"):
             decode_messages([pack_frame(header, [short])])
     header["trajectories"][2][13] = 3  # the body holds k = 2 for it: 8 entries, 16 bytes short
     _assert_refused_whole(header, body, caplog)
@@ -1257,7 +1271,7 @@ def test_routed_experts_of_a_single_token_are_none():
                      routed_experts=np.zeros((0, 2, 2), np.int16))
     assert traj.routed_experts.shape == (0, 0, 0)
     header, body = split_frame(encode_trajectory(traj)[0])
-    assert header["trajectories"][0][8:] == [1, 0, 0, 0, 0, 0]
+    assert header["trajectories"][0][8:] == [1, 0, 0, 0, 0, 0, 0, 0, 0]
     header["trajectories"][0][12:14] = [2, 2]
     got = decode_trajectory([pack_frame(header, [body])])
     assert got == traj and got.routed_experts.shape == (0, 0, 0) and not got.routed_experts.flags.writeable
@@ -1313,5 +1327,26 @@ def test_a_schema_6_message_is_refused_with_one_line_naming_both_versions(kind):
         assert len(split_frame(frame)[1]) == 21 * 7 + 8 * 7 + 4 * 5 + 8 * 14
     with pytest.raises(MalformedMessageError) as e:
         decode_messages([frame])
-    assert str(e.value) == ("schema version 6, this decoder reads version 7 "
+    assert str(e.value) == ("schema version 6, this decoder reads version 8 "
+                            "(sender and receiver run different async-rl versions?)")
+
+
+@pytest.mark.parametrize("kind", ["trajectories", "group_closed"])
+def test_a_schema_7_message_is_refused_with_one_line_naming_both_versions(kind):
+    """What a generator of the previous release sends: the same framing, a 14-field trajectory
+    header (no num_image_patches, patch_dim, num_images) and a 21R + 8T + 4P + 8Q + 2E body."""
+    traj = make_traj("a/0", num_prompt=5, num_response=7, teacher_logprobs=[-1.0] * 7, **_topk(7, 2),
+                     routed_experts=_routed(11, 2, 2))
+    if kind == "group_closed":
+        frame = pack_frame({"schema": 7, "kind": "group_closed", "group_id": 1, "num_kept": 2})
+    else:
+        entry = ["a/0", 0, "uid-0", -1, "stop", traj.reward, {"acc": 1.0}, "x = 4", 5, 7, 7, 2, 2, 2]
+        frame = pack_frame({"schema": 7, "kind": "trajectories", "group_id": None, "trajectories": [entry]},
+                           [getattr(traj, n) for n in ("behavior_logprobs", "teacher_logprobs", "policy_version",
+                                                       "prompt_ids", "response_ids", "teacher_topk_ids",
+                                                       "teacher_topk_logprobs", "routed_experts", "loss_mask")])
+        assert len(split_frame(frame)[1]) == 21 * 7 + 8 * 7 + 4 * 5 + 8 * 14 + 2 * 44
+    with pytest.raises(MalformedMessageError) as e:
+        decode_messages([frame])
+    assert str(e.value) == ("schema version 7, this decoder reads version 8 "
                             "(sender and receiver run different async-rl versions?)")

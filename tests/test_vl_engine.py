@@ -17,7 +17,8 @@ from async_rl.buffers.trajectory import IMAGE_EXTRAS, Trajectory, collate
 from async_rl.data.builtin import resolve
 from async_rl.data.images import ImageProcessing, expand_image_tokens
 from async_rl.generators.base import GeneratorConfig, SamplingParams
-from async_rl.utils.vision import PromptImages, image_kwargs, input_only_token_ids
+from async_rl.data.images import PromptImages
+from async_rl.utils.vision import image_kwargs, input_only_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_the_runs_prompt_images_are_found_by_uid():
 @pytest.mark.parametrize("overrides, message", [
     (["generator.backend=sglang"], "the SGLang engine does not sample from prompts with images"),
     (["learner.backend=megatron"], "learner.backend=megatron does not train vision-language models yet"),
-    (["agent.tools=[calculator]"], "multi-turn rollouts"),
+    (["endpoint.rollout=verifiers"], "endpoint.rollout. do not take images yet"),
     (["reward.model=builtin:tiny-qwen2-reward"], "reward.model does not pass the prompts' images"),
     (["algorithm.distill.teacher=builtin:tiny-qwen2"], "algorithm.distill does not pass the prompts' images"),
 ])

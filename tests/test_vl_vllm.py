@@ -281,3 +281,12 @@ def test_a_reissued_sample_keeps_its_images_and_its_tokens(engine, prompts):
     request = engine._render(ids, tokens, x)
     assert list(request["prompt_token_ids"]) == ids + tokens
     assert len(request["mm_placeholders"]["image"]) == 1
+
+
+def test_the_learner_scores_a_turn_after_an_environments_picture_as_vllm_sampled_it(engine):
+    # A multi-turn episode whose environment shows a picture (shapes_dialogue): vLLM samples
+    # turn 2 with the prompt's picture and the observation's, the learner scores it with both.
+    from test_vl_env import shapes_prompts, turn_after_a_picture_agrees, vl_parts
+
+    vl = vl_parts()
+    turn_after_a_picture_agrees(vl, shapes_prompts(vl, 1)[0], engine)

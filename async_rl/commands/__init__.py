@@ -159,6 +159,7 @@ def eval_parts(cfg: Config, model_dir: str, tokenizer_dir: str) -> EvalParts:
     """
     from transformers import AutoTokenizer
 
+    from async_rl.data.dataset import image_processing_for
     from async_rl.step.episodes import make_rollout_agent
     from async_rl.generators.base import SamplingParams
     from async_rl.step.rollout import make_scorer, stop_token_ids
@@ -167,7 +168,7 @@ def eval_parts(cfg: Config, model_dir: str, tokenizer_dir: str) -> EvalParts:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     stops = stop_token_ids(tokenizer, model_dir, cfg.generator.extra_stop_token_ids)
-    agent = make_rollout_agent(cfg, tokenizer, stops)
+    agent = make_rollout_agent(cfg, tokenizer, stops, images=image_processing_for(model_dir, cfg.data))
     params = SamplingParams.from_config(cfg.generator, stops, greedy=cfg.trainer.eval_greedy)
     # The reward function runs in its worker processes under reward.timeout_s, as in a run: a
     # hanging reward costs its sample, not the command. The reward model is a run's alone.

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from async_rl.utils.vision import image_token_id, is_vision_language
 from async_rl.data.images import BAD_IMAGE_REASONS, BadImageError, ImageInputs, ImageProcessing, decode_image, \
     expand_image_tokens
 
@@ -196,11 +197,9 @@ def image_processing_for(model_path: str, data_cfg: DataConfig | None = None) ->
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
-    if getattr(config, "vision_config", None) is None:
+    if not is_vision_language(config):
         return None
-    token = getattr(config, "image_token_id", None)
-    if token is None:
-        token = getattr(config, "image_token_index", None)
+    token = image_token_id(config)
     if token is None:
         raise ValueError(f"{model_path}: the config has a vision_config but no image_token_id: cannot place images")
     return ImageProcessing(model_path, int(token),

@@ -54,7 +54,8 @@ def decode_image(value: Any, base_dir: Path | None = None):
 
     Args:
         value: encoded bytes, a ``{"bytes": bytes | None, "path": str | None}`` mapping (bytes win
-            when both are set), or a path (relative to ``base_dir`` when not absolute).
+            when both are set), a path (relative to ``base_dir`` when not absolute), or a
+            ``PIL.Image`` (an environment's observation).
         base_dir: where relative paths start (the data file's directory).
 
     Raises:
@@ -63,6 +64,8 @@ def decode_image(value: Any, base_dir: Path | None = None):
     """
     from PIL import Image, UnidentifiedImageError
 
+    if isinstance(value, Image.Image):  # an environment's observation may hand over a picture it drew
+        return _as_rgb(value, f"a {value.width}x{value.height} picture")
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
         value = data if data else path
@@ -81,19 +84,7 @@ def decode_image(value: Any, base_dir: Path | None = None):
     try:
         with Image.open(source) as img:
             img.load()
-            mode, size = img.mode, img.size
-            if mode not in IMAGE_MODES_CONVERTIBLE:
-                raise BadImageError("image_bad_mode", f"image ({where}) has pixel mode {mode!r}, which has no "
-                                                      f"RGB conversion; use one of {', '.join(IMAGE_MODES_CONVERTIBLE)}")
-            if min(size) < 1:
-                raise BadImageError("image_too_small", f"image ({where}) is {size[0]}x{size[1]} pixels")
-            if mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in img.info):
-                # Transparent pixels over black, as the processors' own convert_rgb does.
-                img = img.convert("RGBA")
-                rgb = Image.new("RGB", img.size)
-                rgb.paste(img, mask=img.getchannel("A"))
-                return rgb
-            return img.convert("RGB")
+            return _as_rgb(img, where)
     except BadImageError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:  # Pillow's decoders raise these
@@ -104,6 +95,29 @@ def decode_image(value: Any, base_dir: Path | None = None):
         # Any of them is a row's bad image, never a stopped run.
         raise BadImageError("image_not_decodable", f"image ({where}) cannot be decoded: "
                                                    f"{type(e).__name__}: {str(e)[:200]}") from e
+
+
+def _as_rgb(img: Any, where: str) -> Any:
+    """A loaded ``PIL.Image`` as RGB (transparent pixels over black, as the processors' own
+    ``convert_rgb`` does).
+
+    Raises:
+        BadImageError: ``image_bad_mode`` or ``image_too_small``.
+    """
+    from PIL import Image
+
+    mode, size = img.mode, img.size
+    if mode not in IMAGE_MODES_CONVERTIBLE:
+        raise BadImageError("image_bad_mode", f"image ({where}) has pixel mode {mode!r}, which has no "
+                                              f"RGB conversion; use one of {', '.join(IMAGE_MODES_CONVERTIBLE)}")
+    if min(size) < 1:
+        raise BadImageError("image_too_small", f"image ({where}) is {size[0]}x{size[1]} pixels")
+    if mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in img.info):
+        img = img.convert("RGBA")
+        rgb = Image.new("RGB", img.size)
+        rgb.paste(img, mask=img.getchannel("A"))
+        return rgb
+    return img.convert("RGB")
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,6 +200,27 @@ class ImageProcessing:
                            np.asarray(out["image_grid_thw"], dtype=np.int64), self.merge_size)
 
 
+def concat_images(parts: Sequence[ImageInputs | None]) -> ImageInputs | None:
+    """Several ``ImageInputs`` as one, in order (``None`` entries skipped): a prompt's images then
+    the images its episode's observations added, as one sequence's forward takes them
+    (``pixel_values`` ``[sum N, D]`` float32, ``image_grid_thw`` ``[sum I, 3]`` int64); the one
+    part itself when only one has images; ``None`` when none has.
+
+    Raises:
+        ValueError: parts of different ``merge_size`` or patch width (two image processors).
+    """
+    present = [x for x in parts if x is not None and len(x.image_grid_thw)]
+    if len(present) <= 1:
+        return present[0] if present else None
+    if len({(x.merge_size, x.pixel_values.shape[1]) for x in present}) > 1:
+        raise ValueError("concat_images: images of different processors (merge size, patch width): "
+                         f"{sorted({(x.merge_size, x.pixel_values.shape[1]) for x in present})}")
+    return ImageInputs(tuple(img for x in present for img in x.images),
+                       np.ascontiguousarray(np.concatenate([x.pixel_values for x in present]), dtype=np.float32),
+                       np.concatenate([x.image_grid_thw for x in present]).astype(np.int64, copy=False),
+                       present[0].merge_size)
+
+
 def expand_image_tokens(prompt_ids: Sequence[int], inputs: ImageInputs, image_token_id: int) -> list[int]:
     """``prompt_ids`` with its k-th image placeholder repeated ``inputs.tokens_per_image[k]`` times.
 
@@ -207,3 +242,53 @@ def expand_image_tokens(prompt_ids: Sequence[int], inputs: ImageInputs, image_to
         else:
             out.append(t)
     return out
+
+
+class PromptImages:
+    """The images of a run's prompts by ``Prompt.uid``, and the batch builder's lookup of a
+    trajectory's images: its prompt's (they travel to the engine with the request, never back:
+    the trainer, which holds its datasets, finds them here) followed by those its episode's
+    observations added (``Trajectory.observation_pixel_values`` / ``observation_image_grid_thw``,
+    which travel with the trajectory).
+
+    Args:
+        datasets: ``PromptDataset``s (their ``prompts``; ``None`` entries are skipped).
+        merge_size: the policy's patch merge size (``ImageProcessing.merge_size``), for a
+            trajectory whose observations hold images but whose prompt holds none; ``None``: a
+            text policy (such a trajectory is then refused).
+    """
+
+    def __init__(self, *datasets: Any, merge_size: int | None = None) -> None:
+        self._by_uid = {p.uid: p.images for ds in datasets if ds is not None for p in ds.prompts
+                        if getattr(p, "images", None) is not None}
+        self.merge_size = merge_size
+
+    def __bool__(self) -> bool:
+        return bool(self._by_uid) or self.merge_size is not None
+
+    def __call__(self, uid: str) -> ImageInputs | None:
+        """The ``ImageInputs`` of prompt ``uid``, or ``None`` (a prompt without images)."""
+        return self._by_uid.get(uid)
+
+    def of(self, trajectories: Sequence[Any]) -> list[ImageInputs | None] | None:
+        """One ``ImageInputs`` or ``None`` per trajectory (``collate``'s ``images``): the prompt's
+        images, then the observations'; ``None`` when no trajectory has an image and the run
+        has no image prompt.
+
+        Raises:
+            ValueError: a trajectory with observation images in a run of a text policy (no merge
+                size known, none of its prompt's either).
+        """
+        out, seen = [], False
+        for t in trajectories:
+            images = self._by_uid.get(t.prompt_uid)
+            grid = getattr(t, "observation_image_grid_thw", None)
+            if grid is not None and len(grid):
+                merge = images.merge_size if images is not None else self.merge_size
+                if merge is None:
+                    raise ValueError(f"trajectory {t.trajectory_id} carries observation images, but the run's "
+                                     "policy is a text model")
+                images = concat_images([images, ImageInputs((), t.observation_pixel_values, grid, merge)])
+                seen = True
+            out.append(images)
+        return out if self._by_uid or seen else None

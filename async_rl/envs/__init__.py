@@ -12,7 +12,9 @@
   ``OpenEnvServers``; needs ``openenv-core``), ``mix`` (``MixedEnv``: several of these in one
   run, by weight), ``single_turn`` (``SingleTurn``: one prompt, one response, scored by the run's
   reward function, the plain rollout as an environment), ``tools`` (``ToolUse``: multi-turn tool
-  calls, the tools run by the environment, the answer scored by the run's reward function).
+  calls, the tools run by the environment, the answer scored by the run's reward function),
+  ``shapes_dialogue`` (``ShapesDialogue``: questions about pictures, a new picture each turn,
+  for a vision-language policy).
 
 The rollout side (turns on an engine, tokens, masks, faults) is ``async_rl.step.episodes``.
 """
@@ -24,6 +26,7 @@ from async_rl.envs.gym import GymTextEnv
 from async_rl.envs.mix import MixedEnv
 from async_rl.envs.openenv import OpenEnvEnv, OpenEnvServers
 from async_rl.envs.reasoning_gym import ReasoningGym
+from async_rl.envs.shapes import ShapesDialogue
 from async_rl.envs.single_turn import SingleTurn
 from async_rl.envs.tools import ToolUse
 
@@ -34,6 +37,7 @@ register_env(OpenEnvEnv, "openenv")
 register_env(MixedEnv, "mix")
 register_env(SingleTurn, "single_turn")
 register_env(ToolUse, "tools")
+register_env(ShapesDialogue, "shapes_dialogue")
 
-__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentLost", "GuessNumber", "MixedEnv", "OpenEnvEnv", "OpenEnvServers", "GymTextEnv", "MalformedEnvStepError", "ReasoningGym", "SingleTurn", "Task", "ToolUse",
+__all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentLost", "GuessNumber", "MixedEnv", "OpenEnvEnv", "OpenEnvServers", "GymTextEnv", "MalformedEnvStepError", "ReasoningGym", "ShapesDialogue", "SingleTurn", "Task", "ToolUse",
            "check_messages", "check_step", "guess_prompt", "make_env", "register_env"]

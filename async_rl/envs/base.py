@@ -26,7 +26,7 @@ from typing import Any, Callable
 from async_rl.utils.registry import Registry
 
 __all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "EnvironmentLost", "MalformedEnvStepError", "Task", "check_messages",
-           "check_step", "make_env", "register_env"]
+           "check_step", "has_images", "make_env", "register_env"]
 
 OBSERVATION_ROLES = ("user", "tool", "system")
 """Roles an observation message may have: the environment speaks as the user, a tool or the system."""
@@ -57,7 +57,11 @@ class EnvStep:
 
     Attributes:
         observation: messages appended after the assistant turn (roles ``user``, ``tool`` or
-            ``system``, string content); may be empty when ``done``.
+            ``system``, string content); may be empty when ``done``. For a vision-language
+            policy a message's content may also be a list of parts, ``{"type": "text", "text":
+            str}`` and ``{"type": "image", "image": picture}`` with the picture a ``PIL.Image``,
+            encoded bytes (PNG, JPEG, ...) or a file path: the episode loop processes it as the
+            dataset processes a row's images and the learner trains on it with the turn.
         reward: this turn's reward (finite float).
         done: the episode is over (the environment's ``terminated or truncated``).
         info: numbers reported per episode, summed over its turns (``env/info/<key>``).
@@ -128,19 +132,30 @@ class Environment:
         """Release what the episode holds (called once per episode, however it ended)."""
 
 
-def _is_parts(content: Any) -> bool:
+def _is_parts(content: Any, image_data: bool) -> bool:
     """Whether ``content`` is multimodal message content: a list of ``{"type": "text", "text":
-    str}`` and ``{"type": "image"}`` parts (the images themselves travel with the request)."""
+    str}`` and image parts; with ``image_data`` each image part holds its picture
+    (``{"type": "image", "image": ...}``: an observation's), without it none does
+    (``{"type": "image"}``: a prompt's, whose images travel with the request)."""
     return isinstance(content, list) and all(
-        isinstance(p, dict) and (p.get("type") == "image" or (p.get("type") == "text" and isinstance(p.get("text"), str)))
+        isinstance(p, dict) and (
+            (p.get("type") == "image" and (p.get("image") is not None) == image_data)
+            or (p.get("type") == "text" and isinstance(p.get("text"), str)))
         for p in content)
 
 
+def has_images(messages: list[dict[str, Any]]) -> bool:
+    """Whether any message's content holds an image part."""
+    return any(isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
+               for m in messages)
+
+
 def check_messages(messages: Any, what: str, roles: tuple[str, ...] = OBSERVATION_ROLES,
-                   parts: bool = False) -> list[dict[str, Any]]:
+                   parts: bool = False, image_data: bool = False) -> list[dict[str, Any]]:
     """``messages`` as a list of ``{"role", "content"}`` dicts with allowed roles and string content
     (with ``parts``, content may also be a list of text and image parts: a vision-language
-    prompt's first messages, whose images the request carries).
+    prompt's first messages, whose images the request carries, or with ``image_data`` an
+    observation's, whose image parts hold their pictures).
 
     Raises:
         MalformedEnvStepError: not a list of such dicts; the message names ``what`` and the fault.
@@ -151,21 +166,28 @@ def check_messages(messages: Any, what: str, roles: tuple[str, ...] = OBSERVATIO
     for k, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(m, dict) or m.get("role") not in roles or not (
-                isinstance(content, str) or (parts and _is_parts(content))):
-            kind = "string or text/image parts" if parts else "string"
+                isinstance(content, str) or (parts and _is_parts(content, image_data))):
+            kind = (("string or text/image parts (an image part {'type': 'image', 'image': picture})" if image_data
+                     else "string or text/image parts (an image part {'type': 'image'}: the row's next image)")
+                    if parts else "string")
+            if not parts and isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image"
+                                                               for p in content):
+                kind += "; images need a vision-language policy"
             raise MalformedEnvStepError(f"{what}[{k}] must be a dict with role in {list(roles)} and {kind} "
                                         f"content, got {str(m)[:120]}")
         out.append(dict(m))
     return out
 
 
-def check_step(step: Any) -> EnvStep:
-    """``step`` if it is a well-formed ``EnvStep``.
+def check_step(step: Any, images: bool = False) -> EnvStep:
+    """``step`` if it is a well-formed ``EnvStep``; with ``images`` (a vision-language policy) its
+    observation may hold image parts with their pictures (``EnvStep.observation``).
 
     Raises:
         MalformedEnvStepError: not an ``EnvStep``, a reward that is not a finite number, a
-            ``done`` that is not a bool, bad observation messages, an empty observation on an
-            episode that goes on, or non-numeric ``info`` values.
+            ``done`` that is not a bool, bad observation messages (an image part without
+            ``images``), an empty observation on an episode that goes on, or non-numeric
+            ``info`` values.
     """
     if not isinstance(step, EnvStep):
         raise MalformedEnvStepError(f"step must return an EnvStep, got {type(step).__name__}")
@@ -173,7 +195,7 @@ def check_step(step: Any) -> EnvStep:
         raise MalformedEnvStepError(f"EnvStep.reward must be a finite number, got {step.reward!r}")
     if not isinstance(step.done, bool):
         raise MalformedEnvStepError(f"EnvStep.done must be a bool, got {step.done!r}")
-    step.observation = check_messages(step.observation, "EnvStep.observation")
+    step.observation = check_messages(step.observation, "EnvStep.observation", parts=images, image_data=True)
     if not step.done and not step.observation:
         raise MalformedEnvStepError("EnvStep.observation is empty but the episode is not done: the model "
                                     "would have nothing to answer")

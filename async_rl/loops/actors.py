@@ -50,6 +50,7 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
+from async_rl.data.dataset import image_processing_for
 from async_rl.step.episodes import make_episode_loop
 from async_rl.buffers.transport import TrajectoryGroup
 from async_rl.runtime.cluster import group_ip, pin_process, use_node_interface, where
@@ -268,12 +269,16 @@ class GeneratorWorker:
             sample is an episode of the environment (``async_rl.step.episodes``), whose first
             observation may have at most ``max_prompt_tokens`` tokens; ``None`` (tests and
             benches driving an engine directly): plain samples, one engine call per batch.
+        data_cfg: the run's ``DataConfig``: a vision-language policy's observation images are
+            processed within its ``image_min_pixels`` .. ``image_max_pixels``; ``None``: the
+            processor's own bounds.
     """
 
     def __init__(self, worker_id: int, model_path: str, tokenizer_path: str, gen_cfg, params,
                  reward_fn: str | None, on_error: str, sender, num_threads: int, lora=None,
                  reward_cfg=None, reward_model=None, incarnation: int = 0, bind_host: str | None = None,
-                 env_cfg=None, max_prompt_tokens: int = 0, teacher=None, teacher_batch_size: int = 16) -> None:
+                 env_cfg=None, max_prompt_tokens: int = 0, teacher=None, teacher_batch_size: int = 16,
+                 data_cfg=None) -> None:
         # First: the engine's threads and processes inherit the mask (generator.cpu_affinity).
         pin_process(gen_cfg.cpu_affinity, "generator.cpu_affinity")
         torch.set_num_threads(max(1, num_threads))
@@ -289,7 +294,10 @@ class GeneratorWorker:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.engine = make_generator(gen_cfg, model_path, pad, num_threads=max(1, num_threads), lora=lora)
         self.params = params
-        self.agent = (make_episode_loop(env_cfg, self.tokenizer, params.stop_token_ids, max_prompt_tokens, params)
+        # A vision-language policy's observations may hold images, processed here as the
+        # trainer's dataset processes a row's (same processor, same data.image_*_pixels).
+        self.agent = (make_episode_loop(env_cfg, self.tokenizer, params.stop_token_ids, max_prompt_tokens, params,
+                                        images=image_processing_for(model_path, data_cfg))
                       if env_cfg is not None and env_cfg.enabled else None)
         # This actor's own reward workers (reward.num_workers processes, started on the first
         # sample): a reward function that hangs or crashes costs a sample, never this engine.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from async_rl.runtime.checkpoint import CheckpointConfig
-from async_rl.utils.vision import PromptImages
+from async_rl.data.images import PromptImages
 
 if TYPE_CHECKING:
     # Annotations only: ``Config`` is a layer above (it imports this module's ``TrainerConfig``), and
@@ -247,8 +247,8 @@ class RunContext:
         service_cores: async mode with ``learner.cpu_affinity``: the CPU ids of the trainer's
             threads that do not train (``cluster.split_learner_threads``); threads the loop
             starts (receiver, dispatcher, ZeroMQ's, Ray's) are started on them. Else empty.
-        prompt_images: the images of the datasets' prompts by uid (``utils.vision.PromptImages``;
-            empty, and false, for a text dataset), for the learner's batches.
+        prompt_images: the images of the datasets' prompts by uid (``data.images.PromptImages``;
+            empty for a text policy), for the learner's batches.
     """
 
     cfg: Config

@@ -113,7 +113,7 @@ def placer(ctx, cluster, worker_args: tuple, reward_actor, teacher_actor=None) -
                     per_worker, cfg.learner.lora, reward_cfg=cfg.reward, reward_model=reward_actor,
                     teacher=teacher_actor, teacher_batch_size=cfg.algorithm.distill.batch_size,
                     env_cfg=rollout_env_config(cfg), max_prompt_tokens=cfg.data.max_prompt_tokens,
-                    incarnation=incarnation, bind_host=cluster.bind_host)
+                    data_cfg=cfg.data, incarnation=incarnation, bind_host=cluster.bind_host)
                 for i in (range(g_cfg.num_workers) if indices is None else indices)]
     return place
 

@@ -64,10 +64,12 @@ def check_inputs(cfg: Any) -> None:
 
 def check_vision_language(cfg: Any) -> None:
     """Refuse in one line what a vision-language policy cannot do yet: a learner backend that
-    does not train one (``LearnerCapabilities.vision_language``), multi-turn rollouts (an
-    environment or tools: their observations are text), or a teacher or reward model (they score
-    token ids without the images). The engine's side is the engine's
-    check (``async_rl.generators.check_model``: ``EngineCapabilities.serves_images``).
+    does not train one (``LearnerCapabilities.vision_language``), rollouts of an OpenAI-compatible
+    endpoint (``endpoint.rollout``: its chat requests would carry images the endpoint does not
+    take yet), or a teacher or reward model (they score token ids without the images). The
+    engine's side is the engine's check (``async_rl.generators.check_model``:
+    ``EngineCapabilities.serves_images``). Environments and tools run: an observation may hold
+    images (``async_rl.envs.EnvStep``).
 
     Raises:
         ValueError: one of those, naming the key to change.
@@ -81,9 +83,10 @@ def check_vision_language(cfg: Any) -> None:
     if not learner_capabilities(cfg.learner.backend).vision_language:
         raise ValueError(f"learner.backend={cfg.learner.backend} does not train vision-language models yet "
                          f"({cfg.model.path}); use learner.backend={learners_that(lambda c: c.vision_language)}")
-    if cfg.env.name or cfg.agent.tools:
-        raise ValueError(f"{cfg.model.path} is a vision-language model: multi-turn rollouts (env.name, agent.tools) "
-                         "do not carry images yet; train it on single-turn prompts")
+    if cfg.endpoint.enabled:
+        raise ValueError(f"{cfg.model.path} is a vision-language model: rollouts of an OpenAI-compatible endpoint "
+                         "(endpoint.rollout) do not take images yet; use an environment (env.name) or tools "
+                         "(agent.tools)")
     # A teacher or a reward model scores the prompt's token ids, not its images: it would read
     # placeholders where the pictures were.
     if cfg.algorithm.distill.routes or cfg.reward.model:

@@ -275,6 +275,13 @@ class Episode(Conversation):
     multi_turn: bool = True
     """Its environment allows more than one turn (``env.max_turns > 1``); a single-turn episode
     (a plain prompt dataset's ``single_turn``) reports no turn counts."""
+    images: Any = None
+    """A vision-language episode's images so far (``async_rl.data.images.ImageInputs``): its
+    prompt's, then those its observations added, in the order of their placeholders in
+    ``prompt_ids + response_ids``; what every turn is generated with. ``None``: none."""
+    observation_images: list[Any] = field(default_factory=list)
+    """The ``ImageInputs`` of each observation that held images, in order: what the trajectory
+    carries to the learner (the prompt's own images the trainer holds)."""
 
 
 class EpisodeCounters:

@@ -17,6 +17,15 @@ whole conversation whenever the model wrote what the template would have. Per re
 episode keeps the id, the behavior log-prob (0 on observation tokens), the loss mask (1 on
 generated tokens, 0 on observations) and the policy version.
 
+A vision-language policy's episodes carry images: the prompt's go with every turn, and an
+observation may show more (image parts in its messages, ``async_rl.envs.EnvStep``). Those are
+decoded and processed once, as a dataset row's are (the run's ``ImageProcessing``), their
+placeholders expanded to one token per merged patch in the observation's ids (counted by
+``env.max_response_tokens`` like any observation token), and they go with every later turn after
+the prompt's, in the order of their placeholders; the trajectory carries them to the learner
+(``Trajectory.observation_pixel_values``). A picture that cannot be used rejects the episode
+(``malformed``).
+
 The environments' coroutines run on an event loop of the ``EpisodeLoop``'s own (one thread): all
 resets of a batch run concurrently, then each turn is sampled in one engine batch and each
 episode taken on the moment its turn is sampled: its ``step`` (and, once it ends, its ``close``
@@ -44,7 +53,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine, Sequence
 
-from async_rl.envs.base import EnvironmentLost, MalformedEnvStepError, Task, check_messages, check_step, make_env
+from async_rl.data.images import BadImageError, concat_images, decode_image, expand_image_tokens
+from async_rl.envs.base import (EnvironmentLost, MalformedEnvStepError, Task, check_messages, check_step, has_images,
+                                make_env)
 from async_rl.generators.base import mix_seed
 from async_rl.step.agent import Conversation, Episode, EpisodeCounters, cap_tokens, render_ids, tool_turn_ids
 
@@ -98,7 +109,8 @@ class EpisodeLoop(EpisodeCounters):
     """Runs episodes of one environment on any generator backend (the ``agent`` of a rollout).
 
     Counters (``pop_metrics``): ``env/episodes``, ``env/rejected_<reason>``, ``env/reissued_episodes``,
-    ``env/close_errors``; with tools ``tools/calls``, ``tools/ok``, ``tools/error_<kind>``.
+    ``env/close_errors``, ``env/observation_images`` (pictures the observations showed); with tools
+    ``tools/calls``, ``tools/ok``, ``tools/error_<kind>``.
 
     Args:
         cfg: ``env`` settings.
@@ -106,15 +118,18 @@ class EpisodeLoop(EpisodeCounters):
         stop_token_ids: ids that end an assistant turn (EOS / end-of-turn).
         max_prompt_tokens: most tokens of a first observation (``data.max_prompt_tokens``).
         factory: makes one ``Environment`` per episode; default ``make_env(cfg.name, cfg.args)``.
+        images: a vision-language policy's ``async_rl.data.images.ImageProcessing`` (the
+            dataset's: same processor and pixel bounds): observations may then hold images,
+            processed here; ``None``: a text policy, whose observations are text.
 
     Raises:
         ValueError: the spec names no environment, or it cannot be made with ``cfg.args``.
     """
 
     def __init__(self, cfg: EnvConfig, tokenizer, stop_token_ids: Sequence[int], max_prompt_tokens: int,
-                 factory: Callable[[], Any] | None = None) -> None:
+                 factory: Callable[[], Any] | None = None, images: Any = None) -> None:
         super().__init__()
-        self.cfg, self.tokenizer = cfg, tokenizer
+        self.cfg, self.tokenizer, self.images = cfg, tokenizer, images
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_prompt_tokens = max_prompt_tokens
         self.factory = factory if factory is not None else make_env(cfg.name, cfg.args)
@@ -254,7 +269,7 @@ class EpisodeLoop(EpisodeCounters):
     def _new_episode(self, request, seeds: Sequence[int] | None, i: int, j: int, restarted: bool = False) -> Episode:
         seed = mix_seed(seeds[i], j) if seeds is not None else -1
         return Episode(list(request.prompt_ids), [], seed, env=self.factory(), restarted=restarted,
-                       multi_turn=self.cfg.max_turns > 1)
+                       multi_turn=self.cfg.max_turns > 1, images=getattr(request, "images", None))
 
     def _checked(self, c: Episode, result: Any, check: Callable[[Any], Any]) -> Any:
         """``check(result)`` of an environment's answer, or ``None`` once the answer ended the
@@ -271,16 +286,36 @@ class EpisodeLoop(EpisodeCounters):
 
     def _start(self, c: Episode, request, first: Any) -> None:
         messages = self._checked(c, first, lambda m: check_messages(m, "reset()", ("system", "user", "assistant", "tool"),
-                                                                    parts=request.images is not None))
+                                                                    parts=self.images is not None))
         if messages is None:
             return
         c.messages = messages
         c.reward_from_run = bool(getattr(c.env, "reward_from_run", False))
         if c.messages != list(request.messages):
             c.prompt_ids = self.prompt_ids(c.messages)
+            if not self._place_row_images(c, request):
+                return
             if len(c.prompt_ids) > self.max_prompt_tokens:
                 c.rejected, c.finish_reason = "prompt_too_long", "stop"
                 self._counts["env/rejected_prompt_too_long"] += 1
+
+    def _place_row_images(self, c: Episode, request) -> bool:
+        """A first observation of the environment's own (re-rendered ``c.prompt_ids``) shows the
+        row's images at its image parts, in order, each expanded to its patches; one without
+        image parts shows none (the episode then goes without them). Whether the episode goes
+        on: a number of image parts other than the row's images rejects it (``malformed``)."""
+        if not has_images(c.messages):
+            c.images = None
+            return True
+        try:
+            if request.images is None:
+                raise BadImageError("image_count_mismatch", "the first observation has image parts, but the row "
+                                                            "has no image")
+            c.prompt_ids = expand_image_tokens(c.prompt_ids, request.images, self.images.image_token_id)
+        except BadImageError as e:
+            self._reject(c, MalformedEnvStepError(f"reset(): {e}"))
+            return False
+        return True
 
     def _generated(self, c: Episode, sample, budget: int) -> bool:
         """Append a generated turn; whether it goes to the environment (it ended at an end-of-turn token)."""
@@ -319,7 +354,7 @@ class EpisodeLoop(EpisodeCounters):
         return text.strip()
 
     def _after_step(self, c: Episode, step: Any) -> None:
-        step = self._checked(c, step, check_step)
+        step = self._checked(c, step, lambda s: check_step(s, images=self.images is not None))
         if step is None:
             return
         c.turn_rewards.append(float(step.reward))
@@ -335,18 +370,59 @@ class EpisodeLoop(EpisodeCounters):
             c.finish_reason = "max_turns"
             return
         if self.cfg.max_observation_tokens is not None:
-            step.observation = [{**m, "content": cap_tokens(self.tokenizer, m["content"], self.cfg.max_observation_tokens)}
-                                for m in step.observation]
-        ids = tool_turn_ids(self.tokenizer, c.messages, step.observation, self.schemas, self.stop_token_ids)
+            step.observation = [{**m, "content": self._capped(m["content"])} for m in step.observation]
+        observation, inputs = self._observation_images(c, step.observation)
+        if observation is None:
+            return
+        ids = tool_turn_ids(self.tokenizer, c.messages, observation, self.schemas, self.stop_token_ids)
+        if inputs is not None:
+            try:
+                ids = expand_image_tokens(ids, inputs, self.images.image_token_id)
+            except BadImageError as e:  # a template that leaves out some image parts (of a role it drops)
+                return self._reject(c, MalformedEnvStepError(f"EnvStep.observation: {e}"))
         room = self.cfg.max_response_tokens - len(c.response_ids)
         if len(ids) > room:  # the observation would pass the budget: left out
             c.finish_reason = "length"
             return
-        c.messages.extend(step.observation)
+        c.messages.extend(observation)
+        if inputs is not None:
+            c.observation_images.append(inputs)
+            c.images = concat_images([c.images, inputs])
+            self._counts["env/observation_images"] += len(inputs.image_grid_thw)
         version = c.policy_version[-1] if c.policy_version else 0
         c.append(ids, [0.0] * len(ids), 0, [version] * len(ids))
         if len(ids) == room:  # within the budget, which it fills: nothing left to generate with
             c.finish_reason = "length"
+
+    def _capped(self, content: Any) -> Any:
+        """A message's content with its text (each text part) cut to ``env.max_observation_tokens``."""
+        limit = self.cfg.max_observation_tokens
+        if isinstance(content, str):
+            return cap_tokens(self.tokenizer, content, limit)
+        return [{**p, "text": cap_tokens(self.tokenizer, p["text"], limit)} if p.get("type") == "text" else p
+                for p in content]
+
+    def _observation_images(self, c: Episode, observation: list[dict]) -> tuple[list[dict] | None, Any]:
+        """An observation's messages as the template renders them (each image part ``{"type":
+        "image"}``) and its pictures decoded and processed once, as the dataset processes a row's
+        (``ImageInputs``; ``None`` without images); ``(None, None)`` when a picture cannot be used:
+        the episode is rejected (``malformed``, the reason in the log)."""
+        if self.images is None or not has_images(observation):
+            return observation, None
+        pictures, shown = [], []
+        try:
+            for m in observation:
+                if isinstance(m["content"], str):
+                    shown.append(m)
+                    continue
+                for part in m["content"]:
+                    if part["type"] == "image":
+                        pictures.append(decode_image(part["image"]))
+                shown.append({**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]})
+            return shown, self.images.process(pictures)
+        except BadImageError as e:
+            self._reject(c, MalformedEnvStepError(f"EnvStep.observation: an image ({e.reason}): {e}"))
+            return None, None
 
     def _count_tool_calls(self, c: Episode, info: dict[str, float]) -> None:
         """A tool environment's step reports its calls in ``info`` (``tool_calls``, ``tool_errors``,
@@ -400,9 +476,8 @@ class EpisodeLoop(EpisodeCounters):
             if len(taken) == 1:
                 loop.call_soon_threadsafe(start_taken)
 
-        # A vision-language prompt's images go with every turn of its episodes (single-turn:
-        # multi-turn rollouts of such a model are refused at start, their observations being text).
-        images = [getattr(requests[i], "images", None) for i, _ in active]
+        # A vision-language episode's images go with every turn: its prompt's, then its observations'.
+        images = [rows[i][j].images for i, j in active]
         samples = generator.generate([rows[i][j].prompt_ids + rows[i][j].response_ids for i, j in active], 1,
                                      params, seeds=turn_seeds, on_sample=sampled,
                                      **({"images": images} if any(x is not None for x in images) else {}))
@@ -548,10 +623,11 @@ def tools_env_config(agent, registry=None) -> EnvConfig:
 
 
 def make_episode_loop(env_cfg: EnvConfig, tokenizer, stop_token_ids: Sequence[int], max_prompt_tokens: int,
-                      params=None):
+                      params=None, images: Any = None):
     """The loop that runs episodes of ``env_cfg``: an ``EpisodeLoop``, or for a rollout function
     (``openai_endpoint``) an ``async_rl.endpoint.EndpointLoop`` with its endpoint (``params``:
     the run's ``SamplingParams``, the endpoint's default ``max_tokens`` and stop ids).
+    ``images``: a vision-language policy's ``ImageProcessing`` (``EpisodeLoop``'s ``images``).
 
     Raises:
         ValueError: as ``EpisodeLoop`` or ``EndpointLoop``.
@@ -560,10 +636,10 @@ def make_episode_loop(env_cfg: EnvConfig, tokenizer, stop_token_ids: Sequence[in
 
     if env_cfg.name == ENDPOINT_ENV:
         return EndpointLoop(EndpointConfig(**env_cfg.args), tokenizer, stop_token_ids, max_prompt_tokens, params)
-    return EpisodeLoop(env_cfg, tokenizer, stop_token_ids, max_prompt_tokens)
+    return EpisodeLoop(env_cfg, tokenizer, stop_token_ids, max_prompt_tokens, images=images)
 
 
-def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]):
+def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int], images: Any = None):
     """The loop that turns a run's samples into episodes (``make_episode_loop`` of
     ``rollout_env_config``: ``endpoint.rollout``, ``env.name``, the tools of ``agent.tools``, else
     ``single_turn``).
@@ -571,6 +647,8 @@ def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]):
     Args:
         cfg: the run's ``Config`` (its ``endpoint``, ``env``, ``agent``, ``generator`` and
             ``data.max_prompt_tokens``).
+        images: a vision-language policy's ``ImageProcessing`` (``data.dataset.image_processing_for``),
+            so observations may hold images; ``None`` for a text policy.
 
     Raises:
         ValueError: as ``EpisodeLoop`` or ``EndpointLoop``.
@@ -578,7 +656,8 @@ def make_rollout_agent(cfg, tokenizer, stop_token_ids: Sequence[int]):
     from async_rl.generators.base import SamplingParams
 
     params = SamplingParams.from_config(cfg.generator, stop_token_ids)
-    return make_episode_loop(rollout_env_config(cfg), tokenizer, stop_token_ids, cfg.data.max_prompt_tokens, params)
+    return make_episode_loop(rollout_env_config(cfg), tokenizer, stop_token_ids, cfg.data.max_prompt_tokens, params,
+                             images=images)
 
 
 ENV_ROWS_PREFIX = "env:"

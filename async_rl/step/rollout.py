@@ -28,6 +28,7 @@ from transformers import GenerationConfig
 from async_rl.step.agent import Conversation
 from async_rl.step.episodes import Episode
 from async_rl.buffers.trajectory import Trajectory, routed_experts_array
+from async_rl.data.images import concat_images
 from async_rl.generators.base import mix_seed
 from async_rl.rewards import RewardScorer
 from async_rl.rewards.registry import dispatch_by_source, resolve_reward_spec  # noqa: F401 (re-exported)
@@ -247,7 +248,8 @@ class GroupRequest:
         images: the prompt's ``async_rl.data.images.ImageInputs`` (a vision-language dataset;
             ``prompt_ids`` then hold its expanded placeholders), or ``None``. It reaches the
             engine only: a trajectory refers to its prompt's images by ``prompt_uid``, and the
-            trainer's dataset, which holds them once, gives them to the learner.
+            trainer's dataset, which holds them once, gives them to the learner (images an
+            environment's observations add travel with the trajectory).
     """
 
     group_id: int
@@ -300,6 +302,8 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
     as the reward and ``env/return``, ``env/info/<key>`` in ``reward_extras`` (an episode the
     run's reward scores, ``Episode.reward_from_run``, has no ``env/return``: its reward is set
     when it is scored).
+    An episode whose observations held images carries them (``observation_pixel_values``,
+    ``observation_image_grid_thw``).
     A conversation keeps its loss mask (0 on tool tokens), its per-token versions, its turn and
     tool counts (in ``reward_extras``: ``agent/turns``, ``agent/tool_calls``,
     ``agent/tool_errors``, ``agent/max_turns``; an episode of a one-turn environment has none)
@@ -315,6 +319,9 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
     conversation = isinstance(sample, Conversation)
     text = sample.final_text if conversation else tokenizer.decode(sample.response_ids, skip_special_tokens=True)
     episode = isinstance(sample, Episode)
+    # Images an environment's observations added travel with the trajectory (the learner
+    # forwards them with the turn); the prompt's own the trainer holds by uid.
+    seen = concat_images(sample.observation_images) if episode else None
     traj = Trajectory(
         trajectory_id=f"{group_id}/{index}", group_id=group_id, prompt_uid=prompt_uid,
         # An environment's reset may give a first observation of its own (a game's start).
@@ -322,7 +329,9 @@ def trajectory_of(sample, tokenizer, group_id: int, index: int, prompt_uid: str,
         response_ids=list(sample.response_ids), behavior_logprobs=list(sample.logprobs),
         loss_mask=list(sample.loss_mask) if conversation else [1] * len(sample.response_ids),
         finish_reason=_FINISH_REASONS[sample.finish_reason],
-        policy_version=list(sample.policy_version), reward=0.0, response_text=text)
+        policy_version=list(sample.policy_version), reward=0.0, response_text=text,
+        **({} if seen is None else {"observation_pixel_values": seen.pixel_values,
+                                    "observation_image_grid_thw": seen.image_grid_thw}))
     routed = getattr(sample, "routed_experts", None)
     if routed is not None:  # routing replay: one row per token the engine forwarded
         traj.routed_experts = routed_experts_array(routed, traj.trajectory_id)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-__all__ = ["PromptImages", "check_images", "image_kwargs", "image_token_id", "input_only_token_ids",
+__all__ = ["check_images", "image_kwargs", "image_token_id", "input_only_token_ids",
            "is_vision_language", "load_policy_model", "stack_images", "suppress_input_only", "zero_input_only_labels"]
 
 
@@ -27,10 +27,13 @@ def is_vision_language(config: Any) -> bool:
 
 
 def image_token_id(config: Any) -> int | None:
-    """The image placeholder token id of a vision-language config; ``None`` for a text model."""
+    """The image placeholder token id of a vision-language config (``image_token_id``, or
+    ``image_token_index`` in LLaVA-style configs); ``None`` for a text model or a config without one."""
     if not is_vision_language(config):
         return None
     value = getattr(config, "image_token_id", None)
+    if value is None:
+        value = getattr(config, "image_token_index", None)
     return None if value is None else int(value)
 
 
@@ -100,32 +103,6 @@ def image_kwargs(input_ids: torch.Tensor, images: Sequence[Any], token_id: int |
             "mm_token_type_ids": placeholders.long().to(device)}
 
 
-class PromptImages:
-    """The images of a run's prompts by ``Prompt.uid``: a trajectory refers to its prompt's
-    images by ``prompt_uid`` (they travel to the engine with the request, never back), and the
-    trainer, which holds its datasets, finds them here for the learner's batch.
-
-    Args:
-        datasets: ``PromptDataset``s (their ``prompts``; ``None`` entries are skipped).
-    """
-
-    def __init__(self, *datasets: Any) -> None:
-        self._by_uid = {p.uid: p.images for ds in datasets if ds is not None for p in ds.prompts
-                        if getattr(p, "images", None) is not None}
-
-    def __bool__(self) -> bool:
-        return bool(self._by_uid)
-
-    def __call__(self, uid: str) -> Any:
-        """The ``ImageInputs`` of prompt ``uid``, or ``None`` (a prompt without images)."""
-        return self._by_uid.get(uid)
-
-    def of(self, trajectories: Sequence[Any]) -> list[Any] | None:
-        """One ``ImageInputs`` or ``None`` per trajectory (``collate``'s ``images``), or ``None``
-        when the run has no image at all."""
-        return [self._by_uid.get(t.prompt_uid) for t in trajectories] if self._by_uid else None
-
-
 def input_only_token_ids(config: Any) -> list[int]:
     """The vision-language markup tokens a policy reads but never writes: the image and video
     placeholders and the vision start/end markers (``image_token_id``, ``video_token_id``,
@@ -157,8 +134,9 @@ def suppress_input_only(logits: torch.Tensor, token_ids: torch.Tensor | None, va
 
 def zero_input_only_labels(logprobs: torch.Tensor, labels: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
     """Label log-probs ``[..., T]`` (from ``suppress_input_only`` logits) with 0 where the label
-    ``[..., T]`` is an input-only token: only a prompt's image markup is such a label, never a
-    trained one (engines do not sample them), and its log-prob under the suppressed distribution
+    ``[..., T]`` is an input-only token: only image markup of a prompt or of an environment's
+    observation is such a label, never a trained one (engines do not sample them, and the loss
+    mask is 0 there), and its log-prob under the suppressed distribution
     is a huge finite negative that a difference or a square could overflow."""
     if token_ids is None or not token_ids.numel():
         return logprobs
