@@ -118,24 +118,39 @@ def topk_array(values: Any, name: str, trajectory_id: str = "?") -> np.ndarray:
             trajectory and the field.
     """
     dtype = TOPK_DTYPES[name]
+    return _held_2d(values, dtype, (trajectory_id, name, "[R, K]"), lambda: np.zeros((0, 0), dtype=dtype))
+
+
+def _held_2d(values: Any, dtype: np.dtype, what: tuple[str, str, str], none: Any) -> np.ndarray:
+    """``values`` as a 2-D, C-contiguous ``dtype`` array, exactly or not at all: an ndarray
+    already so is returned as is; anything else is converted (integers must fit, floats are
+    rounded to float32 but a finite one beyond its range is refused); an empty input is
+    ``none()``. The conversion of ``topk_array`` and ``observation_image_array``; ``what`` is
+    (trajectory id, field, shape) for the message, formatted only on a refusal.
+
+    Raises:
+        ValueError: not a rectangular 2-D array of numbers, or a value ``dtype`` cannot hold.
+    """
+    refusal = lambda: f"trajectory {what[0]}: {what[1]} cannot be held as {dtype.name} {what[2]}"  # noqa: E731
     if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 2 and values.size:
         return values if values.flags.c_contiguous else np.ascontiguousarray(values)
     try:
-        array = np.asarray(values)  # nested lists: [R, K]; ragged rows raise (numpy >= 1.24)
+        array = np.asarray(values)  # nested lists: 2-D; ragged rows raise (numpy >= 1.24)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"trajectory {trajectory_id}: {name} cannot be held as {dtype.name} [R, K]: {e}") from e
+        raise ValueError(f"{refusal()}: {e}") from e
     if not array.size and array.ndim in (1, 2):
-        return np.zeros((0, 0), dtype=dtype)
+        return none()
     problem = _array_problem(array, dtype, ndim=2)
     if problem is None and dtype.kind == "f" and array.dtype.kind == "f" and array.dtype.itemsize > dtype.itemsize:
         with np.errstate(over="ignore"):
             narrowed = array.astype(dtype)
-        if (np.isinf(narrowed) & np.isfinite(array)).any():
-            problem = f"a finite value beyond float32's range ({array[np.isinf(narrowed) & np.isfinite(array)][0]})"
+        overflowed = np.isinf(narrowed) & np.isfinite(array)
+        if overflowed.any():
+            problem = f"a finite value beyond float32's range ({array[overflowed][0]})"
         else:
             return np.ascontiguousarray(narrowed)
     if problem:
-        raise ValueError(f"trajectory {trajectory_id}: {name} cannot be held as {dtype.name} [R, K]: {problem}")
+        raise ValueError(f"{refusal()}: {problem}")
     return np.ascontiguousarray(array, dtype=dtype)
 
 
@@ -158,26 +173,7 @@ def observation_image_array(values: Any, name: str, trajectory_id: str = "?") ->
             trajectory and the field.
     """
     dtype = OBSERVATION_IMAGE_DTYPES[name]
-    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 2 and values.size:
-        return values if values.flags.c_contiguous else np.ascontiguousarray(values)
-    try:
-        array = np.asarray(values)  # nested lists: 2-D; ragged rows raise (numpy >= 1.24)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"trajectory {trajectory_id}: {name} cannot be held as {dtype.name} 2-D: {e}") from e
-    if not array.size and array.ndim in (1, 2):
-        return _NO_IMAGES[name]
-    problem = _array_problem(array, dtype, ndim=2)
-    if problem is None and dtype.kind == "f" and array.dtype.kind == "f" and array.dtype.itemsize > dtype.itemsize:
-        with np.errstate(over="ignore"):
-            narrowed = array.astype(dtype)
-        overflowed = np.isinf(narrowed) & np.isfinite(array)
-        if overflowed.any():
-            problem = f"a finite value beyond float32's range ({array[overflowed][0]})"
-        else:
-            return np.ascontiguousarray(narrowed)
-    if problem:
-        raise ValueError(f"trajectory {trajectory_id}: {name} cannot be held as {dtype.name} 2-D: {problem}")
-    return np.ascontiguousarray(array, dtype=dtype)
+    return _held_2d(values, dtype, (trajectory_id, name, "2-D"), lambda: _NO_IMAGES[name])
 
 
 def _array_problem(values: np.ndarray, dtype: np.dtype, ndim: int = 1) -> str | None:

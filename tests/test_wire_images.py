@@ -19,6 +19,8 @@ import msgpack
 import numpy as np
 import pytest
 
+from test_transport import make_traj
+
 from async_rl.buffers.trajectory import OBSERVATION_IMAGE_DTYPES, Trajectory, observation_image_array
 from async_rl.buffers.transport import (
     SCHEMA_VERSION, GroupClosed, MalformedMessageError, TrajectoryGroup, decode_messages, decode_trajectory,
@@ -42,17 +44,9 @@ def _pixels(num_patches: int, dim: int, seed: int = 0) -> np.ndarray:
 
 def _traj(tid: str, group_id: int = 0, num_prompt: int = 5, num_response: int = 7, seed: int = 0,
           **kw) -> Trajectory:
-    """A valid trajectory of group ``group_id``; ``kw`` sets or replaces fields."""
-    rng = np.random.default_rng(seed)
-    fields = dict(
-        trajectory_id=tid, group_id=group_id, prompt_uid=f"uid-{group_id}",
-        prompt_ids=rng.integers(0, 150_000, num_prompt).tolist(),
-        response_ids=rng.integers(0, 150_000, num_response).tolist(),
-        behavior_logprobs=(-rng.exponential(2.0, num_response)).tolist(),
-        loss_mask=rng.integers(0, 2, num_response).tolist(), finish_reason="stop",
-        policy_version=[3] * num_response, reward=1.0, reward_extras={"acc": 1.0}, response_text="x = 4")
-    fields.update(kw)
-    return Trajectory(**fields)
+    """A valid trajectory of group ``group_id`` (``test_transport.make_traj``, every token of
+    policy version 3); ``kw`` sets or replaces fields."""
+    return make_traj(tid, group_id, num_prompt, num_response, seed, **{"policy_version": [3] * num_response, **kw})
 
 
 def _with_images(tid: str, grid: list[list[int]], dim: int, group_id: int = 0, seed: int = 0, **kw) -> Trajectory:
