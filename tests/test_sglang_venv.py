@@ -1,4 +1,5 @@
-"""Runs the SGLang tests (``tests/test_sglang.py``, ``tests/test_sglang_moe.py``) inside the SGLang venv, from the main suite.
+"""Runs the SGLang tests (``tests/test_sglang.py``, ``tests/test_sglang_moe.py``, ``tests/test_sglang_vl.py``)
+inside the SGLang venv, from the main suite.
 
 SGLang cannot share the main venv (it is installed with ``--no-deps`` beside stand-ins that must
 never reach the vLLM venv; ``envs/sglang-cpu/build.sh``), so the README's single test command
@@ -20,8 +21,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("ASYNC_RL_SGLANG_VENV", ROOT / ".venv-sglang"))
 PYTHON = VENV / "bin" / "python"
-SGLANG_TESTS = ("tests/test_sglang.py", "tests/test_sglang_moe.py")
-"""The files that run inside the SGLang venv (the dense engine, and a mixture-of-experts model)."""
+SGLANG_TESTS = ("tests/test_sglang.py", "tests/test_sglang_moe.py", "tests/test_sglang_vl.py")
+"""The files that run inside the SGLang venv (the dense engine, a mixture-of-experts model, and a
+vision-language model)."""
 
 
 def _in_sglang_venv() -> bool:

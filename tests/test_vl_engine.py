@@ -146,7 +146,6 @@ def test_the_runs_prompt_images_are_found_by_uid():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["generator.backend=sglang"], "the SGLang engine does not sample from prompts with images"),
     (["learner.backend=megatron"], "learner.backend=megatron does not train vision-language models yet"),
     (["endpoint.rollout=verifiers"], "endpoint.rollout. do not take images yet"),
     (["reward.model=builtin:tiny-qwen2-reward"], "reward.model does not pass the prompts' images"),

@@ -270,7 +270,12 @@ def _learner_logprobs(vl, trajectory, prompt, pixels=None) -> torch.Tensor:
 def turn_after_a_picture_agrees(vl, prompt, real, max_tokens: int = 6) -> None:
     """Turn 1 scripted, turn 2 (after the environment's picture) sampled by ``real``: the
     learner's log-probs of turn 2 equal the engine's, and depend on the picture."""
+    from vl_helpers import checkpoint_tensors
+
     _, tok, cfg, _ = vl
+    # The learner loads the checkpoint: the engine gets its weights too (an earlier test of the
+    # engine's module may have pushed others).
+    real.update_weights(checkpoint_tensors(vl[0]), real.policy_version + 1)
     request = _request(prompt)
     (episode,), = _loop(vl, turns=2).run_groups(Engine(tok, ("red",), real=real), [request], 1,
                                                 _params(tok, max_tokens=max_tokens), seeds=[request.seed])

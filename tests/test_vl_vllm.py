@@ -8,10 +8,6 @@ checkpoint, and bad requests and updates are refused in one line."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
 
@@ -19,10 +15,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 
 from async_rl.generators.base import GeneratorConfig, SamplingParams  # noqa: E402
 from async_rl.utils.vision import input_only_token_ids  # noqa: E402
+from vl_helpers import IMAGE_TOKEN, checkpoint_tensors, hf_logprobs, hf_model, perturbed, random_image  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-IMAGE_TOKEN = 264
 LOGPROB_TOL = 1e-4
 """vLLM's fp32 CPU kernels against transformers' fp32 forward (the text model's tolerance)."""
 SAME_TOL = 1e-5
@@ -33,13 +29,6 @@ def _vllm(path: str):
     from async_rl.generators.vllm import VLLMGenerator
 
     return VLLMGenerator(path, GeneratorConfig(backend="vllm", max_batch_size=16, seed=7), num_threads=2)
-
-
-def _image(seed: int, width: int = 112, height: int = 84):
-    from PIL import Image
-
-    rng = np.random.RandomState(seed)
-    return Image.fromarray((rng.rand(height, width, 3) * 255).astype(np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +56,7 @@ def _image_prompts(vl_path, tok, text: str) -> list:
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     out = []
     for seed in (0, 1):
-        inputs = proc.process([_image(seed)])
+        inputs = proc.process([random_image(seed)])
         out.append((expand_image_tokens(ids, inputs, IMAGE_TOKEN), inputs))
     assert out[0][0] == out[1][0] and out[0][0].count(IMAGE_TOKEN) == 12  # 112x84 px: 8x6 patches, 12 merged
     return out
@@ -90,25 +79,6 @@ def _params(tok, **kw) -> SamplingParams:
     return SamplingParams(**{"temperature": 1.0, "max_tokens": 8, "stop_token_ids": (tok.eos_token_id,), **kw})
 
 
-def _hf_logprobs(model, ids: list[int], inputs, response: list[int]) -> list[float]:
-    """transformers' log-probs (fp32, nats) of ``response`` after prompt ``ids`` with ``inputs``' image."""
-    full = torch.tensor([ids + response])
-    with torch.no_grad():
-        logits = model(input_ids=full, pixel_values=torch.from_numpy(inputs.pixel_values),
-                       image_grid_thw=torch.from_numpy(inputs.image_grid_thw),
-                       mm_token_type_ids=(full == IMAGE_TOKEN).long()).logits[0].float()
-    # Every engine gives the input-only markup probability 0 (utils.vision.input_only_token_ids).
-    markup = torch.tensor(input_only_token_ids(model.config))
-    lp = torch.log_softmax(logits[len(ids) - 1 : -1].float().index_fill(-1, markup, float("-inf")), dim=-1)
-    return lp.gather(1, torch.tensor(response)[:, None])[:, 0].tolist()
-
-
-def _hf_model(path: str):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-
-
 def test_image_prompt_logprobs_equal_transformers_and_depend_on_the_image(engine, vl_path, vl_tok, prompts):
     ids = [p for p, _ in prompts]
     images = [x for _, x in prompts]
@@ -116,19 +86,19 @@ def test_image_prompt_logprobs_equal_transformers_and_depend_on_the_image(engine
     groups = engine.generate(ids, 2, _params(vl_tok), seeds=[3, 4], images=images,
                              on_sample=lambda i, j, s: streamed.append((i, j)))
     assert sorted(streamed) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    model = _hf_model(vl_path)
+    model = hf_model(vl_path)
     worst = 0.0
     for (p, x), group in zip(prompts, groups):
         for s in group:
             assert s.response_ids and len(s.logprobs) == len(s.response_ids)
-            ref = _hf_logprobs(model, p, x, s.response_ids)
+            ref = hf_logprobs(model, p, x, s.response_ids)
             worst = max(worst, max(abs(a - b) for a, b in zip(s.logprobs, ref)))
     print(f"max |vLLM - transformers| log-prob: {worst:.2e}")
     assert worst < LOGPROB_TOL
     # The image matters: the first sample's response scored under the other image differs, so an
     # engine that ignored (or mixed up) the images could not match transformers above.
     s = groups[0][0]
-    other = _hf_logprobs(model, prompts[1][0], prompts[1][1], s.response_ids)
+    other = hf_logprobs(model, prompts[1][0], prompts[1][1], s.response_ids)
     assert max(abs(a - b) for a, b in zip(s.logprobs, other)) > 1e-2
     # Same seeds, same images: the same samples (sample j depends on its seed, not the batch).
     again = engine.generate(ids[:1], 2, _params(vl_tok), seeds=[3], images=images[:1])
@@ -162,27 +132,6 @@ def test_prefix_cache_is_keyed_by_the_image(engine, vl_path, vl_tok):
     assert engine.num_cached_prompt_tokens == cached
 
 
-def _perturbed(vl_path: str, out_dir: Path):
-    """The tiny Qwen2-VL with noise on every vision and language weight, saved as a model
-    directory (with the tokenizer and image processor files); returns (model, dir)."""
-    torch.manual_seed(1)
-    model = _hf_model(vl_path)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(out_dir)
-    for f in Path(vl_path).iterdir():
-        if f.is_file() and not (out_dir / f.name).exists():
-            shutil.copy(f, out_dir / f.name)
-    return model, str(out_dir)
-
-
-def _checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    return sorted(load_file(str(Path(path) / "model.safetensors")).items())
-
-
 def _fingerprint(engine, tok, prompts) -> list[tuple[list[int], list[float]]]:
     out = engine.generate([p for p, _ in prompts], 2, _params(tok), seeds=[11, 12], images=[x for _, x in prompts])
     return [(s.response_ids, s.logprobs) for g in out for s in g]
@@ -200,8 +149,8 @@ def test_vision_and_language_update_equals_a_fresh_engine(engine, vl_path, vl_to
     from async_rl.weight_sync import LocalTarget, ModuleWeights, WeightPublisher, WeightSyncConfig
 
     before = _fingerprint(engine, vl_tok, prompts)
-    model, path = _perturbed(vl_path, tmp_path / "v1")
-    ckpt = _checkpoint_tensors(path)
+    model, path = perturbed(vl_path, tmp_path / "v1")
+    ckpt = checkpoint_tensors(path)
     assert any(n.startswith("visual.") for n, _ in ckpt) and any(n.startswith("model.layers.") for n, _ in ckpt)
     fresh = _vllm(path)
     try:
@@ -217,7 +166,7 @@ def test_vision_and_language_update_equals_a_fresh_engine(engine, vl_path, vl_to
 
     # Back to the starting weights, then the perturbed ones again, through shm buckets.
     cfg = WeightSyncConfig(transport="shm", bucket_size_mb=0.05)
-    for source, want, v in ((_hf_model(vl_path), before, version + 2), (model, expected, version + 3)):
+    for source, want, v in ((hf_model(vl_path), before, version + 2), (model, expected, version + 3)):
         pub = WeightPublisher(cfg, "shm", ModuleWeights(source), [LocalTarget(engine)])
         try:
             metrics = pub.push(v)
@@ -237,7 +186,7 @@ def test_a_bad_vision_language_update_is_refused_whole(engine, vl_path, vl_tok, 
     engine checks it under vLLM's nesting: ``visual...``, ``language_model.model...``)."""
     from update_cases import bad_update, refused_update
 
-    named = [(n, t + 0.5) for n, t in _checkpoint_tensors(vl_path)]
+    named = [(n, t + 0.5) for n, t in checkpoint_tensors(vl_path)]
     named, fragments = bad_update(case, named, victim, "visual.blocks.0.attn.qqkv.weight")
     before, version = _fingerprint(engine, vl_tok, prompts), engine.policy_version
     err = refused_update(engine, named, transport, {"lm_head.weight": "model.embed_tokens.weight"})

@@ -44,6 +44,17 @@ the owning process, so ``generate`` and ``receive_weights`` may come from differ
   updates so far, since a version can be pushed twice with different weights: the warm start's
   weights go out as version 0 again), so no request reuses KV computed under older weights (``keep``'s frozen requests keep their own KV: that is what keep
   means); ``abort`` updates also ``flush_cache``.
+* **Images** (a vision-language model; Qwen2-VL): ``generate``'s ``images`` go through SGLang's
+  own multimodal path as its ``processor_output`` input: our patches and grids, with the prompt
+  ids already expanded, so SGLang re-processes nothing and its vision tower encodes them.
+  SGLang's cache of vision-tower outputs (keyed by image content, never cleared by a weight
+  update, and not saltable per request in 0.5.23) is off: each request encodes its images
+  (``async_rl.generators.sglang.vision``); the prefix cache is salted per weights as for text.
+  The input-only markup (``async_rl.utils.vision.input_only_token_ids``) gets a ``-inf``
+  ``logit_bias``, which SGLang adds before sampling and before computing the returned
+  log-probs, so behaviour log-probs are renormalised over the other tokens as the learner's
+  are. On CPU, ``async_rl.generators.sglang.vision`` fixes what SGLang's Qwen2-VL needs there
+  (a renamed config field, kernel names its processor module looks up at import).
 * **CPU**: SGLang has no supported CPU wheel; the repository's ``envs/sglang-cpu/build.sh`` builds the test venv
   (``--no-deps`` install beside the +cpu torch, with two stand-ins; see that script). On CPU the engine runs fp32 with ``attention_backend=torch_native``.
 """
@@ -68,7 +79,10 @@ from async_rl.generators.base import (GeneratorConfig, Sample, SamplingParams, c
 from async_rl.generators.capabilities import EngineCapabilities
 from async_rl.generators.sglang.lora import SGLangAdapters
 from async_rl.generators.sglang.process import engine_files, engine_kwargs, engine_sockets, quiet_warnings, stop_processes
+from async_rl.generators.sglang.vision import (ENGINE_ENVIRONMENT, image_offsets, image_request,
+                                               register_kernel_stand_ins)
 from async_rl.utils.lora import lora_enabled, spec
+from async_rl.utils.vision import check_images, image_token_id, input_only_token_ids
 
 
 def checkpoint_specs(model_path: str, dtype: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
@@ -118,6 +132,7 @@ class SGLangGenerator(SGLangAdapters):
 
     Raises:
         ImportError: SGLang is not installed (on CPU: the async-rl repository's ``envs/sglang-cpu/build.sh``).
+        ValueError: LoRA with a vision-language model (not served yet).
         RuntimeError: the engine failed to start (its error).
     """
 
@@ -127,7 +142,8 @@ class SGLangGenerator(SGLangAdapters):
     capabilities = EngineCapabilities(name="SGLang", colocated=True, separate_processes=True, protocol="sglang",
                                       lora_transports=frozenset({"colocated", "shm"}),
                                       context_key="sglang.context_length", picks_device=True, library="sglang",
-                                      install="on CPU build its venv with envs/sglang-cpu/build.sh and run from it")
+                                      install="on CPU build its venv with envs/sglang-cpu/build.sh and run from it",
+                                      serves_images=True)
 
     def __init__(self, model_path: str, cfg: GeneratorConfig, pad_token_id: int | None = None,
                  device: str = "cpu", num_threads: int = 0, lora=None) -> None:
@@ -150,6 +166,13 @@ class SGLangGenerator(SGLangAdapters):
         sees the count move past the value it started with, however late its abort is noticed."""
         self._unusable: str | None = None
         self._specs, self._tied = checkpoint_specs(model_path, self.scfg.dtype)
+        self.image_token_id, self._logit_bias = _vision_tokens(model_path)
+        """The image placeholder id of a vision-language model (``None`` for a text model), and the
+        ``logit_bias`` that gives its input-only markup probability 0 (``None``: nothing to suppress)."""
+        if self.lora is not None and self.image_token_id is not None:
+            # Untested: SGLang's adapter loader would get the learner's vision-language module paths.
+            raise ValueError(f"the SGLang engine does not serve LoRA adapters of a vision-language model "
+                             f"({model_path}) yet; use generator.backend=vllm or hf, or learner.lora.rank=0")
         self._adapter: str | None = None
         """The LoRA adapter new requests use (``None``: none loaded yet, i.e. the zero adapter)."""
         self._adapter_version: dict[str, int] = {}
@@ -185,6 +208,11 @@ class SGLangGenerator(SGLangAdapters):
         self._resumed.set()
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         kwargs = engine_kwargs(self.model_path, self.cfg, self.device, self.lora)
+        if self.image_token_id is not None:
+            # SGLang's multimodal processors are imported here, in the TokenizerManager's process;
+            # the environment is read by the scheduler process, which inherits it when spawned.
+            register_kernel_stand_ins()
+            os.environ.update(ENGINE_ENVIRONMENT)
         # Built on this loop's thread: the engine adopts the running loop, and SGLang then
         # installs no signal handlers (a SIGQUIT handler that kills this whole process tree).
         engine = sgl.Engine(**kwargs)
@@ -267,23 +295,37 @@ class SGLangGenerator(SGLangAdapters):
                  images: Sequence[Any] | None = None) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt (same contract as ``HFGenerator.generate``).
 
-        ``on_sample`` is called from the engine's loop thread as each sample finishes. Prompts
-        with images are not served yet (``capabilities.serves_images`` is false).
+        ``on_sample`` is called from the engine's loop thread as each sample finishes.
+        ``images``: one ``async_rl.data.images.ImageInputs`` or ``None`` per prompt (a
+        vision-language model); the prompt ids hold one placeholder per merged patch, and SGLang
+        takes them as they are with the images' patches (``vision.image_request``).
 
         Raises:
-            ValueError: ``n < 1``, no stop token ids, ``seeds`` of the wrong length, or images.
+            ValueError: ``n < 1``, no stop token ids, ``seeds`` or ``images`` of the wrong length,
+                images for a text model, or a prompt whose placeholders do not match its images.
             RuntimeError: the engine is unusable (a weight update failed after its first loaded
                 bucket) until a complete update succeeds, or SGLang ended a request with an error.
         """
         check_request(n, params)
-        if images is not None and any(x is not None for x in images):
-            raise ValueError("the SGLang engine does not sample from prompts with images yet; use generator.backend=hf or vllm")
+        images = check_images(images, len(prompts), self.image_token_id, f"SGLang's model {self.model_path}")
         self._check_usable()
+        if images is not None:  # refused here, in one line, before any request starts
+            for prompt, x in zip(prompts, images):
+                if x is not None:
+                    image_offsets(prompt, x.tokens_per_image, self.image_token_id)
         seeds_of_rows = row_seeds(self.cfg.seed, self._calls, n, len(prompts), seeds)
-        return self._call(sample_rows(lambda prompt, seed: self._sample(prompt, params, seed), prompts, n,
-                                      seeds_of_rows, on_sample))
+        # ``sample_rows`` hands each row its prompt's ids; a row finds its images by prompt index.
+        return self._call(sample_rows(
+            lambda row, seed: self._sample(prompts[row[0]], params, seed, images[row[0]] if images else None),
+            [[i] for i in range(len(prompts))], n, seeds_of_rows, on_sample))
 
-    async def _sample(self, prompt: list[int], params: SamplingParams, seed: int) -> Sample:
+    def _image_fields(self, prompt: list[int], images) -> dict[str, Any]:
+        # A request's multimodal fields (none for a prompt without images).
+        if images is None or not len(images.image_grid_thw):
+            return {}
+        return image_request(prompt, images, self.image_token_id)
+
+    async def _sample(self, prompt: list[int], params: SamplingParams, seed: int, images=None) -> Sample:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         processed = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
@@ -301,13 +343,15 @@ class SGLangGenerator(SGLangAdapters):
                   # A re-issued (aborted) sample cannot continue its old RNG stream: derive a new one.
                   "sampling_seed": mix_seed(seed, len(tokens)) if tokens else seed,
                   "stop_token_ids": list(params.stop_token_ids), "no_stop_trim": True,
-                  "skip_special_tokens": False}
+                  "skip_special_tokens": False, "logit_bias": self._logit_bias}
             adapter = self._adapter
+            # The images' placeholders are all in the prompt: tokens sampled so far stay text.
             obj = GenerateReqInput(input_ids=prompt + tokens, sampling_params=sp, return_logprob=True,
                                    return_sampling_mask=processed or None,
                                    sampling_logprobs_mode="selected" if processed else None,
                                    top_logprobs_num=params.top_logprobs,
-                                   cache_salt=self._cache_salt(), rid=uuid.uuid4().hex, lora_path=adapter)
+                                   cache_salt=self._cache_salt(), rid=uuid.uuid4().hex, lora_path=adapter,
+                                   **self._image_fields(prompt, images))
             version_at_start, pauses_at_start = self.policy_version, self._update_pauses
             self._active += 1
             if adapter is not None:
@@ -351,30 +395,40 @@ class SGLangGenerator(SGLangAdapters):
             return Sample(response_ids=tokens, logprobs=logprobs, finish_reason=finish, policy_version=versions,
                           top_logprobs=tops)
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-prob of each token of each sequence given the tokens before it (temperature 1),
-        from the engine's prefill: ``len(seq) - 1`` floats per sequence. What the fresh-engine
-        checks compare between an updated engine and one started from the same weights.
+    def prompt_logprobs(self, sequences: list[list[int]], images: Sequence[Any] | None = None) -> list[list[float]]:
+        """Log-prob of each token of each sequence given the tokens before it (temperature 1,
+        nothing suppressed), from the engine's prefill: ``len(seq) - 1`` floats per sequence.
+        What the fresh-engine checks compare between an updated engine and one started from the
+        same weights.
+
+        ``images``: one ``ImageInputs`` or ``None`` per sequence, as ``generate``'s (the
+        sequence's placeholders are those of its images). A position whose token is an image
+        placeholder of a row with images gets 0.0: SGLang scores there the hash-derived pad id it
+        puts in place of the placeholder, which means nothing (as the learner's
+        ``zero_input_only_labels``).
 
         Raises:
-            ValueError: a sequence shorter than 2 tokens.
+            ValueError: a sequence shorter than 2 tokens, or images as ``generate`` refuses them.
             RuntimeError: the engine is unusable.
         """
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         if any(len(s) < 2 for s in sequences):
             raise ValueError("prompt_logprobs needs sequences of at least 2 tokens")
+        images = check_images(images, len(sequences), self.image_token_id, f"SGLang's model {self.model_path}")
         self._check_usable()
 
-        async def one(seq: list[int]) -> list[float]:
+        async def one(seq: list[int], x) -> list[float]:
+            fields = self._image_fields(list(seq), x)
             obj = GenerateReqInput(input_ids=list(seq), sampling_params={"max_new_tokens": 1, "temperature": 0.0},
                                    return_logprob=True, logprob_start_len=0, lora_path=self._adapter,
-                                   cache_salt=f"score-{uuid.uuid4().hex}", rid=uuid.uuid4().hex)
+                                   cache_salt=f"score-{uuid.uuid4().hex}", rid=uuid.uuid4().hex, **fields)
             out = await self.engine.tokenizer_manager.generate_request(obj, None).__anext__()
-            return [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][1:]]
+            lps = [float(x[0]) for x in out["meta_info"]["input_token_logprobs"][1:]]
+            return [0.0 if fields and t == self.image_token_id else v for t, v in zip(seq[1:], lps)]
 
         async def all_rows():
-            return list(await asyncio.gather(*(one(s) for s in sequences)))
+            return list(await asyncio.gather(*(one(s, images[i] if images else None) for i, s in enumerate(sequences))))
 
         return self._call(all_rows())
 
@@ -592,3 +646,15 @@ def _token_versions(meta: dict, n: int, default: int) -> list[int]:
         for k in range(max(0, int(span["start"])), min(n, int(span["end"]))):
             out[k] = v
     return out
+
+
+def _vision_tokens(model_path: str) -> tuple[int | None, dict[str, float] | None]:
+    """``(image placeholder id, logit_bias)`` of the model at ``model_path``: the placeholder of a
+    vision-language model (``None`` for a text model), and SGLang's ``logit_bias`` (``{token id
+    as str: -inf}``) of its input-only markup (``utils.vision.input_only_token_ids``), ``None``
+    when there is none."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    suppressed = input_only_token_ids(config)
+    return image_token_id(config), ({str(t): float("-inf") for t in suppressed} if suppressed else None)

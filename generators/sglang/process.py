@@ -5,11 +5,13 @@ its functions only."""
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any
 
 from async_rl.generators.base import GeneratorConfig
+from async_rl.generators.sglang.vision import config_overrides
 
 QUIET_WARNINGS = ("ignore:Only CUDA:UserWarning,ignore:Triton is not supported:UserWarning,"
                   "ignore:resource_tracker:UserWarning")
@@ -35,7 +37,8 @@ def engine_kwargs(model_path: str, cfg: GeneratorConfig, device: str, lora: dict
     """The keyword arguments of ``sglang.Engine`` for a generator.
 
     Args:
-        model_path: Hugging Face model directory of the starting weights.
+        model_path: Hugging Face model directory of the starting weights (a Qwen2-VL checkpoint
+            also gets ``json_model_override_args``: ``vision.config_overrides``).
         cfg: generator settings (``cfg.sglang``: dtype, memory, cache; ``seed``, ``max_batch_size``).
         device: ``cpu`` or ``cuda``; ``cpu`` selects SGLang's torch-native attention without CUDA
             graphs or the overlap scheduler.
@@ -54,6 +57,10 @@ def engine_kwargs(model_path: str, cfg: GeneratorConfig, device: str, lora: dict
                   # SGLang allows only with GPU attention backends: on CPU the sampler draws
                   # from the engine's seeded global generator instead.
                   enable_deterministic_inference=device != "cpu")
+    overrides = config_overrides(model_path)
+    if overrides:
+        # A Qwen2-VL checkpoint of transformers 5 lacks the config name SGLang's vision tower reads.
+        kwargs["json_model_override_args"] = json.dumps(overrides)
     if s.context_length:
         kwargs["context_length"] = s.context_length
     if s.max_total_tokens:
