@@ -9,6 +9,8 @@ line. Runs in the venv ``envs/sglang-cpu/build.sh`` builds (skipped elsewhere, s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -222,3 +224,26 @@ def test_the_learner_scores_a_turn_after_an_environments_picture_as_sglang_sampl
 
     vl = vl_parts()
     turn_after_a_picture_agrees(vl, shapes_prompts(vl, 1)[0], engine)
+
+
+def test_the_vision_language_job_runs_on_sglang_with_pictures_in_observations(tmp_path):
+    # The image job in sync mode on SGLang, each episode shown a second picture by its
+    # environment: the learner scores SGLang's samples (both pictures) as SGLang sampled them.
+    import json
+
+    from async_rl.config import load_config
+    from async_rl.trainer import train
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs/shapes_vl.yaml", [
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=vl-sglang", "trainer.total_steps=3",
+        "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.eval_every_steps=0",
+        "trainer.warm_start.steps=5", "trainer.warm_start.batch_size=16", "data.val_max_prompts=8",
+        "trainer.export_model=false", "logging.progress=false", "generator.backend=sglang",
+        "env.name=shapes_dialogue", "env.args.turns=2", "env.max_turns=2", "env.max_response_tokens=96"])
+    summary = train(cfg)
+    lines = [json.loads(line) for line in (tmp_path / "vl-sglang" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "policy/version" in r and r["step"] >= 1]
+    assert [s["policy/version"] for s in steps] == [1, 2, 3]
+    assert all(s["mismatch/logprob_abs_diff"] < 1e-4 for s in steps)
+    assert sum(s.get("env/observation_images", 0) for s in steps) > 0 and 0.0 <= summary["eval_final"] <= 1.0
