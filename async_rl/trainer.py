@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -122,7 +123,9 @@ def _train(cfg: "Config") -> dict[str, Any]:
             if ctx.cluster is not None:
                 ctx.cluster.close()
             ctx.log.close()
-    (ctx.run_dir / "summary.json").write_text(json.dumps(progress.summary, indent=2))
+    # Strict JSON (as metrics.jsonl): a figure that is not a number (no evaluation scored) is null.
+    strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in progress.summary.items()}
+    (ctx.run_dir / "summary.json").write_text(json.dumps(strict, indent=2))
     return progress.summary
 
 
@@ -324,7 +327,7 @@ def build(cfg: "Config", run: RunDirectory) -> tuple[RunContext, LearnerHandle]:
     if train_ds.num_rejected_too_long:
         ctx.log.print(f"rejected {train_ds.num_rejected_too_long} train prompts longer than {d.max_prompt_tokens} tokens")
     if train_ds.summary()["data/rejected_rows"]:
-        ctx.log.print(f"train rows rejected (data.on_bad_row=skip): {train_ds.describe_rejected()}")
+        ctx.log.print(f"train rows rejected (data.on_bad_row={d.on_bad_row}): {train_ds.describe_rejected()}")
     return ctx, learner_handle
 
 
@@ -406,7 +409,10 @@ def start_fresh(ctx: RunContext, summary: dict[str, Any]) -> None:
         ev = evaluate(ctx.generator, val_ds, ctx.eval_params, ctx.eval_scorer, ctx.tokenizer, ctx.agent, ctx.eval_at_k)
         summary["eval_step_0"] = ev["eval/accuracy"]
         ctx.log.log(ev, step=0)
-        ctx.log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}")
+        rejected = int(ev.get("eval/rejected", 0))
+        ctx.log.print(f"step 0: eval accuracy {ev['eval/accuracy']:.4f}" + (
+            f" ({rejected} of {rejected + int(ev['eval/num_prompts'])} held-out samples rejected, counted wrong: "
+            "see the warnings above)" if rejected else ""))
         check_rewards_work(ctx.eval_scorer.pop_metrics(), ctx.eval_scorer.first_error, "step 0 evaluation")
 
 

@@ -167,6 +167,22 @@ def test_episode_ids_equal_the_template_and_the_return_sums_the_turns(tok):
     assert loop.pop_metrics() == {}
 
 
+def test_an_environment_may_keep_its_expected_answer_in_self_answer(tok):
+    # ``answer`` is also the name of Environment's hook (the text the run's reward scores); an
+    # environment that stores its expected answer under that name must still run.
+    class Quiz(Environment):
+        async def reset(self, task, seed):
+            self.answer = "second"
+            return list(task.messages)
+
+        async def step(self, action):
+            return EnvStep([], float(action == self.answer), True)
+
+    (row,) = _loop(tok, Quiz).run_groups(ScriptedGenerator(tok, ["second"]), [_request(tok, n=1)], 1, _params(),
+                                         seeds=[1])
+    assert row[0].rejected is None and row[0].env_return == 1.0 and row[0].final_text == "second"
+
+
 def test_turn_and_token_limits_end_episodes(tok):
     loop = _loop(tok, lambda: Countdown(10), max_turns=2)
     (row,) = loop.run_groups(ScriptedGenerator(tok, ["a", "b"]), [_request(tok, n=1)], 1, _params(), seeds=[1])

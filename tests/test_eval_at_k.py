@@ -122,6 +122,29 @@ def test_at_k_per_data_source():
     assert out["eval/math/maj@2"] == 0.5  # a tie between "1" (right) and "2" (wrong)
 
 
+def test_a_rejected_held_out_sample_counts_wrong_never_as_missing():
+    # A reward that failed, or an environment's episode rejected for a fault: the prompt has no
+    # trajectory. It counts wrong in eval/accuracy (as in pass@k), overall and per source, and an
+    # evaluation whose every sample was rejected scores 0, not NaN.
+    from types import SimpleNamespace
+
+    from async_rl.step.evaluation import eval_metrics
+
+    def traj(uid, acc):
+        return SimpleNamespace(prompt_uid=uid, response_text="x", reward=acc, reward_extras={"acc": acc},
+                               response_ids=[1, 2], policy_version=[0])
+
+    dataset = [SimpleNamespace(uid=u, data_source=s) for u, s in (("a", "math"), ("b", "math"), ("c", "code"),
+                                                                   ("d", "code"))]
+    out = eval_metrics([traj("a", 1.0), traj("c", 1.0), traj("d", 0.0)], dataset, 3)
+    assert out["eval/accuracy"] == 0.5 and out["eval/rejected"] == 1.0 and out["eval/num_prompts"] == 3.0
+    assert out["eval/reward_mean"] == pytest.approx(2 / 3)
+    assert out["eval/math/accuracy"] == 0.5 and out["eval/code/accuracy"] == 0.5
+    assert out["eval/math/num_prompts"] == 1.0
+    none = eval_metrics([], dataset, 3)
+    assert none["eval/accuracy"] == 0.0 and none["eval/rejected"] == 4.0 and none["eval/math/accuracy"] == 0.0
+
+
 def test_eval_command_prints_and_writes_at_k(tmp_path, capsys):
     from async_rl.cli import main
 

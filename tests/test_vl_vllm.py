@@ -15,7 +15,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 
 from async_rl.generators.base import GeneratorConfig, SamplingParams  # noqa: E402
 from async_rl.utils.vision import input_only_token_ids  # noqa: E402
-from vl_helpers import IMAGE_TOKEN, checkpoint_tensors, hf_logprobs, hf_model, perturbed, random_image  # noqa: E402
+from vl_helpers import (  # noqa: E402
+    IMAGE_TOKEN, check_bad_image_requests, check_text_model_refusal, checkpoint_tensors, hf_logprobs, hf_model,
+    perturbed, random_image
+)
 
 pytestmark = pytest.mark.slow
 
@@ -197,29 +200,14 @@ def test_a_bad_vision_language_update_is_refused_whole(engine, vl_path, vl_tok, 
 
 def test_bad_image_requests_are_refused(engine, vl_tok, prompts):
     (ids, x), _ = prompts
-    params = _params(vl_tok, max_tokens=2)
-    with pytest.raises(ValueError, match="2 image entries for 1 prompts"):
-        engine.generate([ids], 1, params, images=[x, x])
-    collapsed = [t for i, t in enumerate(ids) if t != IMAGE_TOKEN or ids[i - 1] != IMAGE_TOKEN]
-    with pytest.raises(ValueError, match="placeholders do not match"):
-        engine.generate([collapsed], 1, params, images=[x])  # not expanded
-    with pytest.raises(ValueError, match="placeholders for 0 of its 1 images"):
-        engine.generate([[t for t in ids if t != IMAGE_TOKEN]], 1, params, images=[x])
-    # A prompt without images beside one with them (a None entry) is served as text.
-    out = engine.generate([ids, [5, 6, 7]], 1, params, images=[x, None])
-    assert all(len(g[0].response_ids) > 0 for g in out)
+    check_bad_image_requests(engine, vl_tok, ids, x)
 
 
 def test_images_for_a_text_model_are_refused_in_one_line(prompts):
     from async_rl.generators.vllm import VLLMGenerator
 
-    # The refusal comes before any engine call: an engine object that never started suffices.
-    text_engine = object.__new__(VLLMGenerator)
-    text_engine.image_token_id, text_engine.model_path, text_engine._unusable = None, "tiny-qwen2", None
     (ids, x), _ = prompts
-    with pytest.raises(ValueError, match="text model") as err:
-        text_engine.generate([ids], 1, SamplingParams(max_tokens=2, stop_token_ids=(1,)), images=[x])
-    assert "\n" not in str(err.value)
+    check_text_model_refusal(VLLMGenerator, ids, x)
 
 
 def test_a_reissued_sample_keeps_its_images_and_its_tokens(engine, prompts):

@@ -70,3 +70,37 @@ def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     return sorted(load_file(str(Path(path) / "model.safetensors")).items())
+
+
+def check_bad_image_requests(engine, tok, ids: list[int], inputs) -> None:
+    """An engine refuses, in one ``ValueError`` each, images in another number than the prompts,
+    placeholders not expanded, and placeholders missing; a prompt without images beside one with
+    them (a ``None`` entry) is served as text. ``ids``: a one-image prompt, expanded."""
+    import pytest
+
+    from async_rl.generators.base import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=2, stop_token_ids=(tok.eos_token_id,))
+    with pytest.raises(ValueError, match="2 image entries for 1 prompts"):
+        engine.generate([ids], 1, params, images=[inputs, inputs])
+    collapsed = [t for i, t in enumerate(ids) if t != IMAGE_TOKEN or ids[i - 1] != IMAGE_TOKEN]
+    with pytest.raises(ValueError, match="placeholders do not match"):
+        engine.generate([collapsed], 1, params, images=[inputs])  # not expanded
+    with pytest.raises(ValueError, match="placeholders for 0 of its 1 images"):
+        engine.generate([[t for t in ids if t != IMAGE_TOKEN]], 1, params, images=[inputs])
+    out = engine.generate([ids, [5, 6, 7]], 1, params, images=[inputs, None])
+    assert all(len(g[0].response_ids) > 0 for g in out)
+
+
+def check_text_model_refusal(engine_cls, ids: list[int], inputs) -> None:
+    """An engine of a text model refuses images in one line, before any engine call (an engine
+    object that never started suffices)."""
+    import pytest
+
+    from async_rl.generators.base import SamplingParams
+
+    text_engine = object.__new__(engine_cls)
+    text_engine.image_token_id, text_engine.model_path, text_engine._unusable = None, "tiny-qwen2", None
+    with pytest.raises(ValueError, match="text model") as err:
+        text_engine.generate([ids], 1, SamplingParams(max_tokens=2, stop_token_ids=(1,)), images=[inputs])
+    assert "\n" not in str(err.value)

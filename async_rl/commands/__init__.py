@@ -269,7 +269,7 @@ def run_eval(cfg: Config, model: str | None = None) -> dict[str, Any]:
 def print_eval_table(result: dict[str, Any]) -> None:
     """Print ``eval/*`` metrics one per line, each ``*_se`` beside its value as ``± se``; the
     metrics of one data source (``eval/<source>/...``) under that source's name."""
-    skip = {"eval/num_prompts", "eval/num_prompts_at_k"}
+    skip = {"eval/num_prompts", "eval/num_prompts_at_k"} | ({"eval/rejected"} if not result.get("eval/rejected") else set())
     keys = [k for k in result if k.startswith("eval/") and k not in skip and not k.endswith("_se")]
     groups: dict[str, list[str]] = {}
     for key in keys:

@@ -19,6 +19,7 @@ token ids carry one image placeholder token per merged patch (``expand_image_tok
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,6 +33,8 @@ BAD_IMAGE_REASONS = ("image_not_decodable", "image_missing_path", "image_bad_typ
 a ``{"bytes", "path"}`` mapping nor a path string; a pixel mode that has no RGB conversion (for
 example 16-bit or floating-point single-channel); fewer than one pixel on a side; a row whose
 number of images differs from its number of image placeholders."""
+
+_IN_MEMORY_FILE = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 IMAGE_MODES_CONVERTIBLE = ("RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", "LAB", "HSV", "I;16")
 """Pillow modes that convert to RGB without losing what the picture shows (palette, grey,
@@ -88,7 +91,9 @@ def decode_image(value: Any, base_dir: Path | None = None):
     except BadImageError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:  # Pillow's decoders raise these
-        raise BadImageError("image_not_decodable", f"image ({where}) cannot be decoded: {e}") from e
+        # Pillow names an in-memory file by its repr (a memory address): the message says which bytes.
+        reason = _IN_MEMORY_FILE.sub("", str(e)).strip()
+        raise BadImageError("image_not_decodable", f"image ({where}) cannot be decoded: {reason}") from e
     except Exception as e:  # noqa: BLE001
         # Not only the above: a header claiming a huge size raises DecompressionBombError (an
         # Exception), and a plugin may raise EOFError, struct.error or zlib.error on crafted bytes.

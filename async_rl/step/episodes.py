@@ -334,7 +334,9 @@ class EpisodeLoop(EpisodeCounters):
         # reads the turn as generated, special tokens kept.
         action = (self.tokenizer.decode(body, skip_special_tokens=False, spaces_between_special_tokens=False)
                   if getattr(c.env, "keep_special_tokens", False) else text)
-        answer = c.env.answer(action)
+        # The class's hook, called through the class: an environment that keeps its expected
+        # answer in ``self.answer`` (a natural name) must not shadow the hook with a string.
+        answer = type(c.env).answer(c.env, action)
         c.final_text = text if answer is None else self._without_special_tokens(answer)
         if not ended:
             c.finish_reason = "length"  # cut mid-turn: the environment never sees half an answer

@@ -100,19 +100,27 @@ def eval_metrics(trajs: list[Trajectory], dataset, version: float,
     """``evaluate``'s metrics of an evaluation's trajectories, wherever they were sampled (the
     colocated engine, or the async pool: ``async_rl.loops.evaluation``).
 
+    A prompt whose sample was rejected (a reward that failed under ``reward.on_error=reject``, an
+    environment's episode rejected for a fault) counts as wrong in ``eval/accuracy``, as in
+    pass@k: a failure never raises a score, and an evaluation whose every sample was rejected
+    scores 0, not NaN. ``eval/rejected`` counts them; ``eval/num_prompts``, ``reward_mean`` and
+    ``response_length_mean`` are over the scored ones.
+
     Args:
         trajs: one trajectory per prompt (the greedy or single-sample pass); prompts whose sample
-            the reward rejected are absent.
+            was rejected are absent.
         dataset: the held-out prompts (``uid``, ``data_source``).
         version: the policy version measured (``eval/policy_version``).
         sampled: ``(trajectories, n)`` of evaluation at k, or ``None``.
     """
     n = max(1, len(trajs))
+    asked = list(dataset)
     out = {
-        "eval/accuracy": accuracy_of(trajs),
+        "eval/accuracy": _accuracy_of_asked(trajs, len(asked)),
         "eval/reward_mean": sum(t.reward for t in trajs) / n,
         "eval/response_length_mean": sum(len(t.response_ids) for t in trajs) / n,
         "eval/num_prompts": float(len(trajs)),
+        "eval/rejected": float(max(0, len(asked) - len(trajs))),
         "eval/policy_version": float(version),
     }
     if sampled is not None:
@@ -120,16 +128,25 @@ def eval_metrics(trajs: list[Trajectory], dataset, version: float,
     for key in ("agent/turns", "agent/tool_calls", "agent/tool_errors"):
         if any(key in t.reward_extras for t in trajs):  # an environment's episodes count no tool calls
             out[f"eval/{key.split('/')[1]}_mean"] = sum(t.reward_extras.get(key, 0.0) for t in trajs) / n
-    sources = {p.uid: p.data_source for p in dataset}
+    sources = {p.uid: p.data_source for p in asked}
     if len(set(sources.values())) > 1:  # tasks or environments mixed: each one's held-out figures too
-        by_source: dict[str, list[Trajectory]] = {}
+        by_source: dict[str, list[Trajectory]] = {source: [] for source in sources.values()}
         for t in trajs:
-            by_source.setdefault(sources[t.prompt_uid], []).append(t)
+            by_source[sources[t.prompt_uid]].append(t)
         for source, group in sorted(by_source.items()):
-            out[f"eval/{source}/accuracy"] = accuracy_of(group)
-            out[f"eval/{source}/reward_mean"] = sum(t.reward for t in group) / len(group)
+            out[f"eval/{source}/accuracy"] = _accuracy_of_asked(group, sum(v == source for v in sources.values()))
+            out[f"eval/{source}/reward_mean"] = sum(t.reward for t in group) / max(1, len(group))
             out[f"eval/{source}/num_prompts"] = float(len(group))
     return out
+
+
+def _accuracy_of_asked(trajs: list[Trajectory], asked: int) -> float:
+    """Fraction of the ``asked`` prompts answered correctly (a prompt without a trajectory, its
+    sample rejected, is wrong); ``accuracy_of(trajs)`` when nothing was asked (a caller without
+    the dataset's size)."""
+    if asked <= 0:
+        return accuracy_of(trajs)
+    return sum(t.reward_extras.get("acc", float(t.reward >= 1.0)) for t in trajs) / max(asked, len(trajs))
 
 
 def _reference(prompt) -> Any:
