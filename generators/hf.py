@@ -674,10 +674,36 @@ class HFGenerator:
             do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,
             max_new_tokens=remaining, eos_token_id=list(params.stop_token_ids), pad_token_id=self.pad_token_id,
         )
+        shared = {} if params.return_routed_experts or any(r.images is not None for r in rows) else \
+            self._prefill_shared(contexts, input_ids, attention_mask)
         with recorder:
             self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                 generation_config=gen_cfg, logits_processor=LogitsProcessorList([hook]),
                 stopping_criteria=StoppingCriteriaList([_AbortCriteria(hook)]),
-                **image_kwargs(input_ids, [r.images for r in rows], self.image_token_id, self.device),
+                **image_kwargs(input_ids, [r.images for r in rows], self.image_token_id, self.device), **shared,
             )
+
+    @torch.no_grad()
+    def _prefill_shared(self, contexts: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        ) -> dict[str, object]:
+        """Run each distinct context of a decoding batch once (a group's samples start from the
+        same prompt) and hand ``generate`` the key/value cache copied out to every row.
+
+        ``input_ids`` and ``attention_mask`` are ``[R, P]`` int64, left-padded, one row per
+        context; identical contexts have identical rows. All but each row's last token are run
+        for the distinct rows only, at the positions ``generate`` gives them (the attention
+        mask's cumulative sum), and the cache is indexed out to ``R`` rows; ``generate`` then
+        runs the last token of every row on it, and samples as it would have (keys and values
+        of a token depend on its own row only). Returns ``{"past_key_values": cache}``, or
+        ``{}`` when every context is distinct or none is longer than one token (nothing to share)."""
+        firsts: dict[tuple[int, ...], int] = {}
+        row_of = [firsts.setdefault(tuple(c), len(firsts)) for c in contexts]
+        if len(firsts) == len(contexts) or input_ids.shape[1] < 2:
+            return {}
+        distinct = torch.tensor([row_of.index(u) for u in range(len(firsts))])
+        ids, mask = input_ids[distinct, :-1].to(self.device), attention_mask[distinct, :-1].to(self.device)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        cache = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values
+        cache.reorder_cache(torch.tensor(row_of, device=self.device))
+        return {"past_key_values": cache}

@@ -25,6 +25,7 @@ from async_rl.learners.capabilities import (LEARNERS, learner_capabilities, lear
 from async_rl.utils.lora import LoRAConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+MINI_BATCH_SPLITS = ("samples", "groups")
 MIXED_PRECISION = ("auto", "fp32", "bf16")
 BACKENDS = tuple(LEARNERS)
 """The ``learner.backend`` names, in registration order (``capabilities.LEARNERS``)."""
@@ -153,6 +154,23 @@ class LearnerConfig:
     flash_attention_2`` the attention is flash-attention's varlen kernel; with ``sdpa``/``eager``
     a block-diagonal causal mask over the row. ``max_tokens_per_micro_batch`` then counts the
     packed tokens (the sum of lengths) instead of the padded size. The critic packs too."""
+    shared_prefix: bool = False
+    """Run each group's common prompt once per micro-batch (the shared-prefix forward of Prefix
+    Grouper, Liu et al. 2025, arXiv:2506.05433): the policy's passes (proximal, reference,
+    training) pack a micro-batch into one row in which the rows of a group (GRPO's samples of one
+    prompt) that begin with the same tokens share one copy of them, and a custom attention mask
+    lets each row's own tokens see that copy and themselves only. Exact (log-probs as unshared
+    up to rounding; the copy's gradient is the sum of the rows'), and it saves ``samples_per_prompt
+    - 1`` copies of every prompt's compute where a micro-batch holds whole groups
+    (``mini_batch_split: groups``, or async mode's version per mini-batch), fewer where groups
+    are dealt apart. Costs a dense ``[N, N]`` mask per micro-batch (``N`` its tokens after
+    sharing): worth it when prompts are a large share of the tokens, and a micro-batch is run
+    shared only when that fills at most 0.75 of its padded slots. A preference, honoured where it
+    can be: the FSDP2 learner with the Hugging Face model's ``sdpa`` or ``eager`` attention and a
+    dense text policy (probed at start, as packing is); elsewhere (the Megatron learner,
+    flash-attention, a vision-language or mixture-of-experts policy) it is off, with one warning
+    line saying why. The critic does not share. ``max_tokens_per_micro_batch`` still counts the
+    unshared packed tokens."""
     freeze_vision: bool = False
     """Vision-language policies (a config with ``vision_config``, e.g. Qwen2-VL): ``true`` freezes
     the vision tower (its ViT blocks and patch merger): its parameters get no gradient and no
@@ -172,6 +190,13 @@ class LearnerConfig:
     LR-scheduler step, and counted in ``actor/skipped_mini_batches``."""
     num_epochs: int = 1
     """Passes over the step's batch (>= 1)."""
+    mini_batch_split: str = "samples"
+    """How a step's batch is dealt into its ``num_mini_batches`` mini-batches, in a seeded random
+    order per policy version and epoch: ``samples`` (the default) deals single samples, so a
+    group's samples spread over the mini-batches and each optimizer step sees more prompts (as
+    TRL's ``GRPOTrainer``); ``groups`` deals whole groups (``group_ids``), so every mini-batch
+    holds complete groups and fewer prompts (as verl's in-order split of its grouped rows, and
+    as async mode's policy version per mini-batch must)."""
     seed: int | None = None
     """Seed of the learner's randomness: model initialisation, and the order in which a step's
     samples are dealt into mini-batches (``num_mini_batches > 1``). ``None`` (the default): the
@@ -252,6 +277,8 @@ class LearnerConfig:
         check_cpu_affinity("learner.cpu_affinity", self.cpu_affinity)
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"learner.max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}")
+        if self.mini_batch_split not in MINI_BATCH_SPLITS:
+            raise ValueError(f"learner.mini_batch_split must be one of {MINI_BATCH_SPLITS}, got {self.mini_batch_split!r}")
         for key in ("micro_batch_size", "num_mini_batches", "num_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"learner.{key} must be >= 1, got {getattr(self, key)}")

@@ -1,6 +1,8 @@
 """How a learner cuts a batch: across data-parallel ranks by tokens, then into micro-batches
 under a hard token budget, and (``learner.packing``) how a micro-batch's sequences are packed
-into one padding-free row and its per-label outputs unpacked again.
+into one padding-free row and its per-label outputs unpacked again; with
+``learner.shared_prefix``, how the rows of a group that begin alike share one copy of that
+prefix in the packed row.
 
 Both cuts keep sequences in order and contiguous, so a rank's share and a micro-batch are plain
 slices of the batch (``TrainBatch.select(slice)``), and both are pure functions of the sequence
@@ -9,6 +11,7 @@ lengths, so every rank computes the same plan without communicating.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -222,3 +225,125 @@ def pack_labels(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Ten
     per_token = torch.cat([torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device)),
                            values.new_zeros(keep.shape[0], 1, *trailing)], 1)
     return per_token[keep][:-1].unsqueeze(0)
+
+
+@dataclass
+class SharedPrefixPack:
+    """A micro-batch packed with each group's common prefix once (``share_prefix_rows``).
+
+    Attributes:
+        input_ids: ``[1, N]`` int64, the packed tokens: per group its prefix, then each row's
+            own tokens.
+        position_ids: ``[1, N]`` int64, each token's position in its own row (a row's own
+            tokens continue from the prefix's length).
+        attend: ``[1, 1, N, N]`` bool, True where query token ``i`` may attend key ``j``: same
+            group, ``j`` not after ``i``, and ``j`` in the group's prefix or in ``i``'s own row.
+        slot_positions: ``[S]`` int64, for each valid label slot (``slot_mask`` true, row-major)
+            the packed position whose output predicts that slot's label.
+        slot_mask: ``[B, L-1]`` bool, label slot ``t`` of row ``b`` is valid when token ``t + 1``
+            is real (``S = slot_mask.sum()``).
+        prefix_tokens: tokens not run because a prefix was shared (unshared packed tokens
+            minus ``N``).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attend: torch.Tensor
+    slot_positions: torch.Tensor
+    slot_mask: torch.Tensor
+    prefix_tokens: int
+
+
+def _common_prefix(rows: torch.Tensor, positions: torch.Tensor, limit: int) -> int:
+    """Length (<= ``limit``) of the prefix on which every row of ``rows`` ``[k, L]`` agrees with
+    the first in tokens and positions."""
+    same = ((rows[:, :limit] == rows[:1, :limit]) & (positions[:, :limit] == positions[:1, :limit])).all(0)
+    differ = torch.nonzero(~same)
+    return int(differ[0]) if len(differ) else limit
+
+
+def share_prefix_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      group_ids: torch.Tensor) -> SharedPrefixPack:
+    """Pack right-padded rows into one row in which each group's common prefix appears once.
+
+    The rows of a group (same ``group_ids``; GRPO's samples of one prompt) begin with the same
+    prompt. Packed plainly, that prompt is run once per row; here it is run once per group and
+    every row's own tokens attend to it through a custom mask (the shared-prefix forward of
+    Prefix Grouper, Liu et al. 2025, arXiv:2506.05433). Self-attention makes this exact: a
+    prefix token sees only earlier prefix tokens, so its keys and values are the same in every
+    row, and the gradient that reaches the one copy is the sum of what each row's copy would
+    get. A group's prefix is the longest run of leading tokens (and positions) on which all its
+    rows in this micro-batch agree, at most each row's length minus one, so every row keeps a
+    token of its own. A group with one row here shares nothing and is packed as is.
+
+    Args:
+        input_ids: ``[B, L]`` int64, right-padded.
+        attention_mask: ``[B, L]`` int64/bool, each row ``n_b >= 1`` ones then zeros.
+        position_ids: ``[B, L]`` int64, each row's positions (0 at its first token).
+        group_ids: ``[B]`` int64, the group of each row (rows of a group need not be adjacent).
+
+    Returns:
+        ``SharedPrefixPack``; groups in order of first appearance, rows of a group in batch order.
+
+    Raises:
+        ValueError: a row is not right-padded or has no token, or the shapes disagree.
+    """
+    keep = attention_mask.bool()
+    batch, width = keep.shape
+    if input_ids.shape != keep.shape or position_ids.shape != keep.shape or group_ids.shape != (batch,):
+        raise ValueError(f"share_prefix_rows: input_ids {tuple(input_ids.shape)}, attention_mask {tuple(keep.shape)}, "
+                         f"position_ids {tuple(position_ids.shape)} and group_ids {tuple(group_ids.shape)} disagree")
+    lengths = keep.sum(1)
+    if not torch.equal(keep, torch.arange(width, device=keep.device) < lengths[:, None]) or int(lengths.min()) < 1:
+        raise ValueError("share_prefix_rows: every row must hold at least one token, right-padded")
+    token_at = torch.zeros(batch, width, dtype=torch.long)  # packed position of token t of row b
+    pieces_ids, pieces_pos, group_of, owner_of = [], [], [], []
+    offset = 0
+    ids_cpu, pos_cpu, lengths_list = input_ids.cpu(), position_ids.cpu(), lengths.tolist()
+    for g, gid in enumerate(dict.fromkeys(group_ids.tolist())):
+        rows = torch.nonzero(group_ids.cpu() == gid).flatten().tolist()
+        shared = 0 if len(rows) == 1 else _common_prefix(ids_cpu[rows], pos_cpu[rows],
+                                                         min(lengths_list[r] for r in rows) - 1)
+        spans = [(rows[0], 0, shared, -1)] + [(r, shared, lengths_list[r], r) for r in rows]
+        for row, start, stop, owner in spans:
+            n = stop - start
+            if n == 0:
+                continue
+            pieces_ids.append(ids_cpu[row, start:stop])
+            pieces_pos.append(pos_cpu[row, start:stop])
+            group_of.append(torch.full((n,), g))
+            owner_of.append(torch.full((n,), owner))
+            where = offset + torch.arange(n)
+            for r in (rows if owner == -1 else [row]):
+                token_at[r, start:stop] = where
+            offset += n
+    group, owner = torch.cat(group_of), torch.cat(owner_of)
+    causal = torch.ones(offset, offset, dtype=torch.bool).tril()
+    visible = (owner[None, :] == -1) | (owner[None, :] == owner[:, None])
+    attend = (group[:, None] == group[None, :]) & causal & visible
+    slot_mask = keep[:, 1:]
+    device = input_ids.device
+    return SharedPrefixPack(
+        input_ids=torch.cat(pieces_ids).unsqueeze(0).to(device),
+        position_ids=torch.cat(pieces_pos).unsqueeze(0).to(device),
+        attend=attend.view(1, 1, offset, offset).to(device),
+        slot_positions=token_at[:, :-1][slot_mask.cpu()].to(device),
+        slot_mask=slot_mask,
+        prefix_tokens=int(lengths.sum()) - offset,
+    )
+
+
+def scatter_slots(values: torch.Tensor, slot_mask: torch.Tensor) -> torch.Tensor:
+    """Per-slot values ``[S, *trailing]`` back in the label layout ``[B, L-1, *trailing]``, 0 at
+    invalid slots (``slot_mask`` ``[B, L-1]`` bool, ``S = slot_mask.sum()``, row-major).
+    Differentiable (``masked_scatter``).
+
+    Raises:
+        ValueError: ``values`` does not hold ``slot_mask.sum()`` entries.
+    """
+    if values.shape[0] != int(slot_mask.sum()):
+        raise ValueError(f"scatter_slots: {values.shape[0]} values for {int(slot_mask.sum())} valid slots")
+    trailing = values.shape[1:]
+    where = slot_mask.reshape(*slot_mask.shape, *(1,) * len(trailing)).expand(*slot_mask.shape, *trailing)
+    full = torch.zeros((*slot_mask.shape, *trailing), dtype=values.dtype, device=values.device)
+    return full.masked_scatter(where.to(values.device), values)

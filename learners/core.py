@@ -329,11 +329,19 @@ class LearnerCore:
         return timings
 
     # ------------------------------------------------------------------ updates
-    def _split(self, n: int, parts: int, epoch: int) -> list[torch.Tensor]:
+    def _split(self, group_ids: torch.Tensor, parts: int, epoch: int) -> list[torch.Tensor]:
+        """Row indices of each of ``parts`` mini-batches of a batch whose rows have ``group_ids``
+        (``[B]`` int64), dealt in a seeded random order (``learner.mini_batch_split``): single
+        rows, or whole groups (a group's rows stay together and in batch order)."""
+        n = len(group_ids)
         if parts == 1:
             return [torch.arange(n)]
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.rng_seed + 7919 * self.version + epoch))
-        return list(order.tensor_split(parts))
+        rng = torch.Generator().manual_seed(self.cfg.rng_seed + 7919 * self.version + epoch)
+        if self.cfg.mini_batch_split == "samples":
+            return list(torch.randperm(n, generator=rng).tensor_split(parts))
+        groups, inverse = torch.unique(group_ids, return_inverse=True)
+        dealt = torch.randperm(len(groups), generator=rng).tensor_split(parts)
+        return [torch.nonzero(torch.isin(inverse, part)).flatten() for part in dealt]
 
     @collective
     def train_step(self, batch: TrainBatch, num_mini_batches: int | None = None) -> dict[str, float]:
@@ -363,7 +371,7 @@ class LearnerCore:
         acc = _StepAccumulator()
         dp_size, dp_rank, _ = self._data_parallel()
         for epoch in range(self.cfg.num_epochs):
-            for idx in self._split(len(batch), parts, epoch):
+            for idx in self._split(batch.group_ids, parts, epoch):
                 mini, mini_prox = batch.select(idx), proximal[idx]
                 # This rank's contiguous, token-balanced share (every rank holds the whole batch).
                 share = split_by_tokens(mini.attention_mask.sum(1).tolist(), dp_size)[dp_rank]

@@ -62,6 +62,30 @@ def test_generate_shapes_and_reproducibility(generator, tiny_tokenizer):
     assert [[s.response_ids for s in g] for g in again] == [[s.response_ids for s in g] for g in out]
 
 
+def test_a_groups_prompt_is_prefilled_once_and_samples_as_unshared(generator, tiny_tokenizer, monkeypatch):
+    params = SamplingParams(temperature=1.0, max_tokens=6, stop_token_ids=(tiny_tokenizer.eos_token_id,))
+    prompts = _prompts(tiny_tokenizer)
+    seeds = [11, 12, 13]
+    prefilled = []
+    # A hook, not a wrapper: generate reads forward's signature to decide what to pass.
+    hook = generator.model.register_forward_pre_hook(
+        lambda module, args, kw: prefilled.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        shared = generator.generate(prompts, 4, params, seeds=seeds)
+    finally:
+        hook.remove()
+    # 3 prompts x 4 samples in batches of 7: the first batch's prefill runs 2 distinct prompts
+    # (all but their last token, left-padded), the second's 2; then one token per row a step.
+    assert prefilled[0][0] == 2 and prefilled[0][1] == max(len(p) for p in prompts[:2]) - 1
+    assert all(shape[1] == 1 for shape in prefilled[1:] if shape[0] == 7)
+    monkeypatch.setattr(type(generator), "_prefill_shared", lambda self, *a: {})
+    plain = generator.generate(prompts, 4, params, seeds=seeds)
+    assert [[s.response_ids for s in g] for g in shared] == [[s.response_ids for s in g] for g in plain]
+    for g_shared, g_plain in zip(shared, plain):
+        for a, b in zip(g_shared, g_plain):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behavior_logprobs_match_learner_recompute(generator, tiny_tokenizer, temperature):
     """The learner's log-probs (right-padded, position ids from the mask) equal the sampler's (left-padded)."""

@@ -62,6 +62,8 @@ def _run_with_update_at_step(gen, prompts, params, step: int, new_version: int):
     calls = {"n": 0}
 
     def pre_hook(module, args, kwargs):
+        if kwargs.get("past_key_values") is None:
+            return  # the engine's prefill of a group's shared prompt, before generate's steps
         calls["n"] += 1
         if calls["n"] == step + 1:
             updater.start()

@@ -61,7 +61,7 @@ def test_a_mini_batch_with_every_token_masked_is_skipped(tiny_model_path):
     # (momentum and weight decay move the weights), so the step must not be taken: the result is
     # the one-step update on the first mini-batch alone.
     learner = _learner(tiny_model_path, num_mini_batches=2, weight_decay=0.1)
-    first, second = learner._split(4, 2, epoch=0)
+    first, second = learner._split(torch.arange(4), 2, epoch=0)
     batch = _batch(4)
     batch.loss_mask[second] = 0.0
     batch.advantages[second] = 0.0
@@ -95,7 +95,7 @@ def test_the_critic_skips_the_same_mini_batch(tiny_model_path):
     algo = AlgorithmConfig(name="ppo", loss_horizon_tokens=16).apply_preset()
     learner = FSDPLearner(LearnerConfig(lr=1e-2, eps=1e-3, micro_batch_size=4, num_mini_batches=2), algo,
                           tiny_model_path, temperature=1.0, total_optimizer_steps=100)
-    _, second = learner._split(4, 2, epoch=0)
+    _, second = learner._split(torch.arange(4), 2, epoch=0)
     batch = _batch(4)
     batch.loss_mask[second] = 0.0
     batch.advantages[second] = 0.0
@@ -115,7 +115,7 @@ def _rank(rank: int, world: int, init_file: str, model_path: str, out: str, n: i
     learner = _learner(model_path, num_mini_batches=4 if n < 4 else 2, micro_batch_size=1, weight_decay=0.1)
     batch = _batch(n)
     if mask_second:
-        second = learner._split(n, 2, epoch=0)[1]
+        second = learner._split(torch.arange(n), 2, epoch=0)[1]
         batch.loss_mask[second] = 0.0
         batch.advantages[second] = 0.0
     metrics = learner.train_step(batch)

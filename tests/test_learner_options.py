@@ -199,10 +199,34 @@ def test_the_mini_batch_order_follows_the_learner_seed(tiny_model_path):
 
     def order(**kw):
         learner = FSDPLearner(LearnerConfig(num_mini_batches=4, **kw), algo, tiny_model_path, 1.0, 4)
-        return [part.tolist() for part in learner._split(256, 4, epoch=0)]
+        return [part.tolist() for part in learner._split(torch.arange(256), 4, epoch=0)]
 
     # A LearnerConfig built without a run's config (seed None) keeps the order of seed 0.
     assert order() == order(seed=0)
     assert order(seed=1) == order(seed=1)
     assert order(seed=1) != order(seed=0)
     assert sorted(sum(order(seed=1), [])) == list(range(256))  # every sample once
+
+
+def test_groups_split_deals_whole_groups_into_mini_batches(tiny_model_path):
+    from async_rl.learners.fsdp import FSDPLearner
+
+    algo = AlgorithmConfig(name="grpo", loss_horizon_tokens=16).apply_preset()
+    learner = FSDPLearner(LearnerConfig(num_mini_batches=4, mini_batch_split="groups"), algo, tiny_model_path, 1.0, 4)
+    group_ids = torch.arange(32).repeat_interleave(8) + 100  # 32 groups of 8, ids not from 0
+    parts = learner._split(group_ids, 4, epoch=0)
+    assert [len(p) for p in parts] == [64] * 4
+    assert sorted(torch.cat(parts).tolist()) == list(range(256))  # every sample once
+    for p in parts:
+        ids = group_ids[p]
+        assert len(set(ids.tolist())) == 8 and all((ids == g).sum() == 8 for g in ids.unique())
+        assert p.tolist() == sorted(p.tolist())  # a group's rows stay in batch order
+    # The deal is seeded per version: another version deals other groups together.
+    learner.version += 1
+    assert [set(group_ids[p].tolist()) for p in learner._split(group_ids, 4, epoch=0)] != \
+        [set(group_ids[p].tolist()) for p in parts]
+    # Samples mode (the default) splits groups across mini-batches.
+    learner.cfg.mini_batch_split = "samples"
+    assert any(len(set(group_ids[p].tolist())) > 8 for p in learner._split(group_ids, 4, epoch=0))
+    with pytest.raises(ValueError, match="learner.mini_batch_split must be one of"):
+        LearnerConfig(mini_batch_split="prompts")

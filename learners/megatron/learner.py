@@ -119,6 +119,9 @@ class MegatronLearner(LearnerCore):
             from async_rl.utils.moe import moe_shape
 
             self._moe_routers, self._moe_shape = len(stage_routers(self.model)), moe_shape(self.hf_config)
+        if cfg.shared_prefix:
+            logger.warning("learner.shared_prefix=true is off: the Megatron learner runs its own attention, without "
+                           "custom masks; each row runs its whole prompt")
         self.policy_loss = algo.policy_loss_fn
         self.correction, self.loss_options = algo.off_policy_correction(), algo.loss_options()
         self.ref_model: nn.Module | None = None
