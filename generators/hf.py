@@ -674,7 +674,10 @@ class HFGenerator:
             do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=1.0,
             max_new_tokens=remaining, eos_token_id=list(params.stop_token_ids), pad_token_id=self.pad_token_id,
         )
-        shared = {} if params.return_routed_experts or any(r.images is not None for r in rows) else \
+        # Not for a vision-language model (its rotary positions are per axis, from the images,
+        # which generate derives itself) nor while recording routed experts (the prefill would
+        # run outside the recorder's steps).
+        shared = {} if params.return_routed_experts or self.image_token_id is not None else \
             self._prefill_shared(contexts, input_ids, attention_mask)
         with recorder:
             self.model.generate(
