@@ -336,14 +336,18 @@ class FSDPLearner(LearnerCore):
         logits = model(input_ids=pack.input_ids, position_ids=pack.position_ids,
                        attention_mask=self._attention_mask(pack.attend), use_cache=False).logits[0]
         logits = suppress_input_only(logits, self._input_only)
-        slot_logits = logits[pack.slot_positions].unsqueeze(0)  # [1, S, V]
+        # index_select, not logits[positions]: the prefix's positions are read by every row of
+        # its group, and the backward of advanced indexing adds those duplicates on several
+        # threads in a racing order (runs of one seed then differ by rounding); index_select's
+        # backward adds them in a fixed order.
+        slot_logits = logits.index_select(0, pack.slot_positions).unsqueeze(0)  # [1, S, V]
         labels = mb.input_ids[:, 1:][pack.slot_mask].unsqueeze(0)  # [1, S]
         if topk_ids is None:
             logprobs = logprobs_from_logits(slot_logits, labels, temp)
         else:
             logprobs, topk = _logprobs_and_topk(slot_logits, labels, topk_ids[pack.slot_mask].unsqueeze(0), temp)
         logprobs = scatter_slots(zero_input_only_labels(logprobs, labels, self._input_only)[0], pack.slot_mask)
-        entropy = (scatter_slots(entropy_from_logits(logits, temp)[pack.slot_positions], pack.slot_mask)
+        entropy = (scatter_slots(entropy_from_logits(logits, temp).index_select(0, pack.slot_positions), pack.slot_mask)
                    if with_entropy else None)
         if topk_ids is None:
             return logprobs, entropy

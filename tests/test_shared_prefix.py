@@ -131,6 +131,51 @@ def test_shared_prefix_really_shares(tiny_model_path, monkeypatch):
     assert seen[1] == tuple(batch.input_ids.shape)
 
 
+def _default_job_batch():
+    """Eight groups of eight samples shaped like the default job's: a 13-token prompt each,
+    answers of 3-8 tokens, the groups' rows shuffled together."""
+    from async_rl.buffers.trajectory import Trajectory, collate
+
+    rng = random.Random(0)
+    trajs = []
+    for g in range(8):
+        prompt = [rng.randint(10, 200) for _ in range(13)]
+        for k in range(8):
+            resp = [rng.randint(10, 200) for _ in range(rng.randint(3, 8))]
+            trajs.append(Trajectory(trajectory_id=f"{g}/{k}", group_id=g, prompt_uid=f"p{g}", prompt_ids=prompt,
+                                    response_ids=resp, behavior_logprobs=[-3.0] * len(resp),
+                                    loss_mask=[1] * len(resp), finish_reason="stop", policy_version=[0] * len(resp),
+                                    reward=0.0))
+    rng.shuffle(trajs)
+    batch = collate(trajs, pad_token_id=0)
+    batch.advantages = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.loss_mask
+    return batch
+
+
+def test_shared_prefix_gradients_repeat_to_the_bit_on_two_threads(tiny_model_path):
+    # Every row of a group reads the prefix's positions; a backward that adds those duplicate
+    # reads on several threads in a racing order made two runs of one seed differ by rounding
+    # (the default job then ended 0.84, 0.81, 0.79). The gradients must repeat exactly.
+    import hashlib
+
+    learner = _learner(tiny_model_path, shared_prefix=True)
+    batch = _default_job_batch()
+    pack = share_prefix_rows(batch.input_ids, batch.attention_mask, batch.position_ids, batch.group_ids)
+    threads = torch.get_num_threads()
+    digests = set()
+    try:
+        torch.set_num_threads(2)
+        for _ in range(4):
+            learner.model.zero_grad(set_to_none=True)
+            lp, ent = learner._shared_prefix_forward(batch, pack, True, learner.model, learner.temperature, None)
+            ((lp * batch.advantages).sum() + 0.1 * ent.sum()).backward()
+            digests.add(hashlib.sha1(b"".join(w.grad.numpy().tobytes() for w in learner.model.parameters()
+                                              if w.grad is not None)).hexdigest())
+    finally:
+        torch.set_num_threads(threads)
+    assert len(digests) == 1
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_shared_prefix_under_bf16_mixed_precision(tiny_model_path, attn):
     batch = _grouped_batch(seed=1)
