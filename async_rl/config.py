@@ -371,6 +371,7 @@ def _cross_validate(cfg: Config, given: Mapping[str, str] | None = None) -> None
                           "differ, which needs at least 2 samples per prompt")
     _check_splits(cfg)
     _check_version_unit(cfg)
+    _check_group_spread(cfg)
     _check_token_budgets(cfg)
     _check_lora(cfg)
     _check_partial_rollout(cfg)
@@ -455,6 +456,45 @@ def _mini_batch_version_problem(cfg: Config) -> str | None:
         return (f"trainer.policy_version_per=mini_batch publishes after each optimizer step: "
                 f"learner.num_epochs={lrn.num_epochs} would train twice on a published version; set it to 1")
     return None
+
+
+DEFAULT_GROUP_SPREAD = 2
+"""``trainer.group_spread`` where it applies and is unset. On the default job (5 seeds, one warm
+start) async mode reached sync's target in 238 steps with whole groups per optimizer step (1),
+in 218 with each group dealt over 2 versions and in 190 over 4, against sync's 220; but 4 shares
+made a step's training the longest (a prompt shared by 2 rows of a mini-batch instead of 4 or
+8), and its time to the target was the longest of the three (figures: docs/time_to_accuracy.md)."""
+
+
+def _group_spread_problem(cfg: Config) -> str | None:
+    """Why ``trainer.group_spread`` > 1 cannot serve this run (one line), or ``None``."""
+    t_cfg, algo = cfg.trainer, cfg.algorithm
+    if t_cfg.mode != "async" or t_cfg.policy_version_per != "mini_batch":
+        return (f"deals groups over the versions of async mode with trainer.policy_version_per=mini_batch "
+                f"(this run: mode={t_cfg.mode}, policy_version_per={t_cfg.policy_version_per})")
+    if t_cfg.max_reuse != 1:
+        return f"trains each sample once: trainer.max_reuse={t_cfg.max_reuse} must be 1"
+    needs = [what for what, on in (("a critic", algo.needs_critic), ("a KL term (algorithm.kl_coef > 0)",
+                                    algo.needs_reference), ("a teacher", algo.needs_teacher)) if on]
+    if needs:
+        return f"computes advantages on whole groups before the learner's passes, which {needs[0]} needs"
+    return None
+
+
+def _check_group_spread(cfg: Config) -> None:
+    """Resolve an unset ``trainer.group_spread`` (``DEFAULT_GROUP_SPREAD`` where it applies, else
+    1) and refuse one > 1 where it has no meaning or cannot be computed: it deals
+    a group over the versions of async mode's ``policy_version_per=mini_batch``, and it computes
+    advantages before the learner's passes, so nothing of them may need the learner (a critic's
+    values, a KL term's reference) or a teacher."""
+    t_cfg = cfg.trainer
+    if t_cfg.group_spread is None:
+        t_cfg.group_spread = DEFAULT_GROUP_SPREAD if _group_spread_problem(cfg) is None else 1
+    if t_cfg.group_spread == 1:
+        return
+    problem = _group_spread_problem(cfg)
+    if problem is not None:
+        raise ConfigError(f"trainer.group_spread={t_cfg.group_spread} {problem}; set it to 1")
 
 
 def _check_version_unit(cfg: Config) -> None:

@@ -231,19 +231,23 @@ def pack_labels(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Ten
 class SharedPrefixPack:
     """A micro-batch packed with each group's common prefix once (``share_prefix_rows``).
 
+    A group's *segment* is its prefix followed by each of its rows' own tokens; segments are
+    laid side by side in ``R`` packed rows of width ``W`` (right-padded).
+
     Attributes:
-        input_ids: ``[1, N]`` int64, the packed tokens: per group its prefix, then each row's
-            own tokens.
-        position_ids: ``[1, N]`` int64, each token's position in its own row (a row's own
-            tokens continue from the prefix's length).
-        attend: ``[1, 1, N, N]`` bool, True where query token ``i`` may attend key ``j``: same
-            group, ``j`` not after ``i``, and ``j`` in the group's prefix or in ``i``'s own row.
+        input_ids: ``[R, W]`` int64, the packed tokens (0 at padding).
+        position_ids: ``[R, W]`` int64, each token's position in its own row (a row's own
+            tokens continue from the prefix's length); 0 at padding.
+        attend: ``[R, 1, W, W]`` bool, True where query token ``i`` may attend key ``j`` of the
+            same packed row: same segment, ``j`` not after ``i``, and ``j`` in the group's prefix
+            or in ``i``'s own row. A padding position attends to itself only (no query is left
+            without a key), and no real token attends to padding.
         slot_positions: ``[S]`` int64, for each valid label slot (``slot_mask`` true, row-major)
-            the packed position whose output predicts that slot's label.
+            the flat position (``row * W + column``) whose output predicts that slot's label.
         slot_mask: ``[B, L-1]`` bool, label slot ``t`` of row ``b`` is valid when token ``t + 1``
             is real (``S = slot_mask.sum()``).
-        prefix_tokens: tokens not run because a prefix was shared (unshared packed tokens
-            minus ``N``).
+        prefix_tokens: tokens not run because a prefix was shared (the micro-batch's real
+            tokens minus the packed real tokens).
     """
 
     input_ids: torch.Tensor
@@ -252,6 +256,17 @@ class SharedPrefixPack:
     slot_positions: torch.Tensor
     slot_mask: torch.Tensor
     prefix_tokens: int
+
+
+SHARED_PREFIX_ROW_TOKENS = 128
+"""``share_prefix_rows``'s packed-row capacity in tokens (a segment longer than this gets a row of
+its own length). Attention over a packed row costs its width squared, whether or not the mask
+lets a token see the others, so one row holding a whole micro-batch spends most of its
+attention on pairs the mask throws away. Forward and backward of a 64-row micro-batch of the
+default job (13-token prompts, 3-8 answer tokens; one CPU thread, sdpa), padded / one packed
+row / rows of 256 / rows of 128 tokens: 8 groups of 8 samples 90 / 42 / 39 / 36 ms; 16 of 4
+86 / 59 / 59 / 46 ms; 32 of 2 86 / 87 / 65 / 68 ms; 64 samples dealt from 32 groups of 8 (sync
+mode's mini-batch) 86 / 81 / 61 / 53 ms."""
 
 
 def _common_prefix(rows: torch.Tensor, positions: torch.Tensor, limit: int) -> int:
@@ -263,8 +278,8 @@ def _common_prefix(rows: torch.Tensor, positions: torch.Tensor, limit: int) -> i
 
 
 def share_prefix_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                      group_ids: torch.Tensor) -> SharedPrefixPack:
-    """Pack right-padded rows into one row in which each group's common prefix appears once.
+                      group_ids: torch.Tensor, row_tokens: int = SHARED_PREFIX_ROW_TOKENS) -> SharedPrefixPack:
+    """Pack right-padded rows so that each group's common prefix appears once.
 
     The rows of a group (same ``group_ids``; GRPO's samples of one prompt) begin with the same
     prompt. Packed plainly, that prompt is run once per row; here it is run once per group and
@@ -276,61 +291,95 @@ def share_prefix_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, pos
     rows in this micro-batch agree, at most each row's length minus one, so every row keeps a
     token of its own. A group with one row here shares nothing and is packed as is.
 
+    A group's segment (its prefix, then its rows' own tokens) is never split; segments are
+    placed into packed rows of at most ``max(row_tokens, longest segment)`` tokens, longest
+    first, each into the first row with room (first-fit decreasing), so attention, which costs
+    each packed row its width squared, stays near linear in the tokens
+    (``SHARED_PREFIX_ROW_TOKENS``).
+
     Args:
         input_ids: ``[B, L]`` int64, right-padded.
         attention_mask: ``[B, L]`` int64/bool, each row ``n_b >= 1`` ones then zeros.
         position_ids: ``[B, L]`` int64, each row's positions (0 at its first token).
         group_ids: ``[B]`` int64, the group of each row (rows of a group need not be adjacent).
+        row_tokens: packed-row capacity in tokens (>= 1).
 
     Returns:
-        ``SharedPrefixPack``; groups in order of first appearance, rows of a group in batch order.
+        ``SharedPrefixPack``; within a segment the prefix, then the group's rows in batch order.
 
     Raises:
-        ValueError: a row is not right-padded or has no token, or the shapes disagree.
+        ValueError: a row is not right-padded or has no token, the shapes disagree, or
+            ``row_tokens`` < 1.
     """
     keep = attention_mask.bool()
     batch, width = keep.shape
     if input_ids.shape != keep.shape or position_ids.shape != keep.shape or group_ids.shape != (batch,):
         raise ValueError(f"share_prefix_rows: input_ids {tuple(input_ids.shape)}, attention_mask {tuple(keep.shape)}, "
                          f"position_ids {tuple(position_ids.shape)} and group_ids {tuple(group_ids.shape)} disagree")
+    if row_tokens < 1:
+        raise ValueError(f"share_prefix_rows: row_tokens must be >= 1, got {row_tokens}")
     lengths = keep.sum(1)
     if not torch.equal(keep, torch.arange(width, device=keep.device) < lengths[:, None]) or int(lengths.min()) < 1:
         raise ValueError("share_prefix_rows: every row must hold at least one token, right-padded")
-    token_at = torch.zeros(batch, width, dtype=torch.long)  # packed position of token t of row b
-    pieces_ids, pieces_pos, group_of, owner_of = [], [], [], []
-    offset = 0
-    ids_cpu, pos_cpu, lengths_list = input_ids.cpu(), position_ids.cpu(), lengths.tolist()
-    for g, gid in enumerate(dict.fromkeys(group_ids.tolist())):
-        rows = torch.nonzero(group_ids.cpu() == gid).flatten().tolist()
+    ids_cpu, pos_cpu, lengths_list, gids = input_ids.cpu(), position_ids.cpu(), lengths.tolist(), group_ids.cpu()
+    # Each segment: its spans (source row, first token, end, owner row; owner -1 = the prefix).
+    segments: list[list[tuple[int, int, int, int]]] = []
+    for gid in dict.fromkeys(gids.tolist()):
+        rows = torch.nonzero(gids == gid).flatten().tolist()
         shared = 0 if len(rows) == 1 else _common_prefix(ids_cpu[rows], pos_cpu[rows],
                                                          min(lengths_list[r] for r in rows) - 1)
         spans = [(rows[0], 0, shared, -1)] + [(r, shared, lengths_list[r], r) for r in rows]
-        for row, start, stop, owner in spans:
+        segments.append([span for span in spans if span[2] > span[1]])
+    sizes = [sum(stop - start for _, start, stop, _ in seg) for seg in segments]
+    capacity = max(row_tokens, max(sizes))
+    fill: list[int] = []  # tokens placed in each packed row
+    place = [0] * len(segments)  # (packed row of each segment)
+    for k in sorted(range(len(segments)), key=lambda k: -sizes[k]):  # stable: ties keep group order
+        row = next((r for r, used in enumerate(fill) if used + sizes[k] <= capacity), len(fill))
+        if row == len(fill):
+            fill.append(0)
+        place[k] = row
+        fill[row] += sizes[k]
+    n_rows, packed_width = len(fill), max(fill)
+    packed_ids = torch.zeros(n_rows, packed_width, dtype=torch.long)
+    packed_pos = torch.zeros(n_rows, packed_width, dtype=torch.long)
+    segment_of = torch.full((n_rows, packed_width), -1, dtype=torch.long)  # -1 = padding
+    owner_of = torch.full((n_rows, packed_width), -2, dtype=torch.long)
+    token_at = torch.zeros(batch, width, dtype=torch.long)  # flat packed position of token t of row b
+    column = [0] * n_rows
+    for k, seg in enumerate(segments):
+        r = place[k]
+        for src, start, stop, owner in seg:
             n = stop - start
-            if n == 0:
-                continue
-            pieces_ids.append(ids_cpu[row, start:stop])
-            pieces_pos.append(pos_cpu[row, start:stop])
-            group_of.append(torch.full((n,), g))
-            owner_of.append(torch.full((n,), owner))
-            where = offset + torch.arange(n)
-            for r in (rows if owner == -1 else [row]):
-                token_at[r, start:stop] = where
-            offset += n
-    group, owner = torch.cat(group_of), torch.cat(owner_of)
-    causal = torch.ones(offset, offset, dtype=torch.bool).tril()
-    visible = (owner[None, :] == -1) | (owner[None, :] == owner[:, None])
-    attend = (group[:, None] == group[None, :]) & causal & visible
+            cols = slice(column[r], column[r] + n)
+            packed_ids[r, cols] = ids_cpu[src, start:stop]
+            packed_pos[r, cols] = pos_cpu[src, start:stop]
+            segment_of[r, cols] = k
+            owner_of[r, cols] = owner
+            where = r * packed_width + column[r] + torch.arange(n)
+            for b in (_segment_rows(seg) if owner == -1 else [src]):
+                token_at[b, start:stop] = where
+            column[r] += n
+    causal = torch.ones(packed_width, packed_width, dtype=torch.bool).tril()
+    same = (segment_of[:, :, None] == segment_of[:, None, :]) & (segment_of[:, :, None] >= 0)
+    visible = (owner_of[:, None, :] == -1) | (owner_of[:, None, :] == owner_of[:, :, None])
+    pad_self = (segment_of < 0)[:, :, None] & torch.eye(packed_width, dtype=torch.bool)
+    attend = (same & causal & visible) | pad_self
     slot_mask = keep[:, 1:]
     device = input_ids.device
     return SharedPrefixPack(
-        input_ids=torch.cat(pieces_ids).unsqueeze(0).to(device),
-        position_ids=torch.cat(pieces_pos).unsqueeze(0).to(device),
-        attend=attend.view(1, 1, offset, offset).to(device),
+        input_ids=packed_ids.to(device),
+        position_ids=packed_pos.to(device),
+        attend=attend.unsqueeze(1).to(device),
         slot_positions=token_at[:, :-1][slot_mask.cpu()].to(device),
         slot_mask=slot_mask,
-        prefix_tokens=int(lengths.sum()) - offset,
+        prefix_tokens=int(lengths.sum()) - sum(sizes),
     )
+
+
+def _segment_rows(segment: list[tuple[int, int, int, int]]) -> list[int]:
+    """The batch rows of a segment's group (its owners), in batch order."""
+    return [owner for _, _, _, owner in segment if owner >= 0] or [segment[0][0]]
 
 
 def scatter_slots(values: torch.Tensor, slot_mask: torch.Tensor) -> torch.Tensor:

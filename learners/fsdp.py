@@ -28,7 +28,7 @@ from async_rl.learners.capabilities import LearnerCapabilities
 from async_rl.learners.batching import (SharedPrefixPack, pack_labels, pack_rows, scatter_slots, share_prefix_rows,
                                        unpack_labels)
 from async_rl.learners.core import LearnerCore
-from async_rl.learners import lora, vision
+from async_rl.learners import batching, lora, vision
 from async_rl.utils.vision import input_only_token_ids, suppress_input_only, zero_input_only_labels
 from async_rl.utils.lora import wrap as wrap_with_lora
 from async_rl.learners.critic import FSDPCritic
@@ -293,10 +293,12 @@ class FSDPLearner(LearnerCore):
         if topk_ids is not None:
             topk_ids = self._check_topk_ids(mb, topk_ids)
         if self._share_prefix and packed is None:
-            pack = share_prefix_rows(mb.input_ids, mb.attention_mask, mb.position_ids, mb.group_ids)
-            # Too little shared (distinct prompts, as a warm start's rows) and the dense mask
-            # would cost more than the padding it saves: the configured layout instead.
-            if pack.input_ids.shape[1] <= SHARED_PREFIX_MAX_FILL * mb.input_ids.numel():
+            pack = share_prefix_rows(mb.input_ids, mb.attention_mask, mb.position_ids, mb.group_ids,
+                                     row_tokens=batching.SHARED_PREFIX_ROW_TOKENS)
+            # Too little shared (distinct prompts, as a warm start's rows) and the packed rows'
+            # padding and masked attention would cost more than the padding they save: the
+            # configured layout instead.
+            if pack.input_ids.numel() <= SHARED_PREFIX_MAX_FILL * mb.input_ids.numel():
                 return self._shared_prefix_forward(mb, pack, with_entropy, model, temp, topk_ids)
         packed = self.cfg.packing if packed is None else packed
         inputs = self._model_inputs(mb, packed)
@@ -334,7 +336,7 @@ class FSDPLearner(LearnerCore):
         label-dependent values are read at each slot's predicting position (``[S, V]`` logits
         gathered, as many as unshared packing has)."""
         logits = model(input_ids=pack.input_ids, position_ids=pack.position_ids,
-                       attention_mask=self._attention_mask(pack.attend), use_cache=False).logits[0]
+                       attention_mask=self._attention_mask(pack.attend), use_cache=False).logits.flatten(0, 1)
         logits = suppress_input_only(logits, self._input_only)
         # index_select, not logits[positions]: the prefix's positions are read by every row of
         # its group, and the backward of advanced indexing adds those duplicates on several
@@ -354,7 +356,7 @@ class FSDPLearner(LearnerCore):
         return logprobs, entropy, scatter_slots(topk[0], pack.slot_mask)
 
     def _attention_mask(self, attend: torch.Tensor) -> torch.Tensor:
-        """The ``[1, 1, N, N]`` custom mask as the policy's attention takes it: boolean for sdpa
+        """The ``[R, 1, W, W]`` custom mask as the policy's attention takes it: boolean for sdpa
         (True = attend), additive in the compute dtype for eager (0, or the dtype's lowest value;
         bfloat16 under ``mixed_precision: bf16``, whose parameters stay float32)."""
         # The policy's config and dtype: a reference model is loaded alike, and LoRA's reference
@@ -565,10 +567,11 @@ class FSDPLearner(LearnerCore):
 
 
 SHARED_PREFIX_MAX_FILL = 0.75
-"""``learner.shared_prefix`` runs a micro-batch shared only when its packed row holds at most this
-fraction of the padded micro-batch's ``B * L`` slots; otherwise the configured layout (padded, or
-``learner.packing``). On CPU with sdpa a dense mask over a packed row of 0.87 of the padded slots
-(no prompt shared) took 1.9x the padded pass's time, and one of 0.34 (whole groups) 0.52x."""
+"""``learner.shared_prefix`` runs a micro-batch shared only when its packed rows' ``R * W`` slots
+are at most this fraction of the padded micro-batch's ``B * L``; otherwise the configured layout
+(padded, or ``learner.packing``). Measured on CPU with sdpa when a micro-batch packed into one
+dense-masked row: a row of 0.87 of the padded slots (no prompt shared) took 1.9x the padded
+pass's time, one of 0.34 (whole groups) 0.52x."""
 
 
 def _logprobs_and_topk(logits: torch.Tensor, labels: torch.Tensor, topk_ids: torch.Tensor, temperature: float,

@@ -30,7 +30,7 @@ LEARNER_SLEEP_S = 2.0
 model's actors sample tens per second."""
 
 LEDGER_ENDS = ("trained", "rejected", "stale", "abandoned", "dynamic_sampling_dropped", "ready_unused",
-               "partial_at_exit", "queued_at_exit")
+               "partial_at_exit", "queued_at_exit", "spread_partly_trained_at_exit")
 """Where a dispatched group can end (``AsyncLoop.ledger``), each counted where it happened."""
 
 

@@ -78,8 +78,10 @@ def test_slow_learner_never_trains_on_stale_data(tmp_path, ray_session, monkeypa
         return original(self, batch, **kwargs)
 
     monkeypatch.setattr(FSDPLearner, "train_step", slow_train_step)
+    # Whole groups per version: the bound checked is the buffer's and admission's (groups dealt
+    # over versions may wait longer, by design: the spread test).
     summary = train(_cfg(tmp_path, "slow", "trainer.mode=async", "trainer.max_staleness=1",
-                         "trainer.total_steps=4", f"trainer.policy_version_per={unit}"))
+                         "trainer.total_steps=4", f"trainer.policy_version_per={unit}", "trainer.group_spread=1"))
     steps = _steps(tmp_path, "slow")
     assert all(s["staleness/max"] <= 1 for s in steps)
     assert all(s.get("staleness/hist_2", 0) == 0 for s in steps)
@@ -188,7 +190,7 @@ def test_a_policy_version_per_mini_batch_trains_each_share_once_and_publishes_it
 
     monkeypatch.setattr(FSDPLearner, "train_step", slow_train_step)
     summary = train(_cfg(tmp_path, "per_mb", "trainer.mode=async", "trainer.policy_version_per=mini_batch",
-                         "learner.num_mini_batches=2"))
+                         "learner.num_mini_batches=2", "trainer.group_spread=1"))
     steps = _steps(tmp_path, "per_mb")
     # 3 steps x 2 versions, each on 2 groups of 4 samples in one optimizer step.
     assert calls == [(8, 1)] * 6
@@ -275,7 +277,8 @@ def test_async_hf_pool_over_gloo_broadcast(tmp_path, ray_session):
     # A version per mini-batch (async's default): 4 of 1 group each a step.
     assert cfg.trainer.policy_version_per == "mini_batch"
     assert [s["policy/version"] for s in steps] == [4, 8, 12]
-    assert all(s["weight_sync/bytes"] > 0 and s["staleness/max"] <= 1 for s in steps)
+    # max_staleness 1, plus one version a share of a group dealt over 2 (trainer.group_spread) may wait.
+    assert all(s["weight_sync/bytes"] > 0 and s["staleness/max"] <= 2 for s in steps)
     assert summary["pipeline/trained"] == 12 and summary["pipeline/unstarted_or_in_engine_at_exit"] >= 0
     # One node: every actor on the trainer's, reached as forced; both actors' samples trained.
     placement = json.loads((tmp_path / "bcast" / "placement.json").read_text())
@@ -329,3 +332,98 @@ def test_a_worker_refuses_to_send_a_group_short_of_what_the_rollout_kept():
     worker._unsent = {"g8": ["t0", "t1"]}
     GeneratorWorker._send_group(worker, SimpleNamespace(group_id="g8"), 2)
     assert len(sent) == 1 and sent[0].group_id == "g8" and len(sent[0].trajectories) == 2
+
+
+@pytest.mark.slow
+def test_group_spread_deals_each_group_over_versions_and_resumes_with_its_pending_shares(tmp_path, ray_session,
+                                                                                         monkeypatch):
+    """``trainer.group_spread=2``: each version's 2 groups of 4 samples are dealt into two shares
+    of 4 (2 samples of each group), trained at that version and the next, so a version's optimizer step sees 4 groups (2 at
+    the first); every sample is trained once, a group counts as trained when its second share is,
+    staleness stays within ``max_staleness + 1``; a checkpoint keeps the pending shares, and the
+    resumed run trains them first; the run's last version trains every share still pending."""
+    import os
+    import signal
+
+    from async_rl.loops import async_loop
+    from async_rl.loops.async_loop import AsyncLoop, check_spread_state
+    from async_rl.runtime.checkpoint import latest_checkpoint, load_trainer_state
+
+    trained: list[str] = []
+    sizes: list[tuple[int, int]] = []
+    original_learn_on, original_step = async_loop.learn_on, AsyncLoop.step
+
+    def learn_on(ctx, step, ro, num_mini_batches=None, spread=None):
+        rows = [spread.trajectories[i] for i in spread.rows]
+        trained.extend(t.trajectory_id for t in rows)
+        sizes.append((len(rows), len({t.group_id for t in rows})))
+        return original_learn_on(ctx, step, ro, num_mini_batches=num_mini_batches, spread=spread)
+
+    def step(self, step):
+        out = original_step(self, step)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(async_loop, "learn_on", learn_on)
+    monkeypatch.setattr(AsyncLoop, "step", step)
+    extra = ("trainer.mode=async", "learner.num_mini_batches=2", "trainer.group_spread=2")
+    first = train(_cfg(tmp_path, "spread", *extra))
+    assert first["interrupted"] == "SIGTERM" and first["last_step"] == 2
+    state = load_trainer_state(latest_checkpoint(tmp_path / "spread"))["loop"]
+    # The last version's two groups: share 0 trained, share 1 saved.
+    assert len(state["spread_pending"]) == 1 and state["spread_pending"][0]["age"] == 1
+    assert state["num_trained_groups"] == 6
+    # A run stopped before its last step counts the saved groups as partly trained.
+    assert first["pipeline/spread_partly_trained_at_exit"] == 2
+    second = train(_cfg(tmp_path, "spread", *extra, "trainer.resume=auto"))
+    assert second["last_step"] == 3
+    # Version 1 has only its own first share; every later one a share of its groups and the
+    # previous version's, 8 samples of 4 groups (the resumed run's first version too); the last
+    # also trains its own groups' second share, so the run ends with every group whole.
+    assert sizes == [(4, 2)] + [(8, 4)] * 4 + [(12, 4)]
+    assert len(trained) == len(set(trained)) == 4 * 12
+    per_group: dict[str, int] = {}
+    for tid in trained:
+        per_group[tid.rsplit("/", 1)[0]] = per_group.get(tid.rsplit("/", 1)[0], 0) + 1
+    assert sorted(per_group.values()) == [4] * 12
+    steps = _steps(tmp_path, "spread")
+    assert max(s["staleness/max"] for s in steps) <= 2
+    assert second["pipeline/trained"] == 12 and second["pipeline/spread_partly_trained_at_exit"] == 0
+    # Another spread would deal the saved shares anew: refused in one line (nothing pending: accepted).
+    with pytest.raises(ValueError, match="holds 2 groups dealt over trainer.group_spread=2 versions.*not 4"):
+        check_spread_state(state, 4)
+    check_spread_state(state, 2)
+    check_spread_state({**state, "spread_pending": []}, 4)
+    assert second["pipeline/dispatched"] == sum(second[f"pipeline/{k}"] for k in (
+        "trained", "rejected", "stale", "abandoned", "dynamic_sampling_dropped", "ready_unused", "partial_at_exit",
+        "queued_at_exit", "spread_partly_trained_at_exit", "unstarted_or_in_engine_at_exit"))
+
+
+def test_group_spread_defaults_where_it_applies_and_is_refused_where_it_cannot():
+    from async_rl.config import DEFAULT_GROUP_SPREAD, ConfigError
+
+    def spread(*overrides):
+        return load_config(ROOT / "configs/default.yaml", list(overrides)).trainer.group_spread
+
+    assert spread("trainer.mode=async") == DEFAULT_GROUP_SPREAD > 1
+    assert spread() == 1  # sync mode
+    assert spread("trainer.mode=async", "trainer.policy_version_per=step") == 1
+    assert spread("trainer.mode=async", "algorithm.name=ppo") == 1  # a critic: unset is 1, not refused
+    assert spread("trainer.mode=async", "algorithm.kl_coef=0.01") == 1
+
+    cfg = load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.group_spread=4"])
+    assert cfg.trainer.group_spread == 4 and cfg.trainer.policy_version_per == "mini_batch"
+    with pytest.raises(ConfigError, match="deals groups over the versions of async mode"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.group_spread=2"])
+    with pytest.raises(ConfigError, match="deals groups over the versions of async mode"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.policy_version_per=step",
+                                                    "trainer.group_spread=2"])
+    with pytest.raises(ConfigError, match="a KL term"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.group_spread=2",
+                                                    "algorithm.kl_coef=0.01"])
+    with pytest.raises(ConfigError, match="a critic"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.group_spread=2",
+                                                    "algorithm.name=ppo"])
+    with pytest.raises(ConfigError, match="group_spread must be >= 1"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.mode=async", "trainer.group_spread=0"])

@@ -1123,7 +1123,8 @@ def test_fuzz_async_run_survives_bad_rows_rewards_and_messages(tmp_path, ray_ses
     # The ledger balances, and each trained trajectory was trained once.
     ledger = {k: summary[f"pipeline/{k}"] for k in ("trained", "rejected", "stale", "abandoned",
                                                      "dynamic_sampling_dropped", "ready_unused", "partial_at_exit",
-                                                     "queued_at_exit", "unstarted_or_in_engine_at_exit")}
+                                                     "queued_at_exit", "spread_partly_trained_at_exit",
+                                                     "unstarted_or_in_engine_at_exit")}
     assert ledger["unstarted_or_in_engine_at_exit"] >= 0
     assert sum(ledger.values()) == summary["pipeline/dispatched"]
     assert summary["pipeline/trained"] == 12 and summary["last_step"] == 3

@@ -326,7 +326,8 @@ def test_async_mode_with_two_sglang_actors(tmp_path, transport, private_tmpdir):
     steps = _steps(tmp_path, transport)
     # A version per mini-batch (async's default): 4 a step, each pushed to both actors.
     assert [s["policy/version"] for s in steps] == [4, 8, 12]
-    assert all(s["weight_sync/bytes"] > 0 and s["staleness/max"] <= 1 for s in steps)
+    # max_staleness 1, plus one version a share of a group dealt over 2 (trainer.group_spread) may wait.
+    assert all(s["weight_sync/bytes"] > 0 and s["staleness/max"] <= 2 for s in steps)
     assert summary["pipeline/trained"] == 12
     assert sorted(p.name for p in private_tmpdir.iterdir()) == []
 

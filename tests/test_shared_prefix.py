@@ -37,6 +37,29 @@ def test_share_prefix_rows_packs_each_groups_prompt_once():
     assert values.tolist() == [[0, 1, 2], [3, 4, 0], [5, 6, 7], [8, 0, 0]]
 
 
+def test_share_prefix_rows_places_segments_into_rows_of_a_capacity():
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 0], [1, 2, 3, 6], [9, 8, 0, 0], [4, 4, 4, 0]])
+    mask = (ids != 0).long()
+    positions = torch.arange(4).expand(5, 4) * mask
+    # Segments: group 7 [1, 2 | 3, 4 | 5 | 3, 6] (7 tokens), group 3 [9, 8], group 5 [4, 4, 4].
+    # Capacity max(4, 7) = 7: group 7 fills row 0, groups 5 (3 tokens) and 3 (2) share row 1
+    # (placed longest first, laid out in group order).
+    pack = share_prefix_rows(ids, mask, positions, torch.tensor([7, 7, 7, 3, 5]), row_tokens=4)
+    assert pack.input_ids.tolist() == [[1, 2, 3, 4, 5, 3, 6], [9, 8, 4, 4, 4, 0, 0]]
+    assert pack.position_ids.tolist() == [[0, 1, 2, 3, 2, 2, 3], [0, 1, 0, 1, 2, 0, 0]]
+    assert pack.prefix_tokens == 16 - 12
+    # Flat positions (row * 7 + column): row 3's slot 0 reads its "9" at row 1, column 0.
+    assert pack.slot_positions.tolist() == [0, 1, 2, 0, 1, 0, 1, 5, 7, 9, 10]
+    assert pack.attend.shape == (2, 1, 7, 7)
+    second = pack.attend[1, 0]
+    assert torch.nonzero(second[1]).flatten().tolist() == [0, 1]
+    assert torch.nonzero(second[4]).flatten().tolist() == [2, 3, 4]  # group 5 sees nothing of group 3
+    assert torch.nonzero(second[5]).flatten().tolist() == [5]  # padding: itself only
+    assert not second[:5, 5:].any()  # no real token attends to padding
+    with pytest.raises(ValueError, match="row_tokens"):
+        share_prefix_rows(ids, mask, positions, torch.tensor([7, 7, 7, 3, 5]), row_tokens=0)
+
+
 def test_share_prefix_rows_refuses_left_padding():
     ids = torch.tensor([[0, 1, 2], [1, 2, 3]])
     mask = (ids != 0).long()
@@ -74,8 +97,12 @@ def _learner(model_path: str, **kw):
     return FSDPLearner(cfg, algo, model_path, temperature=0.7, total_optimizer_steps=2)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_shared_prefix_gives_the_unshared_log_probs_and_update(tiny_model_path, attn):
+@pytest.mark.parametrize("attn,row_tokens", [("sdpa", 256), ("eager", 256), ("sdpa", 12), ("eager", 12)])
+def test_shared_prefix_gives_the_unshared_log_probs_and_update(tiny_model_path, attn, row_tokens, monkeypatch):
+    from async_rl.learners import batching
+
+    # 256: a micro-batch's segments fit one packed row; 12: several rows, padded.
+    monkeypatch.setattr(batching, "SHARED_PREFIX_ROW_TOKENS", row_tokens)
     plain, shared = _learner(tiny_model_path, attn_implementation=attn), \
         _learner(tiny_model_path, attn_implementation=attn, shared_prefix=True)
     batch = _grouped_batch()

@@ -224,7 +224,7 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
     assert summary["pipeline/unstarted_or_in_engine_at_exit"] == 0
     assert summary["pipeline/dispatched"] == sum(summary[f"pipeline/{k}"] for k in (
         "trained", "rejected", "stale", "abandoned", "dynamic_sampling_dropped", "ready_unused",
-        "partial_at_exit", "queued_at_exit"))
+        "partial_at_exit", "queued_at_exit", "spread_partly_trained_at_exit"))
     # The replacements sample with the learner's weights: their greedy probe equals the trainer's.
     assert summary["weight_sync/probe_token_mismatches"] == 0
     assert summary["weight_sync/probe_max_abs_logprob_diff"] < 1e-4

@@ -53,12 +53,13 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_rl.buffers.replay import AdmissionController, ReplayBuffer
+from async_rl.buffers.trajectory import Trajectory
 from async_rl.buffers.transport import make_transport
 from async_rl.runtime.cluster import Cluster
 from async_rl.utils.cpu_threads import user_num_threads
 from async_rl.loops.actors import RequestBroker
 from async_rl.loops.base import RunContext, versions_per_step
-from async_rl.loops.common import dynamic_sampling, learn_on, merge_version_metrics, mixed_sources
+from async_rl.loops.common import SpreadRows, dynamic_sampling, learn_on, merge_version_metrics, mixed_sources
 from async_rl.loops.dispatch import Dispatcher, buffer_bound, exactly_once_ledger
 from async_rl.loops.evaluation import PoolEvaluation
 from async_rl.loops.intake import Intake, warn_if_exposed
@@ -69,6 +70,22 @@ from async_rl.rewards.teacher import TeacherModel
 from async_rl.step.rollout import GroupRequest, RolloutResult, reward_model_path, teacher_routes
 
 logger = logging.getLogger(__name__)
+
+
+def check_spread_state(state: dict[str, Any], spread: int) -> None:
+    """Refuse to resume ``AsyncLoop.state_dict``'s ``state`` with another ``trainer.group_spread``
+    while it holds groups whose shares are still pending: their shares were dealt for the saved
+    spread, and another would train some twice or never.
+
+    Raises:
+        ValueError: pending shares and a different ``spread`` (one line, naming both values).
+    """
+    pending = state.get("spread_pending", [])
+    saved = int(state.get("group_spread", 1))
+    if pending and saved != spread:
+        groups = sum(len({t["group_id"] for t in e["trajectories"]}) for e in pending)
+        raise ValueError(f"resume: the checkpoint holds {groups} groups dealt over trainer.group_spread={saved} "
+                         f"versions, some shares not yet trained; resume with trainer.group_spread={saved}, not {spread}")
 
 
 class AsyncLoop:
@@ -98,6 +115,10 @@ class AsyncLoop:
         # trainer.policy_version_per=mini_batch: a step publishes one version per mini-batch.
         self.versions_per_step = versions_per_step(t_cfg, cfg.learner)
         self.groups_per_version = self.groups_per_step // self.versions_per_step
+        # trainer.group_spread: groups taken but not yet wholly trained, each with its samples'
+        # shares (0 .. spread-1) and the number of its versions trained so far.
+        self.spread = t_cfg.group_spread or 1  # None only in a config that skipped load_config
+        self._spread_pending: list[dict[str, Any]] = []
         # A reward model's actor takes one worker's share of the cores (or reward.model_num_threads),
         # as does a distillation teacher's (or algorithm.distill.num_threads).
         with_rm = cfg.reward.model is not None
@@ -255,7 +276,9 @@ class AsyncLoop:
                 repair (an engine's refusal, a timeout): its own error.
         """
         t0 = time.perf_counter()
-        results = [self._train_one_version(step) for _ in range(self.versions_per_step)]
+        last = step == self.ctx.cfg.trainer.total_steps
+        results = [self._train_one_version(step, flush=last and k == self.versions_per_step - 1)
+                   for k in range(self.versions_per_step)]
         metrics = merge_version_metrics([m for m, _ in results], [ro for _, ro in results], mixed_sources(self.ctx))
         metrics.update(self.pool.take_push_metrics())  # background pushes collected since the last step
         now = time.perf_counter()
@@ -286,9 +309,11 @@ class AsyncLoop:
             metrics.update(done)  # an evaluation started at an earlier step ended during this one
         return metrics
 
-    def _train_one_version(self, step: int) -> tuple[dict[str, float], RolloutResult]:
+    def _train_one_version(self, step: int, flush: bool = False) -> tuple[dict[str, float], RolloutResult]:
         """Take one version's groups, train on them, publish the new weights; returns the
-        version's metrics and what it trained on."""
+        version's metrics and what it trained on. ``flush`` (the run's last version): with
+        ``trainer.group_spread`` > 1 it also trains every share still pending, so a run that
+        ends normally leaves no group partly trained."""
         groups, metrics = self._take_groups(step)
         groups.sort(key=lambda g: g[0].group_id)
         trajs = [t for g in groups for t in sorted(g, key=lambda t: int(t.trajectory_id.rsplit("/", 1)[1]))]
@@ -296,17 +321,65 @@ class AsyncLoop:
         ro = RolloutResult(trajs, counters["rejected_samples"] - self._last_rejected_samples, 0,
                            sum(len(t.response_ids) for t in trajs))
         self._last_rejected_samples = counters["rejected_samples"]
+        trained, finished = trajs, len(groups)
+        if self.spread > 1:
+            spread = self._spread_rows(trajs, flush)
+            metrics.update(learn_on(self.ctx, step, ro, num_mini_batches=1, spread=spread))
+            trained = [spread.trajectories[i] for i in spread.rows]
+            finished = self._advance_spread()
         # One version per mini-batch: the share of groups taken is the mini-batch (the argument
         # only then, so a wrapper of learn_on written for its three arguments keeps working).
-        metrics.update(learn_on(self.ctx, step, ro, num_mini_batches=1) if self.versions_per_step > 1
-                       else learn_on(self.ctx, step, ro))
-        self.num_trained_groups += len(groups)
-        for t in trajs:
+        elif self.versions_per_step > 1:
+            metrics.update(learn_on(self.ctx, step, ro, num_mini_batches=1))
+        else:
+            metrics.update(learn_on(self.ctx, step, ro))
+        self.num_trained_groups += finished
+        for t in trained:
             self.trained_by_generator[t.generator_id] = self.trained_by_generator.get(t.generator_id, 0) + 1
         self.dispatch.forget_finished(self.buffer.is_finished)
         metrics.update(self.pool.publish())
         self.dispatch.wake()  # evictions and dynamic-sampling drops of this version
         return metrics, ro
+
+    def _spread_rows(self, trajs: list[Any], flush: bool = False) -> SpreadRows:
+        """``trainer.group_spread``: deal the samples of the groups just taken (``trajs``, whole
+        groups in batch order) into ``spread`` shares, and return this version's rows: share
+        ``age`` of every pending entry (with ``flush``, every share from ``age`` on). Each group's samples go round-robin in a random order
+        (seeded by the run's seed and the policy version, so a resumed run deals alike), the
+        count carried on from group to group: every share holds ``n / spread`` samples of each
+        group of ``n`` (within one), and the shares differ in size by one at most."""
+        rng = torch.Generator().manual_seed(1_000_003 * self.ctx.cfg.trainer.seed + self.ctx.learner.version)
+        rows_of: dict[int, list[int]] = {}
+        for i, t in enumerate(trajs):
+            rows_of.setdefault(t.group_id, []).append(i)
+        parts, dealt = [0] * len(trajs), 0
+        for rows in rows_of.values():
+            for rank in torch.randperm(len(rows), generator=rng).tolist():
+                parts[rows[rank]] = dealt % self.spread
+                dealt += 1
+        self._spread_pending.append({"trajectories": trajs, "parts": parts, "age": 0})
+        everything: list[Any] = []
+        rows: list[int] = []
+        for entry in self._spread_pending:
+            rows += [len(everything) + i for i, part in enumerate(entry["parts"])
+                     if part == entry["age"] or (flush and part > entry["age"])]
+            if flush:
+                entry["age"] = self.spread - 1  # retired by _advance_spread below
+            everything += entry["trajectories"]
+        return SpreadRows(everything, rows, self.spread - 1)
+
+    def _advance_spread(self) -> int:
+        """After a version trained its shares: age every pending entry, retire those whose last
+        share is trained; returns the number of groups retired (wholly trained now)."""
+        for entry in self._spread_pending:
+            entry["age"] += 1
+        done = [e for e in self._spread_pending if e["age"] == self.spread]
+        self._spread_pending = [e for e in self._spread_pending if e["age"] < self.spread]
+        return sum(len({t.group_id for t in e["trajectories"]}) for e in done)
+
+    def _spread_pending_groups(self) -> int:
+        """Groups taken and partly trained, their other shares still pending (``group_spread``)."""
+        return sum(len({t.group_id for t in e["trajectories"]}) for e in self._spread_pending)
 
     def _bound_metrics(self) -> dict[str, float]:
         """``buffer/bound_{groups,samples,tokens}``: the most the buffer can hold (``buffer_bound``),
@@ -330,6 +403,9 @@ class AsyncLoop:
                 "num_reissued": self.dispatch.num_reissued,
                 "trained_by_generator": dict(self.trained_by_generator),
                 "last_rejected_samples": self._last_rejected_samples,
+                "group_spread": self.spread,
+                "spread_pending": [{"trajectories": [t.as_dict() for t in e["trajectories"]], "parts": list(e["parts"]),
+                                    "age": e["age"]} for e in self._spread_pending],
                 # As plain dicts: a checkpoint stores data, never objects (async_rl.utils.checkpoint_format).
                 # A request's images are its prompt's, found again by uid when it is restored.
                 "outstanding": [dataclasses.asdict(dataclasses.replace(r, images=None))
@@ -337,12 +413,15 @@ class AsyncLoop:
             }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
+        check_spread_state(state, self.spread)
         self.buffer.load_state_dict(state["buffer"])
         self.ctx.train_ds.load_state_dict(state["dataset"])
         self.num_dynamic_dropped = int(state["num_dynamic_dropped"])
         self.num_trained_groups = int(state["num_trained_groups"])
         self.trained_by_generator = {int(k): int(v) for k, v in state.get("trained_by_generator", {}).items()}
         self._last_rejected_samples = int(state["last_rejected_samples"])
+        self._spread_pending = [{"trajectories": [Trajectory(**d) for d in e["trajectories"]], "parts": list(e["parts"]),
+                                 "age": int(e["age"])} for e in state.get("spread_pending", [])]
         # Their samples in this run's engines are gone; partial ones in the buffer are dropped
         # (counted as abandoned) and the prompts start over as new groups.
         count = self.dispatch.restore(int(state["num_dispatched"]), int(state.get("num_reissued", 0)),
@@ -357,7 +436,8 @@ class AsyncLoop:
         """Where every dispatched group went (``loops.dispatch.exactly_once_ledger``);
         ``accounted == dispatched`` once the pool is stopped."""
         return exactly_once_ledger(self.dispatch, self.buffer, self.num_trained_groups, self.num_dynamic_dropped,
-                                   int(ray.get(self.broker.qsize.remote())), sum(self.pool.restarts))
+                                   int(ray.get(self.broker.qsize.remote())), sum(self.pool.restarts),
+                                   spread_pending=self._spread_pending_groups())
 
     # ------------------------------------------------------------------ evaluation and exit
     def start_evaluation(self, step: int) -> bool:

@@ -116,6 +116,20 @@ class TrainerConfig:
     takes ``step`` only (its generation is a barrier between steps). ``None`` resolves to
     ``mini_batch`` in async mode where it applies (whole groups per mini-batch, one epoch,
     ``max_staleness`` >= 1), else to ``step`` (``async_rl.config``)."""
+    group_spread: int | None = None
+    """Async with ``policy_version_per=mini_batch``: policy versions (optimizer steps) over which
+    each group's samples are dealt (>= 1); ``None`` resolves to ``DEFAULT_GROUP_SPREAD`` where it
+    applies (async, a version per mini-batch, no critic, KL term or teacher, ``max_reuse`` 1), else
+    to 1 (``async_rl.config``). With 1 a version trains on the whole groups it takes
+    (``prompts_per_step / num_mini_batches`` prompts per optimizer step); with m, each group taken
+    at version v is dealt at random into m shares (``n / m`` of its samples each, within one),
+    trained at versions v .. v+m-1, so an
+    optimizer step sees m times as many prompts (as sync mode's mini-batches of single samples
+    do) and a share may be up to ``max_staleness + m - 1`` versions old. Advantages are computed
+    over the whole group when it is taken. The run's last version trains every share still
+    pending; a checkpoint saves them (a run stopped early counts them,
+    ``pipeline/spread_partly_trained_at_exit``). Not with a
+    critic, a KL term or a teacher (their passes would have to run on whole groups)."""
     zmq_address: str | None = None
     """Async: ZeroMQ address the trajectory receiver binds; ``None`` = a free TCP port on
     ``bind_host``."""
@@ -190,6 +204,8 @@ class TrainerConfig:
                              f"got {self.eval_temperature}")
         if not self.placement_timeout_s > 0:
             raise ValueError(f"trainer.placement_timeout_s must be > 0, got {self.placement_timeout_s}")
+        if self.group_spread is not None and self.group_spread < 1:
+            raise ValueError(f"trainer.group_spread must be >= 1, got {self.group_spread}")
         if self.max_reuse < 1 or self.zmq_hwm < 1:
             raise ValueError(f"trainer.max_reuse and trainer.zmq_hwm must be >= 1, got {self.max_reuse} and {self.zmq_hwm}")
         if self.policy_version_per is not None and self.policy_version_per not in POLICY_VERSION_UNITS:

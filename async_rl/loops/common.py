@@ -5,6 +5,7 @@ policy versions it published."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -58,27 +59,69 @@ def dynamic_sampling(take_round: Callable[[int], Sequence[list[Trajectory]]], al
     return result.groups + result.surplus, metrics
 
 
-def learn_on(ctx: RunContext, step: int, ro: RolloutResult, num_mini_batches: int | None = None) -> dict[str, float]:
+@dataclass
+class SpreadRows:
+    """The rows one policy version trains on under ``trainer.group_spread`` > 1: each group's
+    samples are dealt over that many consecutive versions, so a version's mini-batch holds a
+    share of the groups of several versions (``loops.async_loop``).
+
+    Attributes:
+        trajectories: every sample of the groups that have a share in this version, whole groups
+            (advantages compare a sample with its whole group, trained or not).
+        rows: indices into ``trajectories`` of the samples trained now.
+        extra_staleness: versions a share may wait after its group was taken (``group_spread - 1``);
+            the staleness check allows ``trainer.max_staleness`` plus this.
+    """
+
+    trajectories: list[Trajectory]
+    rows: list[int]
+    extra_staleness: int
+
+
+def learn_on(ctx: RunContext, step: int, ro: RolloutResult, num_mini_batches: int | None = None,
+             spread: SpreadRows | None = None) -> dict[str, float]:
     """Train on one step's trajectories (both modes): check staleness, build the batch with
     advantages, take the learner's step (``num_mini_batches`` optimizer steps; ``None``: the
     learner's own number); returns rollout, loss and staleness metrics (and, with a teacher,
     ``distill/reverse_kl`` and per source ``distill/<source>/reverse_kl``).
 
+    With ``spread`` (``trainer.group_spread`` > 1) the batch is ``spread.rows`` of
+    ``spread.trajectories``: advantages are computed over the whole groups, then the rows are
+    selected and the learner's ``prepare`` runs on them alone (proximal log-probs of the current
+    version); ``ro`` is the version's newly taken groups, which the rollout metrics describe, and
+    the staleness metrics describe the trained rows.
+
     Raises:
         RuntimeError: no trajectory to train on, or a sample older than ``trainer.max_staleness``
-            (the buffer and admission control should make that impossible).
+            (plus ``spread.extra_staleness``; the buffer and admission control should make that
+            impossible).
     """
     cfg, learner = ctx.cfg, ctx.learner
     trajs = ro.trajectories
     if not trajs:
         raise RuntimeError(f"step {step}: every sample was rejected by the reward function (see the warnings above)")
-    staleness = [staleness_of(t, learner.version) for t in trajs]
-    if max(staleness) > cfg.trainer.max_staleness:
+    trained = trajs if spread is None else [spread.trajectories[i] for i in spread.rows]
+    bound = cfg.trainer.max_staleness + (0 if spread is None else spread.extra_staleness)
+    staleness = [staleness_of(t, learner.version) for t in trained]
+    if max(staleness) > bound:
         raise RuntimeError(f"step {step}: a sample is {max(staleness)} policy versions old, more than "
-                           f"trainer.max_staleness={cfg.trainer.max_staleness}")
+                           f"trainer.max_staleness={cfg.trainer.max_staleness}"
+                           + ("" if spread is None else f" + trainer.group_spread - 1 = {bound}"))
     t1, (cpu1, queued1) = time.perf_counter(), thread_times()
-    batch, metrics = make_batch(trajs, cfg.algorithm, ctx.tokenizer.pad_token_id,
-                                cfg.generator.max_response_tokens, learner, images=ctx.prompt_images.of(trajs))
+    if spread is None:
+        batch, metrics = make_batch(trajs, cfg.algorithm, ctx.tokenizer.pad_token_id,
+                                    cfg.generator.max_response_tokens, learner, images=ctx.prompt_images.of(trajs))
+    else:
+        # group_spread is refused with a critic, a KL term or a teacher (async_rl.config): the
+        # advantages need nothing of the learner, whose passes then run on the rows trained now.
+        whole, metrics = make_batch(spread.trajectories, cfg.algorithm, ctx.tokenizer.pad_token_id,
+                                    cfg.generator.max_response_tokens, None,
+                                    images=ctx.prompt_images.of(spread.trajectories))
+        batch = whole.select(torch.tensor(spread.rows, dtype=torch.long)).trimmed()
+        metrics.update(learner.prepare(batch))
+        new_groups = {t.group_id for t in trajs}
+        metrics["spread/trained_samples"] = float(len(trained))
+        metrics["spread/carried_samples"] = float(sum(t.group_id not in new_groups for t in trained))
     train_metrics = learner.train_step(batch) if num_mini_batches is None else \
         learner.train_step(batch, num_mini_batches=num_mini_batches)
     t_train = time.perf_counter() - t1
@@ -165,7 +208,7 @@ def mixed_sources(ctx: RunContext) -> Callable[[str], str] | None:
 SUMMED_METRICS = frozenset({
     "actor/optimizer_steps", "actor/skipped_mini_batches", "rollout/num_trajectories", "rollout/rejected_samples",
     "rollout/rejected_groups", "rollout/dynamic_sampling_rounds", "rollout/dynamic_sampling_surplus_groups",
-    "rollout/dynamic_sampling_rejected_groups"})
+    "rollout/dynamic_sampling_rejected_groups", "spread/trained_samples", "spread/carried_samples"})
 """Counts: a step's value is the sum over its policy versions (with ``timing/*``, in seconds)."""
 
 LAST_METRICS = frozenset({"policy/version", "data/epoch"})

@@ -179,24 +179,26 @@ class Dispatcher:
 
 
 def exactly_once_ledger(dispatch: Dispatcher, buffer: Any, trained: int, dynamic_dropped: int,
-                        queued: int, restarts: int) -> dict[str, int]:
+                        queued: int, restarts: int, spread_pending: int = 0) -> dict[str, int]:
     """Where every group ``dispatch`` started went, in groups: trained, rejected (every sample
     rejected by the reward), stale (evicted), abandoned, dropped by dynamic sampling, complete
-    but unused, partial, still queued in the broker, and the rest (``unstarted_or_in_engine_at_exit``:
-    started, no sample arrived), which add up to ``dispatched``. ``reissued`` and
-    ``generator_restarts`` are not part of the sum: each re-issue is a new dispatched group,
-    its old one abandoned.
+    but unused, partial, still queued in the broker, taken and partly trained
+    (``spread_partly_trained_at_exit``: ``trainer.group_spread`` > 1, shares still pending), and
+    the rest (``unstarted_or_in_engine_at_exit``: started, no sample arrived), which add up to
+    ``dispatched``. ``reissued`` and ``generator_restarts`` are not part of the sum: each
+    re-issue is a new dispatched group, its old one abandoned.
 
     Args:
         dispatch: the run's ``Dispatcher``. buffer: its ``ReplayBuffer`` (``counters`` and
             ``metrics()``). trained, dynamic_dropped: the loop's counts of groups. queued:
             requests still in the broker. restarts: actor restarts, summed over the pool.
+            spread_pending: groups of which some shares are trained and some pending.
     """
     c, m = buffer.counters, buffer.metrics()
     out = {"dispatched": dispatch.num_dispatched, "trained": trained, "rejected": c["rejected_groups"],
            "stale": c["stale_groups"], "abandoned": c["abandoned_groups"], "dynamic_sampling_dropped": dynamic_dropped,
            "ready_unused": int(m["buffer/num_groups_ready"]), "partial_at_exit": int(m["buffer/num_partial_groups"]),
-           "queued_at_exit": queued}
+           "queued_at_exit": queued, "spread_partly_trained_at_exit": spread_pending}
     out["unstarted_or_in_engine_at_exit"] = out["dispatched"] - sum(v for k, v in out.items() if k != "dispatched")
     out["reissued"] = dispatch.num_reissued
     out["generator_restarts"] = restarts
