@@ -242,6 +242,7 @@ def _loop(learner, engines, overlap: bool = True):
     loop.pool.published_version = 0
     loop.num_dynamic_dropped = loop.num_trained_groups = 0
     loop.trained_by_generator, loop._last_rejected_samples = {}, 0
+    loop.spread, loop._spread_pending = 1, []
     return loop, eval_pushes
 
 
