@@ -369,6 +369,10 @@ def _cross_validate(cfg: Config, given: Mapping[str, str] | None = None) -> None
     if n < 2 and cfg.algorithm.dynamic_sampling:
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
                           "differ, which needs at least 2 samples per prompt")
+    if cfg.trainer.mode == "async" and "generator.num_workers" not in (given or {}):
+        # Left to the cores (default_num_workers), it never asks for an actor that no group in flight could feed.
+        cfg.generator.num_workers = min(cfg.generator.num_workers,
+                                        (cfg.trainer.max_staleness + 1) * cfg.trainer.prompts_per_step)
     _check_splits(cfg)
     _check_version_unit(cfg)
     _check_group_spread(cfg)

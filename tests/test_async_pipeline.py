@@ -271,7 +271,8 @@ def test_the_buffer_bound_counts_the_groups_of_one_version():
 @pytest.mark.slow
 def test_async_hf_pool_over_gloo_broadcast(tmp_path, ray_session):
     # The broadcast transport with the HF engine in two actors: every version reaches both.
-    cfg = _cfg(tmp_path, "bcast", "trainer.mode=async", "weight_sync.transport=broadcast", "weight_sync.bucket_size_mb=0.5")
+    cfg = _cfg(tmp_path, "bcast", "trainer.mode=async", "generator.num_workers=2", "weight_sync.transport=broadcast",
+               "weight_sync.bucket_size_mb=0.5")
     summary = train(cfg)
     steps = _steps(tmp_path, "bcast")
     # A version per mini-batch (async's default): 4 of 1 group each a step.

@@ -195,6 +195,26 @@ def test_async_workers_limit_follows_the_resolved_staleness():
         _load(*base, "trainer.max_staleness=0", "generator.num_workers=2")
 
 
+def test_num_workers_unset_follows_the_cores_and_the_groups_in_flight(monkeypatch):
+    import async_rl.generators.base as base
+
+    # One actor beside the learner on 2 cores or fewer (no core runs two busy threads), else 2.
+    assert [base.default_num_workers(c) for c in (1, 2, 3, 16)] == [1, 1, 2, 2]
+    monkeypatch.setattr(base, "available_cores", lambda: 16)
+    assert _load("trainer.mode=async").generator.num_workers == 2
+    # Left unset, it is capped at the groups admission lets be in flight (here 1); set, it is refused.
+    assert _load("trainer.mode=async", "trainer.max_staleness=0", "trainer.prompts_per_step=1",
+                 "trainer.samples_per_prompt=8", "learner.num_mini_batches=1").generator.num_workers == 1
+    with pytest.raises(ConfigError, match=r"generator.num_workers=2 exceeds the 1 group"):
+        _load("trainer.mode=async", "trainer.max_staleness=0", "trainer.prompts_per_step=1",
+              "trainer.samples_per_prompt=8", "learner.num_mini_batches=1", "generator.num_workers=2")
+    # Set, it holds whatever the cores; null asks for the default.
+    assert _load("trainer.mode=async", "generator.num_workers=3").generator.num_workers == 3
+    assert _load("trainer.mode=async", "generator.num_workers=null").generator.num_workers == 2
+    monkeypatch.setattr(base, "available_cores", lambda: 2)
+    assert _load("trainer.mode=async").generator.num_workers == 1
+
+
 def test_sync_mode_ignores_num_workers():
     # The pool exists only in async mode.
     cfg = _load("trainer.prompts_per_step=1", "trainer.samples_per_prompt=8", "learner.num_mini_batches=1",

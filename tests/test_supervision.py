@@ -197,7 +197,7 @@ def test_killed_and_hung_generator_actors_are_replaced_and_their_groups_reissued
     monkeypatch.setattr(WeightPublisher, "start_push", start_push)
     monkeypatch.setattr(async_loop, "learn_on", learn_on)
     try:
-        summary = train(_cfg(tmp_path, "chaos", f"trainer.total_steps={total_steps}",
+        summary = train(_cfg(tmp_path, "chaos", f"trainer.total_steps={total_steps}", "generator.num_workers=2",
                              "generator.heartbeat_timeout_s=20", "weight_sync.probe_at_exit=true"))
     finally:
         run_over.set()
@@ -254,5 +254,5 @@ def test_losing_every_generator_actor_stops_the_run_naming_each(tmp_path, ray_se
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"every generator actor is gone: actor 0 on \S+ \(pid \d+\) died .*; "
                                            r"actor 1 on \S+ \(pid \d+\) died"):
-        train(_cfg(tmp_path, "lost", "trainer.total_steps=4", "generator.max_restarts=0"))
+        train(_cfg(tmp_path, "lost", "trainer.total_steps=4", "generator.max_restarts=0", "generator.num_workers=2"))
     assert time.monotonic() - t0 < 300  # an error, not the stall timeout
