@@ -111,7 +111,9 @@ def default_num_workers(cores: int | None = None) -> int:
     on 2 cores two actors put three busy threads on two cores. On the default job (async,
     ``trainer.group_spread`` 2, 60 steps, 2 quiet cores) one actor made the median step 0.230 s
     against two actors' 0.284 s: the learner, not generation, bounds the step there (the one
-    actor was busy 57% of the time). With more cores two actors keep the earlier default.
+    actor was busy 57% of the time); over 5 seeds one actor made async's RL time 0.76x sync's
+    (two: 0.94x over 3 seeds) and its time to sync's target 0.80x (figures:
+    docs/time_to_accuracy.md). With more cores two actors keep the earlier default.
 
     Args:
         cores: cores to size for; ``None``: this process's CPU affinity (``available_cores``).

@@ -199,7 +199,8 @@ class AsyncLoop:
         for th in self._threads:
             th.start()
         sender = self.pool.publisher.sender
-        ctx.log.print(f"async mode: {g_cfg.num_workers} {g_cfg.backend} generator actors x {per_worker} threads, "
+        actors = "actor" if g_cfg.num_workers == 1 else "actors"
+        ctx.log.print(f"async mode: {g_cfg.num_workers} {g_cfg.backend} generator {actors} x {per_worker} threads, "
                       f"learner {learner_threads} threads, max_staleness {t_cfg.max_staleness}, weights over "
                       f"{self.pool.transport}" + (f" (store {sender.host}:{sender.port})" if sender is not None else "")
                       + f", trajectories on {self.receiver.address}")
