@@ -20,9 +20,20 @@ from async_rl.config import ConfigError, load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PARITY_REWARD = ("def reward(data_source, response_text, ground_truth, extra_info):\n"
+                 "    return float(len(response_text) % 2)\n")
+
+
 def _cfg(tmp_path, name: str, *extra):
+    """A 6-step run of the default job cut small. Its reward is the response length's parity,
+    which differs within a group whatever the model knows: after a 3-step warm start the addition
+    reward scores every sample 0, every advantage is 0, and runs compared step by step would
+    compare gradients of rounding noise (loss/pg 0.0 in both, whatever the code does)."""
+    reward = Path(tmp_path) / "parity_reward.py"
+    reward.parent.mkdir(parents=True, exist_ok=True)
+    reward.write_text(PARITY_REWARD)
     return load_config(ROOT / "configs/default.yaml", [
-        f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", "trainer.total_steps=6",
+        f"reward.fn={reward}:reward", f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", "trainer.total_steps=6",
         "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.eval_every_steps=0",
         "trainer.warm_start.steps=3", "trainer.warm_start.batch_size=8", "data.val_max_prompts=8",
         "learner.num_mini_batches=2", "learner.warmup_steps=2", "learner.lr_schedule=cosine",
@@ -96,6 +107,7 @@ def test_six_steps_equal_three_plus_three_resumed(tmp_path, monkeypatch, signum)
 
     a, b = _steps(tmp_path / "full"), _steps(tmp_path / "split")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert all(0 < a[step]["rollout/reward_mean"] < 1 and a[step]["loss/pg"] != 0 for step in a)
     # The resumed run's clock continues from the checkpoint's, not from 0.
     assert all(b[step]["time_s"] >= state["elapsed_s"] for step in (4, 5, 6))
     for step in range(1, 7):

@@ -166,6 +166,7 @@ def test_trainer_megatron_resumes_and_reshards_like_fsdp2(tmp_path, monkeypatch,
     assert train(_cfg(tmp_path, "mg", *extra, *mg, "trainer.resume=auto"))["last_step"] == 4
     assert sorted(p.name for p in private_tmpdir.iterdir()) == []
     a, b = _steps(tmp_path / "fsdp"), _steps(tmp_path / "mg")
+    assert all(0 < a[step]["rollout/reward_mean"] < 1 for step in range(1, 5))  # _cfg's reward: a signal to compare
     for step in range(1, 5):
         for key in ("loss/pg", "critic/vf_loss", "loss/kl", "actor/grad_norm", "critic/grad_norm", "actor/entropy"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-3, abs=1e-5), (step, key)
