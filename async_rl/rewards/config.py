@@ -24,8 +24,8 @@ class RewardConfig:
     num_workers: int = 1
     """Reward-function worker processes per scorer (>= 0). Each generator actor (async mode) and
     the trainer (sync mode and evaluation) has its own pool, started on its first call, so the
-    count multiplies: 1 keeps the default 2-actor job on a 2-core machine at 3 small processes,
-    and a built-in reward (microseconds to a few ms a call) keeps up with generation from one
+    count multiplies: 1 keeps an async job of 2 actors at 3 small processes (one actor, the
+    default on 2 cores: 2), and a built-in reward (microseconds to a few ms a call) keeps up with generation from one
     worker; raise it for a slow function (it then scores several samples at once). 0 scores
     in-process on the engine's thread, as before, with no timeout: for debugging (``pdb``) only."""
     timeout_s: float = 30.0
