@@ -154,7 +154,9 @@ def _refused(cluster: TwoNodeCluster, out: Path, *extra: str) -> str:
     """The one ``async-rl:`` line a run that must stop before training prints (no traceback)."""
     cmd = [str(Path(sys.executable).with_name("async-rl")), "train", "--config", str(ROOT / "configs/default.yaml"),
            f"trainer.output_dir={out}", "trainer.run_name=refused", "trainer.mode=async", "trainer.total_steps=1",
-           "trainer.warm_start.steps=0", "data.val_files=[]", "logging.progress=false", *extra]
+           "trainer.warm_start.steps=0", "data.val_files=[]", "logging.progress=false",
+           "generator.num_workers=2",  # one per node (the driver's 2 cores alone would give 1)
+           *extra]
     proc = subprocess.run(cmd, env=dict(cluster.env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("async-rl: ")]
     assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
