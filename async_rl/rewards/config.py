@@ -25,9 +25,10 @@ class RewardConfig:
     """Reward-function worker processes per scorer (>= 0). Each generator actor (async mode) and
     the trainer (sync mode and evaluation) has its own pool, started on its first call, so the
     count multiplies: 1 keeps an async job of 2 actors at 3 small processes (one actor, the
-    default on 2 cores: 2), and a built-in reward (microseconds to a few ms a call) keeps up with generation from one
-    worker; raise it for a slow function (it then scores several samples at once). 0 scores
-    in-process on the engine's thread, as before, with no timeout: for debugging (``pdb``) only."""
+    default on 2 cores: 2), and a built-in reward (microseconds to a few ms a call) keeps up
+    with generation from one worker; raise it for a slow function (it then scores several
+    samples at once). 0 scores in-process on the engine's thread, as before, with no timeout:
+    for debugging (``pdb``) only."""
     timeout_s: float = 30.0
     """Seconds one reward-function call may take (> 0; needs ``num_workers`` >= 1). Past it the
     worker is killed and replaced and the sample rejected (``reward/timeouts``). 30 s is far above
