@@ -21,7 +21,7 @@ and the target drawn across).
     python bench/bench_distillation.py --teacher runs/teacher --steps 150 --contenders distill_sync,rl_sync
     python bench/bench_distillation.py --out /tmp/distill --report        # the table again, from the runs
     python bench/bench_distillation.py --short --out /tmp/d               # CI's form: checks the machinery
-    python bench/bench_distillation.py --config configs/longtail.yaml --teacher runs/lt_teacher \
+    python bench/bench_distillation.py --config configs/chainsum.yaml --teacher runs/lt_teacher \
         --overrides model.path=runs/lt_student/final_model trainer.warm_start.steps=0
 
 Steps, not seconds, are compared: the figures do not depend on what else the machine runs.

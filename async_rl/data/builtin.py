@@ -15,6 +15,11 @@ loading code that reads a user's model directory or verl parquet reads them too:
   single-digit terms such as ``"3+8+5+1="`` whose worked answer is the chain of running sums
   ``"11 16 17"``; the number of terms is long-tailed (``CHAINSUM_SPEC``), so are the answers'
   lengths. The held-out split holds prompts that never occur in the train split.
+- ``builtin:skipcount/train`` and ``builtin:skipcount/test``: the same layout, counting down from
+  a start by a step to a floor, such as ``"53-5>30"`` whose worked answer is ``"48 43 38 33"``;
+  the count of numbers is long-tailed (``SKIPCOUNT_SPEC``), so are the answers' lengths, and each
+  number follows from the one before and the prompt's step, a rule the tiny model learns where
+  chain sums (a term to find at every step) defeat it.
 - ``builtin:tiny-llama``, ``tiny-qwen3``, ``tiny-mistral``, ``tiny-gemma2``, ``tiny-phi3``,
   ``tiny-olmo2``: tiny models of other architectures with the same tokenizer
   (``async_rl.data.architectures``).
@@ -121,6 +126,40 @@ CHAINSUM_SPEC: dict[str, Any] = {
 }
 
 CHAINSUM_DATA_SOURCE = "async_rl/chainsum"
+
+# The long-tailed job's task: skip counting down to a floor. A problem is a start n, a step k in
+# 1..9 and a floor f; the worked answer is n - k, n - 2k, ... down to the last number >= f,
+# ``count`` numbers. ``count`` follows the truncated Zipf law P(c) ~ c ** -count_exponent on
+# 1..max_count, k is uniform, f uniform on 0..max_floor, and n = f + count * k + r with r uniform
+# on 0..k-1. Each number follows from the one before and the prompt's step (a subtraction with a
+# borrow), and the answer stops where the next number would fall below the floor (a comparison
+# with the prompt's floor): a local rule the tiny model learns from a few thousand warm-start
+# steps, where a chain sum's next term must be found at a moving place in the prompt. The floor
+# makes the problem space large (24 counts x 45 (k, r) pairs x 100 floors = 108,000 problems), so
+# the held-out split's unseen problems measure the rule, not a memorised chain: without it (a
+# floor of 0, 1,080 problems) the warm-started model reproduced train chains (sampled reward 0.6)
+# and solved 9% of held-out ones. With exponent 1.2 and 24 numbers at most, the train split's
+# answers are long-tailed (SKIPCOUNT_LENGTHS).
+SKIPCOUNT_SPEC: dict[str, Any] = {
+    "max_count": 24,
+    "count_exponent": 1.2,
+    "max_step": 9,
+    "max_floor": 99,
+    # As CHAINSUM_SPEC: a seeded hash of the prompt routes 1/8 of the problems to the test split.
+    "test_fraction": 0.125,
+    # 20,000 train rows, nearly all distinct: a warm start of 1,500 steps of 64 sees each about 5
+    # times, too few to memorise them. 256 test rows, as chain sums.
+    "num_train": 20000,
+    "num_test": 256,
+    "seed": 0,
+}
+
+SKIPCOUNT_DATA_SOURCE = "async_rl/skipcount"
+
+SKIPCOUNT_LENGTHS = (9, 83, 96)
+"""The train split's answer lengths in tokens (one per character, plus EOS): median, p99 (nearest
+rank) and longest. p99 is 9x the median: a synchronous step's generation waits on the few long
+answers."""
 
 # The tool-use variant: the same architecture, a longer context, and a Qwen2.5-style (Hermes)
 # chat template that renders tool schemas, assistant tool calls and tool responses.
@@ -425,7 +464,8 @@ def make_chainsum_row(terms: list[int], split: str, index: int) -> dict[str, Any
 
 
 def chainsum_held_out(prompt: str, spec: dict[str, Any] = CHAINSUM_SPEC) -> bool:
-    """Whether the problem ``prompt`` (e.g. ``"3+8+5+1="``) belongs to the test split: a seeded
+    """Whether the problem ``prompt`` (e.g. ``"3+8+5+1="``; also a skip count's, ``"53-5>30"``, with
+    ``SKIPCOUNT_SPEC``) belongs to the test split: a seeded
     hash of the text, below ``test_fraction``. Deterministic across processes and Python versions
     (sha256, not ``hash``), so the splits never share a problem."""
     digest = hashlib.sha256(f"{spec['seed']}:{prompt}".encode()).digest()
@@ -449,6 +489,77 @@ def _build_chainsum(out_dir: Path) -> None:
             splits[split].append(terms)
     for split, problems in splits.items():
         rows = [make_chainsum_row(terms, split, i) for i, terms in enumerate(problems)]
+        pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{split}.parquet")
+
+
+def skipcount_problem(rng: random.Random, spec: dict[str, Any] = SKIPCOUNT_SPEC) -> tuple[int, int, int]:
+    """Draw one skip-counting problem ``(start, step, floor)`` from the spec's law: the count of
+    numbers ``c`` from ``P(c)`` proportional to ``c ** -count_exponent`` on ``1..max_count``, the
+    step ``k`` uniform on ``1..max_step``, the floor ``f`` uniform on ``0..max_floor``, the start
+    ``f + c * k + r`` with ``r`` uniform on ``0..k-1``.
+
+    Raises:
+        ValueError: a spec with ``max_count < 1``, ``max_step`` outside 1..9, ``max_floor < 0`` or
+            ``count_exponent < 0``.
+    """
+    hi, exponent, max_step, max_floor = spec["max_count"], spec["count_exponent"], spec["max_step"], spec["max_floor"]
+    if hi < 1 or not 1 <= max_step <= 9 or max_floor < 0 or exponent < 0:
+        raise ValueError("skipcount spec needs max_count >= 1, 1 <= max_step <= 9, max_floor >= 0 and "
+                         f"count_exponent >= 0, got {spec}")
+    count = rng.choices(range(1, hi + 1), weights=[c ** -exponent for c in range(1, hi + 1)])[0]
+    step = rng.randint(1, max_step)
+    floor = rng.randint(0, max_floor)
+    return floor + count * step + rng.randint(0, step - 1), step, floor
+
+
+def _skipcount_prompt(start: int, step: int, floor: int) -> str:
+    return f"{start}-{step}>{floor}"
+
+
+def make_skipcount_row(start: int, step: int, floor: int, split: str, index: int) -> dict[str, Any]:
+    """One verl-layout row: count down from ``start`` by ``step`` while the numbers stay >= ``floor``.
+
+    The prompt reads ``"<start>-<step>><floor>"``; the worked answer is every number after the
+    start down to the last that is not below the floor, separated by single spaces. It is both
+    ``extra_info.answer`` (the warm start's target) and ``reward_model.ground_truth`` (scored by
+    the chain reward, ``async_rl.rewards.chainsum``). Example: ``make_skipcount_row(53, 5, 30,
+    "train", 0)`` gives ``prompt`` = ``[{"role": "user", "content": "53-5>30"}]``,
+    ``reward_model.ground_truth`` = ``"48 43 38 33"`` and ``extra_info.count`` = ``4``.
+
+    Raises:
+        ValueError: ``step`` outside 1..9, a negative ``floor``, or ``start < floor + step`` (no
+            number to write).
+    """
+    if not 1 <= step <= 9 or floor < 0 or start < floor + step:
+        raise ValueError("skip counting needs a step in 1..9, a floor >= 0 and a start >= floor + step, "
+                         f"got start={start}, step={step}, floor={floor}")
+    numbers = list(range(start - step, floor - 1, -step))
+    answer = " ".join(map(str, numbers))
+    return {
+        "prompt": [{"role": "user", "content": _skipcount_prompt(start, step, floor)}],
+        "data_source": SKIPCOUNT_DATA_SOURCE,
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer, "count": len(numbers)},
+    }
+
+
+def _build_skipcount(out_dir: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = SKIPCOUNT_SPEC
+    rng = random.Random(spec["seed"])
+    want = {"train": spec["num_train"], "test": spec["num_test"]}
+    splits: dict[str, list[tuple[int, int, int]]] = {"train": [], "test": []}
+    # As _build_chainsum: one law, each problem routed by its hash, so the splits share none.
+    while any(len(splits[name]) < n for name, n in want.items()):
+        problem = skipcount_problem(rng, spec)
+        split = "test" if chainsum_held_out(_skipcount_prompt(*problem), spec) else "train"
+        if len(splits[split]) < want[split]:
+            splits[split].append(problem)
+    for split, problems in splits.items():
+        rows = [make_skipcount_row(*problem, split, i) for i, problem in enumerate(problems)]
         pq.write_table(pa.Table.from_pylist(rows), out_dir / f"{split}.parquet")
 
 
@@ -512,6 +623,7 @@ _BUILDERS = {
     "tiny-qwen2-vl": (TINY_QWEN2_VL_SPEC, lambda out: build_tiny_qwen2_vl(out, build_tokenizer)),
     "arithmetic": (ARITHMETIC_SPEC, _build_arithmetic),
     "chainsum": (CHAINSUM_SPEC, _build_chainsum),
+    "skipcount": (SKIPCOUNT_SPEC, _build_skipcount),
     "calc": (CALC_SPEC, _build_calc),
     "shapes": (SHAPES_SPEC, build_shapes),
     # builtin:tiny-llama, tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-phi3, tiny-olmo2.
@@ -524,7 +636,7 @@ def resolve(uri: str) -> str:
     """Map a ``builtin:`` URI to a local path, building the artefact on first use.
 
     ``builtin:tiny-qwen2`` -> model directory; ``builtin:arithmetic/train`` (or ``/test``,
-    likewise ``builtin:chainsum/...`` and ``builtin:calc/...``) -> parquet file. Any other string
+    likewise ``builtin:chainsum/...``, ``builtin:skipcount/...`` and ``builtin:calc/...``) -> parquet file. Any other string
     is returned unchanged, so callers can pass user paths through.
 
     Raises:

@@ -72,6 +72,7 @@ DATA_SOURCE_REWARDS: dict[str, str] = {
     "async_rl/arithmetic": "arithmetic",
     "async_rl/calc": "arithmetic",
     "async_rl/chainsum": "chainsum",
+    "async_rl/skipcount": "chainsum",  # a worked chain of numbers, scored whole, as chain sums are
     "async_rl/shapes": "shapes",
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "math",
