@@ -41,6 +41,7 @@ from async_rl.data.dataset import DataConfig
 from async_rl.runtime.metrics import LoggingConfig
 from async_rl.rewards import get_reward_fn
 from async_rl.rewards.config import RewardConfig
+from async_rl.runtime.cluster import ray_address
 from async_rl.step.rollout import longest_sequence
 from async_rl.weight_sync import WeightSyncConfig
 from async_rl.generators.base import GeneratorConfig
@@ -370,7 +371,11 @@ def _cross_validate(cfg: Config, given: Mapping[str, str] | None = None) -> None
         raise ConfigError(f"trainer.samples_per_prompt={n}: dynamic sampling keeps groups whose rewards "
                           "differ, which needs at least 2 samples per prompt")
     if cfg.trainer.mode == "async" and "generator.num_workers" not in (given or {}):
-        # Left to the cores (default_num_workers), it never asks for an actor that no group in flight could feed.
+        if ray_address(cfg.trainer):
+            # A joined cluster places the actors on its nodes, whose cores the driver's affinity
+            # does not show: two, the default wherever the cores allow more than one.
+            cfg.generator.num_workers = 2
+        # Left unset, it never asks for an actor that no group in flight could feed.
         cfg.generator.num_workers = min(cfg.generator.num_workers,
                                         (cfg.trainer.max_staleness + 1) * cfg.trainer.prompts_per_step)
     _check_splits(cfg)

@@ -113,7 +113,9 @@ def default_num_workers(cores: int | None = None) -> int:
     against two actors' 0.284 s: the learner, not generation, bounds the step there (the one
     actor was busy 57% of the time); over 5 seeds one actor made async's RL time 0.76x sync's
     (two: 0.94x over 3 seeds) and its time to sync's target 0.80x (figures:
-    docs/time_to_accuracy.md). With more cores two actors keep the earlier default.
+    docs/time_to_accuracy.md). With more cores two actors keep the earlier default, as does a run
+    that joins a Ray cluster (``trainer.ray_address`` / ``RAY_ADDRESS``: the actors run on its
+    nodes; resolved in ``async_rl.config``).
 
     Args:
         cores: cores to size for; ``None``: this process's CPU affinity (``available_cores``).
@@ -161,8 +163,9 @@ class GeneratorConfig:
     """Async mode: generator actors in the pool (>= 1), each with its own engine; at most the
     ``(trainer.max_staleness + 1) * trainer.prompts_per_step`` groups admission control lets be
     in flight, or a worker would never get one (checked at load). Unset: ``default_num_workers``
-    of the cores this process may use (1 on 2 cores or fewer, else 2); a run's saved config holds
-    the number it resolved to."""
+    of the cores this process may use (1 on 2 cores or fewer, else 2), or 2 when the run joins a
+    Ray cluster (``trainer.ray_address`` / ``RAY_ADDRESS``); a run's saved config holds the number
+    it resolved to."""
     threads_per_worker: int = 0
     """Async mode: torch CPU threads per generator actor (>= 0); 0 = ``OMP_NUM_THREADS`` where the
     user set it, else the cores of the trainer's CPU affinity divided evenly between the workers

@@ -213,6 +213,14 @@ def test_num_workers_unset_follows_the_cores_and_the_groups_in_flight(monkeypatc
     assert _load("trainer.mode=async", "generator.num_workers=null").generator.num_workers == 2
     monkeypatch.setattr(base, "available_cores", lambda: 2)
     assert _load("trainer.mode=async").generator.num_workers == 1
+    # Joining a cluster, the actors run on its nodes: two whatever the driver's cores, still capped.
+    assert _load("trainer.mode=async", "trainer.ray_address=10.0.0.1:6379").generator.num_workers == 2
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert _load("trainer.mode=async").generator.num_workers == 2
+    assert _load("trainer.mode=async", "trainer.max_staleness=0", "trainer.prompts_per_step=1",
+                 "trainer.samples_per_prompt=8", "learner.num_mini_batches=1").generator.num_workers == 1
+    assert _load("trainer.mode=async", "generator.num_workers=1").generator.num_workers == 1
+    monkeypatch.delenv("RAY_ADDRESS")
 
 
 def test_sync_mode_ignores_num_workers():
