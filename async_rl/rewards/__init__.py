@@ -1,7 +1,8 @@
 """Rule-based rewards: built-in reward functions, user-function loading and a safe scorer.
 
 - ``REWARD_FUNCTIONS``: name -> reward function; built-ins "arithmetic" (the default CPU task),
-  "chainsum" (the long-tailed worked-answer CPU task), "shapes" (the one-word answers of the
+  "chainsum" (worked answers that are a chain of numbers: the chain-sum task and the long-tailed
+  job's skip counting), "shapes" (the one-word answers of the
   built-in image task), "gsm8k" and "math" (both checked with math-verify). ``register_reward`` adds more.
 - ``get_reward_fn(spec)``: a built-in name, "package.module:function" or "path/file.py:function".
 - ``default_reward_for(data_source)``: the built-in for a dataset's ``data_source`` column.

@@ -1,4 +1,6 @@
-"""Exact-match reward for the built-in chain-sum task (``data_source="async_rl/chainsum"``).
+"""Exact-match reward for the built-in chain-sum task (``data_source="async_rl/chainsum"``), and
+for any worked answer that is a chain of numbers: the long-tailed job's skip counting
+(``"async_rl/skipcount"``, ``53-5>30`` answered ``48 43 38 33``) is scored by it too.
 
 A problem is a sum of single-digit terms such as ``3+8+5+1=``; the expected response is the
 worked answer, the running sums after each added term separated by single spaces (``11 16 17``),
