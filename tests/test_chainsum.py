@@ -12,7 +12,6 @@ import pytest
 from async_rl.data.builtin import (
     CHAINSUM_DATA_SOURCE,
     CHAINSUM_SPEC,
-    TINY_QWEN2_SPEC,
     chainsum_terms,
     make_chainsum_row,
     resolve,
@@ -21,6 +20,7 @@ from async_rl.data.dataset import PromptDataset, read_rows
 from async_rl.loops.base import DEFAULT_RESPONSE_FIELDS
 from async_rl.rewards.chainsum import chainsum_reward
 from async_rl.rewards.registry import REWARD_FUNCTIONS, default_reward_for
+from task_helpers import assert_row_fits
 
 SRC = CHAINSUM_DATA_SOURCE
 
@@ -93,11 +93,7 @@ def test_rows_load_through_prompt_dataset_and_fit_the_budgets(splits, tiny_token
         assert chainsum_reward(SRC, prompt.reference, prompt.ground_truth, prompt.extra_info)["score"] == 1.0
     # The longest possible problem (24 nines) fits both budgets and the model's positions.
     worst = make_chainsum_row([9] * CHAINSUM_SPEC["max_terms"], "train", 0)
-    prompt_ids = tiny_tokenizer.apply_chat_template(worst["prompt"], add_generation_prompt=True, tokenize=True)
-    prompt_len = len(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
-    response_len = len(tiny_tokenizer(worst["extra_info"]["answer"], add_special_tokens=False)["input_ids"]) + 1
-    assert prompt_len <= max_prompt and response_len <= max_response
-    assert max_prompt + max_response <= TINY_QWEN2_SPEC["max_position_embeddings"]
+    assert_row_fits(tiny_tokenizer, worst, max_prompt, max_response)
 
 
 # ---------------------------------------------------------------------------------- the reward

@@ -15,7 +15,6 @@ from async_rl.data.builtin import (
     SKIPCOUNT_DATA_SOURCE,
     SKIPCOUNT_LENGTHS,
     SKIPCOUNT_SPEC,
-    TINY_QWEN2_SPEC,
     make_skipcount_row,
     resolve,
     skipcount_problem,
@@ -24,6 +23,7 @@ from async_rl.data.dataset import PromptDataset, read_rows
 from async_rl.loops.base import DEFAULT_RESPONSE_FIELDS
 from async_rl.rewards.chainsum import chainsum_reward
 from async_rl.rewards.registry import default_reward_for
+from task_helpers import assert_row_fits
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = SKIPCOUNT_DATA_SOURCE
@@ -99,11 +99,7 @@ def test_rows_load_through_prompt_dataset_and_fit_longtail(splits, tiny_tokenize
     # The longest possible problem (24 numbers, step 9, floor 99) fits both budgets and the positions.
     worst = make_skipcount_row(99 + SKIPCOUNT_SPEC["max_count"] * 9 + 8, 9, 99, "train", 0)
     assert worst["extra_info"]["count"] == SKIPCOUNT_SPEC["max_count"] and len(worst["extra_info"]["answer"]) == 95
-    prompt_ids = tiny_tokenizer.apply_chat_template(worst["prompt"], add_generation_prompt=True, tokenize=True)
-    prompt_len = len(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
-    response_len = len(tiny_tokenizer(worst["extra_info"]["answer"], add_special_tokens=False)["input_ids"]) + 1
-    assert prompt_len <= max_prompt and response_len <= max_response
-    assert max_prompt + max_response <= TINY_QWEN2_SPEC["max_position_embeddings"]
+    assert_row_fits(tiny_tokenizer, worst, max_prompt, max_response)
 
 
 @pytest.mark.parametrize(
