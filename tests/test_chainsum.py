@@ -1,14 +1,16 @@
 """The built-in chain-sum task (``builtin:chainsum``) and its reward: disjoint splits, the
 long-tailed answer lengths ``CHAINSUM_SPEC`` states, rows that load through ``PromptDataset`` and
-fit the budgets below, and the strict reward's hand-computed values."""
+fit ``configs/chainsum.yaml``, and the strict reward's hand-computed values."""
 
 from __future__ import annotations
 
 import random
 import statistics
+from pathlib import Path
 
 import pytest
 
+from async_rl.config import load_config
 from async_rl.data.builtin import (
     CHAINSUM_DATA_SOURCE,
     CHAINSUM_SPEC,
@@ -22,6 +24,7 @@ from async_rl.rewards.chainsum import chainsum_reward
 from async_rl.rewards.registry import REWARD_FUNCTIONS, default_reward_for
 from task_helpers import assert_row_fits
 
+ROOT = Path(__file__).resolve().parents[1]
 SRC = CHAINSUM_DATA_SOURCE
 
 
@@ -30,9 +33,9 @@ def splits() -> dict[str, list[dict]]:
     return {split: read_rows(resolve(f"builtin:chainsum/{split}")) for split in ("train", "test")}
 
 
-# The token budgets a job on chain sums needs (the longest prompt, 24 terms, is 56 tokens with
-# the chat template; the longest answer, 24 nines, 81 characters and EOS).
-MAX_PROMPT_TOKENS, MAX_RESPONSE_TOKENS = 64, 96
+@pytest.fixture(scope="module")
+def chainsum_job():
+    return load_config(ROOT / "configs/chainsum.yaml")
 
 
 def _content(row: dict) -> str:
@@ -80,14 +83,14 @@ def test_answer_lengths_are_long_tailed_as_stated(splits):
     assert sum(k <= 3 for k in terms) / len(terms) > 0.4 and max(terms) > 20
 
 
-def test_rows_load_through_prompt_dataset_and_fit_the_budgets(splits, tiny_tokenizer):
-    max_prompt, max_response = MAX_PROMPT_TOKENS, MAX_RESPONSE_TOKENS
+def test_rows_load_through_prompt_dataset_and_fit_chainsum_yaml(splits, chainsum_job, tiny_tokenizer):
+    max_prompt, max_response = chainsum_job.data.max_prompt_tokens, chainsum_job.generator.max_response_tokens
     files = [resolve("builtin:chainsum/train"), resolve("builtin:chainsum/test")]
     ds = PromptDataset(files, tiny_tokenizer, max_prompt, reference_fields=DEFAULT_RESPONSE_FIELDS)
     assert len(ds) == sum(len(rows) for rows in splits.values()) and ds.rejected == {}
     assert ds.reference_sources == {"extra_info.answer": len(ds)}
     longest = max(len(p.prompt_ids) for p in ds.prompts)
-    assert longest == 56 <= max_prompt  # 24 terms
+    assert longest == 56 <= max_prompt  # 24 terms with the chat template
     for prompt in ds.prompts:
         assert prompt.data_source == SRC and prompt.reference == prompt.ground_truth
         assert chainsum_reward(SRC, prompt.reference, prompt.ground_truth, prompt.extra_info)["score"] == 1.0

@@ -2,8 +2,8 @@
 
 - ``REWARD_FUNCTIONS``: name -> reward function; built-ins "arithmetic" (the default CPU task),
   "chainsum" (worked answers that are a chain of numbers: the chain-sum task and the long-tailed
-  job's skip counting), "shapes" (the one-word answers of the
-  built-in image task), "gsm8k" and "math" (both checked with math-verify). ``register_reward`` adds more.
+  job's skip counting), "shapes" (the one-word answers of the built-in image task), "gsm8k" and
+  "math" (both checked with math-verify). ``register_reward`` adds more.
 - ``get_reward_fn(spec)``: a built-in name, "package.module:function" or "path/file.py:function".
 - ``default_reward_for(data_source)``: the built-in for a dataset's ``data_source`` column.
 - ``RewardScorer``: calls a reward function and turns exceptions, NaN/inf and bad return types
