@@ -15,8 +15,9 @@ Staleness itself is defined once, in ``staleness``.
 Lifecycle of a group ``g`` in the buffer::
 
     partial ──(group_size trajectories arrive, or close_group(g, n) and n have arrived)──> ready
-    ready   ──get_groups: oldest completion first──> served (returned to the back of the ready
-                                                      queue until served max_reuse times)
+    ready   ──get_groups: in dispatch order (the oldest group first, none skipped while an older
+              one is in flight), or oldest completion first──> served (returned to the back of
+              the ready queue until served max_reuse times)
     ready   ──any sample staleness > max_staleness──> evicted (dropped["stale"])
     close_group(g, 0) ──> rejected group (dropped_groups["rejected"])
     partial ──abandon_group(g) (its generator died; re-issue the prompt as a new group)──> abandoned
@@ -30,6 +31,7 @@ Run the tests with ``python -m pytest -q tests/test_replay_buffer.py``.
 from __future__ import annotations
 
 import copy
+import heapq
 import threading
 import time
 from collections import deque
@@ -141,18 +143,33 @@ class _Group:
     times_served: int = 0
 
 
+SERVE_ORDERS = ("dispatch", "completion")
+"""``ReplayBuffer`` serve orders (``trainer.serve_order``)."""
+
 _COUNTERS = ("added", "duplicate", "late", "stale", "stale_groups", "reuse_expired_groups",
              "rejected_groups", "rejected_samples", "abandoned", "abandoned_groups", "completed_groups",
              "served_groups", "served_samples")
 
 
 class ReplayBuffer:
-    """Assembles complete groups from trajectories arriving in any order and serves them FIFO.
+    """Assembles complete groups from trajectories arriving in any order and serves them in order.
 
     Args:
         group_size: trajectories per group when none is rejected (``n`` samples per prompt); >= 1.
         max_staleness: η; a group with any sample of staleness > η is never served; >= 0.
         max_reuse: times a group is served before it leaves the buffer; 1 = no reuse; >= 1.
+        serve_order: which ready groups ``get_groups`` serves first. ``dispatch``: by group id
+            (ids are given in dispatch order), and none above the oldest group announced by
+            ``note_dispatched`` that has not finished (completed, rejected, evicted or
+            abandoned), so a group still being sampled is never overtaken by those dispatched
+            after it. ``completion``: the oldest completion first, whatever the ids. On a
+            long-tailed task the groups that finish last are those with long answers: served by
+            completion, they are the ones the learner reaches last, past ``max_staleness``, and
+            evicted, which biases training towards short answers (measured with two generator
+            actors: 12% of groups evicted, trained responses 7 tokens long against 11). In
+            dispatch order a step trains on the groups admitted for it, as sync mode would, and
+            admission (``AdmissionController``) bounds their staleness; groups kept for reuse
+            (``max_reuse > 1``) come after the never-served ones.
 
     Thread safety: every method takes one lock, so a receiver thread may ``add`` while the
     learner thread waits in ``get_groups``.
@@ -165,11 +182,14 @@ class ReplayBuffer:
         ValueError: from the constructor for out-of-range arguments.
     """
 
-    def __init__(self, group_size: int, max_staleness: int, max_reuse: int = 1) -> None:
+    def __init__(self, group_size: int, max_staleness: int, max_reuse: int = 1, serve_order: str = "completion") -> None:
         if group_size < 1 or max_staleness < 0 or max_reuse < 1:
             raise ValueError(f"ReplayBuffer needs group_size >= 1, max_staleness >= 0, max_reuse >= 1; got "
                              f"{group_size}, {max_staleness}, {max_reuse}")
+        if serve_order not in SERVE_ORDERS:
+            raise ValueError(f"ReplayBuffer serve_order must be one of {SERVE_ORDERS}, got {serve_order!r}")
         self.group_size, self.max_staleness, self.max_reuse = group_size, max_staleness, max_reuse
+        self.serve_order = serve_order
         self._cond = threading.Condition(threading.Lock())
         self._reset()
 
@@ -178,6 +198,7 @@ class ReplayBuffer:
         self._expected: dict[int, int] = {}        # close_group declared counts still waiting for samples
         self._ready: deque[_Group] = deque()
         self._finished: dict[int, int] = {}        # group id -> final size (0: rejected, -1: abandoned)
+        self._announced: list[int] = []            # heap of note_dispatched ids, those finished popped lazily
         self._seen: set[str] = set()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._last_version: int | None = None
@@ -278,6 +299,7 @@ class ReplayBuffer:
             self._finished[group_id] = -1
             self._counters["abandoned"] += len(samples)
             self._counters["abandoned_groups"] += 1
+            self._cond.notify_all()  # the dispatch-order frontier may move
             return True
 
     def _complete(self, group_id: int) -> None:
@@ -287,11 +309,32 @@ class ReplayBuffer:
         if trajs:
             self._counters["completed_groups"] += 1
             self._ready.append(_Group(group_id, trajs))
-            self._cond.notify_all()
         else:
             self._counters["rejected_groups"] += 1
+        self._cond.notify_all()  # a rejected group moves the dispatch-order frontier too
+
+    def note_dispatched(self, group_ids: list[int]) -> None:
+        """Announce groups as dispatched (``serve_order: dispatch``): none of a higher id is
+        served while one of them has not finished. Call before their requests reach a generator."""
+        with self._cond:
+            for gid in group_ids:
+                heapq.heappush(self._announced, gid)
 
     # ------------------------------------------------------------------------------- consumer
+    def _servable(self) -> list[_Group]:
+        """Ready groups in the order ``get_groups`` serves them (``serve_order``): in dispatch
+        order, the never-served groups below the oldest announced group still in flight, by id,
+        then groups kept for reuse in queue order; by completion, the queue as it stands."""
+        if self.serve_order == "completion":
+            return list(self._ready)
+        heap = self._announced
+        while heap and heap[0] in self._finished:
+            heapq.heappop(heap)
+        frontier = heap[0] if heap else None
+        fresh = sorted((g for g in self._ready if g.times_served == 0 and (frontier is None or g.group_id < frontier)),
+                       key=lambda g: g.group_id)
+        return fresh + [g for g in self._ready if g.times_served > 0]
+
     def _evict_stale(self, current_version: int) -> None:
         ages = [[staleness(t, current_version) for t in g.trajectories] for g in self._ready]
         for g, a in zip(self._ready, ages):
@@ -313,7 +356,7 @@ class ReplayBuffer:
 
     def get_groups(self, num_groups: int, current_version: int,
                    timeout_s: float | None = 0.0) -> list[list[Trajectory]] | None:
-        """Serve ``num_groups`` complete groups, oldest completion first, none of them too stale.
+        """Serve ``num_groups`` complete groups in ``serve_order``, none of them too stale.
 
         Stale groups (any sample with ``staleness > max_staleness`` at ``current_version``) are
         evicted first and counted. All or nothing: a step needs a fixed number of groups, so
@@ -344,13 +387,16 @@ class ReplayBuffer:
             self._last_version = current_version
             while True:
                 self._evict_stale(current_version)
-                if len(self._ready) >= num_groups:
+                servable = self._servable()
+                if len(servable) >= num_groups:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
                 self._cond.wait(remaining)
-            taken = [self._ready.popleft() for _ in range(num_groups)]
+            taken = servable[:num_groups]
+            chosen = {id(g) for g in taken}
+            self._ready = deque(g for g in self._ready if id(g) not in chosen)
             hist = [0] * (self.max_staleness + 1)
             for g in taken:
                 g.times_served += 1

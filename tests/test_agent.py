@@ -476,3 +476,41 @@ def test_two_runs_in_one_process_keep_their_tool_counts_apart(tok):
     assert second.pop_metrics() == {} and second.counts() == {}
     assert first.pop_metrics() == {"env/episodes": 1.0, "tools/calls": 2.0, "tools/ok": 1.0,
                                    "tools/error_too_many_calls": 1.0}
+
+
+def test_episode_counters_are_read_while_other_threads_count_without_a_lost_increment_or_a_crash():
+    # A generator actor reads an episode loop's counters on its control thread (get_stats) while
+    # its rollout thread and the environments' event loop add to them, new keys included.
+    import threading
+
+    from async_rl.step.agent import EpisodeCounters
+
+    counters = EpisodeCounters()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def write(w: int) -> None:
+        for k in range(3000):
+            counters._count("env/episodes")
+            counters._count(f"tools/error_{w}_{k}", 2)
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                counters.counts(), counters.pop_metrics()
+        except BaseException as e:  # noqa: BLE001 - the failure under test
+            errors.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    reader.join()
+    assert errors == []
+    counts = counters.counts()
+    assert counts["env/episodes"] == 4 * 3000 and len(counts) == 1 + 4 * 3000
+    assert sum(counts.values()) == 4 * 3000 * 3

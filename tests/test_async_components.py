@@ -51,6 +51,22 @@ def _dispatcher(feed: _Feed, version: list[int], discarded: list[int], staleness
                       published_version=lambda: version[0], num_discarded=lambda: discarded[0])
 
 
+def test_the_loop_announces_each_dispatched_group_to_the_buffer_before_the_broker_has_it(monkeypatch):
+    from async_rl.loops import async_loop
+
+    order = []
+    buffer = ReplayBuffer(group_size=1, max_staleness=1, serve_order="dispatch")
+    buffer.note_dispatched = lambda ids, note=buffer.note_dispatched: (order.append(("buffer", ids)), note(ids))
+    broker = types.SimpleNamespace(put_many=types.SimpleNamespace(
+        remote=lambda batch: order.append(("broker", [r.group_id for r in batch]))))
+    monkeypatch.setattr(async_loop.ray, "get", lambda ref: ref)
+    loop = types.SimpleNamespace(buffer=buffer, broker=broker)
+    async_loop.AsyncLoop._feed(loop, [GroupRequest.of(_prompt(k), k, 1, 0) for k in (0, 1)])
+    assert order == [("buffer", [0, 1]), ("broker", [0, 1])]
+    buffer.add(_traj(1, 0))
+    assert buffer.get_groups(1, 0) is None  # group 0 was announced and is still in flight
+
+
 def test_dispatch_starts_what_admission_allows_in_one_feed_and_opens_with_each_version():
     feed, version, discarded = _Feed(), [-1], [0]
     d = _dispatcher(feed, version, discarded, staleness=1)

@@ -72,6 +72,9 @@ def test_out_of_range_value_names_key():
         load_config(ROOT / "configs/default.yaml", ["algorithm.name=nope"])
     with pytest.raises(ConfigError, match=r"generator.temperature must be > 0"):
         load_config(ROOT / "configs/default.yaml", ["generator.temperature=0"])
+    with pytest.raises(ConfigError, match=r"trainer.serve_order must be dispatch or completion, got 'lifo'"):
+        load_config(ROOT / "configs/default.yaml", ["trainer.serve_order=lifo"])
+    assert load_config(ROOT / "configs/default.yaml").trainer.serve_order == "dispatch"
 
 
 def test_group_estimator_needs_two_samples():

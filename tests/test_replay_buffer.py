@@ -534,3 +534,106 @@ def test_admission_bounds_the_resident_groups(max_staleness):
     m = buf.metrics()
     assert m["buffer/peak_groups"] == peak == ac.max_resident_groups() == (max_staleness + 1) * B
     assert m["buffer/peak_samples"] <= ac.max_resident_groups() * n
+
+
+# ---------------------------------------------------------------------------------- serve order
+def _served(groups) -> list[int]:
+    return [g[0].group_id for g in groups]
+
+
+def test_dispatch_order_never_lets_a_later_group_overtake_one_still_in_flight():
+    buf = ReplayBuffer(group_size=2, max_staleness=1, serve_order="dispatch")
+    buf.note_dispatched([0, 1, 2, 3])
+    for g in (3, 1, 2):  # the short groups finish first, group 0 is still being sampled
+        buf.add(tr(g, 0)), buf.add(tr(g, 1))
+    assert buf.get_groups(1, 0) is None
+    buf.add(tr(0, 0))
+    assert buf.get_groups(1, 0, timeout_s=0.05) is None  # half of group 0 is not group 0
+    buf.add(tr(0, 1))
+    assert _served(buf.get_groups(2, 0)) == [0, 1]
+    assert _served(buf.get_groups(2, 0)) == [2, 3]
+    # The same arrivals served by completion: the late group 0 comes last.
+    buf = ReplayBuffer(group_size=2, max_staleness=1, serve_order="completion")
+    for g in (3, 1, 2, 0):
+        buf.add(tr(g, 0)), buf.add(tr(g, 1))
+    assert _served(buf.get_groups(4, 0)) == [3, 1, 2, 0]
+
+
+def test_dispatch_order_moves_past_rejected_abandoned_and_evicted_groups():
+    buf = ReplayBuffer(group_size=2, max_staleness=1, serve_order="dispatch")
+    buf.note_dispatched([0, 1, 2, 3])
+    buf.add(tr(3, 0, 2)), buf.add(tr(3, 1, 2))
+    assert buf.get_groups(1, 2) is None
+    buf.close_group(0, 0)  # rejected whole
+    assert buf.abandon_group(1)  # its generator died: re-issued under a new id
+    buf.note_dispatched([4])
+    assert buf.get_groups(1, 2) is None  # group 2 is still in flight
+    buf.add(tr(2, 0, 0)), buf.add(tr(2, 1, 0))  # too old at version 2: evicted, not waited for
+    assert _served(buf.get_groups(1, 2)) == [3]
+    assert buf.dropped_groups == {"stale": 1, "rejected": 1, "abandoned": 1}
+    assert buf.get_groups(1, 2) is None  # the re-issued group 4 is in flight
+
+
+def test_dispatch_order_wakes_a_waiting_learner_when_the_frontier_group_ends():
+    buf = ReplayBuffer(group_size=1, max_staleness=0, serve_order="dispatch")
+    buf.note_dispatched([0, 1])
+    buf.add(tr(1, 0))
+    threading.Timer(0.1, buf.close_group, args=(0, 0)).start()  # group 0 is rejected meanwhile
+    t0 = time.monotonic()
+    assert _served(buf.get_groups(1, 0, timeout_s=5.0)) == [1]
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_dispatch_order_serves_reused_groups_after_fresh_ones_and_unannounced_groups_by_id():
+    buf = ReplayBuffer(group_size=1, max_staleness=1, max_reuse=2, serve_order="dispatch")
+    for g in (2, 0, 1):  # nothing announced: served by id
+        buf.add(tr(g, 0))
+    assert _served(buf.get_groups(2, 0)) == [0, 1]
+    assert _served(buf.get_groups(3, 0)) == [2, 0, 1]
+
+
+def _simulate_long_tail(serve_order: str, seed: int, ticks: int = 3000) -> dict[str, float]:
+    """A discrete-time async run: admission starts groups (``B = 4``, ``η = 1``) at the learner's
+    version, each group completes ``length`` ticks after it starts (a long-tailed length, as
+    worked answers have), and the learner takes ``B`` groups whenever it can, training 3 ticks."""
+    rng = random.Random(seed)
+    B, eta, train_ticks = 4, 1, 3
+    admission = AdmissionController(B, eta)
+    buf = ReplayBuffer(group_size=1, max_staleness=eta, serve_order=serve_order)
+    lengths, started, version, busy_until = {}, 0, 0, 0
+    finishing: dict[int, list[Trajectory]] = {}
+    trained: list[int] = []
+    for t in range(ticks):
+        for traj in finishing.pop(t, []):
+            buf.add(traj)
+        while admission.can_start(started, version, sum(buf.dropped_groups.values())):
+            g, started = started, started + 1
+            lengths[g] = 1 if rng.random() < 0.8 else 12
+            buf.note_dispatched([g])
+            finishing.setdefault(t + lengths[g], []).append(tr(g, 0, version, num_tokens=lengths[g]))
+        if t >= busy_until and (groups := buf.get_groups(B, version)) is not None:
+            trained += _served(groups)
+            version += 1
+            busy_until = t + train_ticks
+    long_share = lambda gs: sum(lengths[g] > 1 for g in gs) / len(gs)  # noqa: E731
+    return {"evicted": buf.dropped_groups["stale"], "steps": version, "trained": trained,
+            "long_trained": long_share(trained), "long_started": long_share(list(lengths))}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_serving_by_completion_evicts_the_long_groups_and_dispatch_order_none(seed):
+    by_completion = _simulate_long_tail("completion", seed)
+    in_order = _simulate_long_tail("dispatch", seed)
+    # By completion the learner runs ahead on the short groups; the long ones come back past
+    # max_staleness and are evicted, so it trains on fewer long answers than it started.
+    assert by_completion["evicted"] > 0
+    assert by_completion["long_trained"] < by_completion["long_started"] - 0.05
+    # In dispatch order every group is trained, in the order it started, none evicted.
+    assert in_order["evicted"] == 0
+    assert in_order["trained"] == list(range(len(in_order["trained"])))
+    assert in_order["steps"] > 100
+
+
+def test_an_unknown_serve_order_is_refused():
+    with pytest.raises(ValueError, match="serve_order must be one of"):
+        ReplayBuffer(group_size=1, max_staleness=0, serve_order="lifo")

@@ -310,7 +310,7 @@ class EndpointLoop(EpisodeCounters):
                 session = endpoint.open_session(mix_seed(base, j), self.cfg.max_turns, self.cfg.max_response_tokens,
                                                 self.max_prompt_tokens, params)
                 sessions.append((i, j, task, session))
-        self._counts["env/episodes"] += len(sessions)
+        self._count("env/episodes", len(sessions))
         loop = self._event_loop()
         done: set[int] = set()
 
@@ -335,7 +335,7 @@ class EndpointLoop(EpisodeCounters):
                 future.cancel()
                 self._retire()  # closed once the function lets its loop run again
                 break
-        self._counts["endpoint/engine_batches"] += endpoint.driver.batches - self._batches_seen
+        self._count("endpoint/engine_batches", endpoint.driver.batches - self._batches_seen)
         self._batches_seen = endpoint.driver.batches
         for k, (i, j, _, session) in enumerate(sessions):
             if k not in done:
@@ -396,13 +396,13 @@ class EndpointLoop(EpisodeCounters):
         reason = (reason or session.fault or ("disconnected" if session.open_streams else None)
                   or (None if node is not None else "no_calls"))
         for key, value in session.counts.items():
-            self._counts[f"endpoint/{key}"] += value
-        self._counts["endpoint/calls"] += len(session.nodes)
+            self._count(f"endpoint/{key}", value)
+        self._count("endpoint/calls", len(session.nodes))
         if reason is not None:
-            self._counts[f"env/rejected_{reason}"] += 1
+            self._count(f"env/rejected_{reason}", 1)
             return Episode(list(node.ids[: node.prompt_len]) if node else [], [], session.seed, finish_reason="stop",
                            rejected=reason)
-        self._counts["endpoint/untrained_choices"] += session.untrained_calls()
+        self._count("endpoint/untrained_choices", session.untrained_calls())
         finish = session.refused or ("stop" if node.ended_turn else "length")
         return Episode(
             prompt_ids=list(node.ids[: node.prompt_len]), messages=list(node.messages or []), seed=session.seed,

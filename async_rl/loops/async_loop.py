@@ -135,7 +135,8 @@ class AsyncLoop:
         self.receiver, sender_factory = make_transport(
             "zmq", t_cfg.zmq_address or f"tcp://{self.cluster.bind_host}:*", t_cfg.zmq_hwm)
         warn_if_exposed(t_cfg.zmq_address, self.receiver.address, self.cluster.bind_host)
-        self.buffer = ReplayBuffer(group_size=self.n, max_staleness=t_cfg.max_staleness, max_reuse=t_cfg.max_reuse)
+        self.buffer = ReplayBuffer(group_size=self.n, max_staleness=t_cfg.max_staleness, max_reuse=t_cfg.max_reuse,
+                                   serve_order=t_cfg.serve_order)
         self.bound = buffer_bound(cfg)
         # On the trainer's node: a generator node that goes down does not take the queue with it.
         self.broker = ray.remote(num_cpus=0, max_concurrency=2 * g_cfg.num_workers + 8)(RequestBroker).options(
@@ -148,7 +149,7 @@ class AsyncLoop:
         self._rewards_checked = False
         self.dispatch = Dispatcher(
             AdmissionController(self.groups_per_version, t_cfg.max_staleness),
-            feed=lambda batch: ray.get(self.broker.put_many.remote(batch)),
+            feed=self._feed,
             forget=lambda ids: self.broker.forget.remote(ids),
             next_prompt=lambda: ctx.train_ds.next_batch(1)[0], group_size=self.n, seed=t_cfg.seed,
             published_version=lambda: self.pool.published_version,
@@ -225,6 +226,12 @@ class AsyncLoop:
                 logger.exception("async pipeline thread %s failed", threading.current_thread().name)
                 self._errors.append(e)
         return run
+
+    def _feed(self, batch: list[GroupRequest]) -> None:
+        """Hand dispatched requests to the broker, announced to the buffer first (its dispatch
+        serve order waits for each of them: ``trainer.serve_order``)."""
+        self.buffer.note_dispatched([r.group_id for r in batch])
+        ray.get(self.broker.put_many.remote(batch))
 
     def _check_health(self) -> None:
         if self._errors:

@@ -103,6 +103,14 @@ class TrainerConfig:
     mode. Async with 0 (and versions per step) reproduces sync mode."""
     max_reuse: int = 1
     """Async: times one group may be trained on (>= 1); 1 = never reused."""
+    serve_order: str = "dispatch"
+    """Async: which complete groups a step trains on. ``dispatch``: the oldest dispatched, none
+    passed over while an older one is still being sampled, so a step trains on the groups
+    admitted for it, as sync mode would, and a group is never overtaken (and then evicted as too
+    stale) because its answers are long. ``completion``: the first to complete, whatever their
+    age; on a long-tailed task the long groups then finish last, are reached past
+    ``max_staleness`` and dropped, biasing training towards short answers
+    (``buffers.replay.ReplayBuffer``)."""
     policy_version_per: str | None = None
     """Async: what one policy version is. ``step``: the learner trains on the step's
     ``prompts_per_step`` groups (``learner.num_mini_batches`` optimizer steps), then publishes its
@@ -197,6 +205,8 @@ class TrainerConfig:
         # instantiates this class for its schema, and a value filled in then would outlive mode=async.
         if (self.max_staleness is not None and self.max_staleness < 0) or self.eval_every_steps < 0:
             raise ValueError("trainer.max_staleness and trainer.eval_every_steps must be >= 0")
+        if self.serve_order not in ("dispatch", "completion"):
+            raise ValueError(f"trainer.serve_order must be dispatch or completion, got {self.serve_order!r}")
         if self.eval_samples < 0:
             raise ValueError(f"trainer.eval_samples must be >= 0, got {self.eval_samples}")
         if self.eval_temperature is not None and not self.eval_temperature > 0:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -287,30 +288,49 @@ class Episode(Conversation):
 class EpisodeCounters:
     """The counters of a loop that runs episodes (``EpisodeLoop``, ``async_rl.endpoint.EndpointLoop``):
     ``_counts`` holds them since the start; ``pop_metrics`` gives what moved since its last call,
-    and a ``counted_apart`` block (evaluation between two training steps) stays out of it."""
+    and a ``counted_apart`` block (evaluation between two training steps) stays out of it.
+
+    Thread-safe: counts move through ``_count`` under a lock and every read copies under it. A
+    generator actor reads them on its control thread (``get_stats``) while its rollout thread and
+    the environments' event loop add to them: iterating the dict while another thread adds a key
+    raises ``RuntimeError: dictionary changed size during iteration``, and two unlocked ``+=``
+    on one key may lose one."""
 
     def __init__(self) -> None:
         self._counts: Counter[str] = Counter()
         self._popped: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+
+    def _count(self, key: str, n: int = 1) -> int:
+        """Add ``n`` to counter ``key``; returns its new value."""
+        with self._counts_lock:
+            self._counts[key] += n
+            return self._counts[key]
+
+    def _snapshot(self) -> Counter[str]:
+        with self._counts_lock:
+            return Counter(self._counts)
 
     def pop_metrics(self) -> dict[str, float]:
         """Counters since the last call, those that moved."""
-        out = {k: float(v - self._popped[k]) for k, v in self._counts.items() if v > self._popped[k]}
-        self._popped = Counter(self._counts)
+        now = self._snapshot()
+        out = {k: float(v - self._popped[k]) for k, v in now.items() if v > self._popped[k]}
+        self._popped = now
         return out
 
     @contextlib.contextmanager
     def counted_apart(self):
         """A block whose episodes stay out of ``pop_metrics``; yields a dict that holds the block's
-        own counters on exit."""
-        before = Counter(self._counts)
+        own counters on exit (the caller runs no other episodes meanwhile)."""
+        before = self._snapshot()
         own: dict[str, float] = {}
         try:
             yield own
         finally:
-            own.update({k: float(v - before[k]) for k, v in self._counts.items() if v > before[k]})
-            self._popped.update({k: v - before[k] for k, v in self._counts.items() if v > before[k]})
+            now = self._snapshot()
+            own.update({k: float(v - before[k]) for k, v in now.items() if v > before[k]})
+            self._popped.update({k: v - before[k] for k, v in now.items() if v > before[k]})
 
     def counts(self) -> dict[str, float]:
         """Counters since the start (cumulative; a generator pool reports deltas of these)."""
-        return {k: float(v) for k, v in self._counts.items() if v}
+        return {k: float(v) for k, v in self._snapshot().items() if v}

@@ -206,8 +206,7 @@ class EpisodeLoop(EpisodeCounters):
                   "malformed" if isinstance(error, MalformedEnvStepError) else "error")
         c.rejected = reason
         c.finish_reason = "stop"
-        self._counts[f"env/rejected_{reason}"] += 1
-        if self._counts[f"env/rejected_{reason}"] == 1:  # the first of each reason, then counted only
+        if self._count(f"env/rejected_{reason}") == 1:  # the first of each reason, then counted only
             logger.warning("environment %s: episode rejected (%s): %s: %s", self.cfg.name, reason,
                            type(error).__name__, error)
 
@@ -241,7 +240,7 @@ class EpisodeLoop(EpisodeCounters):
             tasks.append(Task(r.prompt_uid, [dict(m) for m in r.messages], r.data_source, r.ground_truth,
                               dict(r.extra_info)))
             rows.append([self._new_episode(r, seeds, i, j) for j in range(n)])
-        self._counts["env/episodes"] += n * len(requests)
+        self._count("env/episodes", n * len(requests))
         starting = [(i, j) for i in range(len(requests)) for j in range(n)]
         while starting:
             # Resets first (all at once), then one turn of every live episode per engine batch. An
@@ -297,7 +296,7 @@ class EpisodeLoop(EpisodeCounters):
                 return
             if len(c.prompt_ids) > self.max_prompt_tokens:
                 c.rejected, c.finish_reason = "prompt_too_long", "stop"
-                self._counts["env/rejected_prompt_too_long"] += 1
+                self._count("env/rejected_prompt_too_long", 1)
 
     def _place_row_images(self, c: Episode, request) -> bool:
         """A first observation of the environment's own (re-rendered ``c.prompt_ids``) shows the
@@ -390,7 +389,7 @@ class EpisodeLoop(EpisodeCounters):
         if inputs is not None:
             c.observation_images.append(inputs)
             c.images = concat_images([c.images, inputs])
-            self._counts["env/observation_images"] += len(inputs.image_grid_thw)
+            self._count("env/observation_images", len(inputs.image_grid_thw))
         version = c.policy_version[-1] if c.policy_version else 0
         c.append(ids, [0.0] * len(ids), 0, [version] * len(ids))
         if len(ids) == room:  # within the budget, which it fills: nothing left to generate with
@@ -435,11 +434,11 @@ class EpisodeLoop(EpisodeCounters):
         c.num_tool_calls += calls
         c.num_tool_errors += errors
         if calls:
-            self._counts["tools/calls"] += calls
-            self._counts["tools/ok"] += calls - errors
+            self._count("tools/calls", calls)
+            self._count("tools/ok", calls - errors)
         for key, value in info.items():
             if key.startswith("error_") and value:
-                self._counts[f"tools/{key}"] += int(value)
+                self._count(f"tools/{key}", int(value))
 
     def _turn(self, generator, active: list[tuple[int, int]], budgets: list[int], params, turn_seeds,
               rows: list[list[Episode]], requests, seeds, on_sample) -> list[tuple[int, int]]:
@@ -516,12 +515,12 @@ class EpisodeLoop(EpisodeCounters):
         c = rows[i][j]
         closed = await self._timed(c.env.close(), late_is_timeout=False)
         if isinstance(closed, BaseException):
-            self._counts["env/close_errors"] += 1
+            self._count("env/close_errors", 1)
         c.env = None
         if c.handed_on:  # given up while its loop was blocked
             return
         if c.lost is not None and not c.restarted:
-            self._counts["env/reissued_episodes"] += 1
+            self._count("env/reissued_episodes", 1)
             logger.warning("environment %s: episode %d/%d starts over: %s", self.cfg.name, requests[i].group_id,
                            j, c.lost)
             rows[i][j] = self._new_episode(requests[i], seeds, i, j, restarted=True)
