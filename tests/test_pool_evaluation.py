@@ -189,8 +189,12 @@ def test_the_intake_routes_evaluation_messages_away_from_the_buffer():
 def test_async_run_evaluates_on_the_pool_while_training(tmp_path, ray_session):
     from async_rl.trainer import train
 
+    # Staleness 0: the actor has sampled a version's groups before the learner trains on them,
+    # so it is idle while the learner trains, every step, and that idle time is what an
+    # evaluation is sampled in. At staleness 1 admission keeps it busy on the next version's
+    # groups, and whether any evaluation finished in 8 steps depended on the machine's load.
     cfg = small_run_cfg(tmp_path, "pool_eval", "trainer.mode=async", "trainer.total_steps=8",
-                        "trainer.eval_every_steps=2", "trainer.eval_samples=2")
+                        "trainer.eval_every_steps=2", "trainer.eval_samples=2", "trainer.max_staleness=0")
     summary = train(cfg)
     lines = [json.loads(line) for line in (tmp_path / "pool_eval" / "metrics.jsonl").read_text().splitlines()]
     pooled = [r for r in lines if "eval/started_step" in r]
