@@ -205,7 +205,9 @@ class TrainerConfig:
         # instantiates this class for its schema, and a value filled in then would outlive mode=async.
         if (self.max_staleness is not None and self.max_staleness < 0) or self.eval_every_steps < 0:
             raise ValueError("trainer.max_staleness and trainer.eval_every_steps must be >= 0")
-        if self.serve_order not in ("dispatch", "completion"):
+        from async_rl.buffers.replay import SERVE_ORDERS
+
+        if self.serve_order not in SERVE_ORDERS:
             raise ValueError(f"trainer.serve_order must be dispatch or completion, got {self.serve_order!r}")
         if self.eval_samples < 0:
             raise ValueError(f"trainer.eval_samples must be >= 0, got {self.eval_samples}")
