@@ -149,9 +149,13 @@ def fmt(pair: tuple[float, float], digits: int = 3, scale: float = 1.0) -> str:
 def print_report(summary: dict, args) -> None:
     """The table of ``summarize``'s figures and the acceptance ratios of the contenders present."""
     c = summary["contenders"]
+    samples = "samples per prompt not recorded" if args.eval_samples is None else f"{args.eval_samples} samples per prompt"
     print(f"\n{args.config.name}: {args.steps} steps, evaluation every {args.eval_every}, seeds {args.seeds}, "
-          f"accuracy = {summary['metric']} ({args.eval_samples} samples per prompt)" if summary["metric"] == "sampled"
+          f"accuracy = {summary['metric']} ({samples})" if summary["metric"] == "sampled"
           else f"\n{args.config.name}: {args.steps} steps, evaluation every {args.eval_every}, greedy accuracy")
+    for name, extra in getattr(args, "contender_overrides", {}).items():
+        if extra:
+            print(f"{name} runs with {' '.join(extra)}")
     print(f"target: {summary['target']:.4f} (trailing mean of {TRAILING_EVALS} evaluations)")
     print(f"{'contender':9s} {'RL s':>15s} {'last quarter':>15s} {'final':>15s} {'s to target':>15s} "
           f"{'steps to target':>17s} {'reached':>8s}")
@@ -319,7 +323,16 @@ def child(args) -> None:
         run_ours(args.child, args.warm, args, run_dir, snaps)
     curve = evaluate_snapshots(args.warm, args, snaps)
     Path(args.result).write_text(json.dumps({"contender": args.child, "seed": args.seed, "rl_s": snaps.rl_s,
-                                             "curve": curve}))
+                                             "curve": curve, "settings": run_settings(args.child, args)}))
+
+
+def run_settings(contender: str, args) -> dict:
+    """What a run's figures depend on besides its contender and seed, saved with its result so
+    that ``--report`` prints the runs' own settings and refuses to average runs that differ."""
+    return {"config": args.config.name, "eval_every": args.eval_every, "eval_samples": args.eval_samples,
+            "overrides": list(args.override),
+            "contender_overrides": list(args.async_override) if contender == "async" else [],
+            "trl_defaults": bool(args.trl_defaults) if contender == "trl" else False}
 
 
 # ----------------------------------------------------------------------------------------- parent
@@ -429,7 +442,48 @@ def report(args) -> dict:
                          f"summarize runs of one length")
     args.steps = lengths.pop()
     args.seeds = max(len(results) for results in runs.values())
+    shared, args.contender_overrides = saved_settings(runs, args.out)
+    args.eval_every = shared.get("eval_every", runs_eval_every(runs))
+    args.eval_samples = shared.get("eval_samples")
+    if "config" in shared:
+        args.config = Path(shared["config"])
     return finish(runs, args, args.out)
+
+
+def runs_eval_every(runs: dict[str, list[dict]]) -> int:
+    """The evaluation interval (steps) of runs saved without their settings: their curves' spacing."""
+    curve = next(iter(runs.values()))[0]["curve"]
+    return curve[1]["step"] - curve[0]["step"] if len(curve) > 1 else curve[0]["step"]
+
+
+def contender_extra(settings: dict) -> list[str]:
+    """A run's settings of its contender alone (``run_settings``), as the command line gives them."""
+    return settings.get("contender_overrides", []) + (["--trl-defaults"] if settings.get("trl_defaults") else [])
+
+
+def saved_settings(runs: dict[str, list[dict]], out: Path) -> tuple[dict, dict[str, list[str]]]:
+    """The settings every run in ``runs`` shares (``run_settings``; runs saved before settings were
+    recorded count as agreeing), and each contender's own overrides.
+
+    Raises:
+        SystemExit: two runs differ in a setting their figures depend on.
+    """
+    shared: dict = {}
+    own: dict[str, list[str]] = {}
+    for name, results in runs.items():
+        for r in results:
+            settings = r.get("settings")
+            if settings is None:
+                continue
+            extra = contender_extra(settings)
+            if own.setdefault(name, extra) != extra:
+                raise SystemExit(f"--report: the {name} runs in {out} differ in their own settings "
+                                 f"({own[name]} against {extra} at seed {r['seed']}); summarize runs of one setting")
+            for key in ("config", "eval_every", "eval_samples", "overrides"):
+                if shared.setdefault(key, settings[key]) != settings[key]:
+                    raise SystemExit(f"--report: the runs in {out} differ in {key} ({shared[key]!r} against "
+                                     f"{settings[key]!r}: {name} seed {r['seed']}); summarize runs of one setting")
+    return shared, own
 
 
 def main(argv=None) -> dict:
@@ -468,6 +522,7 @@ def main(argv=None) -> dict:
             last = r["curve"][-1]
             print(f"  {name:5s} seed {seed}: RL {r['rl_s']:6.1f} s, final greedy {last['greedy']:.3f} sampled "
                   f"{last['sampled']:.3f} (child {r['child_wall_s']:.0f} s)", flush=True)
+    args.contender_overrides = {c: contender_extra(run_settings(c, args)) for c in contenders}
     return finish(runs, args, out)
 
 

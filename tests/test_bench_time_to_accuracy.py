@@ -106,6 +106,44 @@ def test_report_summarizes_the_runs_of_several_invocations(tmp_path, capsys):
         b.main(["--out", str(tmp_path / "empty"), "--report"])
 
 
+def test_report_prints_the_runs_own_settings_and_refuses_runs_that_differ(tmp_path, capsys):
+    b = _bench()
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    common = {"config": "longtail.yaml", "eval_every": 5, "eval_samples": 4, "overrides": []}
+
+    def save(name, seed, **changes):
+        own = {"contender_overrides": ["trainer.policy_version_per=step"] if name == "async" else [],
+               "trl_defaults": False}
+        (runs / f"{name}-seed{seed}.json").write_text(json.dumps(
+            {"contender": name, "seed": seed, "rl_s": 20.0, "curve": _curve([0.5, 0.6, 0.7], every=5),
+             "settings": {**common, **own, **changes}}))
+
+    save("sync", 0)
+    save("async", 0)
+    # The header is the runs' (evaluation every 5 steps, 4 samples, the long-tailed job), not
+    # the command line's defaults (10, 16, the default job).
+    b.main(["--out", str(tmp_path), "--report"])
+    out = capsys.readouterr().out
+    assert "longtail.yaml: 10 steps, evaluation every 5, seeds 1, accuracy = sampled (4 samples per prompt)" in out
+    assert "async runs with trainer.policy_version_per=step" in out
+    # A later invocation with 16 samples per prompt, or another async setting, is not averaged in.
+    save("sync", 1, eval_samples=16)
+    with pytest.raises(SystemExit, match="differ in eval_samples"):
+        b.main(["--out", str(tmp_path), "--report"])
+    save("sync", 1)
+    save("async", 1, contender_overrides=[])
+    with pytest.raises(SystemExit, match="async runs .* differ in their own settings"):
+        b.main(["--out", str(tmp_path), "--report"])
+    # Runs saved before settings were recorded: the interval from their curves, samples unknown.
+    for f in runs.iterdir():
+        r = json.loads(f.read_text())
+        del r["settings"]
+        f.write_text(json.dumps(r))
+    b.main(["--out", str(tmp_path), "--report"])
+    assert "evaluation every 5, seeds 2, accuracy = sampled (samples per prompt not recorded)" in capsys.readouterr().out
+
+
 def test_the_rl_clock_leaves_the_snapshot_copies_out():
     b = _bench()
     snaps = b.Snapshots()
